@@ -1,0 +1,41 @@
+# shardps: the README's two commands are `make run` and `make test`; both set up .venv first.
+PYTHON   ?= python3
+VENV     ?= .venv
+PY       := $(VENV)/bin/python
+PIP      := $(PY) -m pip
+SHARDPS  := $(VENV)/bin/shardps
+STAMP    := $(VENV)/.shardps-installed
+PYTEST_ARGS ?=
+
+.PHONY: run test setup protos bench bench-quick soak chaos wheelhouse images clean help
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
+
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q -c constraints.txt -e '.[worker,dev]'
+	@touch $@
+
+setup: $(STAMP)  ## create .venv and install shardps with the worker and dev extras
+
+run: $(STAMP)  ## a local cluster (2 servers, 2 workers) trains digits-cnn; prints the baseline beside it
+	$(SHARDPS) local --servers 2 --workers 2 --model digits-cnn --mode async --baseline
+
+test: $(STAMP)  ## every test: units, RPC, multi-process, chaos, Prometheus, Docker
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+protos: $(STAMP)  ## regenerate the committed gRPC code after editing protos/v1/*.proto
+	$(PY) protos/generate.py
+
+bench: $(STAMP)  ## the full benchmark (writes bench/results/latest.json)
+	$(SHARDPS) bench --full
+
+bench-quick: $(STAMP)  ## the benchmark in under 10 minutes
+	$(SHARDPS) bench
+
+soak: $(STAMP)  ## 60 s load test: 16 clients against 2 servers
+	$(PY) -m pytest tests/test_soak.py --soak-seconds 60 -s
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""shardps wire contract (package ``shardps.v1``): the .proto files and their generated code."""

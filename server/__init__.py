@@ -1,0 +1,1 @@
+"""Server nodes and the resource manager (no torch)."""

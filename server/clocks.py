@@ -1,0 +1,97 @@
+"""Worker clocks of one job on one server: the state behind SYNC (BSP) and BOUNDED (SSP).
+
+A worker's clock is its number of completed steps. During step ``t`` it pulls with clock
+``t``, then pushes its gradients for step ``t`` (reporting the step to every server, with an
+empty push where it has nothing to send); the server then counts ``t + 1`` completed steps.
+
+* BOUNDED(T): a pull with clock ``c`` waits while ``c - min(completed of live workers) > T``.
+* SYNC: step ``t`` is applied once every live worker completed it; a pull with clock ``c``
+  waits until ``c`` steps have been applied here.
+
+Membership follows the shard map's worker group: a worker that joins starts at the group's
+current step; one that leaves no longer holds anyone back. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from shardps.errors import DeadlineExceeded
+from shardps.tables import Consistency
+
+
+class JobClock:
+    def __init__(self, mode: Consistency = Consistency.ASYNC, staleness: int = 0,
+                 clock=time.monotonic):
+        self.mode = mode
+        self.staleness = staleness
+        self._now = clock
+        self.cond = threading.Condition()
+        self.completed: dict[str, int] = {}   # session -> completed steps
+        self.live: set[str] = set()
+        self.applied_steps = 0                # SYNC: steps applied on this server
+
+    def set_members(self, sessions: set[str], mode: Consistency, staleness: int) -> None:
+        with self.cond:
+            self.mode, self.staleness = mode, staleness
+            start = self._min_locked() if self.live else self.applied_steps
+            if mode is Consistency.SYNC:
+                start = max(start, self.applied_steps)
+            for s in sessions - self.live:
+                self.completed[s] = max(self.completed.get(s, 0), start)
+            for s in self.live - sessions:
+                self.completed.pop(s, None)
+            self.live = set(sessions)
+            self.cond.notify_all()
+
+    def report(self, session: str, clock: int) -> None:
+        """``session`` pushed step ``clock``: it has completed ``clock + 1`` steps."""
+        with self.cond:
+            if session in self.live:
+                if clock + 1 > self.completed.get(session, 0):
+                    self.completed[session] = clock + 1
+                    self.cond.notify_all()
+
+    def _min_locked(self) -> int:
+        return min((self.completed.get(s, 0) for s in self.live), default=self.applied_steps)
+
+    def min_completed(self) -> int:
+        with self.cond:
+            return self._min_locked()
+
+    def steps_to_apply(self) -> range:
+        """SYNC: steps every live worker completed that are not applied here yet."""
+        with self.cond:
+            if not self.live:
+                return range(self.applied_steps, self.applied_steps)
+            return range(self.applied_steps, self._min_locked())
+
+    def mark_applied(self, step: int) -> None:
+        with self.cond:
+            self.applied_steps = max(self.applied_steps, step + 1)
+            self.cond.notify_all()
+
+    def wait_for_pull(self, clock: int, deadline: float | None) -> int:
+        """Block until a pull at ``clock`` may proceed; returns the staleness at the pull
+        (``clock - min completed``). Raises DeadlineExceeded past ``deadline``."""
+        with self.cond:
+            while True:
+                low = self._min_locked()
+                if self.mode is Consistency.BOUNDED:
+                    ready = clock - low <= self.staleness
+                elif self.mode is Consistency.SYNC:
+                    ready = self.applied_steps >= clock
+                else:
+                    ready = True
+                if ready:
+                    return max(0, clock - low)
+                remaining = None if deadline is None else deadline - self._now()
+                if remaining is not None and remaining <= 0:
+                    what = (f"staleness {clock - low} > {self.staleness}"
+                            if self.mode is Consistency.BOUNDED
+                            else f"step {clock - 1} not applied yet ({self.applied_steps} applied)")
+                    raise DeadlineExceeded(
+                        f"pull at clock {clock} waited for the slowest worker (clock {low}) "
+                        f"until the deadline: {what}; is a worker stuck?")
+                self.cond.wait(timeout=min(remaining, 1.0) if remaining is not None else 1.0)

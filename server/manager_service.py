@@ -1,0 +1,425 @@
+"""The resource manager process: ``ManagerRuntime`` executes what ``ManagerState`` decides
+(persist, install maps on servers, copy blocks, watch leases) and ``ResourceManagerService``
+is the thin gRPC layer in front of it.
+
+Publication order: every change is persisted, then installed on every live server
+(InstallShardMap, in parallel, in epoch order), and only then visible to clients
+(GetShardMap / WatchShardMap). A server that misses an install catches up from its next
+heartbeat.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from shardps.convert import config_from_proto, config_to_proto, consistency_from_proto, spec_from_proto
+from shardps.errors import NotFound
+from shardps.metrics import ManagerMetrics
+from shardps.protos.v1 import common_pb2 as pb
+from shardps.protos.v1 import manager_pb2 as mg
+from shardps.protos.v1 import parameter_server_pb2 as ps
+from shardps.rpc.status import Method, bind, from_rpc_error, proto_method
+from shardps.server.manager_state import ManagerSettings, ManagerState, Move, ServerState
+from shardps.server.node_service import StubPool
+
+log = logging.getLogger("shardps.manager")
+SERVICE = "shardps.v1.ResourceManager"
+
+
+@dataclass(frozen=True)
+class RuntimeSettings:
+    state_path: str = ""                 # empty: state lives in memory only
+    install_timeout: float = 3.0
+    reconcile_interval: float = 0.2
+    copy_timeout: float = 60.0
+
+
+class ManagerRuntime:
+    """Owns the state, its lock and every side effect. Thread-safe."""
+
+    def __init__(self, settings: ManagerSettings = ManagerSettings(),
+                 runtime: RuntimeSettings = RuntimeSettings(), metrics: ManagerMetrics | None = None,
+                 pool: StubPool | None = None, clock=time.monotonic):
+        self.settings = settings
+        self.runtime = runtime
+        self.metrics = metrics or ManagerMetrics()
+        self.pool = pool or StubPool()
+        self.now = clock
+        self.lock = threading.RLock()
+        path = Path(runtime.state_path) if runtime.state_path else None
+        if path is not None and path.exists():
+            self.state = ManagerState.load(path, settings, self.now())
+            log.info("manager state loaded from %s: epoch %d, %d servers, %d tables, %d jobs",
+                     path, self.state.epoch, len(self.state.servers), len(self.state.tables),
+                     len(self.state.jobs))
+        else:
+            self.state = ManagerState(settings)
+        self._path = path
+        self._publish_lock = threading.Lock()
+        self._published = self.state.shard_map()
+        self._published_cond = threading.Condition()
+        self._executor = futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="install")
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._planned_epoch = -1
+        self.last_recovery: dict = {}
+        self._update_metrics()
+
+    # ------------------------------------------------------------------ change + publish
+    def change(self, fn, *args, **kwargs):
+        """Run ``fn(state, *args)`` under the lock; if the epoch moved, persist and publish."""
+        with self.lock:
+            before = self.state.epoch
+            result = fn(self.state, *args, **kwargs)
+            changed = self.state.epoch != before
+            msg = self.state.shard_map() if changed else None
+            if changed and self._path is not None:
+                self.state.save(self._path)
+        if changed:
+            self.publish(msg)
+        return result
+
+    def publish(self, msg: pb.ShardMap) -> None:
+        """Install ``msg`` on every live server, then show it to clients."""
+        with self._publish_lock:
+            if msg.epoch <= self._published.epoch:
+                return
+            started = self.now()
+            targets = [s for s in msg.servers if s.state != pb.DEAD]
+            request = ps.InstallShardMapRequest(map=msg)
+            jobs = {self._executor.submit(self._install, s.address, request): s.name for s in targets}
+            for fut in futures.as_completed(jobs):
+                err = fut.exception()
+                if err is not None:
+                    log.warning("epoch %d not installed on %s yet (%s); it catches up from its "
+                                "next heartbeat", msg.epoch, jobs[fut], err)
+            self.metrics.install_seconds.observe(self.now() - started)
+            with self._published_cond:
+                self._published = msg
+                self._published_cond.notify_all()
+        self._update_metrics()
+
+    def _install(self, address: str, request) -> None:
+        try:
+            self.pool.get(address).InstallShardMap(request, timeout=self.runtime.install_timeout,
+                                                   metadata=self.pool.metadata)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err, f"install on {address}") from None
+
+    @property
+    def published(self) -> pb.ShardMap:
+        return self._published
+
+    def wait_published(self, min_epoch: int, timeout: float | None) -> pb.ShardMap:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._published_cond:
+            while self._published.epoch < min_epoch:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    break
+                self._published_cond.wait(timeout=remaining if remaining is not None else 1.0)
+            return self._published
+
+    # ------------------------------------------------------------------ background work
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="reconcile", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._published_cond:
+            self._published_cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.pool.close()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.runtime.reconcile_interval):
+            try:
+                self.tick()
+            except Exception:
+                log.exception("reconcile tick failed; retrying")
+
+    def tick(self) -> None:
+        """One round: expire leases, move blocks toward the planned placement, retire drained."""
+        now = self.now()
+        changed = self.change(lambda s: s.expire(now))
+        if not changed:
+            self._update_metrics()
+        if any(c.startswith("server:") for c in changed):
+            self.metrics.failovers.inc(sum(1 for c in changed if c.startswith("server:")))
+            self.last_recovery = {"declared_dead_at": now, "what": changed}
+        with self.lock:
+            if self.state.epoch == self._planned_epoch:
+                return
+            moves = self.state.plan_moves(self.settings.move_batch_blocks)
+            if not moves:
+                self._planned_epoch = self.state.epoch
+        if moves:
+            done = self._execute(moves)
+            if done:
+                n = self.change(lambda s: s.commit_moves(done, self.now()))
+                self.metrics.moves.inc(n)
+        self.change(lambda s: s.retire_drained())
+
+    def _execute(self, moves: list[Move]) -> list[Move]:
+        """Copy blocks (grouped by source and destination); returns the moves whose copies
+        all succeeded."""
+        with self.lock:
+            epoch = self.state.epoch
+            address = {n: s.address for n, s in self.state.servers.items()}
+        groups: dict[tuple[str, str], list[Move]] = {}
+        for m in moves:
+            for dst in m.add:
+                groups.setdefault((m.source, dst), []).append(m)
+        failed: set[Move] = set()
+
+        def copy(source: str, dst: str, items: list[Move]) -> None:
+            request = ps.CopyBlocksRequest(epoch=epoch, destination=dst)
+            for m in items:
+                request.blocks.add(job=m.job, table=m.table, block=m.block)
+            try:
+                self.pool.get(address[source]).CopyBlocks(request, timeout=self.runtime.copy_timeout,
+                                                          metadata=self.pool.metadata)
+            except grpc.RpcError as err:
+                log.warning("copying %d blocks %s -> %s failed: %s", len(items), source, dst,
+                            from_rpc_error(err, "CopyBlocks").message)
+                failed.update(items)
+
+        jobs = [self._executor.submit(copy, src, dst, items) for (src, dst), items in groups.items()]
+        futures.wait(jobs)
+        done = [m for m in moves if m not in failed]
+        if done:
+            log.info("copied %d blocks to their new replicas", len(done))
+        return done
+
+    # ------------------------------------------------------------------ metrics
+    def _update_metrics(self) -> None:
+        with self.lock:
+            st = self.state
+            now = self.now()
+            m = self.metrics
+            m.epoch.set(st.epoch)
+            counts = {s: 0 for s in ServerState}
+            for rec in st.servers.values():
+                counts[rec.state] += 1
+            for state, n in counts.items():
+                m.servers.labels(state.name).set(n)
+            primaries: dict[str, int] = {}
+            replicas: dict[str, int] = {}
+            nblocks = 0
+            for t in st.tables.values():
+                for b in t.blocks:
+                    nblocks += 1
+                    for i, n in enumerate(b.replicas):
+                        (primaries if i == 0 else replicas)[n] = (primaries if i == 0 else replicas).get(n, 0) + 1
+            for rec in st.servers.values():
+                m.server_up.labels(rec.name).set(1 if rec.live else 0)
+                m.heartbeat_age.labels(rec.name).set(max(0.0, now - rec.last_heartbeat))
+                m.server_blocks.labels(rec.name, "primary").set(primaries.get(rec.name, 0))
+                m.server_blocks.labels(rec.name, "backup").set(replicas.get(rec.name, 0))
+                m.server_bytes.labels(rec.name).set(rec.bytes)
+            m.blocks.set(nblocks)
+            m.under_replicated.set(st.under_replicated())
+            for job in st.jobs.values():
+                m.workers.labels(job.name).set(len(job.members))
+
+    def refresh_metrics(self) -> None:
+        self._update_metrics()
+
+
+class ResourceManagerService:
+    """gRPC methods of the resource manager over a ManagerRuntime."""
+
+    def __init__(self, runtime: ManagerRuntime):
+        self.rt = runtime
+
+    def methods(self) -> dict[str, Method]:
+        u = "unary_unary"
+        return {
+            "RegisterServer": proto_method(u, self.register_server, mg.RegisterServerRequest),
+            "ServerHeartbeat": proto_method(u, self.server_heartbeat, mg.ServerHeartbeatRequest),
+            "DrainServer": proto_method(u, self.drain_server, mg.DrainServerRequest),
+            "CreateJob": proto_method(u, self.create_job, mg.CreateJobRequest),
+            "EndJob": proto_method(u, self.end_job, mg.EndJobRequest),
+            "CreateTable": proto_method(u, self.create_table, mg.CreateTableRequest),
+            "DescribeTable": proto_method(u, self.describe_table, mg.DescribeTableRequest),
+            "ListTables": proto_method(u, self.list_tables, mg.ListTablesRequest),
+            "UpdateTableConfig": proto_method(u, self.update_table_config, mg.UpdateTableConfigRequest),
+            "DeleteTable": proto_method(u, self.delete_table, mg.DeleteTableRequest),
+            "GetShardMap": proto_method(u, self.get_shard_map, mg.GetShardMapRequest),
+            "WatchShardMap": proto_method("unary_stream", self.watch_shard_map, mg.WatchShardMapRequest),
+            "JoinWorkerGroup": proto_method(u, self.join_worker_group, mg.JoinWorkerGroupRequest),
+            "LeaveWorkerGroup": proto_method(u, self.leave_worker_group, mg.LeaveWorkerGroupRequest),
+            "WorkerHeartbeat": proto_method(u, self.worker_heartbeat, mg.WorkerHeartbeatRequest),
+            "GetClusterStatus": proto_method(u, self.get_cluster_status, mg.GetClusterStatusRequest),
+        }
+
+    def handler(self, metrics=None, authenticate=None) -> grpc.GenericRpcHandler:
+        return bind(SERVICE, self.methods(), metrics, authenticate)
+
+    # --- servers ---
+    def register_server(self, req, call) -> mg.RegisterServerResponse:
+        now = self.rt.now()
+        rec = self.rt.change(lambda s: s.register_server(req.name, req.address, req.metrics_address,
+                                                         req.boot_id, now))
+        s = self.rt.settings
+        return mg.RegisterServerResponse(incarnation=rec.incarnation, lease_seconds=s.server_lease_seconds,
+                                         heartbeat_seconds=s.server_heartbeat_seconds,
+                                         map=self.rt.published)
+
+    def server_heartbeat(self, req, call) -> mg.ServerHeartbeatResponse:
+        stats = {"primary_blocks": req.primary_blocks, "replica_blocks": req.replica_blocks,
+                 "bytes": req.bytes}
+        now = self.rt.now()
+        self.rt.change(lambda s: s.server_heartbeat(req.name, req.incarnation, req.epoch, stats, now))
+        with self.rt.lock:
+            retired = self.rt.state.servers[req.name].retired
+        return mg.ServerHeartbeatResponse(epoch=self.rt.published.epoch, retired=retired)
+
+    def drain_server(self, req, call) -> mg.DrainServerResponse:
+        n = self.rt.change(lambda s: s.drain_server(req.name))
+        return mg.DrainServerResponse(epoch=self.rt.published.epoch, blocks_to_move=n)
+
+    # --- jobs and tables ---
+    def create_job(self, req, call) -> mg.CreateJobResponse:
+        mode, staleness = consistency_from_proto(req.consistency)
+        job, created = self.rt.change(lambda s: s.create_job(req.job, mode, staleness,
+                                                             req.quota.max_bytes))
+        return mg.CreateJobResponse(created=created, token=self.issue_token(job))
+
+    def issue_token(self, job) -> str:
+        return ""          # tokens are issued when security is on (see shardps.server.auth)
+
+    def end_job(self, req, call) -> mg.EndJobResponse:
+        dropped = self.rt.change(lambda s: s.end_job(req.job))
+        if dropped:
+            log.info("job %s ended: %d tables deleted", req.job, len(dropped))
+        return mg.EndJobResponse(epoch=self.rt.published.epoch)
+
+    def create_table(self, req, call) -> mg.CreateTableResponse:
+        spec = spec_from_proto(req.spec)
+        config = config_from_proto(req.config)
+        rec, created = self.rt.change(lambda s: s.create_table(req.job, spec, config))
+        return mg.CreateTableResponse(table=self._placement(req.job, spec.name), created=created,
+                                      epoch=self.rt.published.epoch)
+
+    def _placement(self, job: str, name: str) -> pb.TablePlacement:
+        with self.rt.lock:
+            self.rt.state.table(job, name)
+        for t in self.rt.published.tables:
+            if t.job == job and t.spec.name == name:
+                return t
+        raise NotFound(f"table {name!r} of job {job!r} is not published yet: retry")
+
+    def describe_table(self, req, call) -> pb.TablePlacement:
+        return self._placement(req.job, req.table)
+
+    def list_tables(self, req, call) -> mg.ListTablesResponse:
+        with self.rt.lock:
+            self.rt.state.job(req.job)
+        return mg.ListTablesResponse(tables=[t for t in self.rt.published.tables if t.job == req.job])
+
+    def update_table_config(self, req, call) -> pb.TableConfig:
+        config = config_from_proto(req.config)
+        new = self.rt.change(lambda s: s.update_table_config(req.job, req.table, config,
+                                                             req.expected_version))
+        return config_to_proto(new)
+
+    def delete_table(self, req, call) -> mg.DeleteTableResponse:
+        self.rt.change(lambda s: s.delete_table(req.job, req.table))
+        return mg.DeleteTableResponse(epoch=self.rt.published.epoch)
+
+    # --- shard map ---
+    def get_shard_map(self, req, call) -> pb.ShardMap:
+        if req.min_epoch:
+            timeout = None if call.deadline is None else max(0.0, call.deadline - time.monotonic())
+            return self.rt.wait_published(req.min_epoch, timeout)
+        return self.rt.published
+
+    def watch_shard_map(self, req, call):
+        last = req.after_epoch
+        while call.context.is_active() and not self.rt._stop.is_set():
+            msg = self.rt.wait_published(last + 1, timeout=1.0)
+            if msg.epoch > last:
+                last = msg.epoch
+                yield msg
+
+    # --- worker groups ---
+    def join_worker_group(self, req, call) -> mg.JoinWorkerGroupResponse:
+        consistency, staleness = (consistency_from_proto(req.consistency)
+                                  if req.consistency.mode else (None, 0))
+        now = self.rt.now()
+        member = self.rt.change(lambda s: s.join(req.job, req.name, req.rank_hint,
+                                                 req.previous_session, consistency, staleness, now))
+        msg = self.rt.published
+        group = next((g for g in msg.groups if g.job == req.job), pb.WorkerGroup(job=req.job))
+        with self.rt.lock:
+            job = self.rt.state.job(req.job)
+            restored = bool(job.restored_path)
+        s = self.rt.settings
+        return mg.JoinWorkerGroupResponse(
+            rank=member.rank, session=member.session, incarnation=member.incarnation, group=group,
+            epoch=msg.epoch, lease_seconds=s.worker_lease_seconds,
+            heartbeat_seconds=s.worker_heartbeat_seconds, restored=restored)
+
+    def leave_worker_group(self, req, call) -> mg.LeaveWorkerGroupResponse:
+        version = self.rt.change(lambda s: s.leave(req.job, req.session))
+        return mg.LeaveWorkerGroupResponse(membership_version=version)
+
+    def worker_heartbeat(self, req, call) -> mg.WorkerHeartbeatResponse:
+        now = self.rt.now()
+        with self.rt.lock:
+            job, member = self.rt.state.worker_heartbeat(req.job, req.session, req.incarnation,
+                                                         req.step, req.samples_per_second,
+                                                         req.loss, now)
+            return mg.WorkerHeartbeatResponse(membership_version=job.membership_version,
+                                              world_size=len(job.members), rank=member.rank,
+                                              epoch=self.rt.published.epoch)
+
+    # --- status ---
+    def get_cluster_status(self, req, call) -> mg.ClusterStatus:
+        return cluster_status(self.rt)
+
+
+def cluster_status(rt: ManagerRuntime) -> mg.ClusterStatus:
+    with rt.lock:
+        st = rt.state
+        now = rt.now()
+        msg = mg.ClusterStatus(epoch=rt.published.epoch, replication=st.settings.replication,
+                               under_replicated_blocks=st.under_replicated())
+        primaries: dict[str, int] = {}
+        replicas: dict[str, int] = {}
+        for t in st.tables.values():
+            for b in t.blocks:
+                msg.blocks += 1
+                for i, n in enumerate(b.replicas):
+                    d = primaries if i == 0 else replicas
+                    d[n] = d.get(n, 0) + 1
+        for name in sorted(st.servers):
+            rec = st.servers[name]
+            msg.servers.add(
+                server=pb.ServerInfo(name=rec.name, address=rec.address, incarnation=rec.incarnation,
+                                     state=rec.state.value, metrics_address=rec.metrics_address),
+                primary_blocks=primaries.get(name, 0), replica_blocks=replicas.get(name, 0),
+                bytes=rec.bytes, heartbeat_age_seconds=max(0.0, now - rec.last_heartbeat))
+        for name in sorted(st.jobs):
+            job = st.jobs[name]
+            g = msg.groups.add(job=name, tables=sum(1 for (j, _) in st.tables if j == name))
+            g.consistency.mode = job.consistency.value
+            g.consistency.staleness = job.staleness
+            for m in sorted(job.members.values(), key=lambda m: m.rank):
+                g.workers.add(member=pb.WorkerMember(rank=m.rank, session=m.session,
+                                                     incarnation=m.incarnation, name=m.name),
+                              step=m.step, samples_per_second=m.samples_per_second, loss=m.loss,
+                              heartbeat_age_seconds=max(0.0, now - m.last_heartbeat))
+        return msg
+

@@ -1,0 +1,347 @@
+"""The ParameterServer gRPC service: a thin layer that decodes chunks, calls ``ServerNode`` and
+encodes the answer; and ``GrpcPeers``, the node's calls to other nodes.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import numpy as np
+
+from shardps.errors import InvalidArgument, ResourceExhausted, ShardpsError, Unavailable
+from shardps.protos.v1 import common_pb2 as pb
+from shardps.protos.v1 import parameter_server_pb2 as ps
+from shardps.rpc import channels
+from shardps.rpc.codec import CHUNK_BYTES, assemble, decode_chunk, encode_chunk, split_payload
+from shardps.rpc.status import Method, bind, from_rpc_error, proto_method
+from shardps.server.node import BlockSnapshot, ServerNode
+
+SERVICE = "shardps.v1.ParameterServer"
+_IDENTITY = bytes
+
+
+def _np_dtype(code: int) -> str:
+    return {pb.FLOAT32: "<f4", pb.INT64: "<i8", pb.FLOAT64: "<f8"}[code]
+
+
+def collect_chunks(first, rest, header_cls, limit: int, what: str):
+    """Header of the first chunk and the concatenated data of all chunks (size-checked)."""
+    header = first.parse_header(header_cls)
+    if header is None:
+        raise InvalidArgument(f"{what}: the first chunk must carry the header")
+    declared = int(getattr(header, "payload_bytes", 0))
+    if declared > limit:
+        raise ResourceExhausted(f"{what} declares {declared} bytes; the limit max_request_bytes "
+                                f"is {limit}: split the request")
+    pieces = [first.data] if len(first.data) else []
+    total = len(first.data)
+    for chunk in rest:
+        if chunk.header is not None:
+            raise InvalidArgument(f"{what}: only the first chunk may carry a header")
+        total += len(chunk.data)
+        if total > limit:
+            raise ResourceExhausted(f"{what} exceeds {limit} bytes (limit max_request_bytes): "
+                                    f"split the request")
+        pieces.append(chunk.data)
+    if declared and total != declared:
+        raise InvalidArgument(f"{what}: chunks carry {total} bytes but the header declares "
+                              f"{declared} (truncated stream?)")
+    payload = assemble(pieces, total) if pieces else memoryview(b"")
+    return header, payload
+
+
+def encode_snapshots(snapshots, epoch: int, chunk_bytes: int = CHUNK_BYTES):
+    """BlockChunk messages for ``snapshots``: each block starts with a header chunk."""
+    for snap in snapshots:
+        first = True
+        for piece in split_payload(snap.arrays, chunk_bytes):
+            if first:
+                msg = ps.BlockChunk(header=snap.header, epoch=epoch).SerializeToString()
+                yield msg + encode_chunk(None, piece)
+                first = False
+            else:
+                yield encode_chunk(None, piece)
+        if first:
+            yield ps.BlockChunk(header=snap.header, epoch=epoch).SerializeToString()
+
+
+def decode_snapshots(chunks) -> tuple[int, list[BlockSnapshot]]:
+    """Inverse of ``encode_snapshots``: (sender's epoch, snapshots)."""
+    snapshots: list[BlockSnapshot] = []
+    epoch = 0
+    current = None
+    pieces: list = []
+
+    def close():
+        if current is None:
+            return
+        data = assemble(pieces) if pieces else memoryview(b"")
+        arrays, pos = [], 0
+        for info in current.arrays:
+            dt = np.dtype(_np_dtype(info.dtype))
+            count = int(np.prod(info.shape)) if len(info.shape) else 1
+            n = count * dt.itemsize
+            if pos + n > len(data):
+                raise InvalidArgument(f"block {current.ref}: array {info.name!r} is truncated")
+            arrays.append(np.frombuffer(data[pos:pos + n], dtype=dt).reshape(tuple(info.shape)).copy())
+            pos += n
+        if pos != len(data):
+            raise InvalidArgument(f"block {current.ref}: {len(data) - pos} unexpected bytes")
+        snapshots.append(BlockSnapshot(current, arrays))
+
+    for chunk in chunks:
+        if chunk.header is not None:
+            close()
+            current = ps.BlockStateHeader.FromString(chunk.header)
+            pieces = []
+            epoch = max(epoch, int(chunk.extra.get(3, 0)))
+        elif current is None:
+            raise InvalidArgument("LoadBlocks: the first chunk must carry a block header")
+        if len(chunk.data):
+            pieces.append(chunk.data)
+    close()
+    return epoch, snapshots
+
+
+class ParameterServerService:
+    """gRPC methods of one node. ``authenticate`` is the credentials check (security issue)."""
+
+    def __init__(self, node: ServerNode):
+        self.node = node
+
+    def methods(self) -> dict[str, Method]:
+        return {
+            "Push": Method("stream_unary", self.push, decode_chunk, ps.PushAck.SerializeToString),
+            "Pull": Method("unary_stream", self.pull, ps.PullRequest.FromString, _IDENTITY),
+            "ProbeSharedMemory": proto_method("unary_unary", self.probe_shared_memory,
+                                              ps.ProbeSharedMemoryRequest),
+            "Replicate": Method("stream_unary", self.replicate, decode_chunk,
+                                ps.ReplicateAck.SerializeToString),
+            "InstallShardMap": proto_method("unary_unary", self.install_shard_map,
+                                            ps.InstallShardMapRequest),
+            "CopyBlocks": proto_method("unary_unary", self.copy_blocks, ps.CopyBlocksRequest),
+            "LoadBlocks": Method("stream_unary", self.load_blocks, decode_chunk,
+                                 ps.LoadBlocksResponse.SerializeToString),
+            "SnapshotBlocks": Method("unary_stream", self.snapshot_blocks,
+                                     ps.SnapshotBlocksRequest.FromString, _IDENTITY),
+            "HoldJob": proto_method("unary_unary", self.hold_job, ps.HoldJobRequest),
+            "DropTables": proto_method("unary_unary", self.drop_tables, ps.DropTablesRequest),
+            "GetNodeStatus": proto_method("unary_unary", self.get_node_status, ps.GetNodeStatusRequest),
+        }
+
+    def handler(self, metrics=None, authenticate=None) -> grpc.GenericRpcHandler:
+        return bind(SERVICE, self.methods(), metrics, authenticate)
+
+    # --- data path ---
+    def push(self, chunks, call) -> ps.PushAck:
+        it = iter(chunks)
+        first = next(it, None)
+        if first is None:
+            raise InvalidArgument("Push: empty stream; send a PushChunk with a header")
+        header, payload = collect_chunks(first, it, ps.PushHeader,
+                                         self.node.limits.max_request_bytes, "Push")
+        if header.shared_memory.name:
+            payload = self.read_shared_memory(header.shared_memory)
+        return self.node.push(header.header, header.kind, header.segments, payload, call.deadline)
+
+    def pull(self, request: ps.PullRequest, call):
+        header, arrays = self.node.pull(request.header, request.segments, request.data, call.deadline)
+        chunk = request.chunk_bytes or CHUNK_BYTES
+        if request.reply_shared_memory.name:
+            self.write_shared_memory(request.reply_shared_memory, arrays)
+            header.in_shared_memory = True
+            yield encode_chunk(header.SerializeToString(), None)
+            return
+        head = header.SerializeToString()
+        for piece in split_payload(arrays, chunk):
+            yield encode_chunk(head, piece)
+            head = None
+        if head is not None:
+            yield encode_chunk(head, None)
+
+    # --- shared-memory fast path (same host) ---
+    def probe_shared_memory(self, request, call) -> ps.ProbeSharedMemoryResponse:
+        try:
+            view = self._open_shared(request.ref)
+            ok = bytes(view[:len(request.nonce)]) == request.nonce
+            return ps.ProbeSharedMemoryResponse(usable=ok, reason="" if ok else "nonce differs")
+        except ShardpsError as exc:
+            return ps.ProbeSharedMemoryResponse(usable=False, reason=exc.message)
+
+    def _open_shared(self, ref: pb.SharedMemoryRef) -> memoryview:
+        from shardps.rpc import shm
+        return shm.open_region(ref.name, int(ref.offset), int(ref.length))
+
+    def read_shared_memory(self, ref: pb.SharedMemoryRef):
+        return self._open_shared(ref)
+
+    def write_shared_memory(self, ref: pb.SharedMemoryRef, arrays) -> None:
+        view = self._open_shared(ref)
+        total = sum(a.nbytes for a in arrays)
+        if total > len(view):
+            raise ResourceExhausted(f"pull result is {total} bytes; the shared-memory region "
+                                    f"{ref.name} offers {len(view)}")
+        pos = 0
+        for a in arrays:
+            b = memoryview(a).cast("B")
+            view[pos:pos + len(b)] = b
+            pos += len(b)
+
+    # --- internal ---
+    def replicate(self, chunks, call) -> ps.ReplicateAck:
+        it = iter(chunks)
+        first = next(it, None)
+        if first is None:
+            raise InvalidArgument("Replicate: empty stream")
+        header, payload = collect_chunks(first, it, ps.ReplicateHeader,
+                                         self.node.limits.max_request_bytes, "Replicate")
+        applied, stale = self.node.apply_replicated(header.epoch, header.source, header.ops, payload)
+        ack = ps.ReplicateAck(applied=applied)
+        for job, table, block in stale:
+            ack.out_of_sync.add(job=job, table=table, block=block)
+        return ack
+
+    def install_shard_map(self, request, call) -> ps.InstallShardMapResponse:
+        return ps.InstallShardMapResponse(epoch=self.node.install_map(request.map))
+
+    def copy_blocks(self, request, call) -> ps.CopyBlocksResponse:
+        refs = [(r.job, r.table, r.block) for r in request.blocks]
+        copied, nbytes = self.node.copy_blocks(request.epoch, refs, request.destination)
+        return ps.CopyBlocksResponse(copied=copied, bytes=nbytes)
+
+    def load_blocks(self, chunks, call) -> ps.LoadBlocksResponse:
+        epoch, snapshots = decode_snapshots(chunks)
+        source = dict(call.metadata()).get("x-shardps-source", "")
+        return ps.LoadBlocksResponse(loaded=self.node.load_blocks(epoch, source, snapshots))
+
+    def snapshot_blocks(self, request, call):
+        refs = [(r.job, r.table, r.block) for r in request.blocks]
+        yield from encode_snapshots(self.node.snapshot_blocks(refs), self.node.epoch)
+
+    def hold_job(self, request, call) -> ps.HoldJobResponse:
+        self.node.hold_job(request.job, request.hold, request.hold_seconds or 30.0)
+        return ps.HoldJobResponse()
+
+    def drop_tables(self, request, call) -> ps.DropTablesResponse:
+        return ps.DropTablesResponse(dropped_blocks=self.node.drop_tables(request.job, list(request.tables)))
+
+    def get_node_status(self, request, call) -> ps.NodeStatus:
+        return node_status(self.node)
+
+
+def node_status(node: ServerNode) -> ps.NodeStatus:
+    u = node.usage()
+    msg = ps.NodeStatus(name=node.name, incarnation=node.incarnation, epoch=node.epoch,
+                        primary_blocks=u["primary_blocks"], replica_blocks=u["replica_blocks"],
+                        bytes=u["bytes"])
+    for (job, table), (blocks, params, nbytes) in sorted(u["tables"].items()):
+        msg.tables.add(job=job, table=table, blocks=blocks, parameters=params, bytes=nbytes)
+    for job, clock in sorted(node.clocks.items()):
+        view = node.view.groups.get(job)
+        ranks = {m.session: m.rank for m in view.members} if view else {}
+        for session, done in sorted(clock.completed.items()):
+            msg.clocks.add(job=job, rank=ranks.get(session, 0), clock=done)
+    return msg
+
+
+class ParameterServerStub:
+    """Client-side callables of the ParameterServer service with shardps's codecs."""
+
+    def __init__(self, ch: grpc.Channel):
+        p = f"/{SERVICE}/"
+        self.Push = ch.stream_unary(p + "Push", request_serializer=_IDENTITY,
+                                    response_deserializer=ps.PushAck.FromString)
+        self.Pull = ch.unary_stream(p + "Pull", request_serializer=ps.PullRequest.SerializeToString,
+                                    response_deserializer=decode_chunk)
+        self.ProbeSharedMemory = ch.unary_unary(
+            p + "ProbeSharedMemory", request_serializer=ps.ProbeSharedMemoryRequest.SerializeToString,
+            response_deserializer=ps.ProbeSharedMemoryResponse.FromString)
+        self.Replicate = ch.stream_unary(p + "Replicate", request_serializer=_IDENTITY,
+                                         response_deserializer=ps.ReplicateAck.FromString)
+        self.InstallShardMap = ch.unary_unary(
+            p + "InstallShardMap", request_serializer=ps.InstallShardMapRequest.SerializeToString,
+            response_deserializer=ps.InstallShardMapResponse.FromString)
+        self.CopyBlocks = ch.unary_unary(p + "CopyBlocks",
+                                         request_serializer=ps.CopyBlocksRequest.SerializeToString,
+                                         response_deserializer=ps.CopyBlocksResponse.FromString)
+        self.LoadBlocks = ch.stream_unary(p + "LoadBlocks", request_serializer=_IDENTITY,
+                                          response_deserializer=ps.LoadBlocksResponse.FromString)
+        self.SnapshotBlocks = ch.unary_stream(
+            p + "SnapshotBlocks", request_serializer=ps.SnapshotBlocksRequest.SerializeToString,
+            response_deserializer=decode_chunk)
+        self.HoldJob = ch.unary_unary(p + "HoldJob", request_serializer=ps.HoldJobRequest.SerializeToString,
+                                      response_deserializer=ps.HoldJobResponse.FromString)
+        self.DropTables = ch.unary_unary(p + "DropTables",
+                                         request_serializer=ps.DropTablesRequest.SerializeToString,
+                                         response_deserializer=ps.DropTablesResponse.FromString)
+        self.GetNodeStatus = ch.unary_unary(p + "GetNodeStatus",
+                                            request_serializer=ps.GetNodeStatusRequest.SerializeToString,
+                                            response_deserializer=ps.NodeStatus.FromString)
+
+
+class StubPool:
+    """One channel and stub per address, created on first use. Thread-safe."""
+
+    def __init__(self, tls=None, metadata=()):
+        self._tls = tls
+        self._lock = threading.Lock()
+        self._stubs: dict[str, tuple[grpc.Channel, ParameterServerStub]] = {}
+        self.metadata = tuple(metadata)
+
+    def get(self, address: str) -> ParameterServerStub:
+        with self._lock:
+            entry = self._stubs.get(address)
+            if entry is None:
+                ch = channels.channel(address, self._tls)
+                entry = self._stubs[address] = (ch, ParameterServerStub(ch))
+            return entry[1]
+
+    def close(self) -> None:
+        with self._lock:
+            for ch, _ in self._stubs.values():
+                ch.close()
+            self._stubs.clear()
+
+
+class GrpcPeers:
+    """``Peers`` over gRPC: replicate and load blocks on other nodes, by name."""
+
+    def __init__(self, node_name: str, address_of, pool: StubPool, timeout: float = 5.0):
+        self.node_name = node_name
+        self.address_of = address_of
+        self.pool = pool
+        self.timeout = timeout
+
+    def _stub(self, node: str) -> ParameterServerStub:
+        try:
+            return self.pool.get(self.address_of(node))
+        except KeyError:
+            raise Unavailable(f"server {node!r} is not in the shard map") from None
+
+    def replicate(self, node, epoch, ops, arrays):
+        header = ps.ReplicateHeader(epoch=epoch, source=self.node_name, ops=ops,
+                                    payload_bytes=sum(a.nbytes for a in arrays)).SerializeToString()
+
+        def chunks():
+            head = header
+            for piece in split_payload(arrays):
+                yield encode_chunk(head, piece)
+                head = None
+            if head is not None:
+                yield encode_chunk(head, None)
+
+        try:
+            ack = self._stub(node).Replicate(chunks(), timeout=self.timeout,
+                                             metadata=self.pool.metadata)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err, f"replicate to {node}") from None
+        return [(r.job, r.table, r.block) for r in ack.out_of_sync]
+
+    def load_blocks(self, node, epoch, snapshots):
+        try:
+            self._stub(node).LoadBlocks(encode_snapshots(snapshots, epoch),
+                                        timeout=max(self.timeout, 30.0),
+                                        metadata=self.pool.metadata + (("x-shardps-source", self.node_name),))
+        except grpc.RpcError as err:
+            raise from_rpc_error(err, f"load blocks on {node}") from None

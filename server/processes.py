@@ -1,0 +1,262 @@
+"""Wiring of the two server-side processes: ``shardps manager`` and ``shardps server``.
+
+Each starts a gRPC server (the service, standard health and reflection), a Prometheus
+/metrics endpoint, and its background loops; ``stop`` undoes all of it. Both can also run
+inside a test process (several at once: nothing is global).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from pathlib import Path
+
+import grpc
+from prometheus_client import start_http_server
+
+from shardps.errors import FailedPrecondition, ShardpsError
+from shardps.metrics import ManagerMetrics, NodeMetrics
+from shardps.protos.v1 import common_pb2 as pb
+from shardps.protos.v1 import manager_pb2 as mg
+from shardps.rpc import channels
+from shardps.rpc.status import from_rpc_error
+from shardps.server.manager_service import SERVICE as MANAGER_SERVICE
+from shardps.server.manager_service import ManagerRuntime, ResourceManagerService, RuntimeSettings
+from shardps.server.manager_state import ManagerSettings
+from shardps.server.node import NodeLimits, ServerNode
+from shardps.server.node_service import SERVICE as NODE_SERVICE
+from shardps.server.node_service import GrpcPeers, ParameterServerService, StubPool
+from shardps.settings import ManagerProcessSettings, ServerProcessSettings, Serving
+
+log = logging.getLogger("shardps.process")
+
+
+def advertised(serving: Serving, port: int) -> str:
+    if serving.advertise:
+        return serving.advertise
+    host = serving.listen.rsplit(":", 1)[0]
+    if host in ("0.0.0.0", "[::]", ""):
+        host = socket.gethostname()
+    return f"{host}:{port}"
+
+
+def _start_metrics(serving: Serving, registry) -> tuple[object | None, str]:
+    if serving.metrics_port < 0:
+        return None, ""
+    server, _thread = start_http_server(serving.metrics_port, addr=serving.metrics_host, registry=registry)
+    port = server.server_address[1]
+    host = serving.metrics_host if serving.metrics_host not in ("0.0.0.0", "::") else "127.0.0.1"
+    return server, f"{host}:{port}"
+
+
+def _write_ready(path: str, info: dict) -> None:
+    if not path:
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(info, f)
+    os.replace(tmp, path)
+
+
+class _Serving:
+    """Common gRPC + health + metrics scaffolding."""
+
+    def __init__(self, serving: Serving, tls, service_name: str, handler, registry, grpc_metrics):
+        self.serving = serving
+        self.service_name = service_name
+        self.server = channels.new_server(serving.threads, handlers=[handler])
+        self.health = channels.add_health_and_reflection(self.server, [service_name])
+        self.port = channels.add_port(self.server, serving.listen, tls)
+        self.health_server = None
+        if tls is not None and serving.health_port >= 0:
+            # Kubernetes gRPC probes cannot speak TLS: health also on a plaintext port
+            self.health_server = channels.new_server(2)
+            from grpc_health.v1 import health_pb2_grpc
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            self.health_port = channels.add_port(self.health_server, f"0.0.0.0:{serving.health_port}")
+        self.metrics_server, self.metrics_address = _start_metrics(serving, registry)
+        self.address = advertised(serving, self.port)
+
+    def start(self) -> None:
+        self.server.start()
+        if self.health_server is not None:
+            self.health_server.start()
+
+    def set_serving(self, serving: bool) -> None:
+        channels.set_serving(self.health, [self.service_name], serving)
+
+    def stop(self, grace: float = 1.0) -> None:
+        self.set_serving(False)
+        self.server.stop(grace).wait(grace + 1)
+        if self.health_server is not None:
+            self.health_server.stop(0)
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
+            self.metrics_server.server_close()
+
+
+class ManagerProcess:
+    """The resource manager: state, reconcile loop, gRPC service, metrics."""
+
+    def __init__(self, settings: ManagerProcessSettings, authenticate=None, tls=None):
+        self.settings = settings
+        state_path = str(Path(settings.state_dir) / "manager-state.json") if settings.state_dir else ""
+        self.metrics = ManagerMetrics()
+        self.runtime = ManagerRuntime(
+            ManagerSettings(replication=settings.replication,
+                            server_lease_seconds=settings.server_lease_seconds,
+                            worker_lease_seconds=settings.worker_lease_seconds),
+            RuntimeSettings(state_path=state_path),
+            metrics=self.metrics, pool=StubPool(tls=tls))
+        self.service = ResourceManagerService(self.runtime)
+        self.net = _Serving(settings.serving, tls, MANAGER_SERVICE,
+                            self.service.handler(self.metrics.grpc, authenticate),
+                            self.metrics.registry, self.metrics.grpc)
+
+    @property
+    def address(self) -> str:
+        return self.net.address
+
+    def start(self) -> "ManagerProcess":
+        self.net.start()
+        self.runtime.start()
+        self.net.set_serving(True)
+        log.info("manager serving on %s (metrics %s)", self.address, self.net.metrics_address or "off")
+        _write_ready(self.settings.serving.ready_file,
+                     {"role": "manager", "address": self.address, "metrics": self.net.metrics_address,
+                      "pid": os.getpid()})
+        return self
+
+    def stop(self) -> None:
+        self.net.stop()
+        self.runtime.stop()
+
+
+class ServerProcess:
+    """A server node: registers with the manager, heartbeats, serves its blocks."""
+
+    def __init__(self, settings: ServerProcessSettings, authenticate=None, tls=None, metadata=()):
+        self.settings = settings
+        self.metrics = NodeMetrics()
+        self.pool = StubPool(tls=tls, metadata=metadata)
+        name = settings.name or socket.gethostname()
+        self.node = ServerNode(
+            name, limits=NodeLimits(max_request_bytes=settings.max_request_bytes,
+                                    max_rows=settings.max_rows,
+                                    forward_timeout=settings.forward_timeout),
+            metrics=self.metrics)
+        self.node.peers = GrpcPeers(name, self.node.view_address, self.pool, settings.forward_timeout)
+        self.service = ParameterServerService(self.node)
+        self.net = _Serving(settings.serving, tls, NODE_SERVICE,
+                            self.service.handler(self.metrics.grpc, authenticate),
+                            self.metrics.registry, self.metrics.grpc)
+        self._tls = tls
+        self._metadata = tuple(metadata)
+        self._manager = channels.channel(settings.manager, tls)
+        self._register = self._manager.unary_unary(
+            f"/{MANAGER_SERVICE}/RegisterServer",
+            request_serializer=mg.RegisterServerRequest.SerializeToString,
+            response_deserializer=mg.RegisterServerResponse.FromString)
+        self._heartbeat = self._manager.unary_unary(
+            f"/{MANAGER_SERVICE}/ServerHeartbeat",
+            request_serializer=mg.ServerHeartbeatRequest.SerializeToString,
+            response_deserializer=mg.ServerHeartbeatResponse.FromString)
+        self._get_map = self._manager.unary_unary(
+            f"/{MANAGER_SERVICE}/GetShardMap",
+            request_serializer=mg.GetShardMapRequest.SerializeToString,
+            response_deserializer=pb.ShardMap.FromString)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.boot_id = secrets.token_hex(8)
+        self.heartbeat_seconds = 0.5
+        self.retired = threading.Event()
+
+    @property
+    def address(self) -> str:
+        return self.net.address
+
+    @property
+    def name(self) -> str:
+        return self.node.name
+
+    def start(self, wait_registered: float | None = 60.0) -> "ServerProcess":
+        self.net.start()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self._thread.start()
+        if wait_registered:
+            deadline = time.monotonic() + wait_registered
+            while self.node.incarnation == 0 and time.monotonic() < deadline and not self._stop.is_set():
+                time.sleep(0.02)
+        return self
+
+    def _register_once(self) -> None:
+        resp = self._register(mg.RegisterServerRequest(
+            name=self.node.name, address=self.address, metrics_address=self.net.metrics_address,
+            boot_id=self.boot_id), timeout=5.0, metadata=self._metadata)
+        self.node.reset(resp.incarnation)
+        self.node.install_map(resp.map)
+        self.heartbeat_seconds = resp.heartbeat_seconds or 0.5
+        self.net.set_serving(True)
+        log.info("server %s registered (incarnation %d) at %s, epoch %d", self.node.name,
+                 resp.incarnation, self.address, self.node.epoch)
+        _write_ready(self.settings.serving.ready_file,
+                     {"role": "server", "name": self.node.name, "address": self.address,
+                      "metrics": self.net.metrics_address, "pid": os.getpid()})
+
+    def _run(self) -> None:
+        registered = False
+        warned = 0.0
+        while not self._stop.is_set():
+            try:
+                if not registered:
+                    self._register_once()
+                    registered = True
+                self._beat()
+            except grpc.RpcError as err:
+                error = from_rpc_error(err, "manager")
+                if isinstance(error, FailedPrecondition):
+                    log.warning("fenced by the manager (%s): dropping state and registering again",
+                                error.message)
+                    self.boot_id = secrets.token_hex(8)
+                    self.net.set_serving(False)
+                    registered = False
+                    continue
+                if time.monotonic() - warned > 10:
+                    log.warning("manager unreachable (%s); serving the current map meanwhile",
+                                error.message)
+                    warned = time.monotonic()
+            except ShardpsError as exc:
+                log.warning("heartbeat: %s", exc.message)
+            except Exception:
+                log.exception("heartbeat loop error")
+            self._stop.wait(self.heartbeat_seconds if registered else 0.5)
+
+    def _beat(self) -> None:
+        u = self.node.usage()
+        resp = self._heartbeat(mg.ServerHeartbeatRequest(
+            name=self.node.name, incarnation=self.node.incarnation, epoch=self.node.epoch,
+            primary_blocks=u["primary_blocks"], replica_blocks=u["replica_blocks"], bytes=u["bytes"]),
+            timeout=5.0, metadata=self._metadata)
+        if resp.retired:
+            if not self.retired.is_set():
+                log.info("server %s was drained and retired: it holds no blocks", self.node.name)
+                self.retired.set()
+                self.net.set_serving(False)
+            return
+        if resp.epoch > self.node.epoch:
+            msg = self._get_map(mg.GetShardMapRequest(min_epoch=resp.epoch), timeout=5.0,
+                                metadata=self._metadata)
+            self.node.install_map(msg)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.net.stop()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._manager.close()
+        self.pool.close()

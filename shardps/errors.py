@@ -1,0 +1,99 @@
+"""The shardps error hierarchy: one root, a few subclasses, each mapped to one gRPC status.
+
+Plain classes raise these; the transport maps them to status codes (``shardps.rpc.status``)
+and the client maps status codes back, so a raw ``grpc.RpcError`` never escapes the library.
+Messages name the bad value and say what to do.
+"""
+
+from __future__ import annotations
+
+
+class ShardpsError(Exception):
+    """Root of every error shardps raises. ``code`` is the gRPC status code's name."""
+
+    code = "UNKNOWN"
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(ShardpsError):
+    """Malformed input: wrong dtype, shape or length, out-of-range ids, NaN gradients."""
+
+    code = "INVALID_ARGUMENT"
+
+
+class NotFound(ShardpsError):
+    """Unknown job, table, server or session."""
+
+    code = "NOT_FOUND"
+
+
+class AlreadyExists(ShardpsError):
+    """A table or job exists with a different spec."""
+
+    code = "ALREADY_EXISTS"
+
+
+class FailedPrecondition(ShardpsError):
+    """The system is not in the state the request needs (see StaleEpoch)."""
+
+    code = "FAILED_PRECONDITION"
+
+
+class StaleEpoch(FailedPrecondition):
+    """The request was routed with an old shard map: refresh the map and retry."""
+
+
+class ResourceExhausted(ShardpsError):
+    """A size limit or quota was exceeded; the message names it."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
+class Unavailable(ShardpsError):
+    """The peer is down, starting, fenced or loading; retry with backoff."""
+
+    code = "UNAVAILABLE"
+
+
+class DeadlineExceeded(ShardpsError):
+    """The call's deadline passed."""
+
+    code = "DEADLINE_EXCEEDED"
+
+
+class Unauthenticated(ShardpsError):
+    """No valid token was presented."""
+
+    code = "UNAUTHENTICATED"
+
+
+class PermissionDenied(ShardpsError):
+    """The token does not grant this operation on this job."""
+
+    code = "PERMISSION_DENIED"
+
+
+class Internal(ShardpsError):
+    """A bug in shardps: please report it with the message."""
+
+    code = "INTERNAL"
+
+
+ERRORS_BY_CODE: dict[str, type[ShardpsError]] = {
+    cls.code: cls
+    for cls in (
+        InvalidArgument,
+        NotFound,
+        AlreadyExists,
+        FailedPrecondition,
+        ResourceExhausted,
+        Unavailable,
+        DeadlineExceeded,
+        Unauthenticated,
+        PermissionDenied,
+        Internal,
+    )
+}

@@ -1,0 +1,148 @@
+"""Prometheus metrics of every shardps process, named by Prometheus conventions.
+
+Each process builds its metric families on its own ``CollectorRegistry`` (no global
+singleton), so several servers can live in one test process. Labels are low-cardinality:
+method, status code, job, table, role, phase; never a key, a row or a block.
+
+gRPC metrics use the names of the go-grpc-prometheus / py-grpc-prometheus convention:
+``grpc_server_handled_total{grpc_service, grpc_method, grpc_type, grpc_code}``,
+``grpc_server_handling_seconds``, ``grpc_client_handled_total``, ``grpc_client_handling_seconds``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                   2.5, 5.0, 10.0, 30.0)
+SIZE_BUCKETS = tuple(float(4 ** i) for i in range(2, 16))    # 16 B .. 1 GiB
+ROW_BUCKETS = tuple(float(4 ** i) for i in range(0, 12))     # 1 .. 4M rows
+STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
+
+
+class GrpcServerMetrics:
+    def __init__(self, registry: CollectorRegistry):
+        labels = ("grpc_service", "grpc_method", "grpc_type")
+        self.started = Counter("grpc_server_started_total", "RPCs started on the server.",
+                               labels, registry=registry)
+        self.handled = Counter("grpc_server_handled_total", "RPCs completed on the server, by status code.",
+                               labels + ("grpc_code",), registry=registry)
+        self.handling = Histogram("grpc_server_handling_seconds",
+                                  "Time from an RPC's start to its completion on the server.",
+                                  labels, buckets=LATENCY_BUCKETS, registry=registry)
+        self.msg_received = Counter("grpc_server_msg_received_total", "Stream messages received.",
+                                    labels, registry=registry)
+        self.msg_sent = Counter("grpc_server_msg_sent_total", "Stream messages sent.",
+                                labels, registry=registry)
+
+
+class GrpcClientMetrics:
+    def __init__(self, registry: CollectorRegistry):
+        labels = ("grpc_service", "grpc_method", "grpc_type")
+        self.started = Counter("grpc_client_started_total", "RPCs started by the client.",
+                               labels, registry=registry)
+        self.handled = Counter("grpc_client_handled_total", "RPCs completed by the client, by status code.",
+                               labels + ("grpc_code",), registry=registry)
+        self.handling = Histogram("grpc_client_handling_seconds",
+                                  "Time from an RPC's start to its completion at the client.",
+                                  labels, buckets=LATENCY_BUCKETS, registry=registry)
+
+
+class NodeMetrics:
+    """Metrics of a server node's data path."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.grpc = GrpcServerMetrics(r)
+        self.request_bytes = Histogram("shardps_server_request_bytes", "Payload bytes per data request.",
+                                       ("method",), buckets=SIZE_BUCKETS, registry=r)
+        self.request_rows = Histogram("shardps_server_request_rows",
+                                      "Sparse rows per data request (dense ranges count as 0).",
+                                      ("method",), buckets=ROW_BUCKETS, registry=r)
+        self.bytes = Counter("shardps_server_bytes_total", "Payload bytes received and sent.",
+                             ("direction",), registry=r)
+        self.update_seconds = Histogram("shardps_server_update_seconds",
+                                        "Time to apply one push on this server (all its blocks).",
+                                        ("optimizer",), buckets=LATENCY_BUCKETS, registry=r)
+        self.table_parameters = Gauge("shardps_table_parameters",
+                                      "Parameters stored on this server, per table.",
+                                      ("job", "table"), registry=r)
+        self.table_bytes = Gauge("shardps_table_memory_bytes",
+                                 "Bytes of values and optimizer state on this server, per table.",
+                                 ("job", "table"), registry=r)
+        self.blocks = Gauge("shardps_server_blocks", "Blocks held by this server, by role.",
+                            ("role",), registry=r)
+        self.epoch = Gauge("shardps_shard_map_epoch", "Shard-map epoch installed on this process.",
+                           registry=r)
+        self.staleness = Histogram("shardps_pull_staleness_steps",
+                                   "Staleness at a pull: the worker's clock minus the slowest live worker's.",
+                                   ("job",), buckets=STALENESS_BUCKETS, registry=r)
+        self.updates_between = Histogram(
+            "shardps_push_intervening_updates",
+            "Updates a block received between a worker's pull of it and that worker's push.",
+            ("job",), buckets=STALENESS_BUCKETS, registry=r)
+        self.duplicates = Counter("shardps_push_duplicates_total",
+                                  "Block updates skipped because the push was already applied (retries).",
+                                  ("job",), registry=r)
+        self.refusals = Counter("shardps_server_refusals_total",
+                                "Data requests refused, by reason (stale_epoch, invalid, ...).",
+                                ("reason",), registry=r)
+        self.replication_seconds = Histogram("shardps_replication_seconds",
+                                             "Time to forward one push to a backup.",
+                                             buckets=LATENCY_BUCKETS, registry=r)
+        self.resyncs = Counter("shardps_replica_resyncs_total",
+                               "Full block copies sent to bring a backup back in sync.", registry=r)
+
+
+class ManagerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.grpc = GrpcServerMetrics(r)
+        self.epoch = Gauge("shardps_shard_map_epoch", "Current shard-map epoch.", registry=r)
+        self.servers = Gauge("shardps_servers", "Registered server nodes, by state.", ("state",), registry=r)
+        self.server_up = Gauge("shardps_server_up", "1 if the server's lease is current.", ("server",),
+                               registry=r)
+        self.heartbeat_age = Gauge("shardps_server_heartbeat_age_seconds",
+                                   "Seconds since each server's last heartbeat.", ("server",), registry=r)
+        self.server_blocks = Gauge("shardps_server_owned_blocks",
+                                   "Blocks each server holds, by role (from the map).",
+                                   ("server", "role"), registry=r)
+        self.server_bytes = Gauge("shardps_server_stored_bytes",
+                                  "Bytes each server reports storing.", ("server",), registry=r)
+        self.blocks = Gauge("shardps_blocks", "Blocks in the shard map.", registry=r)
+        self.under_replicated = Gauge("shardps_under_replicated_blocks",
+                                      "Blocks with fewer than R live replicas.", registry=r)
+        self.moves = Counter("shardps_block_moves_total", "Blocks copied to a new replica.", registry=r)
+        self.failovers = Counter("shardps_server_failures_total",
+                                 "Servers declared dead (lease expired).", registry=r)
+        self.workers = Gauge("shardps_workers", "Live workers per job.", ("job",), registry=r)
+        self.install_seconds = Histogram("shardps_map_install_seconds",
+                                         "Time to install a new epoch on every live server.",
+                                         buckets=LATENCY_BUCKETS, registry=r)
+
+
+class WorkerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.grpc = GrpcClientMetrics(r)
+        self.bytes = Counter("shardps_client_bytes_total", "Payload bytes pushed and pulled.",
+                             ("direction",), registry=r)
+        self.rows = Counter("shardps_client_rows_total", "Sparse rows pushed and pulled.",
+                            ("direction",), registry=r)
+        self.retries = Counter("shardps_client_retries_total", "Data calls retried, by reason.",
+                               ("reason",), registry=r)
+        self.steps = Counter("shardps_worker_steps_total", "Training steps completed.", ("job",), registry=r)
+        self.samples = Counter("shardps_worker_samples_total", "Training samples processed.", ("job",),
+                               registry=r)
+        self.samples_per_second = Gauge("shardps_worker_samples_per_second",
+                                        "Training throughput over the last steps.", ("job",), registry=r)
+        self.loss = Gauge("shardps_worker_loss", "Training loss of the last step.", ("job",), registry=r)
+        self.step_seconds = Histogram("shardps_worker_step_phase_seconds",
+                                      "Time per step, by phase: compute, pull_wait, push_wait, barrier_wait.",
+                                      ("job", "phase"), buckets=LATENCY_BUCKETS, registry=r)
+        self.staleness = Histogram("shardps_worker_staleness_steps",
+                                   "Staleness the servers reported at this worker's pulls.",
+                                   ("job",), buckets=STALENESS_BUCKETS, registry=r)

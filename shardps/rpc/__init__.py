@@ -1,0 +1,1 @@
+"""gRPC transport helpers shared by every process: codecs, status mapping, channels, metrics."""

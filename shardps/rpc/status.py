@@ -1,0 +1,162 @@
+"""The one table that maps shardps errors to gRPC status codes, both ways, and the service
+binder that wraps every handler with it (plus metrics and authentication).
+
+Servicer methods are plain functions ``fn(request, call) -> response`` that raise
+``ShardpsError``; ``bind`` turns them into a grpc generic handler that aborts with the mapped
+status code and the error's message, counts the call in ``grpc_server_*`` metrics and checks
+credentials first. Unexpected exceptions become INTERNAL with the exception named (and logged
+with its traceback).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import grpc
+
+from shardps import errors
+from shardps.errors import ShardpsError
+
+log = logging.getLogger("shardps.rpc")
+
+_TO_GRPC = {cls: getattr(grpc.StatusCode, code) for code, cls in errors.ERRORS_BY_CODE.items()}
+_FROM_GRPC = {getattr(grpc.StatusCode, code): cls for code, cls in errors.ERRORS_BY_CODE.items()}
+
+
+def grpc_code(exc: ShardpsError) -> grpc.StatusCode:
+    for cls in type(exc).__mro__:
+        if cls in _TO_GRPC:
+            return _TO_GRPC[cls]
+    return grpc.StatusCode.UNKNOWN
+
+
+def from_rpc_error(err: grpc.RpcError, what: str) -> ShardpsError:
+    """Translate a failed call into a shardps error whose message says what failed."""
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = err.details() if hasattr(err, "details") else str(err)
+    cls = _FROM_GRPC.get(code, errors.Internal)
+    if code == grpc.StatusCode.FAILED_PRECONDITION and details and "epoch" in details:
+        cls = errors.StaleEpoch
+    if code == grpc.StatusCode.UNAVAILABLE:
+        details = f"{details} (is the process at that address running and reachable?)"
+    return cls(f"{what}: {code.name}: {details}")
+
+
+@dataclass
+class Call:
+    """What a handler knows about its call besides the request."""
+
+    context: grpc.ServicerContext
+    principal: Any
+    deadline: float | None      # time.monotonic() deadline, None when the caller set none
+    method: str
+
+    def metadata(self) -> dict[str, str]:
+        return {k: v for k, v in (self.context.invocation_metadata() or ())}
+
+
+@dataclass(frozen=True)
+class Method:
+    kind: str                    # unary_unary | unary_stream | stream_unary | stream_stream
+    fn: Callable
+    request_deserializer: Callable
+    response_serializer: Callable
+
+
+_GRPC_TYPE = {"unary_unary": "unary", "unary_stream": "server_stream",
+              "stream_unary": "client_stream", "stream_stream": "bidi_stream"}
+
+
+def _deadline(context: grpc.ServicerContext) -> float | None:
+    remaining = context.time_remaining()
+    if remaining is None or remaining > 1e8:
+        return None
+    return time.monotonic() + remaining
+
+
+def bind(service: str, methods: dict[str, Method], metrics=None,
+         authenticate: Callable[[str, grpc.ServicerContext], Any] | None = None) -> grpc.GenericRpcHandler:
+    """A generic handler for ``service`` whose methods map errors, record metrics and
+    authenticate (``authenticate(full_method, context)`` returns a principal or raises)."""
+
+    def wrap(name: str, m: Method):
+        full = f"/{service}/{name}"
+        gtype = _GRPC_TYPE[m.kind]
+        labels = (service, name, gtype)
+
+        def begin(context):
+            if metrics is not None:
+                metrics.started.labels(*labels).inc()
+            principal = authenticate(full, context) if authenticate else None
+            return Call(context, principal, _deadline(context), full)
+
+        def finish(code: str, started: float) -> None:
+            if metrics is not None:
+                metrics.handled.labels(*labels, code).inc()
+                metrics.handling.labels(*labels).observe(time.perf_counter() - started)
+
+        def fail(context, exc: BaseException) -> str:
+            if isinstance(exc, ShardpsError):
+                code = grpc_code(exc)
+                context.abort(code, exc.message)
+            log.exception("internal error in %s", full)
+            context.abort(grpc.StatusCode.INTERNAL,
+                          f"internal error in {full}: {type(exc).__name__}: {exc}")
+
+        if m.kind in ("unary_unary", "stream_unary"):
+            def handler(request, context):
+                started = time.perf_counter()
+                code = "OK"
+                try:
+                    call = begin(context)
+                    return m.fn(request, call)
+                except ShardpsError as exc:
+                    code = grpc_code(exc).name
+                    fail(context, exc)
+                except Exception as exc:
+                    if context.code() is not None:     # aborted by grpc itself
+                        code = context.code().name
+                        raise
+                    code = "INTERNAL"
+                    fail(context, exc)
+                finally:
+                    finish(code, started)
+        else:
+            def handler(request, context):
+                started = time.perf_counter()
+                code = "OK"
+                try:
+                    call = begin(context)
+                    for item in m.fn(request, call):
+                        if metrics is not None:
+                            metrics.msg_sent.labels(*labels).inc()
+                        yield item
+                except ShardpsError as exc:
+                    code = grpc_code(exc).name
+                    fail(context, exc)
+                except Exception as exc:
+                    if context.code() is not None:
+                        code = context.code().name
+                        raise
+                    code = "INTERNAL"
+                    fail(context, exc)
+                finally:
+                    finish(code, started)
+
+        factory = getattr(grpc, f"{m.kind}_rpc_method_handler")
+        return factory(handler, request_deserializer=m.request_deserializer,
+                       response_serializer=m.response_serializer)
+
+    return grpc.method_handlers_generic_handler(
+        service, {name: wrap(name, m) for name, m in methods.items()})
+
+
+def proto_method(kind: str, fn: Callable, request_cls, response_cls=None, *,
+                 request_deserializer=None, response_serializer=None) -> Method:
+    """A Method with protobuf (de)serializers unless custom ones are given."""
+    return Method(kind, fn,
+                  request_deserializer or request_cls.FromString,
+                  response_serializer or (lambda msg: msg.SerializeToString()))

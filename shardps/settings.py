@@ -1,0 +1,154 @@
+"""Settings: frozen dataclasses built once, at start-up, from flags and ``SHARDPS_*`` variables.
+
+Every flag ``--some-flag`` has the environment variable ``SHARDPS_SOME_FLAG`` as its default
+(flags win). Nothing else in shardps reads the environment. ``FLAGS`` lists every flag of every
+subcommand, so that tests can check that manifests only use flags the binaries accept.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+
+def env_name(flag: str) -> str:
+    return "SHARDPS_" + flag.lstrip("-").upper().replace("-", "_")
+
+
+def _parse_bool(text: str) -> bool:
+    value = str(text).strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+class FlagSet:
+    """Adds flags whose defaults come from the environment, and records them."""
+
+    def __init__(self, parser: argparse.ArgumentParser, environ: Mapping[str, str]):
+        self.parser = parser
+        self.environ = environ
+        self.names: list[str] = []
+
+    def add(self, flag: str, default: Any, help: str, type=None, choices=None) -> None:
+        env = env_name(flag)
+        kind = type or (bool if isinstance(default, bool) else
+                        int if isinstance(default, int) else
+                        float if isinstance(default, float) else str)
+        conv = _parse_bool if kind is bool else kind
+        if env in self.environ:
+            try:
+                default = conv(self.environ[env])
+            except (ValueError, argparse.ArgumentTypeError) as exc:
+                raise SystemExit(f"shardps: environment variable {env}={self.environ[env]!r}: {exc}")
+        shown = "" if default in ("", None) else f" (default: {default})"
+        if kind is bool:
+            self.parser.add_argument(flag, type=_parse_bool, nargs="?", const=True, default=default,
+                                     metavar="BOOL", help=f"{help}{shown}; env {env}")
+        else:
+            self.parser.add_argument(flag, type=conv, default=default, choices=choices,
+                                     help=f"{help}{shown}; env {env}")
+        self.names.append(flag)
+
+
+def add_common(fs: FlagSet) -> None:
+    fs.add("--log-format", "human", "log lines: human or json", choices=["human", "json"])
+    fs.add("--log-level", "info", "log level", choices=["debug", "info", "warning", "error"])
+    fs.add("--tls-cert", "", "PEM certificate of this process (enables TLS)")
+    fs.add("--tls-key", "", "PEM private key of --tls-cert")
+    fs.add("--tls-ca", "", "PEM CA bundle that peers' certificates must chain to")
+    fs.add("--tls-require-client-cert", False, "servers: require client certificates (mutual TLS)")
+    fs.add("--token", "", "credential sent as 'authorization: Bearer ...' (admin or job token)")
+    fs.add("--token-file", "", "file holding the token (a mounted Secret)")
+
+
+def add_serving(fs: FlagSet, listen: str, metrics_port: int) -> None:
+    fs.add("--listen", listen, "gRPC listen address host:port (port 0 picks a free port)")
+    fs.add("--advertise", "", "address others use to reach this process (default: the listen "
+           "address, with 0.0.0.0 replaced by this host's name)")
+    fs.add("--metrics-port", metrics_port, "Prometheus /metrics port (0 picks a free one, -1 disables)")
+    fs.add("--metrics-host", "0.0.0.0", "Prometheus /metrics bind address")
+    fs.add("--health-port", -1, "with TLS on: plaintext gRPC health port for probes (-1: none)")
+    fs.add("--ready-file", "", "write a JSON line with the bound addresses here once serving")
+    fs.add("--threads", 32, "gRPC worker threads")
+    fs.add("--admin-token", "", "admin token: required for admin RPCs when set")
+    fs.add("--token-key", "", "secret that signs and verifies job tokens (enables per-job auth)")
+    fs.add("--token-key-file", "", "file holding --token-key")
+
+
+@dataclass(frozen=True)
+class Common:
+    log_format: str = "human"
+    log_level: str = "info"
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    tls_require_client_cert: bool = False
+    token: str = ""
+    token_file: str = ""
+
+    def resolved_token(self) -> str:
+        if self.token:
+            return self.token
+        if self.token_file:
+            with open(self.token_file) as f:
+                return f.read().strip()
+        return ""
+
+
+@dataclass(frozen=True)
+class Serving:
+    listen: str = "127.0.0.1:0"
+    advertise: str = ""
+    metrics_port: int = 0
+    metrics_host: str = "0.0.0.0"
+    health_port: int = -1
+    ready_file: str = ""
+    threads: int = 32
+    admin_token: str = ""
+    token_key: str = ""
+    token_key_file: str = ""
+
+    def resolved_token_key(self) -> bytes:
+        if self.token_key:
+            return self.token_key.encode()
+        if self.token_key_file:
+            with open(self.token_key_file, "rb") as f:
+                return f.read().strip()
+        return b""
+
+
+@dataclass(frozen=True)
+class ManagerProcessSettings:
+    common: Common = field(default_factory=Common)
+    serving: Serving = field(default_factory=lambda: Serving(listen="0.0.0.0:7070", metrics_port=9100))
+    state_dir: str = ""
+    checkpoint_dir: str = ""
+    replication: int = 1
+    server_lease_seconds: float = 3.0
+    worker_lease_seconds: float = 10.0
+
+
+@dataclass(frozen=True)
+class ServerProcessSettings:
+    common: Common = field(default_factory=Common)
+    serving: Serving = field(default_factory=lambda: Serving(listen="0.0.0.0:7071", metrics_port=9101))
+    name: str = ""
+    manager: str = "127.0.0.1:7070"
+    max_request_bytes: int = 1 << 30
+    max_rows: int = 4_000_000
+    forward_timeout: float = 5.0
+
+
+def build(cls, args: argparse.Namespace, **nested):
+    """Fill dataclass ``cls`` from parsed args (attribute names match field names)."""
+    values = dict(nested)
+    for f in fields(cls):
+        if f.name in values:
+            continue
+        if hasattr(args, f.name):
+            values[f.name] = getattr(args, f.name)
+    return cls(**values)

@@ -1,0 +1,104 @@
+"""A read-only, indexed view of a published shard map (the ``shardps.v1.ShardMap`` message).
+
+Clients route with it and servers check ownership with it; neither ever rebuilds the ring.
+Immutable after construction, so it can be shared between threads and swapped atomically.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from shardps.convert import config_from_proto, consistency_from_proto, spec_from_proto
+from shardps.errors import NotFound
+from shardps.protos.v1 import common_pb2 as pb
+from shardps.tables import Consistency, TableConfig, TableSpec
+
+
+@dataclass(frozen=True)
+class TableView:
+    """One table's spec, config and placement. ``replicas[b]`` are server names, primary first."""
+
+    job: str
+    spec: TableSpec
+    config: TableConfig
+    replicas: tuple[tuple[str, ...], ...]
+    primary: np.ndarray        # int32 server index per block (-1: no replica)
+    since_epoch: np.ndarray    # uint64 per block
+    fresh_epoch: np.ndarray    # uint64 per block: epoch at which it was (re)created empty
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+@dataclass(frozen=True)
+class Member:
+    rank: int
+    session: str
+    incarnation: int
+    name: str
+
+
+@dataclass(frozen=True)
+class GroupView:
+    job: str
+    consistency: Consistency
+    staleness: int
+    members: tuple[Member, ...]
+    membership_version: int
+
+    @property
+    def writers(self) -> set[tuple[str, int]]:
+        return {(m.session, m.incarnation) for m in self.members}
+
+
+class ShardMapView:
+    """Index over a ShardMap message: tables by (job, name), servers by name, groups by job."""
+
+    def __init__(self, msg: pb.ShardMap | None = None):
+        self.msg = msg or pb.ShardMap()
+        self.epoch = int(self.msg.epoch)
+        self.replication = int(self.msg.replication) or 1
+        self.servers = list(self.msg.servers)
+        self.server_names = [s.name for s in self.servers]
+        self.server_by_name = {s.name: s for s in self.servers}
+        index = {s.name: i for i, s in enumerate(self.servers)}
+        self.tables: dict[tuple[str, str], TableView] = {}
+        for t in self.msg.tables:
+            n = len(t.blocks)
+            primary = np.full(n, -1, dtype=np.int32)
+            since = np.zeros(n, dtype=np.uint64)
+            fresh = np.zeros(n, dtype=np.uint64)
+            replicas = []
+            for b, bp in enumerate(t.blocks):
+                names = tuple(self.servers[i].name for i in bp.replicas)
+                replicas.append(names)
+                if names:
+                    primary[b] = index[names[0]]
+                since[b] = bp.since_epoch
+                fresh[b] = bp.fresh_epoch
+            self.tables[(t.job, t.spec.name)] = TableView(
+                job=t.job, spec=spec_from_proto(t.spec), config=config_from_proto(t.config),
+                replicas=tuple(replicas), primary=primary, since_epoch=since, fresh_epoch=fresh)
+        self.groups: dict[str, GroupView] = {}
+        for g in self.msg.groups:
+            mode, staleness = consistency_from_proto(g.consistency)
+            members = tuple(Member(m.rank, m.session, m.incarnation, m.name) for m in g.members)
+            self.groups[g.job] = GroupView(g.job, mode, staleness, members, g.membership_version)
+
+    def table(self, job: str, name: str) -> TableView:
+        try:
+            return self.tables[(job, name)]
+        except KeyError:
+            known = sorted(n for j, n in self.tables if j == job)
+            raise NotFound(
+                f"table {name!r} of job {job!r} not found (epoch {self.epoch}; the job has "
+                f"{known or 'no tables'}): create it first") from None
+
+    def jobs(self) -> set[str]:
+        return {j for j, _ in self.tables} | set(self.groups)
+
+    def address(self, server: str) -> str:
+        return self.server_by_name[server].address

@@ -1,0 +1,1 @@
+"""Workers: the PSClient library and the PyTorch integration."""

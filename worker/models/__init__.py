@@ -1,0 +1,1 @@
+"""Models and data sets registered by name for `shardps worker --model NAME`."""

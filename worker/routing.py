@@ -1,0 +1,105 @@
+"""Routing: cut pull/push requests into per-server pieces with the published shard map.
+
+Pure (numpy + the map view). A *piece* is the part of one request item that one server
+serves: a dense sub-range, or a subset of sparse ids. Pieces are re-routable: when a server
+refuses a piece (stale epoch, unavailable), the client refreshes the map and routes the same
+pieces again, so a retry re-sends exactly what was not acknowledged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from shardps.errors import Unavailable
+from shardps.protos.v1 import common_pb2 as pb
+from shardps.shardmap import ShardMapView, TableView
+from shardps.tables import TableKind, group_by_block, sparse_block_of
+
+
+@dataclass
+class Piece:
+    """Part of request item ``item`` for table ``table``.
+
+    Dense: the flat range [start, stop) whose output begins at ``offset`` in the item's output.
+    Sparse: ``ids`` (unique), whose rows go to ``positions`` of the item's output.
+    ``values`` (push): float32, dense 1-d or sparse [n, dim]. ``all_stored``: export pulls.
+    """
+
+    item: int
+    table: str
+    dense: bool
+    start: int = 0
+    stop: int = 0
+    offset: int = 0
+    ids: np.ndarray | None = None
+    positions: np.ndarray | None = None
+    values: np.ndarray | None = None
+    all_stored: bool = False
+
+    @property
+    def rows(self) -> int:
+        return 0 if self.ids is None else int(self.ids.shape[0])
+
+
+def route(view: ShardMapView, job: str, pieces: list[Piece]) -> dict[str, list[Piece]]:
+    """Split pieces by the primary server of their blocks: {server name: pieces}."""
+    out: dict[str, list[Piece]] = {}
+    names = view.server_names
+    for p in pieces:
+        t = view.table(job, p.table)
+        if p.all_stored:
+            for idx in sorted(set(int(x) for x in t.primary if x >= 0)):
+                out.setdefault(names[idx], []).append(p)
+            continue
+        if p.dense:
+            for server, sub in _route_dense(t, p):
+                out.setdefault(names[server], []).append(sub)
+        else:
+            for server, sub in _route_sparse(t, p):
+                out.setdefault(names[server], []).append(sub)
+    return out
+
+
+def _no_replica(t: TableView, block: int) -> Unavailable:
+    return Unavailable(f"block {block} of table {t.name!r} has no live replica under the current "
+                       f"map: wait for the manager to re-place it (or restore a checkpoint)")
+
+
+def _route_dense(t: TableView, p: Piece):
+    bs = t.spec.block_size
+    b0, b1 = p.start // bs, (p.stop - 1) // bs
+    prim = t.primary[b0:b1 + 1]
+    if (prim < 0).any():
+        raise _no_replica(t, b0 + int(np.flatnonzero(prim < 0)[0]))
+    cuts = np.flatnonzero(prim[1:] != prim[:-1]) + 1
+    starts = np.concatenate(([0], cuts))
+    ends = np.concatenate((cuts, [prim.shape[0]]))
+    for s, e in zip(starts, ends):
+        lo = max(p.start, (b0 + int(s)) * bs)
+        hi = min(p.stop, (b0 + int(e)) * bs)
+        sub = Piece(p.item, p.table, True, lo, hi, p.offset + (lo - p.start))
+        if p.values is not None:
+            sub.values = p.values[lo - p.start:hi - p.start]
+        yield int(prim[s]), sub
+
+
+def _route_sparse(t: TableView, p: Piece):
+    if p.ids.shape[0] == 0:
+        return
+    blocks = sparse_block_of(p.ids, t.spec.num_blocks)
+    servers = t.primary[blocks]
+    if (servers < 0).any():
+        raise _no_replica(t, int(blocks[np.flatnonzero(servers < 0)[0]]))
+    for server, pos in group_by_block(servers):
+        sub = Piece(p.item, p.table, False, ids=p.ids[pos], positions=p.positions[pos])
+        if p.values is not None:
+            sub.values = p.values[pos]
+        yield server, sub
+
+
+def live_servers(view: ShardMapView) -> list[str]:
+    """Servers a step report must reach (SYNC / BOUNDED): every server not declared dead, so
+    that each keeps the group's clocks even before it holds any of the job's blocks."""
+    return [s.name for s in view.servers if s.state != pb.DEAD]
