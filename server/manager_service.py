@@ -78,12 +78,16 @@ class ManagerRuntime:
         with self.lock:
             before = self.state.epoch
             result = fn(self.state, *args, **kwargs)
-            changed = self.state.epoch != before
+            after = self.state.epoch
+            changed = after != before
             msg = self.state.shard_map() if changed else None
             if changed and self._path is not None:
                 self.state.save(self._path)
         if changed:
             self.publish(msg)
+        elif self._published.epoch < after:
+            # read-your-writes: another caller's change is being installed; wait for it
+            self.wait_published(after, timeout=self.runtime.install_timeout * 2)
         return result
 
     def publish(self, msg: pb.ShardMap) -> None:

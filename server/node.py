@@ -182,6 +182,7 @@ class ServerNode:
         self._pending: dict[str, set[BlockKey]] = {}           # SYNC: blocks with pending steps
         self._holds: dict[str, float] = {}                     # job -> hold deadline
         self._hold_cond = threading.Condition()
+        self.on_epoch = None          # optional callback(epoch) after each install (logging)
 
     # ================================================================== shard map
     @property
@@ -269,6 +270,8 @@ class ServerNode:
             self.my_index = view.server_names.index(me) if me in view.server_names else -1
         self.metrics.epoch.set(view.epoch)
         self._update_usage_metrics()
+        if self.on_epoch is not None:
+            self.on_epoch(view.epoch)
 
     def _after_install(self) -> None:
         """Work a new map may unlock: resync listed backups, apply completed SYNC steps."""

@@ -1,0 +1,280 @@
+"""The ``shardps`` command: one console script, one subcommand per role or task.
+
+Every flag ``--x-y`` can also be set with the environment variable ``SHARDPS_X_Y`` (flags
+win); ``shardps SUBCOMMAND --help`` lists them with their defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+
+from shardps import __version__, logs
+from shardps.settings import (Common, FlagSet, ManagerProcessSettings, ServerProcessSettings, Serving,
+                              add_common, add_serving, build)
+
+log = logging.getLogger("shardps.cli")
+
+DESCRIPTION = """\
+shardps: a sharded, replicated gRPC parameter server for PyTorch training.
+
+A resource manager places the blocks of every table on server nodes with a consistent-hash
+ring and publishes an epoch-numbered shard map; workers pull the parameter rows and ranges a
+step needs from the servers that own them and push their gradients back; the servers apply
+the optimizer. Quick start: `shardps local --servers 2 --workers 2 --model digits-cnn`.
+"""
+
+# Subcommand name -> the flags it accepts (filled while building the parser); the contract
+# test checks manifests against it.
+FLAGS: dict[str, list[str]] = {}
+
+
+def _sub(subparsers, name: str, help: str, description: str, environ) -> tuple[argparse.ArgumentParser, FlagSet]:
+    p = subparsers.add_parser(name, help=help, description=description,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    fs = FlagSet(p, environ)
+    FLAGS[name] = fs.names
+    return p, fs
+
+
+def build_parser(environ=None) -> argparse.ArgumentParser:
+    environ = os.environ if environ is None else environ
+    parser = argparse.ArgumentParser(prog="shardps", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"shardps {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p, fs = _sub(sub, "manager", "run the resource manager",
+                 "Run the resource manager: registers servers, places blocks, publishes the shard map,\n"
+                 "keeps worker groups and table metadata. Its state is persisted in --state-dir.", environ)
+    add_common(fs)
+    add_serving(fs, "0.0.0.0:7070", 9100)
+    fs.add("--state-dir", "", "directory for the manager's persisted state (empty: memory only)")
+    fs.add("--checkpoint-dir", "", "default directory for checkpoints")
+    fs.add("--replication", 1, "copies of every block (R), on distinct servers")
+    fs.add("--server-lease-seconds", 3.0, "a server is declared dead after this long without a heartbeat")
+    fs.add("--worker-lease-seconds", 10.0, "a worker leaves its group after this long without a heartbeat")
+    p.set_defaults(func=cmd_manager)
+
+    p, fs = _sub(sub, "server", "run a server node",
+                 "Run a server node: registers with the manager under --name (its ring node name),\n"
+                 "holds the blocks the shard map gives it, applies the optimizers.", environ)
+    add_common(fs)
+    add_serving(fs, "0.0.0.0:7071", 9101)
+    fs.add("--name", "", "stable node name (default: the host name)")
+    fs.add("--manager", "127.0.0.1:7070", "resource manager address")
+    fs.add("--max-request-bytes", 1 << 30, "largest accepted request payload")
+    fs.add("--max-rows", 4_000_000, "most sparse rows in one request")
+    fs.add("--forward-timeout", 5.0, "seconds a primary waits for a backup to apply a push")
+    p.set_defaults(func=cmd_server)
+
+    p, fs = _sub(sub, "local", "run a whole cluster as local processes",
+                 "Start a manager and N servers on loopback (and M workers training --model),\n"
+                 "wait until all report SERVING, print the manager address; Ctrl-C or SIGTERM stops\n"
+                 "everything.", environ)
+    fs.add("--servers", 2, "server nodes")
+    fs.add("--workers", 0, "workers training --model (0: cluster only, runs until stopped)")
+    fs.add("--replication", 1, "copies of every block")
+    fs.add("--log-format", "human", "log lines: human or json", choices=["human", "json"])
+    fs.add("--work-dir", "", "directory for state, logs and ready files (default: a temporary one)")
+    from shardps.worker.runtime import add_training_flags
+    add_training_flags(fs)
+    fs.add("--baseline", False, "also train the same model in a single process and print both")
+    p.set_defaults(func=cmd_local)
+
+    p, fs = _sub(sub, "worker", "run a training worker",
+                 "Join a job's worker group, train --model on this worker's share of the data,\n"
+                 "pulling parameters from and pushing gradients to the servers.", environ)
+    add_common(fs)
+    fs.add("--manager", "127.0.0.1:7070", "resource manager address")
+    fs.add("--name", "", "worker name (default: the host name); a restart with the same name "
+           "keeps its rank")
+    fs.add("--rank-hint", -1, "preferred rank (e.g. a Kubernetes completion index)")
+    fs.add("--metrics-port", -1, "Prometheus /metrics port (-1 disables, 0 picks one)")
+    fs.add("--metrics-host", "0.0.0.0", "Prometheus /metrics bind address")
+    from shardps.worker.runtime import add_training_flags as add_train
+    add_train(fs)
+    p.set_defaults(func=cmd_worker)
+
+    p, fs = _sub(sub, "health", "check a process's gRPC health (exit 0 if SERVING)",
+                 "Query the standard grpc.health.v1 service; exit status 0 when SERVING.", environ)
+    p.add_argument("address", help="host:port")
+    fs.add("--service", "", "service name ('' for the whole process)")
+    fs.add("--timeout", 3.0, "seconds")
+    add_common(fs)
+    p.set_defaults(func=cmd_health)
+
+    p, fs = _sub(sub, "status", "show servers, worker groups and the epoch",
+                 "A table of servers (state, blocks, bytes, heartbeat age), worker groups (ranks,\n"
+                 "steps) and the shard-map epoch.", environ)
+    add_common(fs)
+    fs.add("--manager", "127.0.0.1:7070", "resource manager address")
+    fs.add("--json", False, "print JSON for scripts")
+    p.set_defaults(func=cmd_status)
+
+    p, fs = _sub(sub, "drain", "move every block off a server, then retire it",
+                 "Ask the manager to copy every block away from NODE while training continues.", environ)
+    p.add_argument("node", help="server name")
+    add_common(fs)
+    fs.add("--manager", "127.0.0.1:7070", "resource manager address")
+    p.set_defaults(func=cmd_drain)
+
+    p, fs = _sub(sub, "job", "create or end a job",
+                 "Create a job (prints its token when authentication is on) or end it.", environ)
+    p.add_argument("action", choices=["create", "end"])
+    p.add_argument("job")
+    add_common(fs)
+    fs.add("--manager", "127.0.0.1:7070", "resource manager address")
+    fs.add("--mode", "async", "consistency: async, sync or ssp", choices=["async", "sync", "ssp"])
+    fs.add("--staleness", 2, "SSP staleness bound T")
+    fs.add("--quota-bytes", 0, "storage quota of the job across servers (0: none)")
+    p.set_defaults(func=cmd_job)
+
+    return parser
+
+
+# ---------------------------------------------------------------------- commands
+def _common(args) -> Common:
+    return build(Common, args)
+
+
+def _tls(common: Common):
+    from shardps.rpc.channels import TlsConfig
+    return TlsConfig.from_files(common.tls_cert, common.tls_key, common.tls_ca,
+                                common.tls_require_client_cert)
+
+
+def _wait_for_signal(stop: threading.Event | None = None) -> None:
+    stop = stop or threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(0.5):
+        pass
+
+
+def cmd_manager(args) -> int:
+    common = _common(args)
+    logs.setup("manager", "manager", common.log_format, common.log_level)
+    settings = build(ManagerProcessSettings, args, common=common, serving=build(Serving, args))
+    from shardps.server.processes import ManagerProcess
+    from shardps.server import auth
+    authn = auth.authenticator_for(settings.serving, role="manager")
+    proc = ManagerProcess(settings, authenticate=authn, tls=_tls(common)).start()
+    _wait_for_signal()
+    log.info("stopping")
+    proc.stop()
+    return 0
+
+
+def cmd_server(args) -> int:
+    common = _common(args)
+    name = args.name or __import__("socket").gethostname()
+    ctx = logs.setup("server", name, common.log_format, common.log_level)
+    settings = build(ServerProcessSettings, args, common=common, serving=build(Serving, args))
+    settings = ServerProcessSettings(**{**settings.__dict__, "name": name})
+    from shardps.server.processes import ServerProcess
+    from shardps.server import auth
+    authn = auth.authenticator_for(settings.serving, role="server")
+    token = common.resolved_token() or settings.serving.admin_token
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    proc = ServerProcess(settings, authenticate=authn, tls=_tls(common), metadata=metadata)
+    proc.node.on_epoch = lambda e: ctx.set(epoch=e)
+    proc.start(wait_registered=None)
+    stop = threading.Event()
+    threading.Thread(target=lambda: (proc.retired.wait(), stop.set()), daemon=True).start()
+    _wait_for_signal(stop)
+    log.info("stopping")
+    proc.stop()
+    return 0
+
+
+def cmd_worker(args) -> int:
+    from shardps.worker.runtime import run_worker
+    return run_worker(args)
+
+
+def cmd_local(args) -> int:
+    from shardps.local import run_local
+    return run_local(args)
+
+
+def cmd_health(args) -> int:
+    import grpc
+    from shardps.rpc.channels import check_health
+    try:
+        status = check_health(args.address, args.service, args.timeout, _tls(_common(args)))
+    except grpc.RpcError as err:
+        print(f"{args.address}: unreachable ({err.code().name}: {err.details()})", file=sys.stderr)
+        return 2
+    print(f"{args.address}: {status}")
+    return 0 if status == "SERVING" else 1
+
+
+def _admin_client(args, job: str = "_admin"):
+    from shardps.worker.client import PSClient
+    common = _common(args)
+    return PSClient(args.manager, job, token=common.resolved_token(), tls=_tls(common), timeout=10.0)
+
+
+def cmd_status(args) -> int:
+    from shardps.status import format_status, status_to_dict
+    from shardps.errors import ShardpsError
+    try:
+        with _admin_client(args) as client:
+            status = client.cluster_status()
+    except ShardpsError as exc:
+        print(f"shardps status: {exc.message}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(status_to_dict(status), indent=2))
+    else:
+        print(format_status(status))
+    return 0
+
+
+def cmd_drain(args) -> int:
+    from shardps.errors import ShardpsError
+    from shardps.protos.v1 import manager_pb2 as mg
+    try:
+        with _admin_client(args) as client:
+            resp = client._call("DrainServer", client._manager.DrainServer, mg.DrainServerRequest(name=args.node))
+    except ShardpsError as exc:
+        print(f"shardps drain: {exc.message}", file=sys.stderr)
+        return 2
+    print(f"draining {args.node}: {resp.blocks_to_move} blocks to move (epoch {resp.epoch}); "
+          f"watch `shardps status`")
+    return 0
+
+
+def cmd_job(args) -> int:
+    from shardps.errors import ShardpsError
+    try:
+        with _admin_client(args, args.job) as client:
+            if args.action == "create":
+                token = client.create_job(args.mode, args.staleness, args.quota_bytes)
+                print(token if token else f"job {args.job} ready (authentication is off: no token)")
+            else:
+                client.end_job()
+                print(f"job {args.job} ended")
+    except ShardpsError as exc:
+        print(f"shardps job: {exc.message}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return args.func(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,338 @@
+"""``shardps local``: the whole cluster as local processes on loopback.
+
+``LocalCluster`` starts a manager and N servers as real processes (port 0: each writes its
+bound address to a ready file), waits until every one answers SERVING on the gRPC health
+service, and stops them all on ``stop()``. Children die with their parent even if it is
+killed (PR_SET_PDEATHSIG), so no process is ever orphaned. Tests use the same class.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("shardps.local")
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class Proc:
+    role: str
+    name: str
+    popen: subprocess.Popen
+    ready_file: Path
+    log_path: Path
+    info: dict = field(default_factory=dict)
+
+    @property
+    def address(self) -> str:
+        return self.info.get("address", "")
+
+    @property
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+
+class LocalCluster:
+    """A manager and N servers as child processes. Use as a context manager."""
+
+    def __init__(self, servers: int = 2, replication: int = 1, work_dir: str | None = None,
+                 log_format: str = "human", server_lease_seconds: float | None = None,
+                 manager_args: tuple = (), server_args: tuple = (), env: dict | None = None,
+                 python: str = sys.executable, stream_logs: bool = False):
+        self.n_servers = servers
+        self.replication = replication
+        self._own_dir = work_dir is None
+        self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="shardps-local-"))
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.log_format = log_format
+        self.lease = server_lease_seconds
+        self.manager_args = tuple(manager_args)
+        self.server_args = tuple(server_args)
+        self.env = dict(os.environ if env is None else env)
+        self.env.setdefault("PYTHONUNBUFFERED", "1")
+        self.python = python
+        self.stream_logs = stream_logs
+        self.manager: Proc | None = None
+        self.servers: dict[str, Proc] = {}
+        self.workers: list[Proc] = []
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ processes
+    def _spawn(self, role: str, name: str, args: list[str], ready: bool = True,
+               stdout=None) -> Proc:
+        ready_file = self.work_dir / f"{name}.ready"
+        log_path = self.work_dir / f"{name}.log"
+        if ready_file.exists():
+            ready_file.unlink()
+        cmd = [self.python, "-m", "shardps.cli", role] + args
+        if ready:
+            cmd += ["--ready-file", str(ready_file)]
+        logf = open(log_path, "ab")
+        popen = subprocess.Popen(cmd, stdout=stdout if stdout is not None else logf, stderr=logf,
+                                 env=self.env, preexec_fn=_die_with_parent, cwd=str(self.work_dir))
+        logf.close()
+        proc = Proc(role, name, popen, ready_file, log_path)
+        log.debug("started %s %s (pid %d)", role, name, popen.pid)
+        return proc
+
+    def _wait_ready(self, proc: Proc, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not proc.alive:
+                raise RuntimeError(f"{proc.role} {proc.name} exited with {proc.popen.returncode} "
+                                   f"before it was ready; its log:\n{tail(proc.log_path)}")
+            if proc.ready_file.exists():
+                try:
+                    proc.info = json.loads(proc.ready_file.read_text())
+                    break
+                except json.JSONDecodeError:
+                    pass
+            time.sleep(0.05)
+        else:
+            raise TimeoutError(f"{proc.role} {proc.name} not ready after {timeout}s; log:\n{tail(proc.log_path)}")
+        from shardps.rpc.channels import check_health
+        while time.monotonic() < deadline:
+            try:
+                if check_health(proc.address, timeout=2.0) == "SERVING":
+                    return
+            except Exception:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(f"{proc.role} {proc.name} at {proc.address} never reported SERVING")
+
+    def start_manager(self, timeout: float = 60.0) -> Proc:
+        args = ["--listen", "127.0.0.1:0", "--metrics-port", "0", "--metrics-host", "127.0.0.1",
+                "--state-dir", str(self.work_dir / "manager-state"), "--replication", str(self.replication),
+                "--log-format", self.log_format]
+        if self.lease is not None:
+            args += ["--server-lease-seconds", str(self.lease)]
+        if self.manager and self.manager.info.get("address"):
+            args[1] = self.manager.info["address"]          # a restart keeps its address
+        proc = self._spawn("manager", "manager", args + list(self.manager_args))
+        self._wait_ready(proc, timeout)
+        self.manager = proc
+        return proc
+
+    def start_server(self, name: str, timeout: float = 60.0, wait: bool = True, listen: str = "127.0.0.1:0",
+                     extra: tuple = ()) -> Proc:
+        args = ["--name", name, "--listen", listen, "--manager", self.manager_address,
+                "--metrics-port", "0", "--metrics-host", "127.0.0.1", "--log-format", self.log_format]
+        proc = self._spawn("server", name, args + list(self.server_args) + list(extra))
+        with self._lock:
+            self.servers[name] = proc
+        if wait:
+            self._wait_ready(proc, timeout)
+        return proc
+
+    def start(self, timeout: float = 90.0) -> "LocalCluster":
+        try:
+            self.start_manager(timeout)
+            procs = [self.start_server(f"s{i}", wait=False) for i in range(self.n_servers)]
+            for p in procs:
+                self._wait_ready(p, timeout)
+            self.wait_servers(self.n_servers, timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_servers(self, count: int, timeout: float = 60.0) -> None:
+        """Wait until the manager reports ``count`` servers SERVING."""
+        from shardps.worker.client import PSClient
+        deadline = time.monotonic() + timeout
+        with PSClient(self.manager_address, "_local", timeout=5.0) as c:
+            while True:
+                st = c.cluster_status()
+                if sum(1 for s in st.servers if s.server.state == 2) >= count:
+                    return
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"only {sum(1 for s in st.servers if s.server.state == 2)} of "
+                                       f"{count} servers SERVING after {timeout}s")
+                time.sleep(0.1)
+
+    def start_worker(self, name: str, args: list[str], stdout=subprocess.PIPE) -> Proc:
+        full = ["--manager", self.manager_address, "--name", name, "--log-format", self.log_format] + args
+        proc = self._spawn("worker", name, full, ready=False, stdout=stdout)
+        self.workers.append(proc)
+        return proc
+
+    @property
+    def manager_address(self) -> str:
+        return self.manager.address if self.manager else ""
+
+    def kill(self, proc: Proc, sig: int = signal.SIGKILL) -> None:
+        if proc.alive:
+            proc.popen.send_signal(sig)
+            try:
+                proc.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.popen.kill()
+                proc.popen.wait()
+
+    def stop(self) -> None:
+        """Stop every process (SIGTERM, then SIGKILL after 10 s); remove a temporary work dir."""
+        procs = list(self.workers) + list(self.servers.values()) + ([self.manager] if self.manager else [])
+        for p in procs:
+            if p.alive:
+                p.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for p in procs:
+            try:
+                p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+                p.popen.wait()
+            for stream in (p.popen.stdout, p.popen.stderr):
+                if stream is not None:
+                    stream.close()
+
+    def cleanup(self) -> None:
+        if self._own_dir:
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        self.cleanup()
+
+
+def tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+_RESULT = re.compile(r"^shardps worker .*")
+
+
+def run_local(args) -> int:
+    """``shardps local``: see the module docstring."""
+    from shardps import logs
+    logs.setup("local", "local", args.log_format)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    started = time.perf_counter()
+    cluster = LocalCluster(args.servers, args.replication, args.work_dir or None, args.log_format)
+    code = 0
+    try:
+        cluster.start()
+        print(f"shardps local: manager at {cluster.manager_address}; {args.servers} servers "
+              f"SERVING; logs in {cluster.work_dir}", flush=True)
+        if args.workers <= 0:
+            while not stop.wait(0.5):
+                pass
+            return 0
+        code = _train_locally(cluster, args, stop, started)
+    except KeyboardInterrupt:
+        code = 130
+    finally:
+        cluster.stop()
+        cluster.cleanup()
+    return code
+
+
+def _worker_args(args) -> list[str]:
+    from shardps.cli import FLAGS
+    skip = {"--manager", "--name", "--log-format", "--metrics-port", "--metrics-host", "--rank-hint"}
+    out = []
+    for flag in FLAGS["worker"]:
+        if flag in skip or not flag.startswith("--"):
+            continue
+        attr = flag[2:].replace("-", "_")
+        if hasattr(args, attr):
+            value = getattr(args, attr)
+            if value in ("", None):
+                continue
+            out += [flag, str(value).lower() if isinstance(value, bool) else str(value)]
+    return out
+
+
+def _train_locally(cluster: LocalCluster, args, stop: threading.Event, started: float) -> int:
+    wargs = _worker_args(args)
+    procs = [cluster.start_worker(f"worker-{i}", wargs, stdout=subprocess.PIPE) for i in range(args.workers)]
+    # show rank 0's progress: its stderr goes to the log file; relay its lines here
+    relay = threading.Thread(target=_relay, args=(cluster.workers[0].log_path, stop), daemon=True)
+    relay.start()
+    results = []
+    for p in procs:
+        out, _ = p.popen.communicate()
+        for line in out.decode(errors="replace").splitlines():
+            if _RESULT.match(line):
+                results.append(line)
+                print(line, flush=True)
+        if p.popen.returncode != 0:
+            print(f"shardps local: {p.name} exited with {p.popen.returncode}; log:\n{tail(p.log_path)}",
+                  file=sys.stderr)
+            stop.set()
+            return 1
+    train_seconds = time.perf_counter() - started
+    summary = " ".join(f"{k}={v:.4f}" for k, v in _metrics_of(results).items())
+    print(f"shardps local: {args.workers} workers, {args.servers} servers, mode={args.mode}, "
+          f"model={args.model}: mean {summary} (wall {train_seconds:.1f}s including start-up)", flush=True)
+    if args.baseline:
+        from shardps.worker.runtime import train_single_process
+        cluster.stop()
+        print("shardps local: training the single-process baseline (same model, data and optimizer)...",
+              flush=True)
+        base = train_single_process(args)
+        print(base.line("baseline"), flush=True)
+        dist = _metrics_of(results)
+        key = next(iter(base.metrics))
+        print(f"shardps local: {key}: distributed {dist.get(key, float('nan')):.4f} vs single process "
+              f"{base.metrics[key]:.4f}", flush=True)
+        print(f"test_accuracy={dist.get('test_accuracy', dist.get(key, float('nan'))):.4f}"
+              if key == "test_accuracy" else f"{key}={dist.get(key, float('nan')):.4f}", flush=True)
+    stop.set()
+    return 0
+
+
+def _metrics_of(lines: list[str]) -> dict:
+    """Mean of each metric over the workers' final lines."""
+    values: dict[str, list[float]] = {}
+    for line in lines:
+        for k, v in re.findall(r"(\w+)=([-0-9.eE+naif]+)", line):
+            if k in ("rank", "steps", "wall_seconds", "samples_per_second"):
+                continue
+            try:
+                values.setdefault(k, []).append(float(v))
+            except ValueError:
+                pass
+    return {k: sum(v) / len(v) for k, v in values.items()}
+
+
+def _relay(path: Path, stop: threading.Event) -> None:
+    pos = 0
+    while not stop.wait(1.0):
+        try:
+            with open(path, "rb") as f:
+                f.seek(pos)
+                data = f.read()
+                pos += len(data)
+        except OSError:
+            continue
+        for line in data.decode(errors="replace").splitlines():
+            if "step=" in line or "joined" in line:
+                print(f"  worker-0 | {line}", file=sys.stderr, flush=True)

@@ -1,0 +1,348 @@
+"""The training worker (``shardps worker``) and the single-process baseline it is compared to.
+
+A worker joins its job's worker group, builds the registered model, trains on its share of
+the data (``shardps.worker.data``) pulling parameters from and pushing gradients to the
+servers, evaluates on the held-out test set, and prints one final line such as
+
+    shardps worker rank=0 steps=460 test_accuracy=0.9806 wall_seconds=12.3
+
+Progress: a tqdm bar on rank 0 when attached to a terminal, log lines otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+
+log = logging.getLogger("shardps.worker")
+
+
+def add_training_flags(fs) -> None:
+    fs.add("--job", "demo", "job (worker group) name")
+    fs.add("--model", "digits-cnn", "registered model: digits-cnn, mnist-cnn or ctr")
+    fs.add("--mode", "async", "consistency: async (ASP), sync (BSP) or ssp (bounded staleness)",
+           choices=["async", "sync", "ssp"])
+    fs.add("--staleness", 2, "SSP bound T: a pull waits while clock - slowest clock > T")
+    fs.add("--epochs", 0, "epochs (0: the model's default)")
+    fs.add("--steps", 0, "stop after this many steps per worker (0: no limit)")
+    fs.add("--batch-size", 0, "per-worker batch size (0: the model's default)")
+    fs.add("--lr", 0.0, "learning rate of every table (0: the model's default)")
+    fs.add("--scale-lr", False, "linear scaling rule: multiply the learning rate by the number of workers")
+    fs.add("--seed", 0, "seed of the model's initial values and the data order")
+    fs.add("--wire-dtype", "float32", "dtype of values on the wire: float32, float16 or bfloat16",
+           choices=["float32", "float16", "bfloat16"])
+    fs.add("--data-dir", "", "where optional data sets (MNIST) are found")
+    fs.add("--ctr-rows", 1_000_000, "ctr: embedding table rows")
+    fs.add("--train-samples", 0, "ctr: training samples (0: the default)")
+    fs.add("--torch-threads", 1, "torch intra-op threads per worker")
+    fs.add("--plot", "", "write the loss / metric curve as a PNG here at the end")
+    fs.add("--result-file", "", "write the final result as JSON here")
+    fs.add("--step-delay", 0.0, "sleep this long per step (to simulate a slow worker)")
+    fs.add("--prefetch", True, "prefetch the next batch's embedding rows during the step")
+
+
+@dataclass
+class TrainResult:
+    rank: int
+    steps: int
+    samples: int
+    wall_seconds: float
+    metrics: dict
+    losses: list = field(default_factory=list)
+    curve: list = field(default_factory=list)          # [(step, {metric: value})] per epoch
+    max_staleness: int = 0
+    timings: dict = field(default_factory=dict)
+
+    def line(self, who: str) -> str:
+        parts = [f"shardps {who}", f"rank={self.rank}", f"steps={self.steps}"]
+        parts += [f"{k}={v:.4f}" for k, v in self.metrics.items()]
+        parts += [f"samples_per_second={self.samples / max(self.wall_seconds, 1e-9):.0f}",
+                  f"wall_seconds={self.wall_seconds:.1f}"]
+        return " ".join(parts)
+
+
+def _lr_scaled(task, args, world: int):
+    import dataclasses
+    factor = world if args.scale_lr else 1.0
+
+    def with_lr(cfg):
+        lr = args.lr if args.lr else cfg.lr
+        return dataclasses.replace(cfg, lr=lr * factor)
+    return with_lr(task.optimizer), {k: with_lr(v) for k, v in task.optimizers.items()}
+
+
+def build_task(args):
+    from shardps.worker.models import build
+    opts = {"data_dir": args.data_dir}
+    if args.model == "ctr":
+        opts["rows"] = args.ctr_rows
+        if args.train_samples:
+            opts["train_samples"] = args.train_samples
+    return build(args.model, seed=args.seed, **opts)
+
+
+def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=False) -> TrainResult:
+    """The training loop of one worker. Reads the group's membership at each epoch start."""
+    import torch
+    from shardps.worker.data import batches, position, shard_indices
+    from shardps.worker.torch_ps import PSEmbedding
+    from shardps.tables import Consistency
+
+    x, y = task.train
+    n = x.shape[0]
+    epochs = args.epochs or task.epochs
+    bs = args.batch_size or task.batch_size
+    group = client.shard_map.groups.get(client.job)
+    mode = group.consistency if group else Consistency.ASYNC
+    embeddings = [m for m in task.model.modules() if isinstance(m, PSEmbedding)]
+    started = time.perf_counter()
+    losses = []
+    samples = 0
+    max_stale = 0
+    compute = 0.0
+    bar = None
+    job = client.job
+    if show_progress:
+        from tqdm import tqdm
+        bar = tqdm(total=None, desc=f"{task.name} rank {client.membership.rank}", unit="step",
+                   file=sys.stderr)
+    done = False
+    result_curve: list = []
+    last_log = time.monotonic()
+    for epoch in range(epochs):
+        view = client.refresh_map()
+        g = view.groups.get(job)
+        ranks = [m.rank for m in g.members] if g else [client.membership.rank]
+        index, count = position(client.membership.rank, ranks)
+        idx = shard_indices(n, epoch, args.seed, index, count)
+        if mode is Consistency.SYNC:      # every worker takes the same number of steps
+            per_worker = n // count // bs
+            idx = idx[:per_worker * bs]
+        batch_list = list(batches(idx, bs))
+        for i, b in enumerate(batch_list):
+            if args.steps and ps_model.step >= args.steps:
+                done = True
+                break
+            t0 = time.perf_counter()
+            pull0 = ps_model.timings["pull_wait"]
+            ps_model.pull()
+            max_stale = max(max_stale, client.last_staleness)
+            t1 = time.perf_counter()
+            xb, yb = x[torch.as_tensor(b)], y[torch.as_tensor(b)]
+            loss = task.loss(task.model(xb), yb)
+            loss.backward()
+            if embeddings and args.prefetch and i + 1 < len(batch_list):
+                nxt = x[torch.as_tensor(batch_list[i + 1])]
+                for emb in embeddings:
+                    emb.prefetch(nxt)
+            t2 = time.perf_counter()
+            compute += t2 - t1
+            ps_model.push()
+            t3 = time.perf_counter()
+            if args.step_delay:
+                time.sleep(args.step_delay)
+            lv = float(loss.detach())
+            losses.append(lv)
+            samples += len(b)
+            client.progress.update(step=ps_model.step, loss=lv,
+                                   samples_per_second=samples / max(1e-9, time.perf_counter() - started))
+            if metrics is not None:
+                metrics.steps.labels(job).inc()
+                metrics.samples.labels(job).inc(len(b))
+                metrics.loss.labels(job).set(lv)
+                metrics.samples_per_second.labels(job).set(client.progress["samples_per_second"])
+                metrics.step_seconds.labels(job, "pull_wait").observe(ps_model.timings["pull_wait"] - pull0)
+                metrics.step_seconds.labels(job, "compute").observe(t2 - t1)
+                metrics.step_seconds.labels(job, "push_wait").observe(t3 - t2)
+                metrics.staleness.labels(job).observe(client.last_staleness)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(epoch=epoch, loss=f"{lv:.4f}")
+            elif time.monotonic() - last_log > 5:
+                last_log = time.monotonic()
+                log.info("epoch=%d step=%d loss=%.4f samples_per_second=%.0f", epoch, ps_model.step,
+                         lv, client.progress["samples_per_second"])
+        if getattr(args, "plot", "") and not done:
+            ps_model.pull()
+            result_curve.append((ps_model.step, task.evaluate(task.model, *task.test)))
+        if done:
+            break
+    wall = time.perf_counter() - started
+    if bar is not None:
+        bar.close()
+    ps_model.pull()
+    result = TrainResult(client.membership.rank, ps_model.step, samples, wall,
+                         task.evaluate(task.model, *task.test), losses, result_curve, max_stale,
+                         dict(ps_model.timings, compute=compute))
+    return result
+
+
+def train_single_process(args, task=None) -> TrainResult:
+    """The baseline: the same model, data, batch size and optimizer in one process with
+    torch.optim (the embedding as ``nn.Embedding(sparse=True)``)."""
+    import torch
+    from torch import nn
+    from shardps.worker.data import batches, shard_indices
+    from shardps.worker.torch_ps import PSEmbedding
+    torch.set_num_threads(args.torch_threads)
+    task = task or build_task(args)
+    model = task.model
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, PSEmbedding):
+            emb = nn.Embedding(mod.num_embeddings, mod.embedding_dim, sparse=True)
+            nn.init.normal_(emb.weight, mod.init.mean, mod.init.std)
+            parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+            setattr(parent, name.rsplit(".", 1)[-1], emb)
+    opt, per_table = _lr_scaled(task, args, 1)
+    optimizers = []
+    for name, p in model.named_parameters():
+        cfg = per_table.get(name.rsplit(".", 1)[0], per_table.get(name, opt))
+        optimizers.append(torch_optimizer(cfg, [p], sparse=p.dim() == 2 and name.endswith("embedding.weight")))
+    x, y = task.train
+    epochs = args.epochs or task.epochs
+    bs = args.batch_size or task.batch_size
+    started = time.perf_counter()
+    steps = samples = 0
+    losses = []
+    for epoch in range(epochs):
+        for b in batches(shard_indices(x.shape[0], epoch, args.seed, 0, 1), bs):
+            if args.steps and steps >= args.steps:
+                break
+            loss = task.loss(model(x[torch.as_tensor(b)]), y[torch.as_tensor(b)])
+            for o in optimizers:
+                o.zero_grad()
+            loss.backward()
+            for o in optimizers:
+                o.step()
+            steps += 1
+            samples += len(b)
+            losses.append(float(loss.detach()))
+    wall = time.perf_counter() - started
+    return TrainResult(0, steps, samples, wall, task.evaluate(model, *task.test), losses)
+
+
+def torch_optimizer(cfg, params, sparse: bool = False):
+    """torch.optim equivalent of a server-side OptimizerConfig."""
+    import torch
+    from shardps.tables import OptimizerKind
+    if cfg.kind is OptimizerKind.SGD:
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, dampening=cfg.dampening,
+                               nesterov=cfg.nesterov, weight_decay=cfg.weight_decay)
+    if cfg.kind is OptimizerKind.ADAGRAD:
+        return torch.optim.Adagrad(params, lr=cfg.lr, lr_decay=cfg.lr_decay, weight_decay=cfg.weight_decay,
+                                   initial_accumulator_value=cfg.initial_accumulator_value,
+                                   eps=cfg.effective_eps)
+    if sparse:
+        return torch.optim.SparseAdam(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.effective_eps)
+    return torch.optim.Adam(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.effective_eps,
+                            weight_decay=cfg.weight_decay)
+
+
+def run_worker(args) -> int:
+    """``shardps worker``: join, train, evaluate, print the final line."""
+    import torch
+    from shardps import logs
+    from shardps.errors import PermissionDenied, ShardpsError
+    from shardps.metrics import WorkerMetrics
+    from shardps.rpc.channels import TlsConfig
+    from shardps.settings import Common, build
+    from shardps.worker.client import PSClient
+    from shardps.worker.torch_ps import PSModel, default_device
+
+    common = build(Common, args)
+    name = args.name or socket.gethostname()
+    ctx = logs.setup("worker", name, common.log_format, common.log_level)
+    ctx.set(job=args.job)
+    torch.set_num_threads(args.torch_threads)
+    metrics = WorkerMetrics()
+    metrics_server = None
+    if args.metrics_port >= 0:
+        from prometheus_client import start_http_server
+        metrics_server, _ = start_http_server(args.metrics_port, addr=args.metrics_host,
+                                              registry=metrics.registry)
+    tls = TlsConfig.from_files(common.tls_cert, common.tls_key, common.tls_ca)
+    client = PSClient(args.manager, args.job, token=common.resolved_token(), tls=tls,
+                      wire_dtype=args.wire_dtype, metrics=metrics, timeout=60.0)
+    try:
+        _wait_for_manager(client)
+        try:
+            client.create_job(args.mode, args.staleness)
+        except PermissionDenied:
+            pass                          # the admin created it; workers only join
+        membership = client.join(name=name, rank_hint=args.rank_hint)
+        ctx.set(rank=membership.rank, epoch=client.shard_map.epoch)
+        log.info("joined job %s as rank %d of %d (device %s)", args.job, membership.rank,
+                 membership.world_size, default_device())
+        task = build_task(args)
+        world = max(1, membership.world_size)
+        opt, per_table = _lr_scaled(task, args, world)
+        from shardps.tables import Consistency
+        group = client.shard_map.groups.get(args.job)
+        report = group is not None and group.consistency is not Consistency.ASYNC
+        ps_model = PSModel(task.model, client, optimizer=opt, optimizers=per_table, report_steps=report)
+        ps_model.create_tables()
+        if report:
+            ps_model.step = client.server_clock()
+        show = membership.rank == 0 and sys.stderr.isatty()
+        result = train_with_ps(task, ps_model, client, args, metrics, show_progress=show)
+        print(result.line("worker"), flush=True)
+        if args.result_file:
+            with open(args.result_file, "w") as f:
+                json.dump(result.__dict__, f)
+        if args.plot:
+            plot_curve(result, args.plot, task.name)
+        client.leave()
+        return 0
+    except ShardpsError as exc:
+        log.error("worker failed: %s", exc.message)
+        return 1
+    finally:
+        client.close()
+        if metrics_server is not None:
+            metrics_server.shutdown()
+
+
+def _wait_for_manager(client, timeout: float = 120.0) -> None:
+    from shardps.errors import Unavailable, DeadlineExceeded
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            client.refresh_map(timeout=5.0)
+            return
+        except (Unavailable, DeadlineExceeded):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
+
+
+def plot_curve(result: TrainResult, path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    losses = result.losses
+    ax.plot(losses, lw=0.6, alpha=0.4, label="loss")
+    k = max(1, len(losses) // 50)
+    if len(losses) >= k:
+        smooth = [sum(losses[i:i + k]) / k for i in range(0, len(losses) - k + 1)]
+        ax.plot(range(k - 1, k - 1 + len(smooth)), smooth, lw=1.5, label=f"loss ({k}-step mean)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    if result.curve:
+        name = next(iter(result.curve[0][1]))
+        ax2 = ax.twinx()
+        ax2.plot([s for s, _ in result.curve], [m[name] for _, m in result.curve], "o-", color="C3",
+                 label=name)
+        ax2.set_ylabel(name)
+        ax2.legend(loc="lower right")
+    metric = ", ".join(f"{k}={v:.4f}" for k, v in result.metrics.items())
+    ax.set_title(f"{title}, rank {result.rank}: {metric}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+

@@ -1,0 +1,248 @@
+"""PyTorch integration: train an ordinary ``nn.Module`` whose parameters live on shardps.
+
+    model = Net()                                    # any nn.Module
+    ps_model = PSModel(model, client, optimizer=adam(lr=1e-3), local=["bn"])
+    ps_model.create_tables()                         # once per worker; idempotent
+    for x, y in loader:
+        ps_model.pull()                              # current parameters from the servers
+        loss = F.nll_loss(model(x), y)
+        loss.backward()
+        ps_model.push()                              # gradients to the servers (their optimizer)
+    torch.save(ps_model.state_dict(), "model.pt")    # plain PyTorch loads it
+
+* Every dense parameter becomes a dense table named after the parameter ("fc1.weight"),
+  created with ASSIGNED initial values: each worker offers its module's own initial values
+  and the first one written wins, so all workers start from identical values.
+* ``PSEmbedding`` is an embedding whose rows live on a sparse table: a forward pass pulls only
+  the distinct ids of the batch, and ``push`` sends only their gradient rows.
+* The optimizer runs on the servers, chosen per table (``optimizers={"fc1.weight": sgd(...)}``).
+* Parameters whose names start with a prefix in ``local`` stay on the worker and are trained by
+  ``local_optimizer`` (a torch optimizer you pass); buffers (batch-norm running statistics)
+  always stay local to each worker.
+* ``state_dict()`` returns the module's ordinary state dict with the servers' values (a
+  ``PSEmbedding``'s ``weight`` as a full ``[num_embeddings, dim]`` tensor), loadable into the
+  same architecture with ``nn.Embedding`` in place of ``PSEmbedding``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from concurrent import futures
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardps.errors import InvalidArgument
+from shardps.tables import Initializer, OptimizerConfig, assigned, dense_table, normal, sgd, sparse_table
+from shardps.worker.client import PSClient, PushResult
+
+
+def default_device() -> torch.device:
+    """CUDA when present, else CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class PSEmbedding(nn.Module):
+    """An embedding table on a shardps sparse table (``nn.Embedding``'s forward semantics).
+
+    ``num_embeddings`` bounds the ids (0..num_embeddings-1); the rows start at
+    N(0, 1) like ``nn.Embedding`` (``init`` to change). Only the rows a batch uses are pulled
+    and pushed. Not usable until a ``PSModel`` binds it to a client.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, table: str | None = None,
+                 optimizer: OptimizerConfig | None = None, init: Initializer | None = None,
+                 num_blocks: int = 0):
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.table = table
+        self.optimizer = optimizer
+        self.init = init or normal(0.0, 1.0, seed=0)
+        self.num_blocks = num_blocks
+        self.client: PSClient | None = None
+        self._pending: list[tuple[np.ndarray, torch.Tensor]] = []
+        self._prefetch: tuple[np.ndarray, futures.Future] | None = None
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, table={self.table!r}"
+
+    def prefetch(self, ids: torch.Tensor) -> None:
+        """Start pulling the rows of ``ids`` (a coming batch) in the background."""
+        unique = np.unique(ids.detach().cpu().numpy().reshape(-1))
+        self._prefetch = (unique, self.client.pull_rows_async(self.table, unique))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.client is None:
+            raise InvalidArgument(f"PSEmbedding {self.table!r} is not bound: wrap the model in PSModel")
+        flat = ids.reshape(-1)
+        unique, inverse = torch.unique(flat, return_inverse=True)
+        unique_np = unique.detach().cpu().numpy()
+        rows_np = None
+        if self._prefetch is not None:
+            pre_ids, fut = self._prefetch
+            self._prefetch = None
+            if np.array_equal(pre_ids, unique_np):
+                rows_np = fut.result()
+        if rows_np is None:
+            rows_np = self.client.pull_rows(self.table, unique_np)
+        rows = torch.from_numpy(rows_np).to(ids.device)
+        if self.training and torch.is_grad_enabled():
+            rows.requires_grad_(True)
+            self._pending.append((unique_np, rows))
+        return F.embedding(inverse.reshape(ids.shape), rows)
+
+    def take_gradients(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(ids, gradient rows) of every forward since the last call; clears them."""
+        out = []
+        for ids, rows in self._pending:
+            if rows.grad is not None:
+                out.append((ids, rows.grad.detach().cpu().numpy()))
+        self._pending = []
+        return out
+
+
+class PSModel:
+    """Binds a module's parameters to shardps tables; see the module docstring.
+
+    Not thread-safe (one training loop drives it). ``pull``/``push`` block; with a SYNC or
+    BOUNDED job, ``pull`` waits as the consistency model requires.
+    """
+
+    def __init__(self, module: nn.Module, client: PSClient, optimizer: OptimizerConfig | None = None,
+                 optimizers: dict[str, OptimizerConfig] | None = None, local: Sequence[str] = (),
+                 local_optimizer: torch.optim.Optimizer | None = None, block_size: int = 0,
+                 report_steps: bool = False):
+        self.module = module
+        self.client = client
+        self.optimizer = optimizer or sgd(0.01)
+        self.optimizers = dict(optimizers or {})
+        self.local = tuple(local)
+        self.local_optimizer = local_optimizer
+        self.block_size = block_size
+        self.report_steps = report_steps
+        self.embeddings: dict[str, PSEmbedding] = {}
+        for name, mod in module.named_modules():
+            if isinstance(mod, PSEmbedding):
+                mod.table = mod.table or name
+                mod.client = client
+                self.embeddings[name] = mod
+        self.dense: dict[str, nn.Parameter] = {}
+        for name, p in module.named_parameters():
+            if self._is_local(name):
+                continue
+            self.dense[name] = p
+        self.step = 0
+        self.timings = {"pull_wait": 0.0, "push_wait": 0.0}
+        self._base_lr: dict[str, float] = {}
+
+    def _is_local(self, name: str) -> bool:
+        return any(name == p or name.startswith(p.rstrip(".") + ".") for p in self.local)
+
+    def table_optimizer(self, table: str) -> OptimizerConfig:
+        return self.optimizers.get(table, self.optimizer)
+
+    # ------------------------------------------------------------------ set-up
+    def create_tables(self, timeout: float | None = None) -> None:
+        """Create every table (idempotent) and offer this module's initial values; then pull
+        the values that won, so every worker starts identical."""
+        for name, p in self.dense.items():
+            self.client.create_table(dense_table(name, tuple(p.shape), assigned(), self.block_size),
+                                     self.table_optimizer(name), timeout=timeout)
+        for name, emb in self.embeddings.items():
+            self.client.create_table(sparse_table(emb.table, emb.embedding_dim, emb.num_embeddings,
+                                                  emb.init, emb.num_blocks),
+                                     emb.optimizer or self.table_optimizer(emb.table), timeout=timeout)
+        for name, p in self.dense.items():
+            self.client.initialize_dense(name, p.detach().cpu().numpy(), timeout=timeout)
+            self._base_lr[name] = self.table_optimizer(name).lr
+        for emb in self.embeddings.values():
+            self._base_lr[emb.table] = (emb.optimizer or self.table_optimizer(emb.table)).lr
+        self.pull()
+
+    # ------------------------------------------------------------------ per step
+    def pull(self) -> None:
+        """Load the servers' current values into the module's dense parameters."""
+        if not self.dense:
+            return
+        started = time.perf_counter()
+        self.client.clock = self.step
+        names = list(self.dense)
+        res = self.client.pull_many([(n,) for n in names])
+        with torch.no_grad():
+            for name, values in zip(names, res.values):
+                p = self.dense[name]
+                p.copy_(torch.from_numpy(np.asarray(values)).reshape(p.shape))
+        self.timings["pull_wait"] += time.perf_counter() - started
+
+    def push(self) -> PushResult:
+        """Send the gradients of this step (dense parameters, and the rows each PSEmbedding
+        used) as one push, step the local optimizer, zero the gradients, advance the clock."""
+        started = time.perf_counter()
+        requests: list[tuple] = []
+        for name, p in self.dense.items():
+            if p.grad is not None:
+                requests.append((name, p.grad.detach().cpu().numpy()))
+        for emb in self.embeddings.values():
+            parts = emb.take_gradients()
+            if parts:
+                ids = np.concatenate([i for i, _ in parts])
+                grads = np.concatenate([g for _, g in parts])
+                requests.append((emb.table, ids, grads))
+        result = self.client.push_many(requests, clock=self.step, report_step=self.report_steps)
+        if self.local_optimizer is not None:
+            self.local_optimizer.step()
+            self.local_optimizer.zero_grad(set_to_none=True)
+        for p in self.dense.values():
+            p.grad = None
+        self.step += 1
+        self.client.clock = self.step
+        self.timings["push_wait"] += time.perf_counter() - started
+        return result
+
+    # ------------------------------------------------------------------ schedules and export
+    def set_lr(self, lr_of: Callable[[float], float]) -> None:
+        """Set every table's learning rate to ``lr_of(base_lr)`` (one manager call per table:
+        call it per epoch or every few hundred steps, not per step)."""
+        for table, base in self._base_lr.items():
+            self.client.update_config(table, lr=float(lr_of(base)))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's ordinary state dict holding the servers' current values."""
+        self.pull()
+        state = self.module.state_dict()
+        for name, emb in self.embeddings.items():
+            key = f"{name}.weight" if name else "weight"
+            state[key] = torch.from_numpy(self._full_embedding(emb))
+        return state
+
+    def _full_embedding(self, emb: PSEmbedding, chunk: int = 1 << 18) -> np.ndarray:
+        if emb.num_embeddings <= 0:
+            raise InvalidArgument(f"PSEmbedding {emb.table!r} has no num_embeddings bound: export "
+                                  f"it with client.state_dict() (ids + rows) instead")
+        out = np.empty((emb.num_embeddings, emb.embedding_dim), np.float32)
+        for start in range(0, emb.num_embeddings, chunk):
+            ids = np.arange(start, min(start + chunk, emb.num_embeddings), dtype=np.int64)
+            out[start:start + ids.shape[0]] = self.client.pull_rows(emb.table, ids)
+        return out
+
+
+class PSLambdaLR:
+    """Like ``torch.optim.lr_scheduler.LambdaLR`` for server-side optimizers: ``step()`` sets
+    every table's lr to ``base_lr * lr_lambda(epoch)``."""
+
+    def __init__(self, ps_model: PSModel, lr_lambda: Callable[[int], float]):
+        self.ps_model = ps_model
+        self.lr_lambda = lr_lambda
+        self.epoch = 0
+
+    def step(self) -> None:
+        self.epoch += 1
+        factor = self.lr_lambda(self.epoch)
+        if not math.isfinite(factor) or factor < 0:
+            raise InvalidArgument(f"lr_lambda({self.epoch}) = {factor}: must be a finite number >= 0")
+        self.ps_model.set_lr(lambda base: base * factor)
