@@ -140,6 +140,10 @@ class PSModel:
         self.timings = {"pull_wait": 0.0, "push_wait": 0.0}
         self._base_lr: dict[str, float] = {}
 
+    def __call__(self, *args, **kwargs):
+        """Run the wrapped module's forward."""
+        return self.module(*args, **kwargs)
+
     def _is_local(self, name: str) -> bool:
         return any(name == p or name.startswith(p.rstrip(".") + ".") for p in self.local)
 

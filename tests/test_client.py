@@ -1,0 +1,120 @@
+"""PSClient against real gRPC servers on loopback (manager and servers in this process)."""
+
+import numpy as np
+import pytest
+
+from shardps.errors import AlreadyExists, InvalidArgument, NotFound
+from shardps.tables import adagrad, normal, sgd, uniform
+
+
+def test_dense_push_pull_round_trip(cluster, client_factory):
+    c = client_factory(cluster.address)
+    c.create_job()
+    c.create_dense("w", (300, 70), optimizer=sgd(0.5), init=uniform(-1, 1, seed=3), block_size=4096)
+    w0 = c.pull_dense("w")
+    assert w0.shape == (300, 70) and w0.std() > 0.3
+    ack = c.push_dense("w", np.ones_like(w0))
+    np.testing.assert_allclose(c.pull_dense("w"), w0 - 0.5, rtol=1e-6)
+    assert len(ack.versions) == c.table("w").spec.block_count
+    part = c.pull_dense("w", 1000, 1100)
+    np.testing.assert_allclose(part, (w0 - 0.5).reshape(-1)[1000:1100])
+
+
+def test_sparse_rows_duplicates_summed_and_unpushed_rows_initial(cluster, client_factory):
+    c = client_factory(cluster.address)
+    c.create_job()
+    c.create_sparse("e", 8, optimizer=sgd(1.0), init=normal(0, 0.1, seed=9))
+    ids = np.array([3, 99, 3, 2**40, -7], dtype=np.int64)
+    before = c.pull_rows("e", ids)
+    assert np.array_equal(before[0], before[2])
+    c.push_rows("e", ids, np.ones((5, 8), np.float32))
+    after = c.pull_rows("e", ids)
+    np.testing.assert_allclose(after[0], before[0] - 2.0, rtol=1e-6)     # id 3 pushed twice
+    np.testing.assert_allclose(after[1], before[1] - 1.0, rtol=1e-6)
+    fresh = c.pull_rows("e", [12345])
+    again = client_factory(cluster.address).pull_rows("e", [12345])
+    np.testing.assert_array_equal(fresh, again)
+    usage = sum(s.node.usage()["tables"].get(("test", "e"), [0, 0, 0])[1] for s in cluster.servers.values())
+    assert usage == 4 * 8, "only pushed rows are stored"
+
+
+def test_several_tables_in_one_request_and_state_dict(cluster, client_factory):
+    c = client_factory(cluster.address)
+    c.create_job()
+    c.create_dense("a", (10,), optimizer=sgd(1.0))
+    c.create_sparse("b", 2, optimizer=sgd(1.0))
+    c.push_many([("a", np.ones(10)), ("b", [5, 6], np.ones((2, 2)))])
+    res = c.pull_many([("a",), ("b", [6, 5, 6]), ("a", 2, 4)])
+    np.testing.assert_allclose(res.values[0], -np.ones(10))
+    np.testing.assert_allclose(res.values[1], -np.ones((3, 2)))
+    assert res.values[2].shape == (2,)
+    sd = c.state_dict()
+    assert set(sd) == {"a", "b.ids", "b.rows"} and sd["b.ids"].tolist() == [5, 6]
+
+
+def test_requests_above_4mib_work_and_futures(cluster, client_factory):
+    c = client_factory(cluster.address)
+    c.create_job()
+    n = 5 << 20   # 20 MiB of float32
+    c.create_dense("big", (n,), optimizer=sgd(1.0))
+    grad = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+    fut = c.push_dense_async("big", grad)
+    fut.result(timeout=60)
+    np.testing.assert_allclose(c.pull_dense_async("big").result(timeout=60), -grad)
+
+
+def test_create_table_idempotent_and_conflict(cluster, client_factory):
+    c = client_factory(cluster.address)
+    c.create_job()
+    t1 = c.create_dense("w", (10,), optimizer=sgd(0.1))
+    t2 = c.create_dense("w", (10,), optimizer=sgd(0.1))
+    assert t1.spec == t2.spec
+    with pytest.raises(AlreadyExists, match="another spec"):
+        c.create_dense("w", (11,), optimizer=sgd(0.1))
+
+
+def test_learning_rate_change_takes_effect_on_the_next_push(cluster, client_factory):
+    c = client_factory(cluster.address)
+    c.create_job()
+    c.create_dense("w", (4,), optimizer=sgd(0.1))
+    c.push_dense("w", np.ones(4))
+    np.testing.assert_allclose(c.pull_dense("w"), -0.1 * np.ones(4), rtol=1e-6)
+    cfg = c.update_config("w", lr=0.5)
+    assert cfg.optimizer.lr == 0.5 and cfg.version == 2
+    c.push_dense("w", np.ones(4))
+    np.testing.assert_allclose(c.pull_dense("w"), -0.6 * np.ones(4), rtol=1e-6)
+    with pytest.raises(InvalidArgument, match="cannot change"):
+        c.update_config("w", momentum=0.9)
+
+
+def test_errors_are_shardps_errors(cluster, client_factory):
+    c = client_factory(cluster.address, job="nojob")
+    with pytest.raises(NotFound, match="job 'nojob'"):
+        c.create_dense("w", (3,))
+    with pytest.raises(NotFound):
+        c.pull_dense("missing")
+
+
+def test_unreachable_manager_raises_with_advice(client_factory):
+    from shardps.errors import Unavailable
+    c = client_factory("127.0.0.1:1", timeout=1.0)
+    with pytest.raises(Unavailable, match="reachable"):
+        c.refresh_map()
+
+
+def test_exactly_once_retry_of_the_same_push(cluster, client_factory):
+    """A push re-sent with the same (session, incarnation, sequence) is applied once."""
+    from shardps.protos.v1 import parameter_server_pb2 as ps
+    from shardps.worker.routing import Piece
+    c = client_factory(cluster.address)
+    c.create_job()
+    c.join(name="w", heartbeat=False)
+    c.create_dense("w", (100,), optimizer=sgd(1.0), block_size=10)
+    piece = Piece(0, "w", True, 0, 100, values=np.ones(100, np.float32))
+    with c._seq_lock:
+        seq = c._next_seq
+    first = c._push([piece], ps.GRADIENT, None, None, False)
+    c._next_seq = seq            # simulate a retry of the same push after a lost ack
+    again = c._push([piece], ps.GRADIENT, None, None, False)
+    assert first.duplicate_blocks == 0 and again.duplicate_blocks == 10
+    np.testing.assert_allclose(c.pull_dense("w"), -np.ones(100))

@@ -1,0 +1,96 @@
+"""The manager's decisions with a fake clock: leases, promotion, ranks, persistence (pure)."""
+
+import pytest
+
+from shardps.errors import AlreadyExists, FailedPrecondition, NotFound
+from shardps.server.manager_state import ManagerSettings, ManagerState, ServerState
+from shardps.tables import Consistency, TableConfig, dense_table, sgd, sparse_table
+
+
+def make(n=3, r=2):
+    st = ManagerState(ManagerSettings(replication=r, server_lease_seconds=3.0, worker_lease_seconds=5.0))
+    for i in range(n):
+        st.register_server(f"s{i}", f"h:{i}", "", f"boot{i}", now=0.0)
+    st.create_job("j", Consistency.ASYNC, 0)
+    return st
+
+
+def test_table_creation_is_idempotent_and_conflicts_are_named():
+    st = make()
+    t, created = st.create_table("j", dense_table("w", (100,), block_size=10), TableConfig(sgd(0.1)))
+    assert created and len(t.blocks) == 10 and all(len(b.replicas) == 2 for b in t.blocks)
+    epoch = st.epoch
+    _, created = st.create_table("j", dense_table("w", (100,), block_size=10), TableConfig(sgd(0.1)))
+    assert not created and st.epoch == epoch
+    with pytest.raises(AlreadyExists, match="another spec"):
+        st.create_table("j", dense_table("w", (101,), block_size=10), TableConfig(sgd(0.1)))
+    with pytest.raises(NotFound, match="job 'nope'"):
+        st.create_table("nope", dense_table("w", (1,)), TableConfig())
+
+
+def test_lease_expiry_promotes_the_backup_and_bumps_since_epoch():
+    st = make()
+    t, _ = st.create_table("j", sparse_table("e", 4, num_blocks=30), TableConfig(sgd(0.1)))
+    before = {i: list(b.replicas) for i, b in enumerate(t.blocks)}
+    for name in ("s1", "s2"):
+        st.server_heartbeat(name, 1, st.epoch, {}, now=2.5)
+    changed = st.expire(now=4.0)
+    assert changed == ["server:s0"]
+    for i, b in enumerate(t.blocks):
+        assert "s0" not in b.replicas and b.replicas
+        if "s0" in before[i]:
+            assert b.since_epoch == st.epoch
+            assert b.replicas == [n for n in before[i] if n != "s0"]
+    with pytest.raises(FailedPrecondition, match="fenced"):
+        st.server_heartbeat("s0", 1, st.epoch, {}, now=4.1)
+    moves = st.plan_moves()
+    assert moves and all("s0" not in m.target and len(m.target) == 2 for m in moves)
+
+
+def test_restart_under_the_same_name_is_fenced():
+    st = make(3, 1)
+    t, _ = st.create_table("j", dense_table("w", (300,), block_size=10), TableConfig())
+    owned = [i for i, b in enumerate(t.blocks) if b.replicas == ["s1"]]
+    rec = st.register_server("s1", "h:1", "", "another-boot", now=1.0)
+    assert rec.incarnation == 2 and rec.state is ServerState.JOINING
+    for i in owned:   # R=1: its blocks were lost; re-created empty elsewhere, marked fresh
+        b = t.blocks[i]
+        assert b.replicas and b.replicas != ["s1"] and b.fresh_epoch == b.since_epoch
+
+
+def test_ranks_rejoin_and_leases():
+    st = make()
+    a = st.join("j", "a", -1, "", None, 0, now=0.0)
+    b = st.join("j", "b", -1, "", None, 0, now=0.0)
+    assert (a.rank, b.rank) == (0, 1)
+    again = st.join("j", "a", -1, a.session, None, 0, now=1.0)
+    assert again.rank == 0 and again.incarnation == 2 and again.session == a.session
+    st.worker_heartbeat("j", a.session, 2, 5, 0.0, 0.0, now=4.0)
+    for name in ("s0", "s1", "s2"):
+        st.server_heartbeat(name, 1, st.epoch, {}, now=6.0)
+    assert st.expire(now=7.0) == ["worker:j/1"]
+    c = st.join("j", "c", -1, "", None, 0, now=7.0)
+    assert c.rank == 1
+    with pytest.raises(FailedPrecondition, match="ASYNC"):
+        st.join("j", "d", -1, "", Consistency.SYNC, 0, now=7.0)
+
+
+def test_persistence_round_trip(tmp_path):
+    st = make()
+    st.create_table("j", dense_table("w", (50,), block_size=10), TableConfig(sgd(0.3)))
+    st.join("j", "a", -1, "", None, 0, now=0.0)
+    st.save(tmp_path / "state.json")
+    back = ManagerState.load(tmp_path / "state.json", st.settings, now=100.0)
+    assert back.shard_map() == st.shard_map()
+    assert back.servers["s0"].last_heartbeat == 100.0
+
+
+def test_drain_plans_moves_off_the_node_and_retires_it():
+    st = make(3, 1)
+    t, _ = st.create_table("j", dense_table("w", (300,), block_size=10), TableConfig())
+    st.drain_server("s0")
+    moves = st.plan_moves()
+    assert moves and all("s0" not in m.target for m in moves)
+    assert st.commit_moves(moves, now=1.0) == len(moves)
+    assert all("s0" not in b.replicas for b in t.blocks)
+    assert st.retire_drained() == ["s0"] and st.servers["s0"].retired

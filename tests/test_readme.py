@@ -1,0 +1,34 @@
+"""The README's examples run, against a real cluster, so they cannot drift."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def test_readme_has_the_two_commands():
+    text = README.read_text()
+    assert "make run" in text and "make test" in text
+
+
+@pytest.mark.parametrize("index", range(len(python_blocks())))
+def test_readme_example_runs(index, cluster, monkeypatch, tmp_path):
+    monkeypatch.setenv("SHARDPS_MANAGER", cluster.address)
+    monkeypatch.chdir(tmp_path)
+    code = python_blocks()[index]
+    exec(compile(code, f"README.md example {index}", "exec"), {"__name__": f"readme{index}"})
+    if "recommender.pt" in code:
+        # the exported state dict loads into plain PyTorch, with nn.Embedding for PSEmbedding
+        state = torch.load(tmp_path / "recommender.pt")
+        plain = torch.nn.Module()
+        plain.items = torch.nn.Embedding(100_000, 8)
+        plain.head = torch.nn.Linear(8, 1)
+        plain.load_state_dict(state)
+        assert state["items.weight"].shape == (100_000, 8)
