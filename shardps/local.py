@@ -255,7 +255,9 @@ def run_local(args) -> int:
 
 
 def _worker_args(args) -> list[str]:
-    from shardps.cli import FLAGS
+    from shardps.cli import FLAGS, build_parser
+    if "worker" not in FLAGS:
+        build_parser()
     skip = {"--manager", "--name", "--log-format", "--metrics-port", "--metrics-host", "--rank-hint"}
     out = []
     for flag in FLAGS["worker"]:

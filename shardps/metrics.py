@@ -132,6 +132,9 @@ class WorkerMetrics:
                              ("direction",), registry=r)
         self.rows = Counter("shardps_client_rows_total", "Sparse rows pushed and pulled.",
                             ("direction",), registry=r)
+        self.sparse_bytes = Counter("shardps_client_sparse_bytes_total",
+                                    "Bytes of sparse ids and rows pushed and pulled (part of bytes_total).",
+                                    ("direction",), registry=r)
         self.retries = Counter("shardps_client_retries_total", "Data calls retried, by reason.",
                                ("reason",), registry=r)
         self.steps = Counter("shardps_worker_steps_total", "Training steps completed.", ("job",), registry=r)

@@ -660,7 +660,7 @@ class PSClient:
         def send(server: str, address: str, ps_: list[Piece], view: ShardMapView) -> None:
             header = ps.PushHeader(header=self._header(view, seq, clock), kind=kind)
             arrays = []
-            rows = 0
+            rows = sparse_bytes = 0
             for p in ps_:
                 seg = header.segments.add(table=p.table)
                 if p.dense:
@@ -671,6 +671,7 @@ class PSClient:
                     rows += p.rows
                     arrays.append(np.ascontiguousarray(p.ids, dtype="<i8"))
                     arrays.append(dtypes.encode(p.values, self.wire_dtype))
+                    sparse_bytes += arrays[-1].nbytes + arrays[-2].nbytes
             header.payload_bytes = sum(a.nbytes for a in arrays)
             head = header.SerializeToString()
 
@@ -694,6 +695,7 @@ class PSClient:
                 self._observe("shardps.v1.ParameterServer", "Push", "client_stream", code, started)
             self.metrics.bytes.labels("pushed").inc(header.payload_bytes)
             self.metrics.rows.labels("pushed").inc(rows)
+            self.metrics.sparse_bytes.labels("pushed").inc(sparse_bytes)
             with lock:
                 for v in ack.versions:
                     result.versions[(v.table, v.block)] = v.version

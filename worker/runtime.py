@@ -56,6 +56,8 @@ class TrainResult:
     curve: list = field(default_factory=list)          # [(step, {metric: value})] per epoch
     max_staleness: int = 0
     timings: dict = field(default_factory=dict)
+    unique_rows: int = 0            # sum over steps of the distinct embedding ids in the batch
+    sparse_bytes_pushed: int = 0    # client counter: ids + rows of sparse pushes
 
     def line(self, who: str) -> str:
         parts = [f"shardps {who}", f"rank={self.rank}", f"steps={self.steps}"]
@@ -111,6 +113,7 @@ def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=Fals
         bar = tqdm(total=None, desc=f"{task.name} rank {client.membership.rank}", unit="step",
                    file=sys.stderr)
     done = False
+    unique_rows = 0
     result_curve: list = []
     last_log = time.monotonic()
     for epoch in range(epochs):
@@ -133,6 +136,8 @@ def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=Fals
             max_stale = max(max_stale, client.last_staleness)
             t1 = time.perf_counter()
             xb, yb = x[torch.as_tensor(b)], y[torch.as_tensor(b)]
+            if embeddings:
+                unique_rows += int(torch.unique(xb).numel())
             loss = task.loss(task.model(xb), yb)
             loss.backward()
             if embeddings and args.prefetch and i + 1 < len(batch_list):
@@ -177,7 +182,8 @@ def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=Fals
     ps_model.pull()
     result = TrainResult(client.membership.rank, ps_model.step, samples, wall,
                          task.evaluate(task.model, *task.test), losses, result_curve, max_stale,
-                         dict(ps_model.timings, compute=compute))
+                         dict(ps_model.timings, compute=compute), unique_rows,
+                         int(client.metrics.sparse_bytes.labels("pushed")._value.get()))
     return result
 
 

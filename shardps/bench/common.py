@@ -1,0 +1,205 @@
+"""Helpers shared by the benchmark parts: ports, memory, metrics, processes, progress.
+
+Every process a part starts is stopped when the part ends, passed or failed: child processes
+are started through ``Children`` (a context manager) or ``shardps.local.LocalCluster``, and
+die with the benchmark process if it is killed (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import multiprocessing as mp
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+PROXY_VARIABLES = ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "grpc_proxy", "all_proxy",
+                   "ALL_PROXY")
+
+
+class BenchError(RuntimeError):
+    """A benchmark part could not measure what it set out to (the message says why)."""
+
+
+# ---------------------------------------------------------------- numbers
+def median(values) -> float:
+    values = list(values)
+    return statistics.median(values) if values else float("nan")
+
+
+def gbps(nbytes: float, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("nan")
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
+# ---------------------------------------------------------------- ports and memory
+def free_port() -> int:
+    """A loopback port free right now (for torch.distributed's tcp:// rendezvous, which needs
+    a number before the listener exists; a clash makes the part fail, not hang)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def proc_status_kb(pid: int, field: str = "VmRSS") -> int:
+    """A ``/proc/PID/status`` memory field (VmRSS, VmHWM) in KiB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise BenchError(f"/proc/{pid}/status has no {field}")
+
+
+def self_peak_rss_kb() -> int:
+    """This process's peak resident memory (VmHWM), KiB."""
+    return proc_status_kb(os.getpid(), "VmHWM")
+
+
+def scrape(address: str, timeout: float = 5.0) -> dict[tuple[str, tuple], float]:
+    """A process's Prometheus metrics: ``{(sample name, sorted label items): value}``."""
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
+            f"http://{address}/metrics", timeout=timeout) as resp:
+        text = resp.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def metric_sum(samples: dict, name: str, **labels) -> float:
+    """Sum of the samples called ``name`` whose labels include ``labels``."""
+    want = set(labels.items())
+    return sum(v for (n, lab), v in samples.items() if n == name and want <= set(lab))
+
+
+# ---------------------------------------------------------------- processes
+def die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def clean_environment() -> None:
+    """Loopback traffic must never go through a proxy (gRPC honours http_proxy)."""
+    for var in PROXY_VARIABLES:
+        os.environ.pop(var, None)
+    os.environ["no_proxy"] = "127.0.0.1,localhost"
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+
+
+class Children:
+    """Spawned ``multiprocessing`` children and ``subprocess`` processes, all stopped on exit
+    (terminate, then kill after ``grace`` seconds)."""
+
+    def __init__(self, grace: float = 10.0):
+        self.ctx = mp.get_context("spawn")
+        self.grace = grace
+        self.procs: list = []
+
+    def spawn(self, target, *args) -> mp.Process:
+        p = self.ctx.Process(target=_child_main, args=(target, args), daemon=True)
+        p.start()
+        self.procs.append(p)
+        return p
+
+    def popen(self, cmd: list[str], log_path: Path, env: dict | None = None) -> subprocess.Popen:
+        logf = open(log_path, "ab")
+        try:
+            p = subprocess.Popen(cmd, stdout=logf, stderr=logf, env=env, preexec_fn=die_with_parent)
+        finally:
+            logf.close()
+        self.procs.append(p)
+        return p
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if _alive(p):
+                p.terminate()
+        deadline = time.monotonic() + self.grace
+        for p in self.procs:
+            _wait(p, max(0.1, deadline - time.monotonic()))
+            if _alive(p):
+                p.kill()
+                _wait(p, 5.0)
+        self.procs = []
+
+    def __enter__(self) -> "Children":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _child_main(target, args) -> None:
+    die_with_parent()
+    target(*args)
+
+
+def _alive(p) -> bool:
+    return p.is_alive() if isinstance(p, mp.process.BaseProcess) else p.poll() is None
+
+
+def _wait(p, timeout: float) -> None:
+    if isinstance(p, mp.process.BaseProcess):
+        p.join(timeout)
+    else:
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def wait_all(procs: list, timeout: float, what: str, logs: list[Path] = ()) -> None:
+    """Wait for processes to exit 0; raise BenchError (with log tails) on failure or timeout."""
+    deadline = time.monotonic() + timeout
+    for i, p in enumerate(procs):
+        _wait(p, max(0.1, deadline - time.monotonic()))
+        code = p.exitcode if isinstance(p, mp.process.BaseProcess) else p.poll()
+        if code != 0:
+            tail = ""
+            if i < len(logs):
+                tail = "\n" + "\n".join(Path(logs[i]).read_text(errors="replace").splitlines()[-20:])
+            state = "timed out" if code is None else f"exited with {code}"
+            raise BenchError(f"{what} {i} {state}{tail}")
+
+
+def worker_command(manager: str, name: str, args: list[str], rss_file: Path) -> list[str]:
+    """``shardps worker`` with ``args``, through ``shardps.bench.probe`` (which records the
+    process's peak RSS in ``rss_file`` after the worker returns)."""
+    return [sys.executable, "-m", "shardps.bench.probe", str(rss_file), "worker", "--manager", manager,
+            "--name", name, "--log-format", "human"] + args
+
+
+def read_json(path: Path) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+# ---------------------------------------------------------------- progress
+class Progress:
+    """Clear progress lines on stderr: ``[bench  12.3s] dense: 16 MiB round 2/5``."""
+
+    def __init__(self, stream=None, quiet: bool = False):
+        self.stream = stream or sys.stderr
+        self.quiet = quiet
+        self.started = time.monotonic()
+        self.part = ""
+
+    def __call__(self, message: str) -> None:
+        if not self.quiet:
+            elapsed = time.monotonic() - self.started
+            prefix = f"{self.part}: " if self.part else ""
+            print(f"[bench {elapsed:6.1f}s] {prefix}{message}", file=self.stream, flush=True)

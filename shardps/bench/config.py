@@ -1,0 +1,112 @@
+"""The benchmark's configuration: one frozen dataclass, three presets.
+
+``QUICK`` (the default, under 10 minutes on a 2-core machine) and ``FULL`` measure the same
+things; ``FULL`` repeats more and trains on more data. ``TINY`` runs every part's machinery on
+toy sizes in seconds; the tests use it, and its numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    name: str
+    seed: int = 0
+    # transport: one process sends `tcp_mib` to another over a loopback socket, `tcp_repeats` times
+    tcp_mib: int = 64
+    tcp_repeats: int = 10
+    # dense: whole-tensor push (SGD on the server) and pull; rounds interleave the systems
+    dense_sizes_mib: tuple[int, ...] = (16, 64)
+    dense_servers: tuple[int, ...] = (1, 2)
+    dense_rounds: int = 5
+    dense_lr: float = 0.01
+    # sparse: pull then push of `sparse_ids` unique ids x `sparse_dim` of a `sparse_rows` table
+    sparse_rows: int = 1_000_000
+    sparse_dim: int = 64
+    sparse_ids: int = 10_000
+    sparse_rounds: int = 10
+    sparse_populate: bool = True          # store every row on the server before timing
+    # end to end: the ctr model
+    e2e_rows: int = 1_000_000
+    e2e_train_samples: int = 200_000
+    e2e_workers: int = 2
+    e2e_servers: int = 2
+    # memory
+    mem_dense_params: int = 10_000_000
+    mem_sparse_rows: int = 1_000_000
+    mem_sparse_dim: int = 16
+    mem_push_elements: int = 1 << 20       # dense elements per push while filling a table
+    mem_push_rows: int = 50_000            # sparse rows per push while filling a table
+    mem_worker_rows: tuple[int, int] = (1_000_000, 10_000_000)
+    mem_worker_steps: int = 20
+    mem_worker_train_samples: int = 20_000
+    mem_ddp_dense: bool = True             # also measure DDP with a dense embedding
+    # cost curves: (servers, workers) pairs, each worker runs `curve_steps` steps
+    curve_points: tuple[tuple[int, int], ...] = ((1, 2), (2, 1), (2, 2), (2, 3), (2, 4), (3, 2), (4, 2))
+    curve_steps: int = 60
+    curve_train_samples: int = 100_000
+    curve_rows: int = 1_000_000
+    # placement simulation
+    placement_sizes: tuple[int, ...] = (10, 100, 1000)
+    placement_blocks_per_server: int = 1000
+    placement_timeout_s: float = 240.0     # per size; a size that takes longer is reported as such
+    # every part gives up after this long (processes are stopped)
+    process_timeout_s: float = 900.0
+
+    def replace(self, **changes) -> "BenchConfig":
+        return dataclasses.replace(self, **changes)
+
+
+QUICK = BenchConfig(name="quick")
+
+FULL = BenchConfig(
+    name="full",
+    tcp_repeats=20,
+    dense_rounds=10,
+    sparse_rounds=30,
+    e2e_train_samples=400_000,
+    mem_worker_steps=40,
+    curve_points=tuple((s, w) for s in (1, 2, 3, 4) for w in (1, 2, 3, 4)),
+    curve_steps=150,
+    curve_train_samples=200_000,
+    placement_timeout_s=1800.0,
+    process_timeout_s=3600.0,
+)
+
+TINY = BenchConfig(
+    name="tiny",
+    tcp_mib=1,
+    tcp_repeats=2,
+    dense_sizes_mib=(1,),
+    dense_servers=(1,),
+    dense_rounds=1,
+    sparse_rows=10_000,
+    sparse_dim=8,
+    sparse_ids=100,
+    sparse_rounds=1,
+    e2e_rows=10_000,
+    e2e_train_samples=4_096,
+    mem_dense_params=1 << 18,
+    mem_sparse_rows=10_000,
+    mem_push_elements=1 << 16,
+    mem_push_rows=5_000,
+    mem_worker_rows=(10_000, 20_000),
+    mem_worker_steps=2,
+    mem_worker_train_samples=2_048,
+    mem_ddp_dense=False,
+    curve_points=((1, 1),),
+    curve_steps=2,
+    curve_train_samples=2_048,
+    curve_rows=10_000,
+    placement_sizes=(4,),
+    placement_blocks_per_server=50,
+    placement_timeout_s=60.0,
+    process_timeout_s=300.0,
+)
+
+PRESETS = {"quick": QUICK, "full": FULL, "tiny": TINY}

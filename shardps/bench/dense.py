@@ -1,0 +1,137 @@
+"""Dense: push (applying SGD on the server) and pull of a whole 16 / 64 MiB float32 tensor.
+
+shardps: a ``LocalCluster`` of 1 (and 2) server processes, one ``PSClient`` in this process
+that joined a worker group (the path a training worker takes), ``push_dense`` of the whole
+table, then ``pull_dense``. torch RPC: ``shardps.bench.rpc_baseline`` moving the same tensor,
+its push applying the same SGD update. Each round runs one shardps push + pull and then one
+push + pull of each torch RPC configuration; the figures are medians over the rounds, after
+one warm-up round each. GB/s counts float32 payload bytes (4 per element) per second.
+
+Keys: ``ps_dense_{push,pull}_gbps_{16,64}mib_{1,2}s``, ``rpc_dense_{push,pull}_gbps_{16,64}mib``
+(TensorPipe uv transport, default channels: the configuration the issue names) and
+``rpc_tcp_dense_{push,pull}_gbps_{..}mib`` (uv transport and the ``basic`` channel: every byte
+over TCP). Headline ``ps_dense_push_gbps`` / ``rpc_dense_push_gbps`` (and pull) are the 16 MiB
+figures with one shardps server against one torch RPC server.
+Also ``ps_dense_{push,pull}_gbps_16mib_1s_bf16``: the same with bfloat16 on the wire (GB/s of
+the float32 tensor moved).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from shardps.bench.common import BenchError, gbps, median, ratio
+from shardps.bench.config import MIB, BenchConfig
+from shardps.bench.rpc_baseline import RpcBaseline
+
+RPC_CONFIGS = {"rpc": None, "rpc_tcp": ["basic"]}     # key prefix -> TensorPipe channels
+
+
+def _check(what: str, got: float, grad0: float, pushes: int, lr: float) -> None:
+    want = -lr * pushes * grad0
+    if not np.isclose(got, want, rtol=1e-3, atol=1e-6):
+        raise BenchError(f"{what}: after {pushes} SGD pushes the first value is {got}, expected {want}")
+
+
+class _Timings:
+    """Seconds per operation, keyed by metric name; each key moves a fixed number of bytes."""
+
+    def __init__(self):
+        self.seconds: dict[str, list[float]] = {}
+        self.nbytes: dict[str, int] = {}
+
+    def add(self, key: str, nbytes: int, seconds: float) -> None:
+        self.seconds.setdefault(key, []).append(seconds)
+        self.nbytes[key] = nbytes
+
+    def gbps(self, key: str) -> float:
+        return gbps(self.nbytes[key], median(self.seconds[key]))
+
+
+def _round(client, rpcs: dict, name: str, grad: np.ndarray, suffix: str, measured: bool,
+           timings: _Timings, counts: dict, cfg: BenchConfig, wire: str) -> None:
+    """One shardps push + pull, then one of each torch RPC configuration (float32 only)."""
+    nbytes = grad.nbytes
+    t0 = time.perf_counter()
+    client.push_dense(name, grad)
+    t1 = time.perf_counter()
+    values = client.pull_dense(name)
+    t2 = time.perf_counter()
+    counts[("ps", suffix)] = counts.get(("ps", suffix), 0) + 1
+    if wire == "float32":
+        _check(f"shardps {name}", float(values[0]), float(grad[0]), counts[("ps", suffix)], cfg.dense_lr)
+    if measured:
+        timings.add(f"ps_dense_push_gbps_{suffix}", nbytes, t1 - t0)
+        timings.add(f"ps_dense_pull_gbps_{suffix}", nbytes, t2 - t1)
+    if wire != "float32":
+        return
+    mib = nbytes // MIB
+    for prefix, r in rpcs.items():
+        tp, tl, first, numel = r.call("dense_round", name, cfg.dense_lr)
+        counts[(prefix, name)] = counts.get((prefix, name), 0) + 1
+        _check(f"{prefix} {name}", first, float(grad[0]), counts[(prefix, name)], cfg.dense_lr)
+        if numel != grad.shape[0]:
+            raise BenchError(f"{prefix} pull returned {numel} elements, expected {grad.shape[0]}")
+        if measured:
+            timings.add(f"{prefix}_dense_push_gbps_{mib}mib", nbytes, tp)
+            timings.add(f"{prefix}_dense_pull_gbps_{mib}mib", nbytes, tl)
+
+
+def run(cfg: BenchConfig, progress) -> dict[str, float]:
+    from shardps.local import LocalCluster
+    from shardps.tables import sgd, zeros
+    from shardps.worker.client import PSClient
+
+    grads = {mib: np.random.default_rng(cfg.seed).standard_normal(mib * MIB // 4, dtype=np.float32)
+             for mib in cfg.dense_sizes_mib}
+    timings = _Timings()
+    counts: dict = {}
+    rpcs = {prefix: RpcBaseline(channels) for prefix, channels in RPC_CONFIGS.items()}
+    try:
+        for prefix, r in rpcs.items():
+            progress(f"starting torch RPC ({prefix}: uv transport, channels {RPC_CONFIGS[prefix] or 'default'})")
+            r.start()
+            for mib in cfg.dense_sizes_mib:
+                r.call("create_dense", f"d{mib}", mib * MIB // 4, cfg.seed)
+        for servers in cfg.dense_servers:
+            progress(f"starting a shardps cluster of {servers} server(s)")
+            with LocalCluster(servers=servers) as cluster:
+                wires = ("float32", "bfloat16") if servers == 1 else ("float32",)
+                for wire in wires:
+                    with PSClient(cluster.manager_address, f"bench-dense-{wire}", wire_dtype=wire,
+                                  timeout=300.0) as client:
+                        client.create_job()
+                        client.join()
+                        sizes = cfg.dense_sizes_mib if wire == "float32" else cfg.dense_sizes_mib[:1]
+                        for mib in sizes:
+                            name = f"d{mib}"
+                            client.create_dense(name, (mib * MIB // 4,), optimizer=sgd(cfg.dense_lr),
+                                                init=zeros())
+                            suffix = f"{mib}mib_{servers}s" + ("" if wire == "float32" else "_bf16")
+                            for rnd in range(cfg.dense_rounds + 1):      # round 0 warms up
+                                _round(client, rpcs if wire == "float32" else {}, name, grads[mib],
+                                       suffix, rnd > 0, timings, counts, cfg, wire)
+                            line = (f"{mib} MiB, {servers} server(s), wire {wire}: shardps push "
+                                    f"{timings.gbps(f'ps_dense_push_gbps_{suffix}'):.2f} / pull "
+                                    f"{timings.gbps(f'ps_dense_pull_gbps_{suffix}'):.2f} GB/s")
+                            if wire == "float32":
+                                for prefix in rpcs:
+                                    line += (f"; {prefix} push {timings.gbps(f'{prefix}_dense_push_gbps_{mib}mib'):.2f}"
+                                             f" / pull {timings.gbps(f'{prefix}_dense_pull_gbps_{mib}mib'):.2f}")
+                            progress(line)
+                        client.leave()
+    finally:
+        for r in rpcs.values():
+            r.stop()
+    out = {key: timings.gbps(key) for key in timings.seconds}
+    head, s = cfg.dense_sizes_mib[0], cfg.dense_servers[0]
+    for op in ("push", "pull"):
+        out[f"ps_dense_{op}_gbps"] = out[f"ps_dense_{op}_gbps_{head}mib_{s}s"]
+        out[f"rpc_dense_{op}_gbps"] = out[f"rpc_dense_{op}_gbps_{head}mib"]
+        out[f"rpc_tcp_dense_{op}_gbps"] = out[f"rpc_tcp_dense_{op}_gbps_{head}mib"]
+        out[f"ratio_dense_{op}_ps_over_rpc"] = ratio(out[f"ps_dense_{op}_gbps"], out[f"rpc_dense_{op}_gbps"])
+        out[f"ratio_dense_{op}_ps_over_rpc_tcp"] = ratio(out[f"ps_dense_{op}_gbps"],
+                                                        out[f"rpc_tcp_dense_{op}_gbps"])
+    return out

@@ -1,0 +1,121 @@
+"""Sparse: pull then push of 10,000 unique ids x 64 float32 of a 1,000,000-row table.
+
+One round = pull the rows of ``sparse_ids`` unique random ids, then push a gradient for each
+(SGD on the server). shardps: a sparse table on a ``LocalCluster`` (1 server; also 2 servers),
+``pull_rows`` + ``push_rows`` from a ``PSClient`` in this process. torch RPC
+(``shardps.bench.rpc_baseline``, uv transport, default channels): ``table[ids]`` and
+``table.index_add_(0, ids, -lr * grads)`` on a preallocated ``[rows, dim]`` table in another
+process. Both see the same ids and gradients (fixed seed); rounds interleave; one warm-up.
+
+Rows/s = ids / (pull seconds + push seconds), median over rounds (each row travels both ways).
+Before timing, every row of the shardps table is stored (``sparse_populate``: pushes of zero
+gradients), as on a table in steady state; ``ps_sparse_rows_per_s_cold`` times rounds on a
+fresh table instead, where every row is created on its first push.
+
+Bytes per step: ``ps_sparse_step_bytes`` (ids both ways plus values both ways, as counted by
+the client), ``ddp_dense_step_bytes`` (the full ``rows x dim`` float32 gradient a dense DDP
+all-reduce moves every step; with 2 ranks a ring all-reduce sends and receives that much per
+rank) and ``ddp_sparse_step_bytes`` (a sparse-gradient DDP step: each rank sends its ids and
+rows to the other).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from shardps.bench.common import BenchError, median, ratio
+from shardps.bench.config import BenchConfig
+from shardps.bench.rpc_baseline import RpcBaseline
+
+LR = 0.01
+
+
+def _rounds(cfg: BenchConfig, count: int, salt: int):
+    rng = np.random.default_rng([cfg.seed, salt])
+    for _ in range(count):
+        ids = rng.choice(cfg.sparse_rows, cfg.sparse_ids, replace=False).astype(np.int64)
+        grads = (rng.standard_normal((cfg.sparse_ids, cfg.sparse_dim), dtype=np.float32) * 0.01)
+        yield ids, grads
+
+
+def _ps_round(client, table: str, ids: np.ndarray, grads: np.ndarray) -> float:
+    t0 = time.perf_counter()
+    rows = client.pull_rows(table, ids)
+    client.push_rows(table, ids, grads)
+    took = time.perf_counter() - t0
+    if rows.shape != grads.shape:
+        raise BenchError(f"shardps pull_rows returned {rows.shape}, expected {grads.shape}")
+    return took
+
+
+def _populate(client, table: str, cfg: BenchConfig) -> float:
+    t0 = time.perf_counter()
+    chunk = 100_000
+    for start in range(0, cfg.sparse_rows, chunk):
+        ids = np.arange(start, min(start + chunk, cfg.sparse_rows), dtype=np.int64)
+        client.push_rows(table, ids, np.zeros((ids.shape[0], cfg.sparse_dim), np.float32))
+    return time.perf_counter() - t0
+
+
+def _bytes(client) -> float:
+    reg = client.metrics.registry
+    return sum(reg.get_sample_value("shardps_client_bytes_total", {"direction": d}) or 0.0
+               for d in ("pushed", "pulled"))
+
+
+def run(cfg: BenchConfig, progress) -> dict[str, float]:
+    from shardps.local import LocalCluster
+    from shardps.tables import normal, sgd
+    from shardps.worker.client import PSClient
+
+    out: dict[str, float] = {}
+    n = cfg.sparse_ids
+    with RpcBaseline(None) as rpc:
+        progress(f"torch RPC: creating the remote {cfg.sparse_rows:,} x {cfg.sparse_dim} table")
+        rpc.call("create_sparse", "emb", cfg.sparse_rows, cfg.sparse_dim, cfg.seed)
+        ps_times: dict[int, list[float]] = {}
+        rpc_times: list[float] = []
+        for servers in (1, 2):
+            progress(f"starting a shardps cluster of {servers} server(s)")
+            with LocalCluster(servers=servers) as cluster, \
+                    PSClient(cluster.manager_address, "bench-sparse", timeout=300.0) as client:
+                client.create_job()
+                client.join()
+                client.create_sparse("emb", cfg.sparse_dim, num_rows=cfg.sparse_rows, optimizer=sgd(LR),
+                                     init=normal(0.0, 0.01, seed=cfg.seed))
+                if cfg.sparse_populate:
+                    took = _populate(client, "emb", cfg)
+                    out[f"ps_sparse_populate_s_{servers}s"] = took
+                    progress(f"stored all {cfg.sparse_rows:,} rows in {took:.1f}s")
+                times = ps_times.setdefault(servers, [])
+                for i, (ids, grads) in enumerate(_rounds(cfg, cfg.sparse_rounds + 1, 1)):
+                    before = _bytes(client)
+                    took = _ps_round(client, "emb", ids, grads)
+                    moved = _bytes(client) - before
+                    if i:
+                        times.append(took)
+                    if servers == 1:
+                        tp, tu = rpc.call("sparse_round", "emb", ids, grads, LR)
+                        if i:
+                            rpc_times.append(tp + tu)
+                        out["ps_sparse_step_bytes"] = moved + ids.nbytes     # + the ids of the pull request
+                progress(f"{servers} server(s): shardps {n / median(times):,.0f} rows/s"
+                         + (f"; torch RPC {n / median(rpc_times):,.0f} rows/s" if servers == 1 else ""))
+                if servers == 1:
+                    client.create_sparse("cold", cfg.sparse_dim, num_rows=cfg.sparse_rows, optimizer=sgd(LR),
+                                         init=normal(0.0, 0.01, seed=cfg.seed))
+                    cold = [_ps_round(client, "cold", ids, grads)
+                            for ids, grads in _rounds(cfg, max(3, cfg.sparse_rounds // 3), 2)]
+                    out["ps_sparse_rows_per_s_cold"] = n / median(cold)
+                    progress(f"fresh table (rows created on first push): {out['ps_sparse_rows_per_s_cold']:,.0f} rows/s")
+                client.leave()
+    out["ps_sparse_rows_per_s"] = n / median(ps_times[1])
+    out["ps_sparse_rows_per_s_2s"] = n / median(ps_times[2])
+    out["rpc_sparse_rows_per_s"] = n / median(rpc_times)
+    out["ratio_sparse_ps_over_rpc"] = ratio(out["ps_sparse_rows_per_s"], out["rpc_sparse_rows_per_s"])
+    out["ddp_dense_step_bytes"] = float(cfg.sparse_rows * cfg.sparse_dim * 4)
+    out["ddp_sparse_step_bytes"] = float(n * (8 + cfg.sparse_dim * 4))
+    out["ratio_sparse_step_bytes_ddp_dense_over_ps"] = ratio(out["ddp_dense_step_bytes"], out["ps_sparse_step_bytes"])
+    return out

@@ -1,0 +1,109 @@
+"""The `shardps` command: help texts, `shardps local` end to end, clean shutdown."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shardps.cli import FLAGS, build_parser
+
+SHARDPS = [sys.executable, "-m", "shardps.cli"]
+
+
+def test_help_explains_every_subcommand(capsys):
+    out = subprocess.run(SHARDPS + ["--help"], capture_output=True, text=True, check=True).stdout
+    assert "parameter server" in out
+    build_parser()
+    for sub in FLAGS:
+        with pytest.raises(SystemExit) as exit_:
+            build_parser().parse_args([sub, "--help"])
+        assert exit_.value.code == 0
+        text = capsys.readouterr().out
+        assert f"usage: shardps {sub}" in text
+        for flag in FLAGS[sub]:
+            assert flag in text, f"`shardps {sub} --help` does not explain {flag}"
+
+
+def test_environment_variables_set_defaults():
+    parser = build_parser({"SHARDPS_REPLICATION": "3", "SHARDPS_LISTEN": "127.0.0.1:9"})
+    args = parser.parse_args(["manager"])
+    assert args.replication == 3 and args.listen == "127.0.0.1:9"
+    args = parser.parse_args(["manager", "--replication", "2"])
+    assert args.replication == 2
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:   # a zombie is gone for our purposes
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_local_cluster_stops_cleanly_on_sigterm(tmp_path):
+    proc = subprocess.Popen(SHARDPS + ["local", "--servers", "2", "--work-dir", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = proc.stdout.readline()
+        deadline = time.monotonic() + 60
+        while "manager at" not in line and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+        assert "manager at" in line, line
+        address = re.search(r"manager at (\S+);", line).group(1)
+        from shardps.rpc.channels import check_health
+        assert check_health(address) == "SERVING"
+        pids = [json.loads(p.read_text())["pid"] for p in tmp_path.glob("*.ready")]
+        assert len(pids) == 3 and all(_alive(p) for p in pids)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in pids), "orphaned processes left behind"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_make_run_command_trains_digits_to_the_baseline(tmp_path):
+    """`make run`'s command: 2 servers, 2 async workers, digits-cnn, baseline beside it."""
+    started = time.monotonic()
+    out = subprocess.run(SHARDPS + ["local", "--servers", "2", "--workers", "2", "--model", "digits-cnn",
+                                    "--mode", "async", "--baseline", "--work-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.strip().splitlines()
+    print("\n".join(lines[-4:]), f"\n(wall {time.monotonic() - started:.0f}s)")
+    assert lines[-1].startswith("test_accuracy=")
+    dist = float(lines[-1].split("=")[1])
+    base = float(re.search(r"shardps baseline .*test_accuracy=([0-9.]+)", out.stdout).group(1))
+    assert dist >= 0.97 and abs(dist - base) <= 0.01, (dist, base)
+
+
+def test_status_command_shows_servers(cluster):
+    out = subprocess.run(SHARDPS + ["status", "--manager", cluster.address], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "s0" in out.stdout and "SERVING" in out.stdout
+    js = subprocess.run(SHARDPS + ["status", "--manager", cluster.address, "--json"], capture_output=True,
+                        text=True, timeout=60)
+    data = json.loads(js.stdout)
+    assert {s["server"]["name"] for s in data["servers"]} == {"s0", "s1"}
+
+
+def test_health_command_exit_codes(cluster):
+    ok = subprocess.run(SHARDPS + ["health", cluster.address], capture_output=True, text=True, timeout=30)
+    assert ok.returncode == 0 and "SERVING" in ok.stdout
+    bad = subprocess.run(SHARDPS + ["health", "127.0.0.1:1", "--timeout", "1"], capture_output=True,
+                         text=True, timeout=30)
+    assert bad.returncode == 2 and "unreachable" in bad.stderr
