@@ -345,7 +345,8 @@ class ResourceManagerService:
     # --- shard map ---
     def get_shard_map(self, req, call) -> pb.ShardMap:
         if req.min_epoch:
-            timeout = None if call.deadline is None else max(0.0, call.deadline - time.monotonic())
+            # answer (with the current map) a little before the caller's deadline
+            timeout = None if call.deadline is None else max(0.0, call.deadline - time.monotonic() - 0.05)
             return self.rt.wait_published(req.min_epoch, timeout)
         return self.rt.published
 

@@ -560,10 +560,11 @@ class PSClient:
             for e in errors.values():
                 self.metrics.retries.labels(type(e).__name__).inc()
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())) * (0.5 + random.random()))
-            delay = min(delay * 2, 1.0)
-            stale = any(isinstance(e, StaleEpoch) for e in errors.values())
+            delay = min(delay * 2, 0.5)
+            # wait (briefly) for a newer map: after a failover it arrives as soon as the
+            # manager publishes it; otherwise retry with the map we have
             try:
-                view = self.refresh_map(min_epoch=view.epoch + 1 if stale else 0,
+                view = self.refresh_map(min_epoch=view.epoch + 1,
                                         timeout=max(0.05, min(1.0, deadline - time.monotonic())))
             except (DeadlineExceeded, Unavailable):
                 view = self._view()

@@ -1,0 +1,96 @@
+"""End to end: the ``ctr`` model trained five ways, samples/s and test AUC.
+
+``ctr`` (``shardps.worker.models.ctr``): 26 Zipf-distributed hashed features into one
+``e2e_rows x 16`` embedding, MLP 416-64-1, batch 512 per worker, one epoch over
+``e2e_train_samples`` samples (fixed seeds), Adagrad(0.05) on the embedding and Adam(2e-3) on
+the MLP, AUC on 50,000 held-out samples. One torch thread per process.
+
+* ``ps_async`` / ``ps_sync``: a ``LocalCluster`` of ``e2e_servers`` servers and
+  ``e2e_workers`` real ``shardps worker`` processes (``--mode async`` / ``sync``); the
+  optimizers run on the servers. AUC: the mean of the workers' (they evaluate the final
+  parameters after their own last step).
+* ``ddp`` / ``ddp_sparse``: ``shardps.bench.ddp``, DDP over gloo with ``e2e_workers`` ranks,
+  ``nn.Embedding(sparse=False)`` / ``(sparse=True)``.
+* ``single``: ``shardps.worker.runtime.train_single_process`` (``nn.Embedding(sparse=True)``,
+  the same optimizers), in a child process.
+
+samples/s is aggregate: all workers' samples over the slowest one's training-loop time.
+"""
+
+from __future__ import annotations
+
+import time
+
+from shardps.bench import ddp, ps_runs
+from shardps.bench.common import BenchError, Children, ratio, self_peak_rss_kb
+from shardps.bench.config import BenchConfig
+
+
+def worker_args(mode: str, rows: int, train_samples: int, steps: int = 0) -> list[str]:
+    args = ["--model", "ctr", "--mode", mode, "--ctr-rows", str(rows), "--train-samples", str(train_samples),
+            "--torch-threads", "1"]
+    return args + (["--steps", str(steps)] if steps else [])
+
+
+def _single_main(rows: int, train_samples: int, queue) -> None:
+    try:
+        from shardps.cli import build_parser
+        from shardps.worker.runtime import train_single_process
+        args = build_parser().parse_args(["worker"] + worker_args("async", rows, train_samples))
+        res = train_single_process(args)
+        queue.put({"samples": res.samples, "wall_seconds": res.wall_seconds, "auc": res.metrics["test_auc"],
+                   "peak_rss_kb": self_peak_rss_kb()})
+    except BaseException as exc:
+        queue.put({"error": f"{type(exc).__name__}: {exc}"})
+        raise
+
+
+def run_single(rows: int, train_samples: int, timeout: float) -> dict:
+    with Children() as children:
+        queue = children.ctx.Queue()
+        children.spawn(_single_main, rows, train_samples, queue)
+        try:
+            res = queue.get(timeout=timeout)
+        except Exception:
+            raise BenchError(f"the single-process baseline gave no result in {timeout:.0f}s") from None
+    if "error" in res:
+        raise BenchError(f"single process: {res['error']}")
+    return {"samples_per_s": res["samples"] / res["wall_seconds"], "auc": res["auc"],
+            "rank0_peak_rss_mb": res["peak_rss_kb"] / 1024.0}
+
+
+def run(cfg: BenchConfig, progress) -> dict[str, float]:
+    from shardps.local import LocalCluster
+
+    out: dict[str, float] = {}
+    n, rows, w = cfg.e2e_train_samples, cfg.e2e_rows, cfg.e2e_workers
+    progress(f"ctr: {n:,} samples, {rows:,} x 16 embedding, {w} workers, {cfg.e2e_servers} servers")
+
+    def record(name: str, summary: dict, took: float) -> None:
+        out[f"e2e_{name}_samples_per_s"] = summary["samples_per_s"]
+        out[f"e2e_{name}_auc"] = summary["auc"]
+        out[f"e2e_{name}_worker_peak_rss_mb"] = summary["rank0_peak_rss_mb"]
+        for k, v in summary.items():
+            if k.startswith("share_"):
+                out[f"e2e_{name}_{k}"] = v
+        progress(f"{name}: {summary['samples_per_s']:,.0f} samples/s, AUC {summary['auc']:.4f} "
+                 f"({took:.0f}s including start-up)")
+
+    for mode in ("async", "sync"):
+        t0 = time.monotonic()
+        with LocalCluster(servers=cfg.e2e_servers) as cluster:
+            results = ps_runs.train(cluster, f"e2e-{mode}", w, worker_args(mode, rows, n), cfg.process_timeout_s)
+        record(f"ps_{mode}", ps_runs.summarize(results), time.monotonic() - t0)
+    for name, sparse in (("ddp_sparse", True), ("ddp", False)):
+        t0 = time.monotonic()
+        res = ddp.run_ddp(rows, sparse, n, world=w, seed=0, timeout=cfg.process_timeout_s)
+        record(name, ddp.summarize(res), time.monotonic() - t0)
+    t0 = time.monotonic()
+    record("single", run_single(rows, n, cfg.process_timeout_s), time.monotonic() - t0)
+
+    out["e2e_train_samples"] = float(n)
+    out["ratio_e2e_ps_async_over_ddp"] = ratio(out["e2e_ps_async_samples_per_s"], out["e2e_ddp_samples_per_s"])
+    out["ratio_e2e_ps_async_over_ddp_sparse"] = ratio(out["e2e_ps_async_samples_per_s"],
+                                                      out["e2e_ddp_sparse_samples_per_s"])
+    out["e2e_auc_gap_ps_async_minus_ddp_sparse"] = out["e2e_ps_async_auc"] - out["e2e_ddp_sparse_auc"]
+    return out

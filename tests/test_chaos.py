@@ -1,0 +1,210 @@
+"""Chaos on real processes: kill servers, workers and the manager, add and drain servers.
+
+Each test checks a counter table (``tests/chaos_worker.py``: every worker adds +1 per step to
+its own rows and records the pushes acknowledged to it) rather than training to a target,
+except the first, which also trains digits-cnn through the failure.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shardps.local import LocalCluster, _die_with_parent
+from shardps.worker.client import PSClient
+
+pytestmark = pytest.mark.chaos
+HERE = Path(__file__).resolve().parent
+
+
+class Counters:
+    """Counter-worker processes and the check of their table."""
+
+    def __init__(self, cluster: LocalCluster, tmp: Path, job: str = "chaos"):
+        self.cluster, self.tmp, self.job = cluster, tmp, job
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, steps: int, delay: float = 0.02, timeout: float = 120.0) -> subprocess.Popen:
+        cmd = [sys.executable, str(HERE / "chaos_worker.py"), "--manager", self.cluster.manager_address,
+               "--job", self.job, "--name", name, "--steps", str(steps), "--delay", str(delay),
+               "--state-file", str(self.tmp / f"{name}.json"), "--log-file", str(self.tmp / f"{name}.log"),
+               "--timeout", str(timeout), "--stop-file", str(self.tmp / "stop")]
+        log = open(self.tmp / f"{name}.out", "ab")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=log, preexec_fn=_die_with_parent)
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def state(self, name: str) -> dict:
+        path = self.tmp / f"{name}.json"
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    def wait_acked(self, name: str, count: int, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.state(name).get("acked", 0) < count:
+            if self.procs[name].poll() not in (None, 0):
+                raise AssertionError(f"{name} failed:\n{(self.tmp / f'{name}.out').read_text()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} acked {self.state(name).get('acked')} < {count}")
+            time.sleep(0.05)
+
+    def finish(self, timeout: float = 300.0) -> None:
+        for name, proc in self.procs.items():
+            try:
+                code = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                raise AssertionError(f"{name} did not finish")
+            assert code == 0, f"{name} exited {code}:\n{(self.tmp / f'{name}.out').read_text()[-3000:]}"
+
+    def stop(self) -> None:
+        (self.tmp / "stop").touch()
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+    def check(self) -> dict:
+        """Every worker's rows equal its acknowledged pushes. Returns {name: acked}."""
+        table = {}
+        with PSClient(self.cluster.manager_address, self.job, timeout=60) as c:
+            for name in self.procs:
+                st = self.state(name)
+                rows = c.pull_rows("counters", np.array(st["ids"]))[:, 0]
+                assert np.all(rows == st["acked"]), (
+                    f"{name}: rows {sorted(set(rows.tolist()))} != acknowledged pushes {st['acked']}")
+                table[name] = st["acked"]
+        print("counter table (worker: acknowledged pushes == every row):", table)
+        return table
+
+    def first_ack_after(self, name: str, t: float) -> float:
+        for line in (self.tmp / f"{name}.log").read_text().splitlines():
+            start, end = map(float, line.split())
+            if start >= t:
+                return end
+        raise AssertionError(f"{name} acknowledged nothing after t={t}")
+
+
+@pytest.fixture
+def chaos(tmp_path):
+    made = []
+
+    def make(servers=3, replication=2, **kw):
+        cluster = LocalCluster(servers=servers, replication=replication, work_dir=str(tmp_path / "cluster"), **kw)
+        counters = Counters(cluster, tmp_path)
+        made.append((cluster, counters))
+        cluster.start()
+        return cluster, counters
+
+    yield make
+    for cluster, counters in made:
+        counters.stop()
+        cluster.stop()
+
+
+def test_kill_one_of_three_servers_mid_training(chaos, tmp_path):
+    cluster, counters = chaos(servers=3, replication=2)
+    trainers = [cluster.start_worker(f"trainer-{i}", ["--job", "demo", "--model", "digits-cnn", "--epochs", "25",
+                                                       "--result-file", str(tmp_path / f"train-{i}.json")])
+                for i in range(2)]
+    counters.start("w0", steps=400)
+    counters.wait_acked("w0", 60)
+    victim = cluster.servers["s1"]
+    killed = time.time()
+    cluster.kill(victim, signal.SIGKILL)
+    counters.wait_acked("w0", 400, timeout=240)
+    recovery = counters.first_ack_after("w0", killed) - killed
+    for p in trainers:
+        out, _ = p.popen.communicate(timeout=300)
+        assert p.popen.returncode == 0, f"{out}\n{p.log_path.read_text()[-3000:]}"
+    counters.finish()
+    counters.check()
+    accuracy = [json.loads((tmp_path / f"train-{i}.json").read_text())["metrics"]["test_accuracy"]
+                for i in range(2)]
+    print(f"recovery time (kill -9 to the first acknowledged push touching the dead server's "
+          f"blocks): {recovery:.2f}s; trainers' test_accuracy {accuracy}")
+    assert min(accuracy) >= 0.97
+    with PSClient(cluster.manager_address, "demo") as c:
+        st = c.cluster_status()
+    states = {s.server.name: s.server.state for s in st.servers}
+    assert states["s1"] == 4 and st.under_replicated_blocks == 0, states   # DEAD, R restored
+
+
+def test_add_a_fourth_server_then_drain_one(chaos, tmp_path):
+    cluster, counters = chaos(servers=3, replication=2)
+    counters.start("w0", steps=300)
+    counters.start("w1", steps=300)
+    counters.wait_acked("w0", 40)
+    with PSClient(cluster.manager_address, "chaos") as c:
+        before = {b: list(r) for b, r in enumerate(c.refresh_map().table("chaos", "counters").replicas)}
+        cluster.start_server("s3")
+        deadline = time.monotonic() + 60
+        while True:
+            st = c.cluster_status()
+            s3 = next((s for s in st.servers if s.server.name == "s3"), None)
+            if s3 and s3.primary_blocks + s3.replica_blocks > 0 and st.under_replicated_blocks == 0:
+                break
+            assert time.monotonic() < deadline, "s3 never received blocks"
+            time.sleep(0.1)
+        time.sleep(1.0)      # let the rebalance settle
+        after = {b: list(r) for b, r in enumerate(c.refresh_map().table("chaos", "counters").replicas)}
+        moved = sum(len(set(after[b]) - set(before[b])) for b in before) / sum(len(r) for r in before.values())
+        print(f"join: {moved:.3f} of replicas moved (ideal 1/N = {1 / 4:.3f})")
+        assert moved <= 1.2 * 2 / 4 + 0.05
+        out = subprocess.run([sys.executable, "-m", "shardps.cli", "drain", "s0", "--manager",
+                              cluster.manager_address], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        deadline = time.monotonic() + 90
+        while True:
+            st = c.cluster_status()
+            s0 = next(s for s in st.servers if s.server.name == "s0")
+            if s0.server.state == 4 and s0.primary_blocks + s0.replica_blocks == 0:
+                break
+            assert time.monotonic() < deadline, "s0 was not drained"
+            time.sleep(0.1)
+        drained = {b: list(r) for b, r in enumerate(c.refresh_map().table("chaos", "counters").replicas)}
+        moved = sum(len(set(drained[b]) - set(after[b])) for b in after) / sum(len(r) for r in after.values())
+        print(f"drain: {moved:.3f} of replicas moved (ideal: s0's share, 1/4 = 0.25)")
+    counters.finish()
+    counters.check()
+
+
+def test_kill_a_worker_and_start_it_again(chaos):
+    cluster, counters = chaos(servers=3, replication=2)
+    counters.start("w0", steps=150)
+    w1 = counters.start("w1", steps=150)
+    counters.wait_acked("w1", 30)
+    before = counters.state("w1")
+    w1.kill()
+    w1.wait()
+    counters.start("w1", steps=150)
+    counters.finish()
+    after = counters.state("w1")
+    assert after["rank"] == before["rank"] and after["session"] == before["session"]
+    assert after["incarnation"] > before["incarnation"], after
+    print(f"w1 rejoined as rank {after['rank']}, incarnations {after['incarnations']}")
+    counters.check()
+
+
+def test_kill_the_manager_keep_pushing_restart_it(chaos):
+    cluster, counters = chaos(servers=3, replication=2)
+    counters.start("w0", steps=250)
+    counters.wait_acked("w0", 30)
+    cluster.kill(cluster.manager, signal.SIGKILL)
+    at_kill = counters.state("w0")["acked"]
+    counters.wait_acked("w0", at_kill + 40, timeout=60)     # training continues without the manager
+    cluster.start_manager()
+    counters.start("w1", steps=100)                         # a membership change, after the restart
+    counters.finish()
+    table = counters.check()
+    assert table["w0"] == 250 and table["w1"] == 100

@@ -1,0 +1,103 @@
+"""Replication inside one process: backups equal primaries, failover keeps every
+acknowledged push, re-replication restores R (real gRPC servers on loopback)."""
+
+import time
+
+import numpy as np
+import pytest
+
+from shardps.server.node import snapshot_block
+from shardps.tables import adam, sgd
+
+
+def replicas_equal(cluster, job, table):
+    """Every block's replicas hold identical state (values, optimizer state, version)."""
+    rt = cluster.manager.runtime
+    with rt.lock:
+        placement = [list(b.replicas) for b in rt.state.tables[(job, table)].blocks]
+    checked = 0
+    for b, reps in enumerate(placement):
+        snaps = []
+        for name in reps:
+            blk = cluster.servers[name].node.blocks[(job, table, b)]
+            with blk.lock:
+                snaps.append(snapshot_block(blk))
+        for other in snaps[1:]:
+            assert other.header.version == snaps[0].header.version, f"block {b} versions differ"
+            for x, y in zip(snaps[0].arrays, other.arrays):
+                assert np.array_equal(x, y), f"block {b} of {table} differs between {reps}"
+        checked += len(snaps) > 1
+    return checked
+
+
+def wait(cond, timeout=30.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise TimeoutError(what)
+
+
+def test_backups_apply_exactly_what_primaries_apply(make_cluster, client_factory):
+    cluster = make_cluster(3, replication=2)
+    c = client_factory(cluster.address)
+    c.create_job()
+    c.join(heartbeat=False)
+    c.create_dense("d", (5000,), optimizer=adam(1e-2), block_size=500)
+    c.create_sparse("e", 8, optimizer=sgd(0.1), num_blocks=16)
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        c.push_dense("d", rng.standard_normal(5000))
+        c.push_rows("e", rng.integers(0, 10_000, 300), rng.standard_normal((300, 8)))
+    assert replicas_equal(cluster, "test", "d") == 10
+    assert replicas_equal(cluster, "test", "e") == 16
+
+
+def test_failover_keeps_acknowledged_pushes_and_restores_r(make_cluster, client_factory):
+    cluster = make_cluster(3, replication=2, lease=1.0)
+    c = client_factory(cluster.address, timeout=30)
+    c.create_job()
+    c.join(heartbeat=False)
+    c.create_sparse("counters", 1, optimizer=sgd(1.0), num_blocks=12)
+    ids = np.arange(200)
+    for _ in range(5):
+        c.push_rows("counters", ids, -np.ones((200, 1)))
+    victim = "s1"
+    cluster.servers[victim].stop()          # gone without a goodbye
+    killed = time.monotonic()
+    for _ in range(5):
+        c.push_rows("counters", ids, -np.ones((200, 1)))
+    recovered = time.monotonic() - killed
+    np.testing.assert_array_equal(c.pull_rows("counters", ids)[:, 0], np.full(200, 10.0))
+    print(f"recovery (in-process, lease 1 s): {recovered:.2f}s")
+    rt = cluster.manager.runtime
+    del cluster.servers[victim]
+    wait(lambda: rt.state.under_replicated() == 0 and not rt.state.plan_moves(), what="R restored")
+    with rt.lock:
+        assert all(len(b.replicas) == 2 and victim not in b.replicas
+                   for b in rt.state.tables[("test", "counters")].blocks)
+    assert replicas_equal(cluster, "test", "counters") == 12
+    np.testing.assert_array_equal(c.pull_rows("counters", ids)[:, 0], np.full(200, 10.0))
+
+
+def test_new_server_takes_blocks_and_drain_empties_one(make_cluster, client_factory):
+    cluster = make_cluster(2, replication=2)
+    c = client_factory(cluster.address)
+    c.create_job()
+    c.join(heartbeat=False)
+    c.create_dense("w", (64 * 60,), optimizer=sgd(1.0), block_size=64)
+    c.push_dense("w", np.ones(64 * 60))
+    rt = cluster.manager.runtime
+    cluster.add_server("s2")
+    wait(lambda: not rt.state.plan_moves() and any("s2" in b.replicas for b in rt.state.tables[("test", "w")].blocks),
+         what="rebalance onto s2")
+    c.push_dense("w", np.ones(64 * 60))
+    np.testing.assert_array_equal(c.pull_dense("w"), -2 * np.ones(64 * 60))
+    assert replicas_equal(cluster, "test", "w") == 60
+    rt.change(lambda s: s.drain_server("s0"))
+    wait(lambda: rt.state.servers["s0"].retired, what="s0 drained")
+    assert all("s0" not in b.replicas for b in rt.state.tables[("test", "w")].blocks)
+    c.push_dense("w", np.ones(64 * 60))
+    np.testing.assert_array_equal(c.pull_dense("w"), -3 * np.ones(64 * 60))
+    assert replicas_equal(cluster, "test", "w") == 60
