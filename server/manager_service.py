@@ -14,13 +14,16 @@ import logging
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
 from shardps.convert import config_from_proto, config_to_proto, consistency_from_proto, spec_from_proto
-from shardps.errors import NotFound
+from google.protobuf.json_format import ParseDict
+
+from shardps.errors import (DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound,
+                            ShardpsError, Unavailable)
 from shardps.metrics import ManagerMetrics
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import manager_pb2 as mg
@@ -173,6 +176,7 @@ class ManagerRuntime:
                 n = self.change(lambda s: s.commit_moves(done, self.now()))
                 self.metrics.moves.inc(n)
         self.change(lambda s: s.retire_drained())
+        self.change(lambda s: s.replace_lost())
 
     def _execute(self, moves: list[Move]) -> list[Move]:
         """Copy blocks (grouped by source and destination); returns the moves whose copies
@@ -240,11 +244,225 @@ class ManagerRuntime:
         self._update_metrics()
 
 
+@dataclass
+class _PendingCheckpoint:
+    id: str
+    directory: str
+    arrived: dict = field(default_factory=dict)     # session -> (rank, step, state bytes)
+    taking: bool = False
+    done: bool = False
+    path: str = ""
+    error: ShardpsError | None = None
+    step: int = 0
+
+
+class CheckpointCoordinator:
+    """Cuts consistent checkpoints of a job and restores them.
+
+    With live workers, every one of them stops at a step boundary and arrives at a barrier
+    (``barrier``) with its local state; once all live workers arrived, the job's pushes are
+    held on every server, each table's blocks are copied from their primaries and written
+    with the workers' states (``shardps.server.checkpoints``), then everything resumes.
+    Without live workers the servers' hold alone makes the cut consistent.
+    """
+
+    def __init__(self, rt: ManagerRuntime, default_dir: str = "", barrier_timeout: float = 120.0):
+        self.rt = rt
+        self.default_dir = default_dir
+        self.barrier_timeout = barrier_timeout
+        self._cond = threading.Condition()
+        self._pending: dict[str, _PendingCheckpoint] = {}
+        self._requests: dict[str, str] = {}             # job -> on-demand checkpoint id
+
+    def requested(self, job: str) -> str:
+        with self._cond:
+            return self._requests.get(job, "")
+
+    def _directory(self, directory: str) -> str:
+        d = directory or self.default_dir
+        if not d:
+            raise FailedPrecondition("no checkpoint directory: pass one, or start the manager with "
+                                     "--checkpoint-dir")
+        return d
+
+    def _live(self, job: str) -> dict[str, int]:
+        with self.rt.lock:
+            rec = self.rt.state.job(job)
+            return {m.session: m.rank for m in rec.members.values()}
+
+    def barrier(self, job: str, session: str, step: int, state: bytes, checkpoint_id: str,
+                directory: str = "", deadline: float | None = None) -> str:
+        """A worker's arrival; returns the checkpoint's path once it is written."""
+        live = self._live(job)
+        if session not in live:
+            raise NotFound(f"session {session!r} is not a live member of job {job!r}: join first")
+        with self._cond:
+            p = self._pending.get(job)
+            if p is None or p.done:
+                p = self._pending[job] = _PendingCheckpoint(checkpoint_id or f"step-{step}",
+                                                            self._directory(directory))
+            p.arrived[session] = (live[session], step, state)
+            self._cond.notify_all()
+        return self._wait(job, p, deadline)
+
+    def request(self, job: str, directory: str = "", deadline: float | None = None) -> str:
+        """An on-demand checkpoint (admin): asks the live workers to arrive, or cuts directly."""
+        directory = self._directory(directory)
+        live = self._live(job)
+        with self._cond:
+            p = self._pending.get(job)
+            if p is None or p.done:
+                p = self._pending[job] = _PendingCheckpoint(f"manual-{int(time.time() * 1000)}", directory)
+            if live:
+                self._requests[job] = p.id
+        return self._wait(job, p, deadline)
+
+    def _wait(self, job: str, p: _PendingCheckpoint, deadline: float | None) -> str:
+        limit = time.monotonic() + self.barrier_timeout
+        if deadline is not None:
+            limit = min(limit, deadline)
+        while True:
+            with self._cond:
+                if p.done:
+                    if p.error is not None:
+                        raise p.error
+                    return p.path
+                live = self._live(job)
+                ready = set(live) <= set(p.arrived) and not p.taking
+                if ready:
+                    p.taking = True
+                elif time.monotonic() > limit:
+                    missing = sorted(live[s] for s in set(live) - set(p.arrived))
+                    raise DeadlineExceeded(f"checkpoint {p.id} of job {job!r}: ranks {missing} did not "
+                                           f"reach the barrier in time")
+                else:
+                    self._cond.wait(timeout=0.2)
+                    continue
+            try:
+                p.path = str(self.cut(job, p))
+            except ShardpsError as exc:
+                p.error = exc
+            finally:
+                with self._cond:
+                    p.done = True
+                    if self._requests.get(job) == p.id:
+                        del self._requests[job]
+                    self._cond.notify_all()
+
+    def cut(self, job: str, p: _PendingCheckpoint):
+        """Hold the job's pushes, copy every block from its primary, write the files."""
+        from shardps.server.checkpoints import write_checkpoint
+        from shardps.server.node_service import decode_snapshots
+        msg = self.rt.published
+        tables = [t for t in msg.tables if t.job == job]
+        group = next((g for g in msg.groups if g.job == job), None)
+        servers = [s for s in msg.servers if s.state != pb.DEAD]
+        self._hold(servers, job, True)
+        try:
+            snapshots: dict[str, list] = {t.spec.name: [] for t in tables}
+            by_primary: dict[int, list] = {}
+            for t in tables:
+                for b, bp in enumerate(t.blocks):
+                    if not bp.replicas:
+                        raise Unavailable(f"block {b} of {t.spec.name!r} has no live replica: cannot checkpoint")
+                    by_primary.setdefault(bp.replicas[0], []).append(ps.BlockRef(job=job, table=t.spec.name, block=b))
+            for index, refs in by_primary.items():
+                server = msg.servers[index]
+                try:
+                    stream = self.rt.pool.get(server.address).SnapshotBlocks(
+                        ps.SnapshotBlocksRequest(epoch=msg.epoch, blocks=refs), timeout=120,
+                        metadata=self.rt.pool.metadata)
+                    _, snaps = decode_snapshots(stream)
+                except grpc.RpcError as err:
+                    raise from_rpc_error(err, f"snapshot from {server.name}") from None
+                for snap in snaps:
+                    snapshots[snap.header.ref.table].append(snap)
+            workers = {rank: state for rank, step, state in p.arrived.values()}
+            p.step = max((step for _, step, _ in p.arrived.values()), default=0)
+            consistency = group.consistency if group is not None else pb.Consistency()
+            path = write_checkpoint(p.directory, job, p.id, p.step, consistency, tables, snapshots, workers)
+            log.info("checkpoint of job %s written to %s (%d tables, %d workers)", job, path, len(tables),
+                     len(workers))
+            return path
+        finally:
+            self._hold(servers, job, False)
+
+    def _hold(self, servers, job: str, hold: bool) -> None:
+        for s in servers:
+            try:
+                self.rt.pool.get(s.address).HoldJob(ps.HoldJobRequest(job=job, hold=hold, hold_seconds=60),
+                                                    timeout=30, metadata=self.rt.pool.metadata)
+            except grpc.RpcError as err:
+                if hold:
+                    raise from_rpc_error(err, f"hold job {job} on {s.name}") from None
+                log.warning("releasing the hold of job %s on %s failed (it expires by itself): %s",
+                            job, s.name, err.details())
+
+    def restore(self, job: str, path: str) -> tuple[int, int, int]:
+        """Recreate the job's tables from a checkpoint onto the current servers.
+        Returns (epoch, step, tables). Run it with the job's workers stopped."""
+        from shardps.convert import spec_from_proto, config_from_proto, consistency_from_proto
+        from shardps.server.checkpoints import latest, read_checkpoint
+        from shardps.server.node_service import encode_snapshots
+        if not path:
+            found = latest(self._directory(""), job)
+            if found is None:
+                raise NotFound(f"no checkpoint of job {job!r} under {self.default_dir}")
+            path = str(found)
+        ck = read_checkpoint(path)
+        if ck.job != job:
+            raise InvalidArgument(f"checkpoint {path} is of job {ck.job!r}, not {job!r}")
+        mode, staleness = consistency_from_proto(ParseDict(ck.consistency, pb.Consistency()))
+        tables = [(spec_from_proto(s), config_from_proto(c)) for s, c in ck.table_specs()]
+        self.rt.change(lambda s: s.restore_job(job, mode, staleness, tables, path, ck.step,
+                                               list(ck.workers)))
+        msg = self.rt.published
+        servers = [s for s in msg.servers if s.state != pb.DEAD]
+        self._hold(servers, job, True)
+        try:
+            per_server: dict[int, list] = {}
+            for t in msg.tables:
+                if t.job != job:
+                    continue
+                snaps = ck.blocks[t.spec.name]
+                for b, bp in enumerate(t.blocks):
+                    for index in bp.replicas:
+                        per_server.setdefault(index, []).append(snaps[b])
+            for index, snaps in per_server.items():
+                server = msg.servers[index]
+                try:
+                    self.rt.pool.get(server.address).LoadBlocks(
+                        encode_snapshots(snaps, msg.epoch), timeout=300,
+                        metadata=self.rt.pool.metadata + (("x-shardps-source", "manager"),))
+                except grpc.RpcError as err:
+                    raise from_rpc_error(err, f"load blocks on {server.name}") from None
+        finally:
+            self._hold(servers, job, False)
+        log.info("job %s restored from %s (step %d) onto %d servers", job, path, ck.step, len(servers))
+        return msg.epoch, ck.step, len(tables)
+
+    def worker_state(self, job: str, rank: int) -> tuple[bytes, int]:
+        from shardps.server.checkpoints import read_checkpoint
+        with self.rt.lock:
+            rec = self.rt.state.job(job)
+            path, step = rec.restored_path, rec.restored_step
+            if rank in rec.restore_pending:
+                rec.restore_pending.remove(rank)
+        if not path:
+            raise NotFound(f"job {job!r} was not restored from a checkpoint")
+        ck = read_checkpoint(path, verify=False)
+        if rank not in ck.workers:
+            raise NotFound(f"checkpoint {path} holds no state for rank {rank} "
+                           f"(ranks: {sorted(ck.workers)})")
+        return ck.workers[rank], step
+
+
 class ResourceManagerService:
     """gRPC methods of the resource manager over a ManagerRuntime."""
 
-    def __init__(self, runtime: ManagerRuntime):
+    def __init__(self, runtime: ManagerRuntime, checkpoints: CheckpointCoordinator | None = None):
         self.rt = runtime
+        self.checkpoints = checkpoints or CheckpointCoordinator(runtime)
 
     def methods(self) -> dict[str, Method]:
         u = "unary_unary"
@@ -265,6 +483,10 @@ class ResourceManagerService:
             "LeaveWorkerGroup": proto_method(u, self.leave_worker_group, mg.LeaveWorkerGroupRequest),
             "WorkerHeartbeat": proto_method(u, self.worker_heartbeat, mg.WorkerHeartbeatRequest),
             "GetClusterStatus": proto_method(u, self.get_cluster_status, mg.GetClusterStatusRequest),
+            "Checkpoint": proto_method(u, self.checkpoint, mg.CheckpointRequest),
+            "CheckpointBarrier": proto_method(u, self.checkpoint_barrier, mg.CheckpointBarrierRequest),
+            "Restore": proto_method(u, self.restore, mg.RestoreRequest),
+            "GetWorkerState": proto_method(u, self.get_worker_state, mg.GetWorkerStateRequest),
         }
 
     def handler(self, metrics=None, authenticate=None) -> grpc.GenericRpcHandler:
@@ -369,7 +591,7 @@ class ResourceManagerService:
         group = next((g for g in msg.groups if g.job == req.job), pb.WorkerGroup(job=req.job))
         with self.rt.lock:
             job = self.rt.state.job(req.job)
-            restored = bool(job.restored_path)
+            restored = member.rank in job.restore_pending
         s = self.rt.settings
         return mg.JoinWorkerGroupResponse(
             rank=member.rank, session=member.session, incarnation=member.incarnation, group=group,
@@ -386,9 +608,32 @@ class ResourceManagerService:
             job, member = self.rt.state.worker_heartbeat(req.job, req.session, req.incarnation,
                                                          req.step, req.samples_per_second,
                                                          req.loss, now)
-            return mg.WorkerHeartbeatResponse(membership_version=job.membership_version,
+            resp = mg.WorkerHeartbeatResponse(membership_version=job.membership_version,
                                               world_size=len(job.members), rank=member.rank,
                                               epoch=self.rt.published.epoch)
+        resp.checkpoint_id = self.checkpoints.requested(req.job)
+        return resp
+
+    # --- checkpoints ---
+    def checkpoint(self, req, call) -> mg.CheckpointResponse:
+        path = self.checkpoints.request(req.job, req.directory, call.deadline)
+        from shardps.server.checkpoints import read_checkpoint
+        ck = read_checkpoint(path, verify=False)
+        nbytes = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+        return mg.CheckpointResponse(path=path, step=ck.step, tables=len(ck.tables), bytes=nbytes)
+
+    def checkpoint_barrier(self, req, call) -> mg.CheckpointBarrierResponse:
+        path = self.checkpoints.barrier(req.job, req.session, req.step, req.worker_state,
+                                        req.checkpoint_id, deadline=call.deadline)
+        return mg.CheckpointBarrierResponse(path=path)
+
+    def restore(self, req, call) -> mg.RestoreResponse:
+        epoch, step, tables = self.checkpoints.restore(req.job, req.path)
+        return mg.RestoreResponse(epoch=epoch, step=step, tables=tables)
+
+    def get_worker_state(self, req, call) -> mg.GetWorkerStateResponse:
+        state, step = self.checkpoints.worker_state(req.job, req.rank)
+        return mg.GetWorkerStateResponse(worker_state=state, step=step)
 
     # --- status ---
     def get_cluster_status(self, req, call) -> mg.ClusterStatus:

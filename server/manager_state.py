@@ -101,6 +101,7 @@ class JobRecord:
     membership_version: int = 0
     restored_path: str = ""
     restored_step: int = 0
+    restore_pending: list[int] = field(default_factory=list)   # ranks yet to fetch their state
 
 
 @dataclass(frozen=True)
@@ -349,6 +350,50 @@ class ManagerState:
         self._bump()
         return True
 
+    def restore_job(self, job: str, consistency: Consistency, staleness: int,
+                    tables: list[tuple[TableSpec, TableConfig]], path: str, step: int,
+                    ranks: list[int] = ()) -> list[TableRecord]:
+        """Replace the job's tables by fresh ones with the checkpoint's specs and configs,
+        placed on the current servers (their values are loaded next). Workers that join
+        afterwards learn that the job was restored."""
+        nodes = self.candidates()
+        if not nodes:
+            raise FailedPrecondition("no live server to restore onto: start servers first")
+        job_rec = self.jobs.get(job)
+        if job_rec is None:
+            job_rec, _ = self.create_job(job, consistency, staleness)
+        for key in [k for k in self.tables if k[0] == job]:
+            del self.tables[key]
+        epoch = self._bump()
+        out = []
+        for spec, config in tables:
+            spec.validate()
+            names = [block_name(job, spec.name, i) for i in range(spec.block_count)]
+            placement = plan_placement(names, nodes, self.settings.replication)
+            rec = TableRecord(job, spec, config, [BlockRecord(placement[n], epoch, epoch) for n in names])
+            self.tables[(job, spec.name)] = rec
+            out.append(rec)
+        job_rec.restored_path, job_rec.restored_step = str(path), step
+        job_rec.restore_pending = sorted(ranks)
+        return out
+
+    def replace_lost(self) -> int:
+        """Blocks left with no replica (every copy died) are re-created empty on live servers:
+        their values are lost until a checkpoint is restored. Returns how many."""
+        nodes = self.candidates()
+        lost = [(t, i) for t in self.tables.values() for i, b in enumerate(t.blocks) if not b.replicas]
+        if not lost or not nodes:
+            return 0
+        epoch = self._bump()
+        names = [block_name(t.job, t.spec.name, i) for t, i in lost]
+        placement = plan_placement(names, nodes, self.settings.replication)
+        for (t, i), name in zip(lost, names):
+            b = t.blocks[i]
+            b.replicas, b.since_epoch, b.fresh_epoch = placement[name], epoch, epoch
+        log.error("%d blocks had lost every replica: re-created empty on %s (restore a "
+                  "checkpoint to recover their values)", len(lost), nodes)
+        return len(lost)
+
     # ------------------------------------------------------------------ moves
     def plan_moves(self, limit: int | None = None) -> list[Move]:
         """Blocks whose replica set should change (restore R, rebalance, drain), at most
@@ -496,6 +541,7 @@ class ManagerState:
                       "quota_bytes": j.quota_bytes, "token_id": j.token_id,
                       "membership_version": j.membership_version,
                       "restored_path": j.restored_path, "restored_step": j.restored_step,
+                      "restore_pending": j.restore_pending,
                       "departed": j.departed,
                       "members": [{"rank": m.rank, "session": m.session,
                                    "incarnation": m.incarnation, "name": m.name}
@@ -524,6 +570,7 @@ class ManagerState:
                             membership_version=int(j["membership_version"]),
                             restored_path=j.get("restored_path", ""),
                             restored_step=int(j.get("restored_step", 0)),
+                            restore_pending=list(j.get("restore_pending", [])),
                             departed={k: list(v) for k, v in j.get("departed", {}).items()})
             for m in j["members"]:
                 job.members[m["session"]] = MemberRecord(m["rank"], m["session"], m["incarnation"],

@@ -1007,13 +1007,12 @@ def snapshot_block(blk: Block) -> BlockSnapshot:
         initialized=bool(meta.get("initialized", True)))
     out = []
     for name, arr in arrays.items():
-        arr = np.ascontiguousarray(arr)
-        header.arrays.add(name=name, dtype=_ARRAY_DTYPES[arr.dtype.str], shape=list(arr.shape))
+        # every array travels as float32 or int64, whatever its storage type
+        arr = np.ascontiguousarray(arr, dtype="<i8" if arr.dtype.kind in "iu" else "<f4")
+        header.arrays.add(name=name, dtype=pb.INT64 if arr.dtype.kind == "i" else pb.FLOAT32,
+                          shape=list(arr.shape))
         out.append(arr)
     return BlockSnapshot(header, out)
-
-
-_ARRAY_DTYPES = {"<f4": pb.FLOAT32, "<i8": pb.INT64, "<i4": pb.INT64, "<f8": pb.FLOAT64}
 
 
 def block_from_snapshot(snap: BlockSnapshot, spec) -> Block:

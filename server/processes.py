@@ -113,7 +113,9 @@ class ManagerProcess:
                             worker_lease_seconds=settings.worker_lease_seconds),
             RuntimeSettings(state_path=state_path),
             metrics=self.metrics, pool=StubPool(tls=tls))
-        self.service = ResourceManagerService(self.runtime)
+        from shardps.server.manager_service import CheckpointCoordinator
+        self.service = ResourceManagerService(
+            self.runtime, CheckpointCoordinator(self.runtime, settings.checkpoint_dir))
         self.net = _Serving(settings.serving, tls, MANAGER_SERVICE,
                             self.service.handler(self.metrics.grpc, authenticate),
                             self.metrics.registry, self.metrics.grpc)

@@ -135,6 +135,26 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
     fs.add("--quota-bytes", 0, "storage quota of the job across servers (0: none)")
     p.set_defaults(func=cmd_job)
 
+    p, fs = _sub(sub, "checkpoint", "write a consistent checkpoint of a job now",
+                 "Cut a consistent checkpoint of JOB: its live workers stop at a step boundary and add\n"
+                 "their local state, the servers' blocks are copied, all is written under the manager's\n"
+                 "checkpoint directory (or --dir, on the manager's file system). Prints the path.", environ)
+    p.add_argument("job")
+    add_common(fs)
+    fs.add("--manager", "127.0.0.1:7070", "resource manager address")
+    fs.add("--dir", "", "checkpoint directory on the manager (default: its --checkpoint-dir)")
+    p.set_defaults(func=cmd_checkpoint)
+
+    p, fs = _sub(sub, "restore", "recreate a job's tables from a checkpoint",
+                 "Recreate JOB's tables from a checkpoint onto the current servers (any number of\n"
+                 "them). Stop the job's workers first; restarted workers resume from the checkpoint.",
+                 environ)
+    p.add_argument("job")
+    add_common(fs)
+    fs.add("--manager", "127.0.0.1:7070", "resource manager address")
+    fs.add("--path", "", "checkpoint directory (default: the job's newest one on the manager)")
+    p.set_defaults(func=cmd_restore)
+
     return parser
 
 
@@ -264,6 +284,30 @@ def cmd_job(args) -> int:
     except ShardpsError as exc:
         print(f"shardps job: {exc.message}", file=sys.stderr)
         return 2
+    return 0
+
+
+def cmd_checkpoint(args) -> int:
+    from shardps.errors import ShardpsError
+    try:
+        with _admin_client(args, args.job) as client:
+            resp = client.checkpoint(args.dir)
+    except ShardpsError as exc:
+        print(f"shardps checkpoint: {exc.message}", file=sys.stderr)
+        return 2
+    print(f"{resp.path} (step {resp.step}, {resp.tables} tables, {resp.bytes} bytes)")
+    return 0
+
+
+def cmd_restore(args) -> int:
+    from shardps.errors import ShardpsError
+    try:
+        with _admin_client(args, args.job) as client:
+            resp = client.restore(args.path)
+    except ShardpsError as exc:
+        print(f"shardps restore: {exc.message}", file=sys.stderr)
+        return 2
+    print(f"job {args.job} restored: {resp.tables} tables at step {resp.step} (epoch {resp.epoch})")
     return 0
 
 

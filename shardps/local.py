@@ -122,7 +122,7 @@ class LocalCluster:
     def start_manager(self, timeout: float = 60.0) -> Proc:
         args = ["--listen", "127.0.0.1:0", "--metrics-port", "0", "--metrics-host", "127.0.0.1",
                 "--state-dir", str(self.work_dir / "manager-state"), "--replication", str(self.replication),
-                "--log-format", self.log_format]
+                "--checkpoint-dir", str(self.work_dir / "checkpoints"), "--log-format", self.log_format]
         if self.lease is not None:
             args += ["--server-lease-seconds", str(self.lease)]
         if self.manager and self.manager.info.get("address"):

@@ -60,6 +60,8 @@ def main(argv=None) -> int:
     p.add_argument("--delay", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--stop-file", default="", help="stop early when this file appears")
+    p.add_argument("--checkpoint-every", type=int, default=0,
+                   help="join a checkpoint barrier every this many acknowledged pushes")
     args = p.parse_args(argv)
 
     previous = {}
@@ -80,7 +82,10 @@ def main(argv=None) -> int:
     client.create_sparse(TABLE, 1, optimizer=sgd(1.0), num_blocks=BLOCKS)
     ids = worker_ids(m.rank)
     acked = 0
-    if previous:
+    if m.restored:
+        raw, _ = client.worker_state()
+        acked = int(json.loads(raw.decode())["acked"])
+    elif previous:
         # resume from the servers' state: a push in flight at the kill may have been applied
         acked = int(round(float(client.pull_rows(TABLE, ids[:1])[0, 0])))
         if previous.get("rank") != m.rank:
@@ -95,6 +100,11 @@ def main(argv=None) -> int:
     while acked < args.steps:
         if args.stop_file and os.path.exists(args.stop_file):
             break
+        if args.checkpoint_every and acked and acked % args.checkpoint_every == 0 \
+                and state.get("checkpointed") != acked:
+            state["checkpoint"] = client.checkpoint_barrier(acked, json.dumps({"acked": acked}).encode())
+            state["checkpointed"] = acked
+            write_state(args.state_file, state)
         started = time.time()
         client.push_rows(TABLE, ids, grad)
         ended = time.time()

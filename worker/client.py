@@ -138,6 +138,7 @@ class PSClient:
         self._heartbeat: threading.Thread | None = None
         self._stop = threading.Event()
         self.progress = {"step": 0, "samples_per_second": 0.0, "loss": 0.0}
+        self.checkpoint_request = ""       # set by heartbeats when an on-demand checkpoint is cut
 
     # ================================================================== plumbing
     def _call(self, what: str, fn, request, timeout: float | None = None):
@@ -244,6 +245,7 @@ class PSClient:
             job=self.job, session=m.session, incarnation=m.incarnation,
             step=int(self.progress["step"]), samples_per_second=float(self.progress["samples_per_second"]),
             loss=float(self.progress["loss"])), timeout or 5.0)
+        self.checkpoint_request = resp.checkpoint_id
         if resp.world_size != m.world_size or resp.rank != m.rank:
             self.membership = Membership(resp.rank, m.session, m.incarnation, resp.world_size, m.restored)
         if resp.epoch > self._map.epoch:
@@ -263,6 +265,42 @@ class PSClient:
                     log.error("rejoin failed: %s", exc2.message)
             except ShardpsError as exc:
                 log.debug("heartbeat failed: %s", exc.message)
+
+    # ================================================================== checkpoints
+    def checkpoint_barrier(self, step: int, worker_state: bytes, checkpoint_id: str = "",
+                           timeout: float | None = 300.0) -> str:
+        """This worker's part of a checkpoint: blocks until every live worker arrived and the
+        checkpoint is written; returns its path. ``checkpoint_id``: ``step-<S>`` (periodic,
+        the default) or the id from ``checkpoint_request`` (on demand)."""
+        m = self.membership
+        if m is None:
+            raise FailedPrecondition("checkpoint_barrier needs a group member: call join() first")
+        resp = self._call("CheckpointBarrier", self._manager.CheckpointBarrier, mg.CheckpointBarrierRequest(
+            job=self.job, session=m.session, step=step, worker_state=worker_state,
+            checkpoint_id=checkpoint_id or f"step-{step}"), timeout)
+        if checkpoint_id and checkpoint_id == self.checkpoint_request:
+            self.checkpoint_request = ""
+        return resp.path
+
+    def worker_state(self, timeout: float | None = None) -> tuple[bytes, int]:
+        """This rank's local state from the checkpoint the job was restored from, and its step."""
+        m = self.membership
+        if m is None:
+            raise FailedPrecondition("worker_state needs a group member: call join() first")
+        resp = self._call("GetWorkerState", self._manager.GetWorkerState,
+                          mg.GetWorkerStateRequest(job=self.job, rank=m.rank), timeout)
+        return resp.worker_state, resp.step
+
+    def checkpoint(self, directory: str = "", timeout: float | None = 600.0) -> mg.CheckpointResponse:
+        """Admin: cut a consistent checkpoint of this job now (live workers join in)."""
+        return self._call("Checkpoint", self._manager.Checkpoint,
+                          mg.CheckpointRequest(job=self.job, directory=directory), timeout)
+
+    def restore(self, path: str = "", timeout: float | None = 600.0) -> mg.RestoreResponse:
+        """Admin: recreate this job's tables from a checkpoint onto the current servers."""
+        resp = self._call("Restore", self._manager.Restore, mg.RestoreRequest(job=self.job, path=path), timeout)
+        self.refresh_map(min_epoch=resp.epoch)
+        return resp
 
     def cluster_status(self, timeout: float | None = None) -> mg.ClusterStatus:
         return self._call("GetClusterStatus", self._manager.GetClusterStatus,

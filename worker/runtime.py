@@ -43,6 +43,7 @@ def add_training_flags(fs) -> None:
     fs.add("--result-file", "", "write the final result as JSON here")
     fs.add("--step-delay", 0.0, "sleep this long per step (to simulate a slow worker)")
     fs.add("--prefetch", True, "prefetch the next batch's embedding rows during the step")
+    fs.add("--checkpoint-every", 0, "join a checkpoint every this many steps (0: only on demand)")
 
 
 @dataclass
@@ -87,7 +88,31 @@ def build_task(args):
     return build(args.model, seed=args.seed, **opts)
 
 
-def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=False) -> TrainResult:
+def worker_state_bytes(model, ps_model, epoch: int, batch: int) -> bytes:
+    """What lives on the worker: local parameters and buffers (batch-norm statistics), the
+    step, the data position (epoch, batch) and the random-generator states."""
+    import io
+    import torch
+    local = {k: v for k, v in model.state_dict().items() if k not in ps_model.dense}
+    buf = io.BytesIO()
+    torch.save({"step": ps_model.step, "epoch": epoch, "batch": batch, "local": local,
+                "torch_rng": torch.get_rng_state()}, buf)
+    return buf.getvalue()
+
+
+def load_worker_state(raw: bytes, model, ps_model) -> tuple[int, int]:
+    """Restore what ``worker_state_bytes`` saved; returns the data position (epoch, batch)."""
+    import io
+    import torch
+    state = torch.load(io.BytesIO(raw), weights_only=False)
+    model.load_state_dict(state["local"], strict=False)
+    ps_model.step = int(state["step"])
+    torch.set_rng_state(state["torch_rng"])
+    return int(state["epoch"]), int(state["batch"])
+
+
+def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=False,
+                  resume: tuple[int, int] | None = None) -> TrainResult:
     """The training loop of one worker. Reads the group's membership at each epoch start."""
     import torch
     from shardps.worker.data import batches, position, shard_indices
@@ -116,7 +141,9 @@ def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=Fals
     unique_rows = 0
     result_curve: list = []
     last_log = time.monotonic()
-    for epoch in range(epochs):
+    start_epoch, start_batch = resume or (0, 0)
+    handled_request = ""
+    for epoch in range(start_epoch, epochs):
         view = client.refresh_map()
         g = view.groups.get(job)
         ranks = [m.rank for m in g.members] if g else [client.membership.rank]
@@ -127,9 +154,22 @@ def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=Fals
             idx = idx[:per_worker * bs]
         batch_list = list(batches(idx, bs))
         for i, b in enumerate(batch_list):
+            if epoch == start_epoch and i < start_batch:
+                continue                   # resuming: these batches were trained before
             if args.steps and ps_model.step >= args.steps:
                 done = True
                 break
+            request = client.checkpoint_request
+            every = getattr(args, "checkpoint_every", 0)
+            periodic = every and ps_model.step and ps_model.step % every == 0
+            if (request and request != handled_request) or periodic:
+                tb = time.perf_counter()
+                state = worker_state_bytes(task.model, ps_model, epoch, i)
+                path = client.checkpoint_barrier(ps_model.step, state, request or "")
+                handled_request = request or handled_request
+                log.info("checkpoint at step %d: %s", ps_model.step, path)
+                if metrics is not None:
+                    metrics.step_seconds.labels(job, "barrier_wait").observe(time.perf_counter() - tb)
             t0 = time.perf_counter()
             pull0 = ps_model.timings["pull_wait"]
             ps_model.pull()
@@ -291,10 +331,16 @@ def run_worker(args) -> int:
         report = group is not None and group.consistency is not Consistency.ASYNC
         ps_model = PSModel(task.model, client, optimizer=opt, optimizers=per_table, report_steps=report)
         ps_model.create_tables()
-        if report:
+        resume = None
+        if membership.restored:
+            raw, step = client.worker_state()
+            resume = load_worker_state(raw, task.model, ps_model)
+            log.info("resuming from the restored checkpoint at step %d (epoch %d, batch %d)",
+                     ps_model.step, *resume)
+        elif report:
             ps_model.step = client.server_clock()
         show = membership.rank == 0 and sys.stderr.isatty()
-        result = train_with_ps(task, ps_model, client, args, metrics, show_progress=show)
+        result = train_with_ps(task, ps_model, client, args, metrics, show_progress=show, resume=resume)
         print(result.line("worker"), flush=True)
         if args.result_file:
             with open(args.result_file, "w") as f:

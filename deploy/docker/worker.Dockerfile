@@ -23,7 +23,7 @@ RUN if ! command -v python3 >/dev/null 2>&1; then \
  && useradd --system --uid 10001 --gid 10001 --home-dir /home/shardps --create-home \
         --shell /usr/sbin/nologin shardps
 
-FROM base AS build
+FROM base AS deps
 # OFFLINE=1: pip reads only the wheelhouse (WHEELHOUSE, a folder of the build context whose
 # name starts with "wheelhouse", made by `make wheelhouse`), never an index. OFFLINE=0: the index
 # (PyPI, or the PIP_INDEX_URL build argument, which pip reads from the environment), torch's
@@ -35,7 +35,7 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 # constraints.txt always matches, so this COPY works when the wheelhouse folder is absent.
 COPY constraints.txt ${WHEELHOUSE}* /wheels/
 COPY pyproject.toml /src/
-# Dependencies (torch is the big one) first, in their own layer: source edits do not reinstall them.
+# The dependencies (torch is the big one) in a stage of their own: source edits reuse it.
 RUN set -eu; \
     if [ "$OFFLINE" = 1 ]; then src=--no-index; else src="--extra-index-url $TORCH_INDEX_URL"; fi; \
     python3 -m venv /opt/shardps; \
@@ -43,20 +43,26 @@ RUN set -eu; \
         > /tmp/requirements.txt; \
     /opt/shardps/bin/pip install --no-cache-dir --disable-pip-version-check $src --find-links /wheels \
         -c /wheels/constraints.txt -r /tmp/requirements.txt
+
+FROM deps AS build
+ARG OFFLINE=0
 COPY README.md /src/
 COPY protos /src/protos
 COPY shardps /src/shardps
 COPY server /src/server
 COPY worker /src/worker
-# shardps itself; pip stays in the venv so that derived images can add their own packages.
 RUN set -eu; \
     if [ "$OFFLINE" = 1 ]; then src=--no-index; else src=; fi; \
     /opt/shardps/bin/pip wheel --no-cache-dir --disable-pip-version-check $src --find-links /wheels \
-        --no-deps -w /tmp/dist /src; \
-    /opt/shardps/bin/pip install --no-cache-dir --disable-pip-version-check --no-index --no-deps /tmp/dist/*.whl
+        --no-deps -w /dist /src
 
 FROM base
-COPY --from=build /opt/shardps /opt/shardps
+# The dependency layer is the same image layer across source edits; shardps goes on top.
+# pip stays in the venv so that derived images can add their own packages.
+COPY --from=deps /opt/shardps /opt/shardps
+COPY --from=build /dist /tmp/dist
+RUN /opt/shardps/bin/pip install --no-cache-dir --disable-pip-version-check --no-index --no-deps /tmp/dist/*.whl \
+ && rm -rf /tmp/dist
 ENV PATH=/opt/shardps/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     PYTHONUNBUFFERED=1 \
     SHARDPS_LOG_FORMAT=json \

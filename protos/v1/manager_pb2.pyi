@@ -250,18 +250,20 @@ class WorkerHeartbeatRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., session: _Optional[str] = ..., incarnation: _Optional[int] = ..., step: _Optional[int] = ..., samples_per_second: _Optional[float] = ..., loss: _Optional[float] = ...) -> None: ...
 
 class WorkerHeartbeatResponse(_message.Message):
-    __slots__ = ("membership_version", "world_size", "rank", "checkpoint_step", "epoch")
+    __slots__ = ("membership_version", "world_size", "rank", "checkpoint_step", "epoch", "checkpoint_id")
     MEMBERSHIP_VERSION_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     membership_version: int
     world_size: int
     rank: int
     checkpoint_step: int
     epoch: int
-    def __init__(self, membership_version: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    checkpoint_id: str
+    def __init__(self, membership_version: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., epoch: _Optional[int] = ..., checkpoint_id: _Optional[str] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ("job", "directory")
@@ -284,16 +286,18 @@ class CheckpointResponse(_message.Message):
     def __init__(self, path: _Optional[str] = ..., step: _Optional[int] = ..., tables: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class CheckpointBarrierRequest(_message.Message):
-    __slots__ = ("job", "session", "step", "worker_state")
+    __slots__ = ("job", "session", "step", "worker_state", "checkpoint_id")
     JOB_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     WORKER_STATE_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     job: str
     session: str
     step: int
     worker_state: bytes
-    def __init__(self, job: _Optional[str] = ..., session: _Optional[str] = ..., step: _Optional[int] = ..., worker_state: _Optional[bytes] = ...) -> None: ...
+    checkpoint_id: str
+    def __init__(self, job: _Optional[str] = ..., session: _Optional[str] = ..., step: _Optional[int] = ..., worker_state: _Optional[bytes] = ..., checkpoint_id: _Optional[str] = ...) -> None: ...
 
 class CheckpointBarrierResponse(_message.Message):
     __slots__ = ("path",)
