@@ -59,7 +59,7 @@ class NodeLimits:
     max_response_bytes: int = 1 << 30
     max_rows: int = 4_000_000
     max_segments: int = 1024
-    forward_timeout: float = 5.0
+    forward_timeout: float = 1.5
 
 
 @dataclass

@@ -331,8 +331,9 @@ class GrpcPeers:
             if head is not None:
                 yield encode_chunk(head, None)
 
+        nbytes = sum(a.nbytes for a in arrays)
         try:
-            ack = self._stub(node).Replicate(chunks(), timeout=self.timeout,
+            ack = self._stub(node).Replicate(chunks(), timeout=self.timeout + nbytes / 20e6,
                                              metadata=self.pool.metadata)
         except grpc.RpcError as err:
             raise from_rpc_error(err, f"replicate to {node}") from None

@@ -174,6 +174,9 @@ class ServerProcess:
             response_deserializer=pb.ShardMap.FromString)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._sync_thread: threading.Thread | None = None
+        self._wanted_epoch = 0
+        self._wanted = threading.Condition()
         self.boot_id = secrets.token_hex(8)
         self.heartbeat_seconds = 0.5
         self.retired = threading.Event()
@@ -190,6 +193,8 @@ class ServerProcess:
         self.net.start()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
         self._thread.start()
+        self._sync_thread = threading.Thread(target=self._sync_maps, name="map-sync", daemon=True)
+        self._sync_thread.start()
         if wait_registered:
             deadline = time.monotonic() + wait_registered
             while self.node.incarnation == 0 and time.monotonic() < deadline and not self._stop.is_set():
@@ -251,14 +256,36 @@ class ServerProcess:
                 self.net.set_serving(False)
             return
         if resp.epoch > self.node.epoch:
-            msg = self._get_map(mg.GetShardMapRequest(min_epoch=resp.epoch), timeout=5.0,
-                                metadata=self._metadata)
-            self.node.install_map(msg)
+            # installing waits for in-flight requests: never on the heartbeat thread, whose
+            # lease must not lapse meanwhile
+            with self._wanted:
+                self._wanted_epoch = max(self._wanted_epoch, resp.epoch)
+                self._wanted.notify_all()
+
+    def _sync_maps(self) -> None:
+        """Fetch and install maps the heartbeats found newer than ours."""
+        while not self._stop.is_set():
+            with self._wanted:
+                while self._wanted_epoch <= self.node.epoch and not self._stop.is_set():
+                    self._wanted.wait(timeout=0.5)
+                want = self._wanted_epoch
+            if self._stop.is_set():
+                return
+            try:
+                msg = self._get_map(mg.GetShardMapRequest(min_epoch=want), timeout=5.0,
+                                    metadata=self._metadata)
+                self.node.install_map(msg)
+            except grpc.RpcError as err:
+                log.debug("map fetch failed: %s", err.details())
+                self._stop.wait(0.2)
 
     def stop(self) -> None:
         self._stop.set()
+        with self._wanted:
+            self._wanted.notify_all()
         self.net.stop()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        for t in (self._thread, self._sync_thread):
+            if t is not None:
+                t.join(timeout=5)
         self._manager.close()
         self.pool.close()

@@ -70,7 +70,8 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
     fs.add("--manager", "127.0.0.1:7070", "resource manager address")
     fs.add("--max-request-bytes", 1 << 30, "largest accepted request payload")
     fs.add("--max-rows", 4_000_000, "most sparse rows in one request")
-    fs.add("--forward-timeout", 5.0, "seconds a primary waits for a backup to apply a push")
+    fs.add("--forward-timeout", 1.5, "seconds a primary waits for a backup to apply a push "
+           "(plus 1 s per 20 MB); keep it below the manager's server lease")
     p.set_defaults(func=cmd_server)
 
     p, fs = _sub(sub, "local", "run a whole cluster as local processes",

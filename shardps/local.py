@@ -57,7 +57,7 @@ class LocalCluster:
     def __init__(self, servers: int = 2, replication: int = 1, work_dir: str | None = None,
                  log_format: str = "human", server_lease_seconds: float | None = None,
                  manager_args: tuple = (), server_args: tuple = (), env: dict | None = None,
-                 python: str = sys.executable, stream_logs: bool = False):
+                 python: str = sys.executable, stream_logs: bool = False, host_of=None, wrap=None):
         self.n_servers = servers
         self.replication = replication
         self._own_dir = work_dir is None
@@ -71,6 +71,10 @@ class LocalCluster:
         self.env.setdefault("PYTHONUNBUFFERED", "1")
         self.python = python
         self.stream_logs = stream_logs
+        # per process name: the address to listen on, and a command prefix (e.g. to run it
+        # in its own network namespace with `ip netns exec NS`)
+        self.host_of = host_of or (lambda name: "127.0.0.1")
+        self.wrap = wrap or (lambda name: [])
         self.manager: Proc | None = None
         self.servers: dict[str, Proc] = {}
         self.workers: list[Proc] = []
@@ -83,7 +87,7 @@ class LocalCluster:
         log_path = self.work_dir / f"{name}.log"
         if ready_file.exists():
             ready_file.unlink()
-        cmd = [self.python, "-m", "shardps.cli", role] + args
+        cmd = list(self.wrap(name)) + [self.python, "-m", "shardps.cli", role] + args
         if ready:
             cmd += ["--ready-file", str(ready_file)]
         logf = open(log_path, "ab")
@@ -120,7 +124,8 @@ class LocalCluster:
         raise TimeoutError(f"{proc.role} {proc.name} at {proc.address} never reported SERVING")
 
     def start_manager(self, timeout: float = 60.0) -> Proc:
-        args = ["--listen", "127.0.0.1:0", "--metrics-port", "0", "--metrics-host", "127.0.0.1",
+        host = self.host_of("manager")
+        args = ["--listen", f"{host}:0", "--metrics-port", "0", "--metrics-host", host,
                 "--state-dir", str(self.work_dir / "manager-state"), "--replication", str(self.replication),
                 "--checkpoint-dir", str(self.work_dir / "checkpoints"), "--log-format", self.log_format]
         if self.lease is not None:
@@ -132,10 +137,10 @@ class LocalCluster:
         self.manager = proc
         return proc
 
-    def start_server(self, name: str, timeout: float = 60.0, wait: bool = True, listen: str = "127.0.0.1:0",
-                     extra: tuple = ()) -> Proc:
-        args = ["--name", name, "--listen", listen, "--manager", self.manager_address,
-                "--metrics-port", "0", "--metrics-host", "127.0.0.1", "--log-format", self.log_format]
+    def start_server(self, name: str, timeout: float = 60.0, wait: bool = True, extra: tuple = ()) -> Proc:
+        host = self.host_of(name)
+        args = ["--name", name, "--listen", f"{host}:0", "--manager", self.manager_address,
+                "--metrics-port", "0", "--metrics-host", host, "--log-format", self.log_format]
         proc = self._spawn("server", name, args + list(self.server_args) + list(extra))
         with self._lock:
             self.servers[name] = proc

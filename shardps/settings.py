@@ -140,7 +140,7 @@ class ServerProcessSettings:
     manager: str = "127.0.0.1:7070"
     max_request_bytes: int = 1 << 30
     max_rows: int = 4_000_000
-    forward_timeout: float = 5.0
+    forward_timeout: float = 1.5
 
 
 def build(cls, args: argparse.Namespace, **nested):

@@ -334,8 +334,7 @@ class RefTable:
     values: np.ndarray | None = None                       # dense
     rows: dict[int, np.ndarray] = field(default_factory=dict)   # sparse: stored rows
     initialized: set[int] = field(default_factory=set)     # dense ASSIGNED: written blocks
-    primary: list[str] = field(default_factory=list)       # per block
-    since: list[int] = field(default_factory=list)         # per block
+    blocks: int = 0
     config_version: int = 1
 
     def block_of_id(self, i: int) -> int:
@@ -399,14 +398,56 @@ class WriterRecord:
 class Reference:
     """The data job as the wire contract says it must be, plus the server-side limits."""
 
-    def __init__(self, tables: dict[str, RefTable], member: tuple[str, int], limits: dict,
-                 epoch_now):
+    def __init__(self, tables: dict[str, RefTable], member: tuple[str, int], limits: dict):
         self.tables = tables
         self.member = member                  # (session, incarnation)
         self.limits = limits
-        self.epoch_now = epoch_now            # callable: the published (installed) epoch
+        self.map_epoch = 0
         self.records: dict[tuple[str, int], WriterRecord] = defaultdict(WriterRecord)
         self.applied_pushes = 0
+        self.placement: dict[str, tuple[list[str], list[int]]] = {}   # table -> (primaries, since)
+        self._placements: dict[int, dict] = {}
+
+    def use(self, shard_map: pb.ShardMap) -> "Reference":
+        """Judge the next requests under ``shard_map`` (the one the servers have installed)."""
+        cached = self._placements.get(shard_map.epoch)
+        if cached is None:
+            names = [srv.name for srv in shard_map.servers]
+            cached = {tp.spec.name: ([names[bp.replicas[0]] if bp.replicas else "" for bp in tp.blocks],
+                                     [bp.since_epoch for bp in tp.blocks])
+                      for tp in shard_map.tables if tp.job == DATA_JOB and tp.spec.name in self.tables}
+            self._placements = {shard_map.epoch: cached}
+        self.placement = cached
+        self.map_epoch = shard_map.epoch
+        return self
+
+    def preview(self, v: Verdict) -> dict:
+        """The touched blocks' contents after applying ``v`` (the reference is not changed)."""
+        saved = {t.name: (None if t.values is None else t.values.copy(), dict(t.rows), set(t.initialized))
+                 for (t, *_rest) in v.plan}
+        records, pushes = self.records, self.applied_pushes
+        self.records = defaultdict(WriterRecord)
+        try:
+            self.apply(v)
+            return self.block_contents(v)
+        finally:
+            for t, *_rest in v.plan:
+                t.values, t.rows, t.initialized = saved[t.name]
+            self.records, self.applied_pushes = records, pushes
+
+    def block_contents(self, v: Verdict) -> dict:
+        out = {}
+        for (t, b, kind, lo, hi, seg) in v.plan:
+            if t.dense:
+                a, z = t.block_range(b)
+                out[(t.name, b)] = t.values[a:z].copy()
+            else:
+                ids = sorted(i for i in seg["summed"] if t.block_of_id(i) == b)
+                out[(t.name, b)] = (ids, np.array([t.row(i) for i in ids], np.float32))
+        return out
+
+    def primary(self, t: RefTable, b: int) -> str:
+        return self.placement[t.name][0][b]
 
     # ---------------------------------------------------------------- push
     def judge_push(self, server: str, h: ps.PushHeader, payload: bytes) -> Verdict:
@@ -417,7 +458,7 @@ class Reference:
         kind = h.kind or ps.GRADIENT
         if h.shared_memory.name:
             v.bad(SHM_REFUSED, "shared-memory payload that does not exist")
-        if hdr.epoch > self.epoch_now():
+        if hdr.epoch > self.map_epoch:
             v.bad(UNAVAILABLE, "epoch ahead of the server")
         session, incarnation = self.member
         if hdr.job == DATA_JOB and hdr.session == session and hdr.incarnation != incarnation:
@@ -477,7 +518,7 @@ class Reference:
         hdr = req.header
         if req.reply_shared_memory.name:
             v.bad(SHM_REFUSED, "shared-memory reply region that does not exist")
-        if hdr.epoch > self.epoch_now():
+        if hdr.epoch > self.map_epoch:
             v.bad(UNAVAILABLE, "epoch ahead of the server")
         segments = self._parse(v, hdr, req.segments, req.data, with_values=False)
         if segments is None:
@@ -494,7 +535,7 @@ class Reference:
         for seg in segments:
             t = seg["table"]
             if seg.get("all_stored"):
-                mine = sorted(i for i in t.rows if t.primary[t.block_of_id(i)] == server)
+                mine = sorted(i for i in t.rows if self.primary(t, t.block_of_id(i)) == server)
                 v.expect.append(("stored", wire, mine, [t.row(i) for i in mine]))
             elif t.dense:
                 v.expect.append(("values", wire, t.values[seg["lo"]:seg["hi"]].copy()))
@@ -600,10 +641,10 @@ class Reference:
                 ids = s["ids"] if pull else np.array(sorted(s["summed"]), np.int64)
                 blocks = sorted({(t.block_of_id(int(i)), 0, 0) for i in ids.tolist()})
             for b, lo, hi in blocks:
-                if t.primary[b] != server:
-                    v.bad(FAILED, f"block {t.name}/{b} is served by {t.primary[b]}")
+                if self.primary(t, b) != server:
+                    v.bad(FAILED, f"block {t.name}/{b} is served by {self.primary(t, b)}")
                     return None
-                if t.since[b] > hdr.epoch:
+                if self.placement[t.name][1][b] > hdr.epoch:
                     v.bad(FAILED, f"block {t.name}/{b} moved after epoch {hdr.epoch}")
                     return None
                 parts.append((t, b, lo, hi, s))
@@ -621,6 +662,8 @@ class World:
     wire: Wire
     fresh: int = 0
     skipped: Counter = field(default_factory=Counter)
+    ambiguous: Counter = field(default_factory=Counter)
+    checks: Wire = field(default_factory=Wire)      # the state checks' own pulls (not fuzz)
 
     def epoch(self) -> int:
         return self.cluster.manager.runtime.published.epoch
@@ -628,6 +671,99 @@ class World:
     def next_session(self) -> str:
         self.fresh += 1
         return f"fresh-{self.fresh}"
+
+    def maps(self) -> list[pb.ShardMap]:
+        """The maps a server may be using now: the published one, and the one being
+        installed if a change is in flight."""
+        rt = self.cluster.manager.runtime
+        published = rt.published
+        if rt.state.epoch == published.epoch:
+            return [published]
+        with rt.lock:
+            return [published, rt.state.shard_map()]
+
+    def settle(self, timeout: float = 60.0, quiet_for: float = 0.3) -> None:
+        """Wait until no map change has been in flight for ``quiet_for`` seconds. (Block moves
+        may still start afterwards: the manager retries failed ones every tick; requests
+        are judged under every map in force during the call, see ``judged``.)"""
+        rt = self.cluster.manager.runtime
+        deadline = time.monotonic() + timeout
+        quiet_since = None
+        while True:
+            now = time.monotonic()
+            if rt.state.epoch == rt.published.epoch:
+                quiet_since = quiet_since or now
+                if now - quiet_since >= quiet_for:
+                    self.ref.use(rt.published)
+                    return
+            else:
+                quiet_since = None
+            assert now < deadline, "the manager kept changing the map"
+            time.sleep(0.02)
+
+    def judged(self, judge, send):
+        """``send()`` once; ``judge()`` under every map in force before or after it. Returns
+        the outcome, the verdicts and whether the map stayed put."""
+        before = self.maps()
+        self.ref.use(before[-1])
+        out = send(judge())
+        after = self.maps()
+        maps = {m.epoch: m for m in before + after}
+        verdicts = [judge() for m in maps.values() if self.ref.use(m)]
+        self.ref.use(after[-1])
+        return out, verdicts, len(maps) == 1
+
+    def read_blocks(self, keys) -> dict:
+        """Current contents of data blocks ``(table, block)`` (sparse: of the given ids),
+        read from their primaries once the placement is quiet."""
+        for attempt in range(50):
+            self.settle()
+            epoch = self.epoch()
+            try:
+                return self._read_blocks(keys)
+            except grpc.RpcError as err:
+                if err.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE) \
+                        or self.epoch() == epoch and attempt > 3:
+                    raise
+        raise AssertionError("the placement never stayed put long enough to read the state")
+
+    def _read_blocks(self, keys) -> dict:
+        out = {}
+        for (name, b), ids in keys.items():
+            t = self.ref.tables[name]
+            server = self.ref.primary(t, b)
+            header = pb.RequestHeader(job=DATA_JOB, epoch=self.epoch())
+            if t.dense:
+                lo, hi = t.block_range(b)
+                req = ps.PullRequest(header=header, segments=[pb.Segment(table=name, range=pb.Range(start=lo, stop=hi))])
+            else:
+                req = ps.PullRequest(header=header, segments=[pb.Segment(table=name, rows=pb.RowSelection(count=len(ids)))],
+                                     data=np.array(ids, "<i8").tobytes())
+            stream = self.channels[server].unary_stream(f"/{PS}/Pull")(req.SerializeToString(), timeout=DEADLINE)
+            msgs = [ps.PullChunk.FromString(c) for c in stream]
+            values = np.frombuffer(b"".join(m.data for m in msgs), "<f4")
+            out[(name, b)] = values if t.dense else (list(ids), values.reshape(len(ids), t.dim))
+        return out
+
+    def resolve(self, v: Verdict, what: str) -> bool:
+        """A push was refused where it could also have been accepted (the map moved during
+        the call, or a backup failed after the primary applied it): find out from the
+        stored values whether it was applied. Returns True if it was (and applies it)."""
+        before = self.ref.block_contents(v)
+        after = self.ref.preview(v)
+        keys = {k: (c[0] if isinstance(c, tuple) else None) for k, c in before.items()}
+        now = self.read_blocks(keys)
+        same = lambda a, b: all(np.array_equal(a[k] if not isinstance(a[k], tuple) else a[k][1],
+                                               b[k] if not isinstance(b[k], tuple) else b[k][1], equal_nan=True)
+                                for k in a)
+        if same(now, before) and not same(now, after):
+            return False
+        if same(now, after) and not same(now, before):
+            self.ref.apply(v)
+            self.ambiguous["applied although refused"] += 1
+            return True
+        raise AssertionError(f"cannot tell whether {what} was applied: stored {now}, "
+                             f"reference before {before}, after {after}")
 
 
 def _data_tables(shard_map: pb.ShardMap) -> dict[str, RefTable]:
@@ -638,15 +774,11 @@ def _data_tables(shard_map: pb.ShardMap) -> dict[str, RefTable]:
         "e0": RefTable("e0", False, dim=2, num_rows=0, num_blocks=4, init_value=-1.0,
                        allow_non_finite=True),
     }
-    names = [s.name for s in shard_map.servers]
     for tp in shard_map.tables:
         t = tables.get(tp.spec.name) if tp.job == DATA_JOB else None
-        if t is None:
-            continue
-        t.primary = [names[bp.replicas[0]] for bp in tp.blocks]
-        t.since = [bp.since_epoch for bp in tp.blocks]
-        t.config_version = tp.config.version
-    assert all(t.primary for t in tables.values()), "data tables not in the shard map"
+        if t is not None:
+            t.blocks, t.config_version = len(tp.blocks), tp.config.version
+    assert all(t.blocks for t in tables.values()), "data tables not in the shard map"
     return tables
 
 
@@ -661,9 +793,16 @@ def _create_data_job(client) -> None:
 
 
 # ---------------------------------------------------------------------- value strategies
+MAX_DENSE_VALUES = 80
 FINITE = st.floats(-8, 8, width=32, allow_subnormal=False)
 SPECIAL = st.sampled_from([float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 65504.0, 3e38,
                            1e-45, 70000.0])
+
+
+def pick(data, n: int, label: str = "pick") -> int:
+    """An index below ``n`` whose draw does not depend on ``n``: draws must not depend on the
+    cluster's state (hypothesis checks that the same choices draw the same way)."""
+    return data.draw(st.integers(0, (1 << 16) - 1), label) * max(n, 1) >> 16
 
 
 def values_strategy(n: int, nasty: bool):
@@ -674,6 +813,7 @@ def values_strategy(n: int, nasty: bool):
 WIRE = st.sampled_from([0, pb.FLOAT32, pb.FLOAT32, pb.FLOAT16, pb.BFLOAT16, pb.FLOAT64])
 WIRE_BAD = st.sampled_from([pb.INT64, 6, 77, -1, 2 ** 31 - 1])
 INT64_EDGE = st.sampled_from([-(2 ** 63), -1, 2 ** 63 - 1, 2 ** 40, 1000, 999])
+CLOCK_EDGE = st.sampled_from([-(2 ** 63), -1, 2 ** 63 - 2, 2 ** 40, 1000, 999])
 
 
 def draw_header(data, w: World, push: bool) -> pb.RequestHeader:
@@ -681,7 +821,7 @@ def draw_header(data, w: World, push: bool) -> pb.RequestHeader:
     job = data.draw(st.sampled_from([DATA_JOB] * 12 + ["", UNKNOWN_JOB, SCRATCH_JOBS[0]]), "job")
     epoch_kind = data.draw(st.sampled_from(["now"] * 10 + ["zero", "stale", "ahead", "max"]), "epoch")
     now = w.epoch()
-    epoch = {"now": now, "zero": 0, "stale": min(t.since[0] for t in w.ref.tables.values()) - 1,
+    epoch = {"now": now, "zero": 0, "stale": min(min(p[1]) for p in w.ref.placement.values()) - 1,
              "ahead": now + 1000, "max": 2 ** 64 - 1}[epoch_kind]
     who = data.draw(st.sampled_from(["member"] * 6 + ["none", "fresh", "fenced"]), "who")
     if who == "member":
@@ -695,7 +835,9 @@ def draw_header(data, w: World, push: bool) -> pb.RequestHeader:
     sequence = data.draw(st.one_of(st.integers(0, 40), st.just(2 ** 64 - 1)), "sequence") if push else 0
     acked = data.draw(st.sampled_from([0] * 8 + [1, 5, 20]), "acked_below") if push else 0
     wire = data.draw(st.one_of(WIRE, WIRE_BAD) if data.draw(st.integers(0, 19)) == 0 else WIRE, "wire")
-    clock = data.draw(st.one_of(st.integers(0, 5), INT64_EDGE), "clock")
+    # clock 2**63 - 1 is left out: it breaks every later pull of the job (KNOWN_BUGS:
+    # test_bug_push_with_clock_int64_max_breaks_every_pull_of_the_job)
+    clock = data.draw(st.one_of(st.integers(0, 5), CLOCK_EDGE), "clock")
     return pb.RequestHeader(job=job, epoch=epoch, session=sess, incarnation=inc, sequence=sequence,
                             acked_below=acked, clock=clock, wire_dtype=wire)
 
@@ -710,7 +852,7 @@ def draw_segment(data, w: World, server: str, wire: int, push: bool) -> tuple[pb
         return pb.Segment(table=name, range=pb.Range(start=0, stop=1)), b"\0" * itemsize
     seg = pb.Segment(table=name)
     if t.dense:
-        owned = [b for b, p in enumerate(t.primary) if p == server] or [0]
+        owned = [b for b in range(t.blocks) if w.ref.primary(t, b) == server] or [0]
         shape = data.draw(st.sampled_from(["block", "block", "inside", "span", "bad", "rows"]), "dense")
         if shape == "rows":
             seg.rows.count = 1
@@ -719,22 +861,23 @@ def draw_segment(data, w: World, server: str, wire: int, push: bool) -> tuple[pb
             lo, hi = data.draw(st.sampled_from([(-1, 4), (5, 5), (9, 3), (0, t.numel + 1),
                                                 (-(2 ** 63), 2 ** 63 - 1), (t.numel, t.numel + 2)]))
         else:
-            b = data.draw(st.sampled_from(owned), "block")
+            b = owned[pick(data, len(owned), "block")]
             lo, hi = t.block_range(b)
             if shape == "inside":
-                a = data.draw(st.integers(lo, hi - 1))
-                lo, hi = a, data.draw(st.integers(a + 1, hi))
+                a = lo + pick(data, hi - lo, "start")
+                lo, hi = a, a + 1 + pick(data, hi - a, "stop")
             elif shape == "span":
                 lo, hi = data.draw(st.integers(0, t.numel - 1)), t.numel
         seg.range.start, seg.range.stop = lo, hi
-        n = max(0, min(hi - lo, 80)) if push else 0
-        return seg, encode_values(data.draw(values_strategy(n, nasty)), wire) if n else b""
+        n = max(0, min(hi - lo, MAX_DENSE_VALUES)) if push else 0
+        values = data.draw(values_strategy(MAX_DENSE_VALUES, nasty), "values") if push else None
+        return seg, encode_values(values[:n], wire) if n else b""
     # sparse
-    pool = [i for i in range(0, 60) if t.primary[t.block_of_id(i)] == server] or [0]
+    pool = [i for i in range(0, 60) if w.ref.primary(t, t.block_of_id(i)) == server] or [0]
     if t.num_rows == 0:
         pool += [-(2 ** 63), 2 ** 63 - 1, -7]
     n = data.draw(st.integers(0, 7), "rows")
-    ids = data.draw(st.lists(st.sampled_from(pool), min_size=n, max_size=n), "ids")
+    ids = [pool[pick(data, len(pool), "id")] for _ in range(n)]
     if data.draw(st.integers(0, 9), "foreign") == 0:
         ids.append(data.draw(st.one_of(st.integers(0, 999), INT64_EDGE)))
     count = len(ids)
@@ -774,7 +917,7 @@ def draw_push(data, w: World):
     if mutation == "extra":
         payload += data.draw(st.binary(min_size=1, max_size=9))
     elif mutation == "short" and payload:
-        payload = payload[:data.draw(st.integers(0, len(payload) - 1))]
+        payload = payload[:pick(data, len(payload), "cut")]
     elif mutation == "garbage":
         payload = data.draw(st.binary(max_size=64))
     elif mutation == "shm":
@@ -786,7 +929,7 @@ def draw_push(data, w: World):
     if data.draw(st.integers(0, 9), "pad") == 0:     # over max_request_bytes
         payload += b"\0" * (w.ref.limits["max_request_bytes"] + 1 - len(payload))
         h.payload_bytes = len(payload) if declared == "exact" else h.payload_bytes
-    cuts = data.draw(st.lists(st.integers(1, max(1, len(payload))), max_size=3), "cuts")
+    cuts = [1 + pick(data, len(payload), "chunk cut") for _ in range(data.draw(st.integers(0, 3), "cuts"))]
     head = h.SerializeToString()
     stream = data.draw(st.sampled_from(["plain"] * 16 + ["empty", "late-header", "no-header",
                                                           "bitflip", "raw-chunk"]), "stream")
@@ -813,8 +956,7 @@ def run_push(data, w: World) -> None:
         raw = bytearray(head)
         for _ in range(data.draw(st.integers(1, 4))):
             if raw:
-                pos = data.draw(st.integers(0, len(raw) - 1))
-                raw[pos] ^= 1 << data.draw(st.integers(0, 7))
+                raw[pick(data, len(raw), "flip")] ^= 1 << data.draw(st.integers(0, 7))
         head = bytes(raw)
         parsed = _parses(ps.PushHeader, head)
         if parsed is None:
@@ -831,19 +973,26 @@ def run_push(data, w: World) -> None:
         chunks = chunks + [ps.PushChunk(header=h).SerializeToString()]
     elif stream == "raw-chunk":
         chunks = chunks + [data.draw(st.binary(min_size=1, max_size=32), "raw")]
-    verdict = w.ref.judge_push(server, h, payload) if _parses(ps.PushHeader, head) is not None else Verdict()
-    expected = codes | verdict.codes
-    out = w.wire.call(w.channels[server], PS, "Push", chunks, kind="stream_unary")
+    parsable = _parses(ps.PushHeader, head) is not None
+    out, verdicts, stable = w.judged(
+        lambda: w.ref.judge_push(server, h, payload) if parsable else Verdict(),
+        lambda v: w.wire.call(w.channels[server], PS, "Push", chunks, kind="stream_unary"))
     described = f"Push to {server}: stream={stream} header={h} payload={len(payload)}B -> {out.code} {out.details[:200]}"
-    if not expected:
-        assert out.code == OK, f"a valid push was refused: {described}"
-        w.ref.apply(verdict)
-        return
+    accepting = [v for v in verdicts if v.ok and not codes]
     if out.code == OK:
-        raise AssertionError(f"an invalid push was accepted ({verdict.reasons}, stream {codes}): {described}")
+        assert accepting, (f"an invalid push was accepted ({[v.reasons for v in verdicts]}, "
+                           f"stream {codes}): {described}")
+        w.ref.apply(accepting[0])
+        return
+    expected = codes.union(*(v.codes for v in verdicts))
+    if accepting and (out.code in (UNAVAILABLE, FAILED) and not stable or out.code == UNAVAILABLE):
+        w.ambiguous[f"push refused with {out.code} while valid"] += 1
+        w.resolve(accepting[0], described)
+        return
+    assert not accepting, f"a valid push was refused: {described}"
     if out.code not in expected and w.wire.known_bug("Push", out) is None:
         raise AssertionError(f"push refused with {out.code}, expected one of {sorted(expected)} "
-                             f"({verdict.reasons}): {described}")
+                             f"({[v.reasons for v in verdicts]}): {described}")
 
 
 def draw_pull(data, w: World):
@@ -862,7 +1011,7 @@ def draw_pull(data, w: World):
     if mutation == "extra":
         ids += data.draw(st.binary(min_size=1, max_size=9))
     elif mutation == "short" and ids:
-        ids = ids[:data.draw(st.integers(0, len(ids) - 1))]
+        ids = ids[:pick(data, len(ids), "cut")]
     elif mutation == "shm":
         req.reply_shared_memory.name = data.draw(st.sampled_from(["shardps-nope", "/dev/mem"]))
         req.reply_shared_memory.length = 64
@@ -873,19 +1022,30 @@ def draw_pull(data, w: World):
 
 def run_pull(data, w: World) -> None:
     server, req = draw_pull(data, w)
-    verdict = w.ref.judge_pull(server, req)
-    out = w.wire.call(w.channels[server], PS, "Pull", req.SerializeToString(), kind="unary_stream",
-                      may_wait=verdict.may_wait)
+    raw = req.SerializeToString()
+    out, verdicts, stable = w.judged(
+        lambda: w.ref.judge_pull(server, req),
+        lambda v: w.wire.call(w.channels[server], PS, "Pull", raw, kind="unary_stream", may_wait=v.may_wait))
     described = f"Pull from {server}: {req} -> {out.code} {out.details[:200]}"
-    if not verdict.ok:
-        if out.code == OK:
-            raise AssertionError(f"an invalid pull was answered ({verdict.reasons}): {described}")
-        if out.code not in verdict.codes and w.wire.known_bug("Pull", out) is None:
-            raise AssertionError(f"pull refused with {out.code}, expected one of "
-                                 f"{sorted(verdict.codes)} ({verdict.reasons}): {described}")
+    accepting = [v for v in verdicts if v.ok]
+    if out.code == OK:
+        assert accepting, f"an invalid pull was answered ({[v.reasons for v in verdicts]}): {described}"
+        errors = []
+        for v in accepting:     # the all_stored rows a server returns depend on the map in force
+            try:
+                check_pull_response(out.response, v.expect, described)
+                return
+            except AssertionError as exc:
+                errors.append(str(exc))
+        raise AssertionError(errors[0])
+    if accepting and not stable and out.code in (UNAVAILABLE, FAILED):
+        w.ambiguous[f"pull refused with {out.code} while the map moved"] += 1
         return
-    assert out.code == OK, f"a valid pull was refused: {described}"
-    check_pull_response(out.response, verdict.expect, described)
+    assert not accepting, f"a valid pull was refused: {described}"
+    expected = set().union(*(v.codes for v in verdicts))
+    if out.code not in expected and w.wire.known_bug("Pull", out) is None:
+        raise AssertionError(f"pull refused with {out.code}, expected one of {sorted(expected)} "
+                             f"({[v.reasons for v in verdicts]}): {described}")
 
 
 def check_pull_response(chunks: list[bytes], expect: list, described: str) -> None:
@@ -1118,17 +1278,7 @@ def run_manager(data, w: World, tmp: str) -> None:
     else:
         raw = manager_request(data, w, method, tmp).SerializeToString()
         if form == "mutated" and raw:
-            raw = bytearray(raw)
-            for _ in range(data.draw(st.integers(1, 3))):
-                op = data.draw(st.sampled_from(["flip", "cut", "insert"]))
-                pos = data.draw(st.integers(0, max(0, len(raw) - 1)))
-                if op == "flip" and raw:
-                    raw[pos] ^= 1 << data.draw(st.integers(0, 7))
-                elif op == "cut":
-                    del raw[pos:pos + data.draw(st.integers(1, 4))]
-                else:
-                    raw[pos:pos] = data.draw(st.binary(min_size=1, max_size=3))
-            raw = bytes(raw)
+            raw = mutate(data, raw)
     msg = _parses(cls, raw)
     if msg is not None and not manager_safe(w, method, msg, tmp):
         w.skipped[method] += 1
@@ -1155,7 +1305,7 @@ def internal_request(data, w: World, method: str, tables: dict, real_refs: bool)
     u64 = st.sampled_from([0, 1, now, now + 1, 2 ** 64 - 1])
     jobs = [DATA_JOB, UNKNOWN_JOB, ""] + SCRATCH_JOBS
     refs = [ps.BlockRef(job=DATA_JOB, table=n, block=b)
-            for n, t in tables.items() for b in range(len(t.primary))] if real_refs else []
+            for n, t in tables.items() for b in range(t.blocks)] if real_refs else []
     ref = st.one_of(st.sampled_from(refs), st.builds(
         ps.BlockRef, job=st.sampled_from(jobs), table=st.sampled_from(["w", "e", UNKNOWN_TABLE]),
         block=st.sampled_from([0, 1, 7, 2 ** 32 - 1]))) if refs else st.builds(
@@ -1253,17 +1403,18 @@ def internal_safe(w: World, method: str, request) -> bool:
 
 def mutate(data, raw: bytes) -> bytes:
     raw = bytearray(raw)
-    for _ in range(data.draw(st.integers(1, 3))):
-        if not raw:
-            break
-        pos = data.draw(st.integers(0, len(raw) - 1))
-        op = data.draw(st.sampled_from(["flip", "cut", "insert"]))
-        if op == "flip":
-            raw[pos] ^= 1 << data.draw(st.integers(0, 7))
+    for _ in range(data.draw(st.integers(1, 3), "mutations")):
+        pos = pick(data, len(raw), "at")
+        op = data.draw(st.sampled_from(["flip", "cut", "insert"]), "mutation")
+        bit = data.draw(st.integers(0, 7), "bit")
+        cut = data.draw(st.integers(1, 4), "cut")
+        insert = data.draw(st.binary(min_size=1, max_size=3), "insert")
+        if op == "flip" and raw:
+            raw[pos] ^= 1 << bit
         elif op == "cut":
-            del raw[pos:pos + data.draw(st.integers(1, 4))]
+            del raw[pos:pos + cut]
         else:
-            raw[pos:pos] = data.draw(st.binary(min_size=1, max_size=3))
+            raw[pos:pos] = insert
     return bytes(raw)
 
 
@@ -1291,10 +1442,10 @@ def run_internal(data, w: World, real_refs: bool, safe_only: bool) -> None:
             request = internal_request(data, w, method, w.ref.tables if w.ref else {}, real_refs)
             if form == "mutated":
                 request = [mutate(data, c) for c in request] if kind == "stream_unary" else mutate(data, request)
+    server = data.draw(st.sampled_from(sorted(w.servers)), "server")
     if safe_only and not internal_safe(w, method, request):
         w.skipped[method] += 1
         return
-    server = data.draw(st.sampled_from(sorted(w.servers)), "server")
     may_wait = not safe_only     # admin calls (holds, copies to dead peers) may block
     w.wire.call(w.channels[server], PS, method, request, kind=kind, may_wait=may_wait,
                 first_only=False)
@@ -1318,33 +1469,43 @@ def fuzz_rounds(run, w: World, examples: int, seed: int) -> None:
     fuzz()
 
 
-def _full_check(w: World) -> None:
-    """Every block of every data table, pulled from its primary, equals the reference."""
-    for name, t in w.ref.tables.items():
-        for server in sorted(w.servers):
-            if t.dense:
-                for b in range(len(t.primary)):
-                    if t.primary[b] != server:
-                        continue
-                    lo, hi = t.block_range(b)
-                    req = ps.PullRequest(header=pb.RequestHeader(job=DATA_JOB, epoch=w.epoch()),
-                                         segments=[pb.Segment(table=name, range=pb.Range(start=lo, stop=hi))])
-                    _checked_pull(w, server, req)
-            else:
-                req = ps.PullRequest(header=pb.RequestHeader(job=DATA_JOB, epoch=w.epoch()),
-                                     segments=[pb.Segment(table=name, rows=pb.RowSelection(all_stored=True))])
-                _checked_pull(w, server, req)
-
-
-def _checked_pull(w: World, server: str, req: ps.PullRequest) -> None:
-    verdict = w.ref.judge_pull(server, req)
-    out = w.wire.call(w.channels[server], PS, "Pull", req.SerializeToString(), kind="unary_stream",
-                      may_wait=verdict.may_wait)
-    if verdict.ok:
-        assert out.code == OK, f"pull of {req.segments[0]} from {server}: {out.code} {out.details}"
-        check_pull_response(out.response, verdict.expect, f"state check of {req.segments[0]} on {server}")
-    else:
-        assert out.code in verdict.codes, f"{req}: {out.code} {out.details}"
+def _full_check(w: World, attempts: int = 50) -> None:
+    """Every block of every data table, read from its primary, equals the reference; sparse
+    tables hold exactly the rows the reference holds. Starts over if a block moves meanwhile."""
+    for attempt in range(attempts):
+        w.settle()
+        epoch = w.epoch()
+        moved = False
+        for name, t in w.ref.tables.items():
+            for server in sorted(w.servers):
+                header = pb.RequestHeader(job=DATA_JOB, epoch=epoch)
+                if t.dense:
+                    reqs = [ps.PullRequest(header=header, segments=[pb.Segment(
+                        table=name, range=pb.Range(start=t.block_range(b)[0], stop=t.block_range(b)[1]))])
+                        for b in range(t.blocks) if w.ref.primary(t, b) == server]
+                else:
+                    reqs = [ps.PullRequest(header=header, segments=[pb.Segment(
+                        table=name, rows=pb.RowSelection(all_stored=True))])]
+                for req in reqs:
+                    verdict = w.ref.judge_pull(server, req)
+                    out = w.checks.call(w.channels[server], PS, "Pull", req.SerializeToString(),
+                                        kind="unary_stream", may_wait=verdict.may_wait)
+                    if w.epoch() != epoch:
+                        moved = True
+                        break
+                    what = f"state of {name} {req.segments[0]} on {server}"
+                    if verdict.ok:
+                        assert out.code == OK, f"{what}: {out.code} {out.details}"
+                        check_pull_response(out.response, verdict.expect, what)
+                    else:
+                        assert out.code in verdict.codes, f"{what}: {out.code} {out.details}"
+                if moved:
+                    break
+            if moved:
+                break
+        if not moved:
+            return
+    raise AssertionError(f"the placement moved during each of {attempts} state checks")
 
 
 def test_fuzz_worker_reachable_rpcs(make_cluster, client_factory, tmp_path):
@@ -1361,10 +1522,11 @@ def test_fuzz_worker_reachable_rpcs(make_cluster, client_factory, tmp_path):
     manager = channels.channel(cluster.address)
     try:
         w = World(cluster, None, servers, chans, manager, Wire())
-        w.ref = Reference(tables, (member.session, member.incarnation), limits, w.epoch)
+        w.ref = Reference(tables, (member.session, member.incarnation), limits)
         for t in tables.values():    # initial values of the dense tables (UNIFORM, or unwritten)
             if t.dense:
                 t.values = np.zeros(t.numel, np.float32) if t.assigned else client.pull_dense(t.name).reshape(-1).copy()
+        w.settle()
         health = {"manager": cluster.address, **servers}
         tmp = str(tmp_path)
 
@@ -1381,9 +1543,11 @@ def test_fuzz_worker_reachable_rpcs(make_cluster, client_factory, tmp_path):
         _full_check(w)
         elapsed = time.monotonic() - started
         print("\n" + w.wire.report(f"fuzz (worker-reachable RPCs, {elapsed:.0f} s)"))
-        print(f"  pushes applied to the reference: {w.ref.applied_pushes}; requests not sent "
-              f"(they would change the data job legitimately): {dict(w.skipped)}")
-        assert not w.wire.violations, "\n".join(w.wire.violations[:40])
+        print(f"  pushes applied to the reference: {w.ref.applied_pushes}; state checks: "
+              f"{w.checks.sent} pulls; requests not sent (they would change the data job "
+              f"legitimately): {dict(w.skipped)}; outcomes resolved by reading the state: "
+              f"{dict(w.ambiguous)}")
+        assert not w.wire.violations + w.checks.violations, "\n".join(w.wire.violations[:40])
         assert w.wire.sent >= 10_000, f"only {w.wire.sent} messages sent"
         assert w.ref.applied_pushes >= 500, "too few valid pushes: the generator drifted"
         untouched = [m for m in ["Push", "Pull", "ProbeSharedMemory"] + list(RM_REQUESTS)

@@ -148,11 +148,12 @@ class Prometheus:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = self.dir / "prometheus.log"
+        cmd = [binary, f"--config.file={self.config_path}", f"--storage.tsdb.path={self.dir / 'data'}",
+               f"--web.listen-address=127.0.0.1:{self.port}"]
+        if shutil.which("setpriv"):       # dies with the test process even if that is killed
+            cmd = ["setpriv", "--pdeathsig", "TERM", "--"] + cmd
         with open(self.log_path, "wb") as log:
-            self.popen = subprocess.Popen(
-                [binary, f"--config.file={self.config_path}", f"--storage.tsdb.path={self.dir / 'data'}",
-                 f"--web.listen-address=127.0.0.1:{self.port}"],
-                stdout=log, stderr=subprocess.STDOUT)
+            self.popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
@@ -294,15 +295,17 @@ def provoke_stale_epoch_and_bad_request(cluster, on_new_server) -> dict:
     from shardps.tables import sgd
     from shardps.worker.client import PSClient
 
-    seen = {}
     with PSClient(cluster.manager_address, "probe", timeout=30.0) as c:
         c.create_job()
         c.create_dense("w", (64 * 100,), optimizer=sgd(0.1), block_size=64)
         c.push_dense("w", np.ones(64 * 100))
         old_epoch = c.shard_map.epoch
-        cluster.start_server("s2")
-        on_new_server()
-
+    # No client is open while LocalCluster forks: gRPC's fork handlers can deadlock a fork
+    # made while this process has channels in use.
+    cluster.start_server("s2")
+    on_new_server()
+    seen = {}
+    with PSClient(cluster.manager_address, "probe", timeout=30.0) as c:
         def moved_block():
             t = c.refresh_map().table("probe", "w")
             return next((b + 1 for b, r in enumerate(t.replicas)
@@ -327,7 +330,7 @@ def provoke_stale_epoch_and_bad_request(cluster, on_new_server) -> dict:
 
 # ====================================================================== the test
 @pytest.mark.prometheus
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300, method="thread")     # a hang in C code would never see a signal
 def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path):
     from shardps.local import LocalCluster, tail
 

@@ -105,6 +105,15 @@ class ManagerStub:
 
 
 _RETRYABLE = (StaleEpoch, Unavailable)
+# A single attempt of a data call may take this long plus size / ATTEMPT_BANDWIDTH before it
+# is abandoned and retried (a peer cut off by a partition never answers; the call's overall
+# deadline bounds the retries).
+ATTEMPT_SECONDS = 5.0
+ATTEMPT_BANDWIDTH = 20e6
+
+
+def _attempt_timeout(deadline: float, nbytes: int) -> float:
+    return max(0.001, min(deadline - time.monotonic(), ATTEMPT_SECONDS + nbytes / ATTEMPT_BANDWIDTH))
 
 
 class PSClient:
@@ -581,14 +590,15 @@ class PSClient:
             for (server, ps_), (ok, value) in zip(items, outcomes):
                 if ok:
                     continue
-                retryable = isinstance(value, _RETRYABLE) and not any(p.all_stored for p in ps_)
+                retryable = (isinstance(value, _RETRYABLE + (DeadlineExceeded,))
+                             and not any(p.all_stored for p in ps_))
                 if retryable and time.monotonic() < deadline:
                     errors[server] = value
                     retry.extend(ps_)
                     if not ps_:
                         retry_servers.append(server)
                     continue
-                if isinstance(value, _RETRYABLE) and time.monotonic() >= deadline:
+                if isinstance(value, _RETRYABLE + (DeadlineExceeded,)) and time.monotonic() >= deadline:
                     raise DeadlineExceeded(f"gave up at the deadline after {attempt + 1} attempts: "
                                            f"{value.message}") from value
                 raise value
@@ -606,7 +616,24 @@ class PSClient:
                                         timeout=max(0.05, min(1.0, deadline - time.monotonic())))
             except (DeadlineExceeded, Unavailable):
                 view = self._view()
-            pending = route(view, self.job, retry)
+            try:
+                pending = route(view, self.job, retry)
+            except Unavailable:
+                # a block has no live replica in this map yet: wait for the manager
+                if time.monotonic() >= deadline:
+                    raise
+                pending = {}
+                retry_servers = []
+                errors_pending = retry
+                while not pending and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                    try:
+                        view = self.refresh_map(timeout=max(0.05, min(1.0, deadline - time.monotonic())))
+                        pending = route(view, self.job, errors_pending)
+                    except (DeadlineExceeded, Unavailable):
+                        continue
+                if not pending:
+                    raise
             alive = set(live_servers(view))
             for s in retry_servers:
                 if s in alive:
@@ -638,7 +665,8 @@ class PSClient:
             started = time.perf_counter()
             code = "OK"
             try:
-                stream = self._pool.get(address).Pull(request, timeout=max(0.001, deadline - time.monotonic()),
+                expected = sum((p.stop - p.start) * 4 if p.dense else p.rows * 64 for p in ps_)
+                stream = self._pool.get(address).Pull(request, timeout=_attempt_timeout(deadline, expected),
                                                       metadata=self._metadata)
                 head, payload = _collect(stream)
             except grpc.RpcError as err:
@@ -725,7 +753,7 @@ class PSClient:
             started = time.perf_counter()
             code = "OK"
             try:
-                ack = self._pool.get(address).Push(chunks(), timeout=max(0.001, deadline - time.monotonic()),
+                ack = self._pool.get(address).Push(chunks(), timeout=_attempt_timeout(deadline, header.payload_bytes),
                                                    metadata=self._metadata)
             except grpc.RpcError as err:
                 code = err.code().name

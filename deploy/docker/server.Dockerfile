@@ -18,7 +18,7 @@ RUN if ! command -v python3 >/dev/null 2>&1; then \
  && useradd --system --uid 10001 --gid 10001 --home-dir /home/shardps --create-home \
         --shell /usr/sbin/nologin shardps
 
-FROM base AS build
+FROM base AS deps
 # OFFLINE=1: pip reads only the wheelhouse (WHEELHOUSE, a folder of the build context whose
 # name starts with "wheelhouse", made by `make wheelhouse`), never an index. OFFLINE=0: the index
 # (PyPI, or the PIP_INDEX_URL build argument, which pip reads from the environment) and the
@@ -29,39 +29,37 @@ ARG PIP_INDEX_URL=https://pypi.org/simple
 # constraints.txt always matches, so this COPY works when the wheelhouse folder is absent.
 COPY constraints.txt ${WHEELHOUSE}* /wheels/
 COPY pyproject.toml /src/
-# Dependencies first, in their own layer: source edits do not reinstall them.
+# The dependencies (and setuptools, to build shardps below) in a layer of their own: source
+# edits reuse it.
 RUN set -eu; \
     if [ "$OFFLINE" = 1 ]; then src=--no-index; else src=; fi; \
     python3 -m venv /opt/shardps; \
     python3 -c 'import tomllib; print("\n".join(tomllib.load(open("/src/pyproject.toml", "rb"))["project"]["dependencies"]))' \
         > /tmp/requirements.txt; \
     /opt/shardps/bin/pip install --no-cache-dir --disable-pip-version-check $src --find-links /wheels \
-        -c /wheels/constraints.txt -r /tmp/requirements.txt
+        -c /wheels/constraints.txt -r /tmp/requirements.txt "setuptools>=77"
+
+FROM deps AS runtime
 COPY README.md /src/
 COPY protos /src/protos
 COPY shardps /src/shardps
 COPY server /src/server
 COPY worker /src/worker
-# shardps itself, without the worker extra (no torch). Then drop what only installing needs
-# (pip, setuptools, the packages' own test suites) to keep the image small.
+# shardps itself, without the worker extra (no torch). Then drop what only building needs
+# (the wheels, the sources, pip, setuptools, the packages' own test suites); documentation,
+# manual pages and translations are not needed at run time either. The state and checkpoint
+# folders belong to the non-root user: Docker copies that ownership into fresh named volumes.
 RUN set -eu; \
-    if [ "$OFFLINE" = 1 ]; then src=--no-index; else src=; fi; \
-    /opt/shardps/bin/pip wheel --no-cache-dir --disable-pip-version-check $src --find-links /wheels \
-        --no-deps -w /tmp/dist /src; \
-    /opt/shardps/bin/pip install --no-cache-dir --disable-pip-version-check --no-index --no-deps /tmp/dist/*.whl; \
+    /opt/shardps/bin/pip install --no-cache-dir --disable-pip-version-check --no-index --no-deps \
+        --no-build-isolation /src; \
     /opt/shardps/bin/pip uninstall --yes --quiet setuptools pip; \
-    find /opt/shardps/lib -depth -type d -name tests -path '*/site-packages/*' -exec rm -rf {} +
+    find /opt/shardps/lib -depth -type d -name tests -path '*/site-packages/*' -exec rm -rf {} +; \
+    rm -rf /wheels /src /tmp/* /root/.cache /usr/share/doc/* /usr/share/man/* /usr/share/info/* \
+        /usr/share/locale/* /var/cache/apt/* /var/lib/apt/lists/*; \
+    install -d -o shardps -g shardps /var/lib/shardps/state /checkpoints
 
-FROM base AS runtime
-COPY --from=build /opt/shardps /opt/shardps
-# Writable by the non-root user; Docker copies this ownership into fresh named volumes.
-# Documentation, manual pages and translations are not needed at run time.
-RUN install -d -o shardps -g shardps /var/lib/shardps/state /checkpoints \
- && rm -rf /usr/share/doc/* /usr/share/man/* /usr/share/info/* /usr/share/locale/* /var/cache/apt/* \
-        /var/lib/apt/lists/*
-
-# One flat layer: the files deleted above leave the image instead of hiding in a lower layer
-# (keeps the server image well under 300 MB).
+# One flat layer: the files deleted above (the wheels among them) leave the image instead of
+# hiding in a lower layer; this keeps the server image well under 300 MB.
 FROM scratch
 COPY --from=runtime / /
 ENV PATH=/opt/shardps/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \

@@ -35,26 +35,24 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 # constraints.txt always matches, so this COPY works when the wheelhouse folder is absent.
 COPY constraints.txt ${WHEELHOUSE}* /wheels/
 COPY pyproject.toml /src/
-# The dependencies (torch is the big one) in a stage of their own: source edits reuse it.
+# The dependencies (torch is the big one; setuptools builds shardps below) in a stage of their
+# own: source edits reuse it.
 RUN set -eu; \
     if [ "$OFFLINE" = 1 ]; then src=--no-index; else src="--extra-index-url $TORCH_INDEX_URL"; fi; \
     python3 -m venv /opt/shardps; \
     python3 -c 'import tomllib; p = tomllib.load(open("/src/pyproject.toml", "rb"))["project"]; print("\n".join(p["dependencies"] + p["optional-dependencies"]["worker"]))' \
         > /tmp/requirements.txt; \
     /opt/shardps/bin/pip install --no-cache-dir --disable-pip-version-check $src --find-links /wheels \
-        -c /wheels/constraints.txt -r /tmp/requirements.txt
+        -c /wheels/constraints.txt -r /tmp/requirements.txt "setuptools>=77"
 
 FROM deps AS build
-ARG OFFLINE=0
 COPY README.md /src/
 COPY protos /src/protos
 COPY shardps /src/shardps
 COPY server /src/server
 COPY worker /src/worker
-RUN set -eu; \
-    if [ "$OFFLINE" = 1 ]; then src=--no-index; else src=; fi; \
-    /opt/shardps/bin/pip wheel --no-cache-dir --disable-pip-version-check $src --find-links /wheels \
-        --no-deps -w /dist /src
+RUN /opt/shardps/bin/pip wheel --no-cache-dir --disable-pip-version-check --no-index --no-deps \
+        --no-build-isolation -w /dist /src
 
 FROM base
 # The dependency layer is the same image layer across source edits; shardps goes on top.

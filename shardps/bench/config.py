@@ -46,6 +46,7 @@ class BenchConfig:
     mem_worker_steps: int = 20
     mem_worker_train_samples: int = 20_000
     mem_ddp_dense: bool = True             # also measure DDP with a dense embedding
+    mem_mmap_variant: bool = True          # also measure servers with MALLOC_MMAP_THRESHOLD_=65536
     # cost curves: (servers, workers) pairs, each worker runs `curve_steps` steps
     curve_points: tuple[tuple[int, int], ...] = ((1, 2), (2, 1), (2, 2), (2, 3), (2, 4), (3, 2), (4, 2))
     curve_steps: int = 60
@@ -99,6 +100,7 @@ TINY = BenchConfig(
     mem_worker_steps=2,
     mem_worker_train_samples=2_048,
     mem_ddp_dense=False,
+    mem_mmap_variant=False,
     curve_points=((1, 1),),
     curve_steps=2,
     curve_train_samples=2_048,

@@ -13,6 +13,9 @@ Before the measured table, a warm-up table (a tenth of the size) is filled the s
 that gRPC's buffers, the allocator's arenas and imported code are already resident and the
 growth is the table's own. ``server_table_bytes_*`` is what the server itself accounts for
 the table (values, optimizer state, row index: the ``bytes`` of its heartbeat), for comparison.
+With ``mem_mmap_variant`` the three are measured again with ``MALLOC_MMAP_THRESHOLD_=65536``
+in the server's environment (keys ending ``_mmap64k``): glibc then never raises its mmap
+threshold, which shows how much of the growth is heap fragmentation rather than the table.
 
 Worker: the peak RSS (VmHWM) of rank 0 of a 2-worker ``ctr`` run of ``mem_worker_steps``
 steps with a ``rows[0]`` and with a ``rows[1]``-row table, shardps (real ``shardps worker``
@@ -23,6 +26,7 @@ is the same size in both runs, so the growth is what the table costs the worker.
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -31,6 +35,8 @@ from shardps.bench import ddp, ps_runs
 from shardps.bench.common import proc_status_kb, ratio
 from shardps.bench.config import BenchConfig
 from shardps.bench.e2e import worker_args
+
+MMAP_THRESHOLD = 64 * 1024
 
 
 def _settle(pid: int) -> int:
@@ -49,14 +55,19 @@ def _stored_bytes(client) -> int:
     return sum(int(s.bytes) for s in client.cluster_status().servers)
 
 
-def _accounted_growth(client, before: int, timeout: float = 6.0) -> int:
-    """Growth of the bytes the servers report in their heartbeats (about once a second)."""
+def _accounted_growth(client, before: int, timeout: float = 10.0, quiet: float = 2.5) -> int:
+    """Growth of the bytes the servers report in their heartbeats (about once a second):
+    read once the figure has changed and then stayed put for ``quiet`` seconds."""
     deadline = time.monotonic() + timeout
-    now = _stored_bytes(client)
-    while now == before and time.monotonic() < deadline:
-        time.sleep(0.2)
+    last, since = _stored_bytes(client), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.25)
         now = _stored_bytes(client)
-    return now - before
+        if now != last:
+            last, since = now, time.monotonic()
+        elif last != before and time.monotonic() - since >= quiet:
+            break
+    return last - before
 
 
 def _fill_dense(client, name: str, params: int, chunk: int, optimizer) -> None:
@@ -75,13 +86,14 @@ def _fill_sparse(client, name: str, rows: int, dim: int, chunk: int, optimizer, 
         client.push_rows(name, ids, np.full((ids.shape[0], dim), 1e-3, np.float32))
 
 
-def _server_growth(cfg: BenchConfig, kind: str, progress) -> dict[str, float]:
+def _server_growth(cfg: BenchConfig, kind: str, progress, env: dict | None = None,
+                   suffix: str = "") -> dict[str, float]:
     from shardps.local import LocalCluster
     from shardps.tables import adam, sgd
     from shardps.worker.client import PSClient
 
     optimizer = adam(1e-3) if kind == "adam" else sgd(0.01)
-    with LocalCluster(servers=1) as cluster, PSClient(cluster.manager_address, f"bench-mem-{kind}",
+    with LocalCluster(servers=1, env=env) as cluster, PSClient(cluster.manager_address, f"bench-mem-{kind}",
                                                       timeout=300.0) as client:
         client.create_job()
         client.join()
@@ -106,9 +118,9 @@ def _server_growth(cfg: BenchConfig, kind: str, progress) -> dict[str, float]:
     unit = "row" if kind == "sparse" else "param"
     key = {"sgd": "sgd", "adam": "adam", "sparse": f"sgd{cfg.mem_sparse_dim}"}[kind]
     what = "sparse_row" if kind == "sparse" else "param"
-    out = {f"server_bytes_per_{what}_{key}": (after - before) / n,
-           f"server_table_bytes_per_{what}_{key}": accounted / n}
-    progress(f"{kind}: RSS +{(after - before) / 2**20:.1f} MiB for {n:,} {unit}s = "
+    out = {f"server_bytes_per_{what}_{key}{suffix}": (after - before) / n,
+           f"server_table_bytes_per_{what}_{key}{suffix}": accounted / n}
+    progress(f"{kind}{suffix}: RSS +{(after - before) / 2**20:.1f} MiB for {n:,} {unit}s = "
              f"{(after - before) / n:.2f} B/{unit} (the server accounts {accounted / n:.2f})")
     return out
 
@@ -142,5 +154,11 @@ def run(cfg: BenchConfig, progress) -> dict[str, float]:
     out: dict[str, float] = {}
     for kind in ("sgd", "adam", "sparse"):
         out.update(_server_growth(cfg, kind, progress))
+    if cfg.mem_mmap_variant:
+        # the same with glibc's dynamic mmap threshold pinned: large arrays always get their
+        # own mapping, so freed request buffers cannot fragment the heap around table blocks
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD))
+        for kind in ("sgd", "adam", "sparse"):
+            out.update(_server_growth(cfg, kind, progress, env, "_mmap64k"))
     out.update(_worker_peaks(cfg, progress))
     return out

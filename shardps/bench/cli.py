@@ -1,0 +1,125 @@
+"""``python -m shardps.bench`` (``shardps bench``, ``make bench`` / ``make bench-quick``).
+
+    python -m shardps.bench                       # --quick: every part, under 10 minutes
+    python -m shardps.bench --full                # more rounds and data
+    python -m shardps.bench --only dense          # one part, merged into the existing --out
+    python -m shardps.bench --plots docs/img      # also draw the PNGs of docs/performance.md
+
+Writes ``--out`` (default ``bench/results/latest.json``): a flat JSON object of metric name to
+number (``null`` where a part failed), and beside it ``latest.meta.json`` with the
+configuration, the machine's load before and after, and any part's error. Exit status 1 if
+a part failed; targets missed do not change it (the table says which).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from shardps.bench.common import Progress, clean_environment
+from shardps.bench.config import PRESETS
+from shardps.bench.report import add_derived, table
+
+PARTS = {
+    "transport": "shardps.bench.transport",
+    "dense": "shardps.bench.dense",
+    "sparse": "shardps.bench.sparse",
+    "e2e": "shardps.bench.e2e",
+    "memory": "shardps.bench.memory",
+    "curves": "shardps.bench.curves",
+    "placement": "shardps.bench.placement_sim",
+}
+DEFAULT_OUT = "bench/results/latest.json"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shardps bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", dest="preset", action="store_const", const="quick",
+                      help="the default: every part in under 10 minutes on 2 cores")
+    size.add_argument("--full", dest="preset", action="store_const", const="full",
+                      help="more rounds, more training data, the full cost-curve grid")
+    size.add_argument("--tiny", dest="preset", action="store_const", const="tiny",
+                      help="toy sizes to check the harness (the tests); the numbers mean nothing")
+    p.set_defaults(preset="quick")
+    p.add_argument("--only", action="append", choices=list(PARTS), metavar="PART",
+                   help=f"run only this part (repeatable; one of {', '.join(PARTS)}); results are merged "
+                        f"into an existing --out file")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"results JSON (default {DEFAULT_OUT})")
+    p.add_argument("--plots", default="", metavar="DIR", help="also draw the PNG plots into DIR")
+    p.add_argument("--seed", type=int, default=0, help="seed of every generated tensor and id set")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    return p
+
+
+def _finite_or_none(v):
+    return v if isinstance(v, (int, float)) and math.isfinite(v) else None
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=5, cwd=Path(__file__).resolve().parent).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    clean_environment()
+    cfg = PRESETS[args.preset].replace(seed=args.seed)
+    parts = args.only or list(PARTS)
+    out_path = Path(args.out)
+    meta_path = out_path.with_name(out_path.stem + ".meta.json")
+    results: dict = {}
+    meta: dict = {}
+    if args.only and out_path.exists():
+        results = {k: v for k, v in json.loads(out_path.read_text()).items() if v is not None}
+        if meta_path.exists():
+            meta = json.loads(meta_path.read_text())
+    progress = Progress(quiet=args.quiet)
+    errors = dict(meta.get("errors", {}))
+    started = time.monotonic()
+    meta.update(preset=cfg.name, config=dataclasses.asdict(cfg), commit=_git_commit(),
+                started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                cpus=os.cpu_count(), loadavg_before=os.getloadavg())
+    progress(f"preset {cfg.name}, parts: {', '.join(parts)}; load average {os.getloadavg()[0]:.1f} "
+             f"on {os.cpu_count()} cores")
+    for name in parts:
+        progress.part = name
+        t0 = time.monotonic()
+        try:
+            module = importlib.import_module(PARTS[name])
+            results.update(module.run(cfg, progress))
+            errors.pop(name, None)
+        except Exception as exc:
+            errors[name] = f"{type(exc).__name__}: {exc}"
+            progress(f"FAILED: {errors[name]}")
+            traceback.print_exc(file=sys.stderr)
+        results[f"part_{name}_seconds"] = time.monotonic() - t0
+        progress(f"done in {time.monotonic() - t0:.0f}s")
+    progress.part = ""
+    add_derived(results)
+    meta.update(errors=errors, loadavg_after=os.getloadavg(), seconds=time.monotonic() - started)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps({k: _finite_or_none(results[k]) for k in sorted(results)}, indent=1) + "\n")
+    meta_path.write_text(json.dumps(meta, indent=1, default=str) + "\n")
+    if args.plots:
+        from shardps.bench.plots import draw_all
+        written = draw_all(results, Path(args.plots))
+        progress(f"plots: {', '.join(str(p) for p in written)}")
+    print(table(results))
+    print(f"\nwrote {out_path} and {meta_path} in {time.monotonic() - started:.0f}s"
+          + (f"; FAILED parts: {', '.join(errors)}" if errors else ""))
+    return 1 if errors else 0
