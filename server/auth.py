@@ -63,7 +63,7 @@ def bearer(metadata) -> str:
 
 
 MANAGER_ADMIN = {"CreateJob", "EndJob", "DrainServer", "Checkpoint", "Restore", "RegisterServer",
-                 "ServerHeartbeat"}
+                 "ServerHeartbeat", "GetClusterStatus"}
 SERVER_ADMIN = {"Replicate", "InstallShardMap", "CopyBlocks", "LoadBlocks", "SnapshotBlocks",
                 "HoldJob", "DropTables"}
 

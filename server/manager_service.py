@@ -460,33 +460,37 @@ class CheckpointCoordinator:
 class ResourceManagerService:
     """gRPC methods of the resource manager over a ManagerRuntime."""
 
-    def __init__(self, runtime: ManagerRuntime, checkpoints: CheckpointCoordinator | None = None):
+    def __init__(self, runtime: ManagerRuntime, checkpoints: CheckpointCoordinator | None = None,
+                 token_key: bytes = b""):
         self.rt = runtime
         self.checkpoints = checkpoints or CheckpointCoordinator(runtime)
+        self.token_key = token_key
 
     def methods(self) -> dict[str, Method]:
         u = "unary_unary"
+        scoped = _job_scoped
         return {
             "RegisterServer": proto_method(u, self.register_server, mg.RegisterServerRequest),
             "ServerHeartbeat": proto_method(u, self.server_heartbeat, mg.ServerHeartbeatRequest),
             "DrainServer": proto_method(u, self.drain_server, mg.DrainServerRequest),
             "CreateJob": proto_method(u, self.create_job, mg.CreateJobRequest),
             "EndJob": proto_method(u, self.end_job, mg.EndJobRequest),
-            "CreateTable": proto_method(u, self.create_table, mg.CreateTableRequest),
-            "DescribeTable": proto_method(u, self.describe_table, mg.DescribeTableRequest),
-            "ListTables": proto_method(u, self.list_tables, mg.ListTablesRequest),
-            "UpdateTableConfig": proto_method(u, self.update_table_config, mg.UpdateTableConfigRequest),
-            "DeleteTable": proto_method(u, self.delete_table, mg.DeleteTableRequest),
+            "CreateTable": proto_method(u, scoped(self.create_table), mg.CreateTableRequest),
+            "DescribeTable": proto_method(u, scoped(self.describe_table), mg.DescribeTableRequest),
+            "ListTables": proto_method(u, scoped(self.list_tables), mg.ListTablesRequest),
+            "UpdateTableConfig": proto_method(u, scoped(self.update_table_config), mg.UpdateTableConfigRequest),
+            "DeleteTable": proto_method(u, scoped(self.delete_table), mg.DeleteTableRequest),
             "GetShardMap": proto_method(u, self.get_shard_map, mg.GetShardMapRequest),
-            "WatchShardMap": proto_method("unary_stream", self.watch_shard_map, mg.WatchShardMapRequest),
-            "JoinWorkerGroup": proto_method(u, self.join_worker_group, mg.JoinWorkerGroupRequest),
-            "LeaveWorkerGroup": proto_method(u, self.leave_worker_group, mg.LeaveWorkerGroupRequest),
-            "WorkerHeartbeat": proto_method(u, self.worker_heartbeat, mg.WorkerHeartbeatRequest),
+            "WatchShardMap": proto_method("unary_stream", self.watch_shard_map, mg.WatchShardMapRequest,
+                                          idle_ok=True),
+            "JoinWorkerGroup": proto_method(u, scoped(self.join_worker_group), mg.JoinWorkerGroupRequest),
+            "LeaveWorkerGroup": proto_method(u, scoped(self.leave_worker_group), mg.LeaveWorkerGroupRequest),
+            "WorkerHeartbeat": proto_method(u, scoped(self.worker_heartbeat), mg.WorkerHeartbeatRequest),
             "GetClusterStatus": proto_method(u, self.get_cluster_status, mg.GetClusterStatusRequest),
             "Checkpoint": proto_method(u, self.checkpoint, mg.CheckpointRequest),
-            "CheckpointBarrier": proto_method(u, self.checkpoint_barrier, mg.CheckpointBarrierRequest),
+            "CheckpointBarrier": proto_method(u, scoped(self.checkpoint_barrier), mg.CheckpointBarrierRequest),
             "Restore": proto_method(u, self.restore, mg.RestoreRequest),
-            "GetWorkerState": proto_method(u, self.get_worker_state, mg.GetWorkerStateRequest),
+            "GetWorkerState": proto_method(u, scoped(self.get_worker_state), mg.GetWorkerStateRequest),
         }
 
     def handler(self, metrics=None, authenticate=None) -> grpc.GenericRpcHandler:
@@ -523,7 +527,9 @@ class ResourceManagerService:
         return mg.CreateJobResponse(created=created, token=self.issue_token(job))
 
     def issue_token(self, job) -> str:
-        return ""          # tokens are issued when security is on (see shardps.server.auth)
+        """The job's token (signed with the token key), or "" when tokens are off."""
+        from shardps.server.auth import issue_job_token
+        return issue_job_token(self.token_key, job.name) if self.token_key else ""
 
     def end_job(self, req, call) -> mg.EndJobResponse:
         dropped = self.rt.change(lambda s: s.end_job(req.job))
@@ -569,8 +575,8 @@ class ResourceManagerService:
         if req.min_epoch:
             # answer (with the current map) a little before the caller's deadline
             timeout = None if call.deadline is None else max(0.0, call.deadline - time.monotonic() - 0.05)
-            return self.rt.wait_published(req.min_epoch, timeout)
-        return self.rt.published
+            return _visible(self.rt.wait_published(req.min_epoch, timeout), call.principal)
+        return _visible(self.rt.published, call.principal)
 
     def watch_shard_map(self, req, call):
         last = req.after_epoch
@@ -578,7 +584,7 @@ class ResourceManagerService:
             msg = self.rt.wait_published(last + 1, timeout=1.0)
             if msg.epoch > last:
                 last = msg.epoch
-                yield msg
+                yield _visible(msg, call.principal)
 
     # --- worker groups ---
     def join_worker_group(self, req, call) -> mg.JoinWorkerGroupResponse:
@@ -638,6 +644,28 @@ class ResourceManagerService:
     # --- status ---
     def get_cluster_status(self, req, call) -> mg.ClusterStatus:
         return cluster_status(self.rt)
+
+
+def _job_scoped(fn):
+    """A handler for requests naming a job: a job token may only act on its own job."""
+    from shardps.server.auth import check_job
+
+    def handler(req, call):
+        check_job(call.principal, req.job)
+        return fn(req, call)
+    handler.__name__ = fn.__name__
+    return handler
+
+
+def _visible(msg: pb.ShardMap, principal) -> pb.ShardMap:
+    """A job token sees the servers and its own job's tables and group only."""
+    from shardps.server.auth import JOB
+    if principal is None or principal.role != JOB:
+        return msg
+    out = pb.ShardMap(epoch=msg.epoch, replication=msg.replication, servers=msg.servers)
+    out.tables.extend(t for t in msg.tables if t.job == principal.job)
+    out.groups.extend(g for g in msg.groups if g.job == principal.job)
+    return out
 
 
 def cluster_status(rt: ManagerRuntime) -> mg.ClusterStatus:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from shardps.convert import (config_from_proto, config_to_proto, consistency_to_proto,
                              spec_from_proto, spec_to_proto)
-from shardps.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from shardps.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.server import optimizers
 from shardps.server.placement import Ring, block_name, plan_placement
@@ -310,6 +310,15 @@ class ManagerState:
         nodes = self.candidates()
         if not nodes:
             raise FailedPrecondition("no live server to place the table on: start a server first")
+        quota = self.jobs[job].quota_bytes
+        if quota:
+            dense = sum(dense_bytes(t.spec, t.config) for (j, _), t in self.tables.items() if j == job)
+            need = dense_bytes(spec, config)
+            if dense + need > quota:
+                raise ResourceExhausted(
+                    f"job {job!r} storage quota_bytes={quota}: its dense tables hold {dense} bytes and "
+                    f"{spec.name!r} needs {need} more (values and optimizer state): raise the quota "
+                    f"or delete tables")
         epoch = self._bump()
         names = [block_name(job, spec.name, i) for i in range(spec.block_count)]
         placement = plan_placement(names, nodes, self.settings.replication)
@@ -518,7 +527,7 @@ class ManagerState:
                               since_epoch=b.since_epoch, fresh_epoch=b.fresh_epoch)
         for name, job in sorted(self.jobs.items()):
             g = msg.groups.add(job=name, consistency=consistency_to_proto(job.consistency, job.staleness),
-                               membership_version=job.membership_version)
+                               membership_version=job.membership_version, quota_bytes=job.quota_bytes)
             for m in sorted(job.members.values(), key=lambda m: m.rank):
                 g.members.add(rank=m.rank, session=m.session, incarnation=m.incarnation, name=m.name)
         self._map_cache = msg
@@ -598,6 +607,13 @@ class ManagerState:
     def load(cls, path: Path, settings: ManagerSettings, now: float) -> "ManagerState":
         with open(path) as f:
             return cls.from_dict(json.load(f), settings, now)
+
+
+def dense_bytes(spec: TableSpec, config: TableConfig) -> int:
+    """Bytes a dense table occupies once materialised (values and optimizer state); 0 for sparse."""
+    if spec.kind.name != "DENSE":
+        return 0
+    return spec.numel * 4 * (1 + len(optimizers.state_names(config.optimizer)))
 
 
 def _lowest_free(taken) -> int:

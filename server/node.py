@@ -39,6 +39,7 @@ from shardps.errors import (FailedPrecondition, InvalidArgument, NotFound, Resou
 from shardps.metrics import NodeMetrics
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
+from shardps.server import optimizers
 from shardps.server.blocks import (Block, BlockKey, DenseBlock, SparseBlock, Writer,
                                    decode_metadata, encode_metadata, new_block)
 from shardps.server.clocks import JobClock
@@ -537,6 +538,7 @@ class ServerNode:
                     raise FailedPrecondition(
                         f"table {part.table.name!r} block {part.key[2]} has no initial values "
                         f"yet: push INITIALIZE first")
+            self._check_quota(parts, blocks, writer)
             for blk in unique:
                 if self.needs_resync.get(blk.key):
                     self._resync_locked(blk)
@@ -561,6 +563,36 @@ class ServerNode:
                 ack.versions.add(table=blk.key[1], block=blk.key[2], version=blk.version)
             ack.duplicate_blocks = duplicates
         return ack
+
+    def _check_quota(self, parts: list[_Part], blocks: list[Block], writer: Writer) -> None:
+        """RESOURCE_EXHAUSTED when this push would store more of its job than the job's
+        quota allows on this server (the quota is shared by servers in proportion to the
+        block replicas they hold). Block locks are held."""
+        job = parts[0].key[0]
+        group = self.view.groups.get(job)
+        if group is None or not group.quota_bytes:
+            return
+        new = 0
+        for part, blk in zip(parts, blocks):
+            if blk.already_applied(writer):
+                continue
+            row_bytes = 4 * (1 + len(optimizers.state_names(part.table.config.optimizer)))
+            if isinstance(blk, DenseBlock):
+                if blk.values is None:
+                    new += blk.size * row_bytes
+            else:
+                new += int((blk.lookup(part.ids) < 0).sum()) * (blk.dim * row_bytes + 12)
+        if not new:
+            return
+        held = [k for k in self.blocks if k[0] == job]
+        total = sum(len(reps) for (j, _), t in self.view.tables.items() if j == job for reps in t.replicas)
+        share = group.quota_bytes * len(held) // max(1, total)
+        usage = sum(logical_bytes(self.blocks[k], self.view.tables[(k[0], k[1])]) for k in held)
+        if usage + new > share:
+            raise ResourceExhausted(
+                f"job {job!r} is over its storage quota (quota_bytes={group.quota_bytes}; this server "
+                f"holds {len(held)} of its {total} block replicas, a share of {share} bytes): it stores "
+                f"{usage} bytes and this push would add {new}: raise the quota or delete tables")
 
     def _apply_one(self, blk: Block, part: _Part, kind: int, writer: Writer, sync: bool,
                    step: int) -> tuple[ps.BlockOp, list[np.ndarray]]:
@@ -996,6 +1028,14 @@ class ServerNode:
         for (job, table), (_, params, b) in u["tables"].items():
             self.metrics.table_parameters.labels(job, table).set(params)
             self.metrics.table_bytes.labels(job, table).set(b)
+
+
+def logical_bytes(blk: Block, t: TableView) -> int:
+    """Bytes a block's stored parameters and optimizer state need (without growth slack)."""
+    per = 4 * (1 + len(optimizers.state_names(t.config.optimizer)))
+    if isinstance(blk, DenseBlock):
+        return blk.size * per if blk.values is not None else 0
+    return blk.count * (blk.dim * per + 12)
 
 
 # ====================================================================== snapshots

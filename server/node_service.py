@@ -15,6 +15,7 @@ from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc import channels
 from shardps.rpc.codec import CHUNK_BYTES, assemble, decode_chunk, encode_chunk, split_payload
 from shardps.rpc.status import Method, bind, from_rpc_error, proto_method
+from shardps.server.auth import check_job
 from shardps.server.node import BlockSnapshot, ServerNode
 
 SERVICE = "shardps.v1.ParameterServer"
@@ -141,11 +142,13 @@ class ParameterServerService:
             raise InvalidArgument("Push: empty stream; send a PushChunk with a header")
         header, payload = collect_chunks(first, it, ps.PushHeader,
                                          self.node.limits.max_request_bytes, "Push")
+        check_job(call.principal, header.header.job)
         if header.shared_memory.name:
             payload = self.read_shared_memory(header.shared_memory)
         return self.node.push(header.header, header.kind, header.segments, payload, call.deadline)
 
     def pull(self, request: ps.PullRequest, call):
+        check_job(call.principal, request.header.job)
         header, arrays = self.node.pull(request.header, request.segments, request.data, call.deadline)
         chunk = request.chunk_bytes or CHUNK_BYTES
         if request.reply_shared_memory.name:

@@ -103,7 +103,7 @@ class _Serving:
 class ManagerProcess:
     """The resource manager: state, reconcile loop, gRPC service, metrics."""
 
-    def __init__(self, settings: ManagerProcessSettings, authenticate=None, tls=None):
+    def __init__(self, settings: ManagerProcessSettings, authenticate=None, tls=None, metadata=()):
         self.settings = settings
         state_path = str(Path(settings.state_dir) / "manager-state.json") if settings.state_dir else ""
         self.metrics = ManagerMetrics()
@@ -112,10 +112,11 @@ class ManagerProcess:
                             server_lease_seconds=settings.server_lease_seconds,
                             worker_lease_seconds=settings.worker_lease_seconds),
             RuntimeSettings(state_path=state_path),
-            metrics=self.metrics, pool=StubPool(tls=tls))
+            metrics=self.metrics, pool=StubPool(tls=tls, metadata=metadata))
         from shardps.server.manager_service import CheckpointCoordinator
         self.service = ResourceManagerService(
-            self.runtime, CheckpointCoordinator(self.runtime, settings.checkpoint_dir))
+            self.runtime, CheckpointCoordinator(self.runtime, settings.checkpoint_dir),
+            token_key=settings.serving.resolved_token_key())
         self.net = _Serving(settings.serving, tls, MANAGER_SERVICE,
                             self.service.handler(self.metrics.grpc, authenticate),
                             self.metrics.registry, self.metrics.grpc)

@@ -185,7 +185,9 @@ def cmd_manager(args) -> int:
     from shardps.server.processes import ManagerProcess
     from shardps.server import auth
     authn = auth.authenticator_for(settings.serving, role="manager")
-    proc = ManagerProcess(settings, authenticate=authn, tls=_tls(common)).start()
+    admin = settings.serving.admin_token
+    metadata = (("authorization", f"Bearer {admin}"),) if admin else ()
+    proc = ManagerProcess(settings, authenticate=authn, tls=_tls(common), metadata=metadata).start()
     _wait_for_signal()
     log.info("stopping")
     proc.stop()

@@ -48,6 +48,7 @@ class GroupView:
     staleness: int
     members: tuple[Member, ...]
     membership_version: int
+    quota_bytes: int = 0
 
     @property
     def writers(self) -> set[tuple[str, int]]:
@@ -86,7 +87,8 @@ class ShardMapView:
         for g in self.msg.groups:
             mode, staleness = consistency_from_proto(g.consistency)
             members = tuple(Member(m.rank, m.session, m.incarnation, m.name) for m in g.members)
-            self.groups[g.job] = GroupView(g.job, mode, staleness, members, g.membership_version)
+            self.groups[g.job] = GroupView(g.job, mode, staleness, members, g.membership_version,
+                                           int(g.quota_bytes))
 
     def table(self, job: str, name: str) -> TableView:
         try:

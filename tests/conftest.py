@@ -23,19 +23,20 @@ class InProcessCluster:
 
     def __init__(self, servers: int = 2, replication: int = 1, lease: float = 3.0,
                  manager_kw: dict | None = None, server_kw: dict | None = None,
-                 server_settings: dict | None = None):
+                 server_settings: dict | None = None, serving_kw: dict | None = None):
         self.replication = replication
         self.lease = lease
         self.manager_kw = manager_kw or {}
         self.server_kw = server_kw or {}
         self.server_settings = server_settings or {}
+        self.serving_kw = serving_kw or {}
         self.manager: ManagerProcess | None = None
         self.servers: dict[str, ServerProcess] = {}
         self.n = servers
 
     def start(self) -> "InProcessCluster":
         self.manager = ManagerProcess(ManagerProcessSettings(
-            serving=Serving(listen="127.0.0.1:0", metrics_port=-1), replication=self.replication,
+            serving=Serving(listen="127.0.0.1:0", metrics_port=-1, **self.serving_kw), replication=self.replication,
             server_lease_seconds=self.lease), **self.manager_kw).start()
         for i in range(self.n):
             self.add_server(f"s{i}")
@@ -44,7 +45,7 @@ class InProcessCluster:
 
     def add_server(self, name: str) -> ServerProcess:
         proc = ServerProcess(ServerProcessSettings(
-            serving=Serving(listen="127.0.0.1:0", metrics_port=-1), name=name,
+            serving=Serving(listen="127.0.0.1:0", metrics_port=-1, **self.serving_kw), name=name,
             manager=self.manager.address, **self.server_settings), **self.server_kw).start()
         self.servers[name] = proc
         return proc

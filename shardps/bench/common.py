@@ -183,6 +183,22 @@ def worker_command(manager: str, name: str, args: list[str], rss_file: Path) -> 
             "--name", name, "--log-format", "human"] + args
 
 
+def start_client(client, timeout: float = 120.0):
+    """``create_job`` + ``join`` for a benchmark's own ``PSClient``, retried while the manager
+    is unreachable (a loaded machine can starve a fresh process for seconds)."""
+    from shardps.errors import DeadlineExceeded, Unavailable
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            client.create_job()
+            client.join()
+            return client
+        except (Unavailable, DeadlineExceeded):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
+
+
 def read_json(path: Path) -> dict:
     with open(path) as f:
         return json.load(f)

@@ -31,6 +31,7 @@ class BenchConfig:
     sparse_ids: int = 10_000
     sparse_rounds: int = 10
     sparse_populate: bool = True          # store every row on the server before timing
+    sparse_servers: tuple[int, ...] = (1, 2)
     # end to end: the ctr model
     e2e_rows: int = 1_000_000
     e2e_train_samples: int = 200_000
@@ -45,6 +46,7 @@ class BenchConfig:
     mem_worker_rows: tuple[int, int] = (1_000_000, 10_000_000)
     mem_worker_steps: int = 20
     mem_worker_train_samples: int = 20_000
+    mem_workers: int = 2
     mem_ddp_dense: bool = True             # also measure DDP with a dense embedding
     mem_mmap_variant: bool = True          # also measure servers with MALLOC_MMAP_THRESHOLD_=65536
     # cost curves: (servers, workers) pairs, each worker runs `curve_steps` steps
@@ -90,8 +92,11 @@ TINY = BenchConfig(
     sparse_dim=8,
     sparse_ids=100,
     sparse_rounds=1,
+    sparse_servers=(1,),
     e2e_rows=10_000,
     e2e_train_samples=4_096,
+    e2e_workers=1,
+    e2e_servers=1,
     mem_dense_params=1 << 18,
     mem_sparse_rows=10_000,
     mem_push_elements=1 << 16,
@@ -99,6 +104,7 @@ TINY = BenchConfig(
     mem_worker_rows=(10_000, 20_000),
     mem_worker_steps=2,
     mem_worker_train_samples=2_048,
+    mem_workers=1,
     mem_ddp_dense=False,
     mem_mmap_variant=False,
     curve_points=((1, 1),),

@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from shardps.bench.common import BenchError, gbps, median, ratio
+from shardps.bench.common import BenchError, gbps, median, ratio, start_client
 from shardps.bench.config import MIB, BenchConfig
 from shardps.bench.rpc_baseline import RpcBaseline
 
@@ -102,8 +102,7 @@ def run(cfg: BenchConfig, progress) -> dict[str, float]:
                 for wire in wires:
                     with PSClient(cluster.manager_address, f"bench-dense-{wire}", wire_dtype=wire,
                                   timeout=300.0) as client:
-                        client.create_job()
-                        client.join()
+                        start_client(client)
                         sizes = cfg.dense_sizes_mib if wire == "float32" else cfg.dense_sizes_mib[:1]
                         for mib in sizes:
                             name = f"d{mib}"

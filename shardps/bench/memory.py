@@ -17,10 +17,10 @@ With ``mem_mmap_variant`` the three are measured again with ``MALLOC_MMAP_THRESH
 in the server's environment (keys ending ``_mmap64k``): glibc then never raises its mmap
 threshold, which shows how much of the growth is heap fragmentation rather than the table.
 
-Worker: the peak RSS (VmHWM) of rank 0 of a 2-worker ``ctr`` run of ``mem_worker_steps``
-steps with a ``rows[0]`` and with a ``rows[1]``-row table, shardps (real ``shardps worker``
-processes) against DDP over gloo with ``nn.Embedding(sparse=True)`` (the strong baseline) and
-with a dense embedding. Growth = peak(rows[1]) - peak(rows[0]), MB (2^20 bytes). The data set
+Worker: the peak RSS (VmHWM) of rank 0 of a ``ctr`` run of ``mem_workers`` workers x
+``mem_worker_steps`` steps with a ``rows[0]`` and with a ``rows[1]``-row table, shardps (real
+``shardps worker`` processes) against DDP over gloo with ``nn.Embedding(sparse=True)`` (the
+strong baseline) and with a dense embedding. Growth = peak(rows[1]) - peak(rows[0]), MB (2^20 bytes). The data set
 is the same size in both runs, so the growth is what the table costs the worker.
 """
 
@@ -32,7 +32,7 @@ import time
 import numpy as np
 
 from shardps.bench import ddp, ps_runs
-from shardps.bench.common import proc_status_kb, ratio
+from shardps.bench.common import proc_status_kb, ratio, start_client
 from shardps.bench.config import BenchConfig
 from shardps.bench.e2e import worker_args
 
@@ -95,8 +95,7 @@ def _server_growth(cfg: BenchConfig, kind: str, progress, env: dict | None = Non
     optimizer = adam(1e-3) if kind == "adam" else sgd(0.01)
     with LocalCluster(servers=1, env=env) as cluster, PSClient(cluster.manager_address, f"bench-mem-{kind}",
                                                       timeout=300.0) as client:
-        client.create_job()
-        client.join()
+        start_client(client)
         server = cluster.servers["s0"]
         pid = server.info["pid"]
         if kind == "sparse":
@@ -133,12 +132,12 @@ def _worker_peaks(cfg: BenchConfig, progress) -> dict[str, float]:
     peaks: dict[str, list[float]] = {}
     for rows in cfg.mem_worker_rows:
         with LocalCluster(servers=2) as cluster:
-            results = ps_runs.train(cluster, f"mem-{rows}", 2, worker_args("async", rows, n, steps),
-                                    cfg.process_timeout_s)
+            results = ps_runs.train(cluster, f"mem-{rows}", cfg.mem_workers,
+                                    worker_args("async", rows, n, steps), cfg.process_timeout_s)
         peaks.setdefault("ps", []).append(results[0]["peak_rss_kb"] / 1024.0)
         variants = [("ddp", True)] + ([("ddp_dense", False)] if cfg.mem_ddp_dense else [])
         for name, sparse in variants:
-            res = ddp.run_ddp(rows, sparse, n, world=2, steps=steps, evaluate=False,
+            res = ddp.run_ddp(rows, sparse, n, world=cfg.mem_workers, steps=steps, evaluate=False,
                               timeout=cfg.process_timeout_s)
             peaks.setdefault(name, []).append(res[0]["peak_rss_kb"] / 1024.0)
         progress(f"{rows:,} rows: worker peak RSS " + ", ".join(f"{k} {v[-1]:.0f} MB" for k, v in peaks.items()))

@@ -143,23 +143,27 @@ def _curves(results, plt, path):
     for k, v in results.items():
         if k.startswith("curve_s") and k.endswith("_samples_per_s"):
             s, w = k[len("curve_s"):].split("_")[:2]
-            pts[(int(s), int(w[1:]))] = (v, results.get(k.replace("_samples_per_s", "_bytes_per_step")))
+            pts[(int(s), int(w[1:]))] = (v, _v(results, k.replace("_samples_per_s", "_bytes_per_step")))
     if not pts:
         return None
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, (fixed_name, axis_name, fixed) in zip(axes, (("workers", "servers", 2), ("servers", "workers", 2))):
-        keys = sorted(p for p in pts if (p[1] if fixed_name == "workers" else p[0]) == fixed)
-        if not keys:
-            continue
-        xs = [p[0] if axis_name == "servers" else p[1] for p in keys]
-        ax.plot(xs, [pts[p][0] for p in keys], "o-", color="C0", label="samples/s")
-        ax.set_xlabel(axis_name)
-        ax.set_ylabel("samples/s (all workers)", color="C0")
-        ax.set_xticks(xs)
-        ax2 = ax.twinx()
-        ax2.plot(xs, [(pts[p][1] or float("nan")) / 1e6 for p in keys], "s--", color="C3", label="MB/step")
-        ax2.set_ylabel("MB per step (servers' payload in + out)", color="C3")
-        ax.set_title(f"{axis_name} 1 -> 4, {fixed} {fixed_name} (2 cores shared by all)")
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex="col")
+    for col, (axis_name, line_name) in enumerate((("servers", "workers"), ("workers", "servers"))):
+        pos, other = (0, 1) if axis_name == "servers" else (1, 0)
+        for i, fixed in enumerate(sorted({p[other] for p in pts})):
+            keys = sorted((p for p in pts if p[other] == fixed), key=lambda p: p[pos])
+            xs = [p[pos] for p in keys]
+            label = f"{fixed} {line_name}"
+            axes[0][col].plot(xs, [pts[p][0] for p in keys], "o-", color=f"C{i}", label=label)
+            axes[1][col].plot(xs, [pts[p][1] / 1e6 for p in keys], "s--", color=f"C{i}", label=label)
+        axes[0][col].set_title(f"{axis_name} 1 -> 4 (2 cores shared by every process)")
+        axes[0][col].set_ylabel("samples/s (all workers)")
+        axes[1][col].set_ylabel("MB per step (servers' payload in + out)")
+        axes[1][col].set_xlabel(axis_name)
+        axes[1][col].set_xticks(sorted({p[pos] for p in pts}))
+        axes[0][col].legend(fontsize=7)
+    ddp = _v(results, "ddp_dense_step_bytes_ctr")
+    if math.isfinite(ddp):
+        fig.suptitle(f"ctr cost curves (async); a dense DDP step all-reduces {ddp / 1e6:.0f} MB per rank")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return path

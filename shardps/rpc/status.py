@@ -11,6 +11,7 @@ with its traceback).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -64,6 +65,62 @@ class Method:
     fn: Callable
     request_deserializer: Callable
     response_serializer: Callable
+    idle_ok: bool = False        # a stream that may legitimately stay quiet (watches)
+
+
+class StreamWatchdog:
+    """Cancels streaming calls that stall: no message for ``idle_seconds`` in either
+    direction, or running longer than ``max_seconds`` (a client that sets no deadline, stops
+    sending mid-stream or stops reading cannot hold a server thread forever). Thread-safe."""
+
+    def __init__(self, idle_seconds: float = 30.0, max_seconds: float = 3600.0):
+        self.idle_seconds = idle_seconds
+        self.max_seconds = max_seconds
+        self._lock = threading.Lock()
+        self._calls: dict[int, list] = {}          # id -> [context, started, last activity, name]
+        self._thread: threading.Thread | None = None
+        self.cancelled = 0
+
+    def watch(self, context, name: str) -> int:
+        now = time.monotonic()
+        with self._lock:
+            key = id(context)
+            self._calls[key] = [context, now, now, name]
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="stream-watchdog", daemon=True)
+                self._thread.start()
+        return key
+
+    def touch(self, key: int) -> None:
+        entry = self._calls.get(key)
+        if entry is not None:
+            entry[2] = time.monotonic()
+
+    def release(self, key: int) -> None:
+        with self._lock:
+            self._calls.pop(key, None)
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.idle_seconds / 4))
+            now = time.monotonic()
+            with self._lock:
+                stale = [(k, e) for k, e in self._calls.items()
+                         if now - e[2] > self.idle_seconds or now - e[1] > self.max_seconds]
+                for k, _ in stale:
+                    del self._calls[k]
+            for _, (context, started, last, name) in stale:
+                self.cancelled += 1
+                log.warning("cancelling %s: stream idle for %.0fs (running %.0fs)", name, now - last,
+                            now - started)
+                context.cancel()
+
+
+def _watched(iterator, watchdog: StreamWatchdog | None, key: int):
+    for item in iterator:
+        if watchdog is not None:
+            watchdog.touch(key)
+        yield item
 
 
 _GRPC_TYPE = {"unary_unary": "unary", "unary_stream": "server_stream",
@@ -78,9 +135,12 @@ def _deadline(context: grpc.ServicerContext) -> float | None:
 
 
 def bind(service: str, methods: dict[str, Method], metrics=None,
-         authenticate: Callable[[str, grpc.ServicerContext], Any] | None = None) -> grpc.GenericRpcHandler:
+         authenticate: Callable[[str, grpc.ServicerContext], Any] | None = None,
+         watchdog: StreamWatchdog | None = None) -> grpc.GenericRpcHandler:
     """A generic handler for ``service`` whose methods map errors, record metrics and
-    authenticate (``authenticate(full_method, context)`` returns a principal or raises)."""
+    authenticate (``authenticate(full_method, context)`` returns a principal or raises).
+    Streaming calls are watched by ``watchdog`` (default: a shared 30 s idle watchdog)."""
+    watchdog = watchdog if watchdog is not None else DEFAULT_WATCHDOG
 
     def wrap(name: str, m: Method):
         full = f"/{service}/{name}"
@@ -110,8 +170,12 @@ def bind(service: str, methods: dict[str, Method], metrics=None,
             def handler(request, context):
                 started = time.perf_counter()
                 code = "OK"
+                key = None
                 try:
                     call = begin(context)
+                    if m.kind == "stream_unary":
+                        key = watchdog.watch(context, full)
+                        request = _watched(request, watchdog, key)
                     return m.fn(request, call)
                 except ShardpsError as exc:
                     code = grpc_code(exc).name
@@ -120,19 +184,27 @@ def bind(service: str, methods: dict[str, Method], metrics=None,
                     if context.code() is not None:     # aborted by grpc itself
                         code = context.code().name
                         raise
+                    if not context.is_active():        # cancelled (by the client or the watchdog)
+                        code = "CANCELLED"
+                        raise
                     code = "INTERNAL"
                     fail(context, exc)
                 finally:
+                    if key is not None:
+                        watchdog.release(key)
                     finish(code, started)
         else:
             def handler(request, context):
                 started = time.perf_counter()
                 code = "OK"
+                key = None if m.idle_ok else watchdog.watch(context, full)
                 try:
                     call = begin(context)
                     for item in m.fn(request, call):
                         if metrics is not None:
                             metrics.msg_sent.labels(*labels).inc()
+                        if key is not None:
+                            watchdog.touch(key)
                         yield item
                 except ShardpsError as exc:
                     code = grpc_code(exc).name
@@ -141,9 +213,14 @@ def bind(service: str, methods: dict[str, Method], metrics=None,
                     if context.code() is not None:
                         code = context.code().name
                         raise
+                    if not context.is_active():
+                        code = "CANCELLED"
+                        raise
                     code = "INTERNAL"
                     fail(context, exc)
                 finally:
+                    if key is not None:
+                        watchdog.release(key)
                     finish(code, started)
 
         factory = getattr(grpc, f"{m.kind}_rpc_method_handler")
@@ -154,9 +231,12 @@ def bind(service: str, methods: dict[str, Method], metrics=None,
         service, {name: wrap(name, m) for name, m in methods.items()})
 
 
+DEFAULT_WATCHDOG = StreamWatchdog()
+
+
 def proto_method(kind: str, fn: Callable, request_cls, response_cls=None, *,
-                 request_deserializer=None, response_serializer=None) -> Method:
+                 request_deserializer=None, response_serializer=None, idle_ok: bool = False) -> Method:
     """A Method with protobuf (de)serializers unless custom ones are given."""
     return Method(kind, fn,
                   request_deserializer or request_cls.FromString,
-                  response_serializer or (lambda msg: msg.SerializeToString()))
+                  response_serializer or (lambda msg: msg.SerializeToString()), idle_ok)
