@@ -436,12 +436,10 @@ class ServerNode:
             t, b = part.table, part.key[2]
             reps = t.replicas[b]
             if not reps or reps[0] != self.name:
-                self.metrics.refusals.labels("stale_epoch").inc()
                 raise StaleEpoch(
                     f"block {b} of table {t.name!r} is served by {reps[0] if reps else 'nobody'}, "
                     f"not {self.name}, under epoch {self.view.epoch}: refresh the shard map and retry")
             if int(t.since_epoch[b]) > header.epoch:
-                self.metrics.refusals.labels("stale_epoch").inc()
                 raise StaleEpoch(
                     f"block {b} of table {t.name!r} moved at epoch {int(t.since_epoch[b])}, after "
                     f"the request's epoch {header.epoch}: refresh the shard map and retry")
@@ -833,7 +831,9 @@ class ServerNode:
         header_out = ps.PullHeader()
         clock = self.clocks.get(header.job)
         if clock is not None and header.session:
+            waited = self._now()
             staleness = clock.wait_for_pull(int(header.clock), deadline)
+            header_out.waited_seconds = self._now() - waited
             if clock.mode is not Consistency.ASYNC:
                 self.metrics.staleness.labels(header.job).observe(staleness)
             header_out.min_clock = clock.min_completed() if clock.mode is not Consistency.SYNC \
@@ -1020,7 +1020,10 @@ class ServerNode:
                 "tables": tables}
 
     def _update_usage_metrics(self) -> None:
-        u = self.usage()
+        self.publish_usage(self.usage())
+
+    def publish_usage(self, u: dict) -> None:
+        """Set the per-table and per-role gauges from ``usage()``."""
         self.metrics.blocks.labels("primary").set(u["primary_blocks"])
         self.metrics.blocks.labels("backup").set(u["replica_blocks"])
         self.metrics.table_parameters.clear()

@@ -105,6 +105,12 @@ def decode_snapshots(chunks) -> tuple[int, list[BlockSnapshot]]:
     return epoch, snapshots
 
 
+_REFUSAL_REASONS = {"StaleEpoch": "stale_epoch", "InvalidArgument": "invalid", "NotFound": "invalid",
+                    "Unavailable": "unavailable", "ResourceExhausted": "quota",
+                    "PermissionDenied": "unauthorized", "Unauthenticated": "unauthorized",
+                    "FailedPrecondition": "invalid"}
+
+
 class ParameterServerService:
     """gRPC methods of one node. ``authenticate`` is the credentials check (security issue)."""
 
@@ -113,8 +119,10 @@ class ParameterServerService:
 
     def methods(self) -> dict[str, Method]:
         return {
-            "Push": Method("stream_unary", self.push, decode_chunk, ps.PushAck.SerializeToString),
-            "Pull": Method("unary_stream", self.pull, ps.PullRequest.FromString, _IDENTITY),
+            "Push": Method("stream_unary", self._counted(self.push), decode_chunk,
+                           ps.PushAck.SerializeToString),
+            "Pull": Method("unary_stream", self._counted_stream(self.pull), ps.PullRequest.FromString,
+                           _IDENTITY),
             "ProbeSharedMemory": proto_method("unary_unary", self.probe_shared_memory,
                                               ps.ProbeSharedMemoryRequest),
             "Replicate": Method("stream_unary", self.replicate, decode_chunk,
@@ -135,6 +143,29 @@ class ParameterServerService:
         return bind(SERVICE, self.methods(), metrics, authenticate)
 
     # --- data path ---
+    def _refused(self, exc: ShardpsError) -> None:
+        reason = _REFUSAL_REASONS.get(type(exc).__name__)
+        if reason:
+            self.node.metrics.refusals.labels(reason).inc()
+
+    def _counted(self, fn):
+        def handler(request, call):
+            try:
+                return fn(request, call)
+            except ShardpsError as exc:
+                self._refused(exc)
+                raise
+        return handler
+
+    def _counted_stream(self, fn):
+        def handler(request, call):
+            try:
+                yield from fn(request, call)
+            except ShardpsError as exc:
+                self._refused(exc)
+                raise
+        return handler
+
     def push(self, chunks, call) -> ps.PushAck:
         it = iter(chunks)
         first = next(it, None)

@@ -246,6 +246,10 @@ class ServerProcess:
 
     def _beat(self) -> None:
         u = self.node.usage()
+        now = time.monotonic()
+        if now - getattr(self, "_usage_published", 0.0) > 5.0:
+            self._usage_published = now
+            self.node.publish_usage(u)
         resp = self._heartbeat(mg.ServerHeartbeatRequest(
             name=self.node.name, incarnation=self.node.incarnation, epoch=self.node.epoch,
             primary_blocks=u["primary_blocks"], replica_blocks=u["replica_blocks"], bytes=u["bytes"]),

@@ -315,6 +315,8 @@ def cmd_restore(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from shardps.local import PARENT_ENV, die_with_parent
+    die_with_parent(int(os.environ.get(PARENT_ENV, "0") or 0))
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -26,11 +26,29 @@ from pathlib import Path
 log = logging.getLogger("shardps.local")
 
 
-def _die_with_parent() -> None:
+PARENT_ENV = "SHARDPS_PARENT_PID"
+
+
+def die_with_parent(parent_pid: int | None) -> None:
+    """Ask the kernel to SIGTERM this process when its parent dies (PR_SET_PDEATHSIG); exit
+    at once if the parent ``parent_pid`` is already gone. Called first thing by children that
+    ``LocalCluster`` starts (it sets SHARDPS_PARENT_PID). Done in the child, after exec: a
+    ``preexec_fn`` in the parent can deadlock a process that uses gRPC threads."""
+    if not parent_pid:
+        return
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
     except OSError:
-        pass
+        return
+    if os.getppid() != parent_pid:
+        os._exit(0)
+
+
+def child_env(env: dict | None = None) -> dict:
+    """An environment for a child that must not outlive this process."""
+    out = dict(os.environ if env is None else env)
+    out[PARENT_ENV] = str(os.getpid())
+    return out
 
 
 @dataclass
@@ -92,7 +110,7 @@ class LocalCluster:
             cmd += ["--ready-file", str(ready_file)]
         logf = open(log_path, "ab")
         popen = subprocess.Popen(cmd, stdout=stdout if stdout is not None else logf, stderr=logf,
-                                 env=self.env, preexec_fn=_die_with_parent, cwd=str(self.work_dir))
+                                 env=child_env(self.env), cwd=str(self.work_dir))
         logf.close()
         proc = Proc(role, name, popen, ready_file, log_path)
         log.debug("started %s %s (pid %d)", role, name, popen.pid)

@@ -2,7 +2,8 @@
 
 Each process builds its metric families on its own ``CollectorRegistry`` (no global
 singleton), so several servers can live in one test process. Labels are low-cardinality:
-method, status code, job, table, role, phase; never a key, a row or a block.
+method, status code, training job, table, role, phase; never a key, a row or a block. The
+training job's label is ``training_job``: Prometheus reserves ``job`` for the scrape job.
 
 gRPC metrics use the names of the go-grpc-prometheus / py-grpc-prometheus convention:
 ``grpc_server_handled_total{grpc_service, grpc_method, grpc_type, grpc_code}``,
@@ -67,27 +68,29 @@ class NodeMetrics:
                                         ("optimizer",), buckets=LATENCY_BUCKETS, registry=r)
         self.table_parameters = Gauge("shardps_table_parameters",
                                       "Parameters stored on this server, per table.",
-                                      ("job", "table"), registry=r)
+                                      ("training_job", "table"), registry=r)
         self.table_bytes = Gauge("shardps_table_memory_bytes",
                                  "Bytes of values and optimizer state on this server, per table.",
-                                 ("job", "table"), registry=r)
+                                 ("training_job", "table"), registry=r)
         self.blocks = Gauge("shardps_server_blocks", "Blocks held by this server, by role.",
                             ("role",), registry=r)
         self.epoch = Gauge("shardps_shard_map_epoch", "Shard-map epoch installed on this process.",
                            registry=r)
         self.staleness = Histogram("shardps_pull_staleness_steps",
                                    "Staleness at a pull: the worker's clock minus the slowest live worker's.",
-                                   ("job",), buckets=STALENESS_BUCKETS, registry=r)
+                                   ("training_job",), buckets=STALENESS_BUCKETS, registry=r)
         self.updates_between = Histogram(
             "shardps_push_intervening_updates",
             "Updates a block received between a worker's pull of it and that worker's push.",
-            ("job",), buckets=STALENESS_BUCKETS, registry=r)
+            ("training_job",), buckets=STALENESS_BUCKETS, registry=r)
         self.duplicates = Counter("shardps_push_duplicates_total",
                                   "Block updates skipped because the push was already applied (retries).",
-                                  ("job",), registry=r)
+                                  ("training_job",), registry=r)
         self.refusals = Counter("shardps_server_refusals_total",
-                                "Data requests refused, by reason (stale_epoch, invalid, ...).",
-                                ("reason",), registry=r)
+                                "Data requests refused, by reason: stale_epoch, invalid, unavailable, "
+                                "quota, unauthorized.", ("reason",), registry=r)
+        for reason in ("stale_epoch", "invalid", "unavailable", "quota", "unauthorized"):
+            self.refusals.labels(reason)
         self.replication_seconds = Histogram("shardps_replication_seconds",
                                              "Time to forward one push to a backup.",
                                              buckets=LATENCY_BUCKETS, registry=r)
@@ -117,7 +120,7 @@ class ManagerMetrics:
         self.moves = Counter("shardps_block_moves_total", "Blocks copied to a new replica.", registry=r)
         self.failovers = Counter("shardps_server_failures_total",
                                  "Servers declared dead (lease expired).", registry=r)
-        self.workers = Gauge("shardps_workers", "Live workers per job.", ("job",), registry=r)
+        self.workers = Gauge("shardps_workers", "Live workers per job.", ("training_job",), registry=r)
         self.install_seconds = Histogram("shardps_map_install_seconds",
                                          "Time to install a new epoch on every live server.",
                                          buckets=LATENCY_BUCKETS, registry=r)
@@ -137,15 +140,19 @@ class WorkerMetrics:
                                     ("direction",), registry=r)
         self.retries = Counter("shardps_client_retries_total", "Data calls retried, by reason.",
                                ("reason",), registry=r)
-        self.steps = Counter("shardps_worker_steps_total", "Training steps completed.", ("job",), registry=r)
-        self.samples = Counter("shardps_worker_samples_total", "Training samples processed.", ("job",),
+        for reason in ("StaleEpoch", "Unavailable", "DeadlineExceeded"):
+            self.retries.labels(reason)
+        self.steps = Counter("shardps_worker_steps_total", "Training steps completed.", ("training_job",), registry=r)
+        self.samples = Counter("shardps_worker_samples_total", "Training samples processed.", ("training_job",),
                                registry=r)
         self.samples_per_second = Gauge("shardps_worker_samples_per_second",
-                                        "Training throughput over the last steps.", ("job",), registry=r)
-        self.loss = Gauge("shardps_worker_loss", "Training loss of the last step.", ("job",), registry=r)
+                                        "Training throughput over the last steps.", ("training_job",), registry=r)
+        self.loss = Gauge("shardps_worker_loss", "Training loss of the last step.", ("training_job",), registry=r)
         self.step_seconds = Histogram("shardps_worker_step_phase_seconds",
                                       "Time per step, by phase: compute, pull_wait, push_wait, barrier_wait.",
-                                      ("job", "phase"), buckets=LATENCY_BUCKETS, registry=r)
+                                      ("training_job", "phase"), buckets=LATENCY_BUCKETS, registry=r)
         self.staleness = Histogram("shardps_worker_staleness_steps",
                                    "Staleness the servers reported at this worker's pulls.",
-                                   ("job",), buckets=STALENESS_BUCKETS, registry=r)
+                                   ("training_job",), buckets=STALENESS_BUCKETS, registry=r)
+        self.info = Gauge("shardps_worker_info", "Constant 1, labelled with the worker's name and rank.",
+                          ("training_job", "name", "rank"), registry=r)

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shardps.local import LocalCluster, _die_with_parent
+from shardps.local import LocalCluster, child_env
 from shardps.worker.client import PSClient
 
 pytestmark = pytest.mark.chaos
@@ -38,7 +38,7 @@ class Counters:
                "--state-file", str(self.tmp / f"{name}.json"), "--log-file", str(self.tmp / f"{name}.log"),
                "--timeout", str(timeout), "--stop-file", str(self.tmp / "stop")] + list(extra)
         log = open(self.tmp / f"{name}.out", "ab")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=log, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=child_env())
         log.close()
         self.procs[name] = proc
         return proc

@@ -144,6 +144,8 @@ class PSClient:
         self.membership: Membership | None = None
         self.clock = 0                     # completed steps (SYNC / BOUNDED)
         self.last_staleness = 0
+        self.last_wait = 0.0               # seconds the last pull waited for stragglers
+        self._versions: dict[tuple[str, int], int] = {}   # block versions seen at pulls
         self._heartbeat: threading.Thread | None = None
         self._stop = threading.Event()
         self.progress = {"step": 0, "samples_per_second": 0.0, "loss": 0.0}
@@ -642,6 +644,7 @@ class PSClient:
     # --- pull ---
     def _pull(self, pieces: list[Piece], outputs: list, timeout: float | None) -> PullResult:
         deadline = self._deadline(timeout)
+        self.last_wait = 0.0
         versions: dict[tuple[str, int], int] = {}
         lock = threading.Lock()
         stored: dict[int, list] = {}
@@ -678,6 +681,7 @@ class PSClient:
             self.metrics.rows.labels("pulled").inc(sum(p.rows for p in ps_))
             if head.min_clock or header.session:
                 self.last_staleness = max(0, self.clock - int(head.min_clock))
+            self.last_wait = max(self.last_wait, head.waited_seconds)
             pos = 0
             for p, layout in zip(ps_, head.segments):
                 wire = WireDType.parse(int(layout.dtype))
@@ -703,6 +707,7 @@ class PSClient:
             with lock:
                 for v in head.versions:
                     versions[(v.table, v.block)] = v.version
+                    self._versions[(v.table, v.block)] = v.version
                 result.min_clock = max(result.min_clock, int(head.min_clock))
 
         self._run_pieces(pieces, deadline, send)
@@ -711,6 +716,22 @@ class PSClient:
             rows = np.concatenate([g[1] for g in got]) if got else np.empty(0, np.float32)
             outputs[item] = (ids, rows)
         return result
+
+    def _add_base_versions(self, seg, p: Piece, view: ShardMapView) -> None:
+        """The versions at which this worker last pulled the blocks it now pushes: the servers
+        measure how many updates arrived in between (shardps_push_intervening_updates)."""
+        if not self._versions:
+            return
+        spec = view.table(self.job, p.table).spec
+        if p.dense:
+            blocks = range(p.start // spec.block_size, (p.stop - 1) // spec.block_size + 1)
+        else:
+            from shardps.tables import sparse_block_of
+            blocks = np.unique(sparse_block_of(p.ids, spec.num_blocks)).tolist()
+        for b in blocks:
+            v = self._versions.get((p.table, b))
+            if v is not None:
+                seg.base_versions.add(table=p.table, block=b, version=v)
 
     # --- push ---
     def _push(self, pieces: list[Piece], kind: int, timeout: float | None, clock: int | None,
@@ -730,6 +751,7 @@ class PSClient:
             rows = sparse_bytes = 0
             for p in ps_:
                 seg = header.segments.add(table=p.table)
+                self._add_base_versions(seg, p, view)
                 if p.dense:
                     seg.range.start, seg.range.stop = p.start, p.stop
                     arrays.append(dtypes.encode(p.values, self.wire_dtype))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import sys
 import time
@@ -44,6 +45,7 @@ def add_training_flags(fs) -> None:
     fs.add("--step-delay", 0.0, "sleep this long per step (to simulate a slow worker)")
     fs.add("--prefetch", True, "prefetch the next batch's embedding rows during the step")
     fs.add("--checkpoint-every", 0, "join a checkpoint every this many steps (0: only on demand)")
+    fs.add("--ready-file", "", "write a JSON line (name, rank, metrics address, pid) here once joined")
 
 
 @dataclass
@@ -172,6 +174,7 @@ def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=Fals
                     metrics.step_seconds.labels(job, "barrier_wait").observe(time.perf_counter() - tb)
             t0 = time.perf_counter()
             pull0 = ps_model.timings["pull_wait"]
+            barrier0 = ps_model.timings["barrier_wait"]
             ps_model.pull()
             max_stale = max(max_stale, client.last_staleness)
             t1 = time.perf_counter()
@@ -201,6 +204,8 @@ def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=Fals
                 metrics.loss.labels(job).set(lv)
                 metrics.samples_per_second.labels(job).set(client.progress["samples_per_second"])
                 metrics.step_seconds.labels(job, "pull_wait").observe(ps_model.timings["pull_wait"] - pull0)
+                metrics.step_seconds.labels(job, "barrier_wait").observe(
+                    ps_model.timings["barrier_wait"] - barrier0)
                 metrics.step_seconds.labels(job, "compute").observe(t2 - t1)
                 metrics.step_seconds.labels(job, "push_wait").observe(t3 - t2)
                 metrics.staleness.labels(job).observe(client.last_staleness)
@@ -321,6 +326,16 @@ def run_worker(args) -> int:
             pass                          # the admin created it; workers only join
         membership = client.join(name=name, rank_hint=args.rank_hint)
         ctx.set(rank=membership.rank, epoch=client.shard_map.epoch)
+        metrics.info.labels(args.job, name, str(membership.rank)).set(1)
+        if args.ready_file:
+            address = ""
+            if metrics_server is not None:
+                host = args.metrics_host if args.metrics_host not in ("0.0.0.0", "::") else "127.0.0.1"
+                address = f"{host}:{metrics_server.server_address[1]}"
+            with open(args.ready_file + ".tmp", "w") as f:
+                json.dump({"role": "worker", "name": name, "rank": membership.rank, "metrics": address,
+                           "pid": os.getpid()}, f)
+            os.replace(args.ready_file + ".tmp", args.ready_file)
         log.info("joined job %s as rank %d of %d (device %s)", args.job, membership.rank,
                  membership.world_size, default_device())
         task = build_task(args)

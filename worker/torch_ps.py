@@ -137,7 +137,7 @@ class PSModel:
                 continue
             self.dense[name] = p
         self.step = 0
-        self.timings = {"pull_wait": 0.0, "push_wait": 0.0}
+        self.timings = {"pull_wait": 0.0, "push_wait": 0.0, "barrier_wait": 0.0}
         self._base_lr: dict[str, float] = {}
 
     def __call__(self, *args, **kwargs):
@@ -181,7 +181,9 @@ class PSModel:
             for name, values in zip(names, res.values):
                 p = self.dense[name]
                 p.copy_(torch.from_numpy(np.asarray(values)).reshape(p.shape))
-        self.timings["pull_wait"] += time.perf_counter() - started
+        waited = min(self.client.last_wait, time.perf_counter() - started)
+        self.timings["barrier_wait"] += waited        # SYNC / SSP: waiting for stragglers
+        self.timings["pull_wait"] += time.perf_counter() - started - waited
 
     def push(self) -> PushResult:
         """Send the gradients of this step (dense parameters, and the rows each PSEmbedding

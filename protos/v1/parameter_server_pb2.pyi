@@ -87,18 +87,20 @@ class SegmentLayout(_message.Message):
     def __init__(self, dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., elements: _Optional[int] = ..., ids: _Optional[int] = ...) -> None: ...
 
 class PullHeader(_message.Message):
-    __slots__ = ("versions", "segments", "payload_bytes", "min_clock", "in_shared_memory")
+    __slots__ = ("versions", "segments", "payload_bytes", "min_clock", "in_shared_memory", "waited_seconds")
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     MIN_CLOCK_FIELD_NUMBER: _ClassVar[int]
     IN_SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    WAITED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     versions: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockVersion]
     segments: _containers.RepeatedCompositeFieldContainer[SegmentLayout]
     payload_bytes: int
     min_clock: int
     in_shared_memory: bool
-    def __init__(self, versions: _Optional[_Iterable[_Union[_common_pb2.BlockVersion, _Mapping]]] = ..., segments: _Optional[_Iterable[_Union[SegmentLayout, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., min_clock: _Optional[int] = ..., in_shared_memory: _Optional[bool] = ...) -> None: ...
+    waited_seconds: float
+    def __init__(self, versions: _Optional[_Iterable[_Union[_common_pb2.BlockVersion, _Mapping]]] = ..., segments: _Optional[_Iterable[_Union[SegmentLayout, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., min_clock: _Optional[int] = ..., in_shared_memory: _Optional[bool] = ..., waited_seconds: _Optional[float] = ...) -> None: ...
 
 class PullChunk(_message.Message):
     __slots__ = ("header", "data")
