@@ -1,0 +1,78 @@
+"""The benchmark harness (``python -m shardps.bench``) works and writes every key.
+
+No timing assertions: the speed targets live in the benchmark's own report. The harness test
+runs the ``--tiny`` preset, every part on toy sizes with real processes (clusters, torch RPC,
+DDP over gloo, shardps workers); the others check the pure pieces.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from shardps.bench.config import PRESETS, TINY
+from shardps.bench.report import REQUIRED_KEYS, TARGETS, add_derived, table
+
+
+def test_presets_measure_what_the_issue_names():
+    quick, full = PRESETS["quick"], PRESETS["full"]
+    for cfg in (quick, full):
+        assert cfg.dense_sizes_mib == (16, 64) and cfg.dense_servers == (1, 2)
+        assert (cfg.sparse_rows, cfg.sparse_ids, cfg.sparse_dim) == (1_000_000, 10_000, 64)
+        assert (cfg.e2e_rows, cfg.e2e_workers, cfg.e2e_servers) == (1_000_000, 2, 2)
+        assert cfg.mem_dense_params == 10_000_000 and cfg.mem_sparse_rows == 1_000_000
+        assert cfg.mem_worker_rows == (1_000_000, 10_000_000)
+        assert {s for s, _ in cfg.curve_points} == {1, 2, 3, 4} == {w for _, w in cfg.curve_points}
+        assert min(cfg.placement_sizes) <= 10 and max(cfg.placement_sizes) >= 100
+        assert cfg.placement_blocks_per_server >= 1000
+    assert max(full.placement_sizes) == 1000
+
+
+def test_targets_and_table_from_a_results_dict():
+    results = {k: 1.0 for k in REQUIRED_KEYS}
+    results.update(ratio_dense_push_ps_over_rpc=1.2, ratio_dense_pull_ps_over_rpc=0.5,
+                   e2e_auc_gap_ps_async_minus_ddp_sparse=-0.004, server_bytes_per_param_sgd=float("nan"))
+    add_derived(results)
+    assert results["target_dense_push_met"] == 1.0
+    assert results["target_dense_pull_met"] == 0.0
+    assert results["e2e_auc_abs_gap_ps_async_ddp_sparse"] == pytest.approx(0.004)
+    assert results["target_e2e_auc_met"] == 1.0
+    assert "target_mem_sgd_met" not in results            # not measured: no verdict
+    text = table(results)
+    for t in TARGETS:
+        assert t.text in text
+    assert "MISSED" in text and "not measured" in text
+
+
+def test_placement_simulation_small():
+    from shardps.bench.placement_sim import main, simulate
+    res = simulate(5, 40)
+    assert res["blocks"] == 200
+    assert 1.0 <= res["worst_max_over_mean"] < 2.0
+    assert 0.0 < res["join_moved_fraction"] <= 1.0 and 0.0 < res["leave_moved_fraction"] <= 1.0
+    assert res["join_ideal_fraction"] == pytest.approx(1 / 6)
+    assert main(["--servers", "3", "--blocks-per-server", "20"]) in (0, 1)
+
+
+def test_tiny_run_writes_every_key(tmp_path):
+    from shardps.bench.cli import main
+    out = tmp_path / "results" / "latest.json"
+    img = tmp_path / "img"
+    code = main(["--tiny", "--out", str(out), "--plots", str(img), "--quiet"])
+    meta = json.loads((out.parent / "latest.meta.json").read_text())
+    assert code == 0, meta["errors"]
+    assert meta["preset"] == "tiny" and meta["config"]["name"] == TINY.name
+    results = json.loads(out.read_text())
+    missing = [k for k in REQUIRED_KEYS if results.get(k) is None]
+    assert not missing, f"keys without a number: {missing}"
+    assert all(v is None or math.isfinite(v) for v in results.values())
+    for t in TARGETS:
+        assert f"target_{t.name}_met" in results, t.name
+    assert {p.name for p in img.glob("*.png")} >= {"bench-dense.png", "bench-sparse.png", "bench-e2e.png",
+                                                   "bench-memory.png", "bench-curves.png", "bench-placement.png"}
+    # --only merges one part into the existing file
+    assert main(["--tiny", "--only", "transport", "--out", str(out), "--quiet"]) == 0
+    again = json.loads(out.read_text())
+    assert set(results) <= set(again)
