@@ -20,7 +20,7 @@ import numpy as np
 
 from shardps.errors import FailedPrecondition, InvalidArgument
 from shardps.tables import (InitKind, TableConfig, TableKind, TableSpec,
-                            dense_initial_values, initial_values)
+                            dense_initial_values, initial_values, sparse_block_of)
 from shardps.server import optimizers
 
 BlockKey = tuple[str, str, int]   # (job, table, block index)
@@ -206,114 +206,311 @@ class DenseBlock(Block):
                         for s, parts in meta.get("pending", {}).items()}
 
 
-class SparseBlock(Block):
-    """The rows of a sparse table whose ids hash to this block.
+class _Pages:
+    """A growable ``[slots, *shape]`` array kept in fixed-size pages: growing never copies
+    what is stored, and at most one page is allocated ahead of use."""
 
-    Rows are stored in insertion order (``rows[slot]``); ``ids`` is kept sorted with the
-    matching ``slots`` so that lookups are one ``searchsorted``.
-    """
+    def __init__(self, shape: tuple, dtype, page_rows: int, fill=0):
+        self.shape, self.dtype, self.page_rows, self.fill = shape, dtype, page_rows, fill
+        self.bits = page_rows.bit_length() - 1
+        self.pages: list[np.ndarray] = []
 
-    kind = TableKind.SPARSE
-    _GROWTH = 1.5
+    def ensure(self, slots: int) -> None:
+        while len(self.pages) * self.page_rows < slots:
+            self.pages.append(np.full((self.page_rows,) + self.shape, self.fill, dtype=self.dtype))
 
-    def __init__(self, key: BlockKey, spec: TableSpec):
-        super().__init__(key, spec)
-        self.dim = spec.dim
-        self.count = 0
-        self.ids = np.empty(0, dtype=np.int64)        # sorted
-        self.slots = np.empty(0, dtype=np.int32)      # slot of ids[i]
-        self.rows = np.empty((0, self.dim), dtype=np.float32)
-        self.state: dict[str, np.ndarray] = {}
-        self.row_steps: np.ndarray | None = None
+    def _groups(self, slots: np.ndarray):
+        """(page, positions into slots, offsets in the page) for each page slots touch."""
+        page = slots >> self.bits
+        off = slots & (self.page_rows - 1)
+        first = int(page[0])
+        if page.shape[0] < 2 or (page == first).all():
+            return [(first, slice(None), off)]
+        order = np.argsort(page, kind="stable")
+        sp = page[order]
+        cuts = np.flatnonzero(sp[1:] != sp[:-1]) + 1
+        bounds = np.concatenate(([0], cuts, [sp.shape[0]]))
+        return [(int(sp[a]), order[a:b], off[order[a:b]]) for a, b in zip(bounds[:-1], bounds[1:])]
+
+    def take(self, slots: np.ndarray) -> np.ndarray:
+        if not self.pages or slots.shape[0] == 0:
+            return np.empty((slots.shape[0],) + self.shape, dtype=self.dtype)
+        groups = self._groups(slots)
+        if len(groups) == 1:
+            return self.pages[groups[0][0]][groups[0][2]]
+        out = np.empty((slots.shape[0],) + self.shape, dtype=self.dtype)
+        for p, where, off in groups:
+            out[where] = self.pages[p][off]
+        return out
+
+    def put(self, slots: np.ndarray, values) -> None:
+        if slots.shape[0] == 0:
+            return
+        scalar = np.ndim(values) == 0
+        for p, where, off in self._groups(slots):
+            self.pages[p][off] = values if scalar else values[where]
+
+    def add(self, slots: np.ndarray, values) -> None:
+        """values[i] is added to slot slots[i] (slots unique)."""
+        self.put(slots, self.take(slots) + values)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.pages)
+
+
+class _DirectIndex:
+    """id -> slot for ids in [0, num_rows): one int32 per possible id (4 bytes a row)."""
+
+    def __init__(self, num_rows: int):
+        self.slot_of = np.full(num_rows, -1, dtype=np.int32)
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
-        """Slot of each id, or -1 where the row was never pushed."""
-        if self.count == 0:
+        return self.slot_of[ids].astype(np.int64)
+
+    def add(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        self.slot_of[ids] = slots
+
+    def remove(self, ids: np.ndarray) -> None:
+        self.slot_of[ids] = -1
+
+    def stored(self) -> tuple[np.ndarray, np.ndarray]:
+        ids = np.flatnonzero(self.slot_of >= 0).astype(np.int64)
+        return ids, self.slot_of[ids].astype(np.int64)
+
+    @property
+    def nbytes(self) -> int:
+        return self.slot_of.nbytes
+
+
+class _SortedIndex:
+    """id -> slot for any int64 ids: sorted ids and their slots (12 bytes a row)."""
+
+    def __init__(self):
+        self.ids = np.empty(0, dtype=np.int64)
+        self.slots = np.empty(0, dtype=np.int32)
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        n = self.ids.shape[0]
+        if n == 0:
             return np.full(ids.shape[0], -1, dtype=np.int64)
         pos = np.searchsorted(self.ids, ids)
-        pos_clipped = np.minimum(pos, self.count - 1)
-        found = self.ids[pos_clipped] == ids
-        return np.where(found, self.slots[pos_clipped].astype(np.int64), -1)
+        np.minimum(pos, n - 1, out=pos)
+        return np.where(self.ids[pos] == ids, self.slots[pos], -1).astype(np.int64)
+
+    def add(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        order = np.argsort(ids, kind="stable")
+        sorted_ids = ids[order]
+        pos = np.searchsorted(self.ids, sorted_ids)
+        self.ids = np.insert(self.ids, pos, sorted_ids)
+        self.slots = np.insert(self.slots, pos, slots[order].astype(np.int32))
+
+    def remove(self, ids: np.ndarray) -> None:
+        keep = ~np.isin(self.ids, ids)
+        self.ids, self.slots = self.ids[keep], self.slots[keep]
+
+    def stored(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.ids, self.slots.astype(np.int64)
+
+    @property
+    def nbytes(self) -> int:
+        return self.ids.nbytes + self.slots.nbytes
+
+
+DIRECT_INDEX_MAX_ROWS = 1 << 24     # bounded tables up to 16M rows use a direct id -> slot map
+
+
+class SparseShard:
+    """Every row of one sparse table that this server holds, across all of its blocks.
+
+    Rows live in one paged store (values, optimizer state, per-row step counts) with one
+    id -> slot index (a direct map for bounded tables, sorted ids otherwise), so that a
+    request touching many blocks is a handful of vectorised numpy operations, not a loop over
+    blocks. Blocks remain the unit of placement: a block's rows are those whose id hashes to
+    it. Slots of removed rows are reused. Not thread-safe: hold ``lock`` (after block locks).
+    """
+
+    PAGE_BYTES = 4 << 20
+
+    def __init__(self, spec: TableSpec):
+        self.spec = spec
+        self.dim = spec.dim
+        self.lock = threading.Lock()
+        self.page_rows = 1 << max(8, (self.PAGE_BYTES // (4 * self.dim)).bit_length() - 1)
+        n = spec.num_rows
+        self.index = _DirectIndex(n) if 0 < n <= DIRECT_INDEX_MAX_ROWS else _SortedIndex()
+        self.rows = _Pages((self.dim,), np.float32, self.page_rows)
+        self.state: dict[str, _Pages] = {}
+        self.row_steps: _Pages | None = None
+        self.used = 0                                   # slots handed out so far
+        self.free = np.empty(0, dtype=np.int64)         # slots of removed rows, reused first
+        self.block_counts = np.zeros(spec.num_blocks, dtype=np.int64)
+
+    @property
+    def count(self) -> int:
+        return int(self.block_counts.sum())
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        """Slot of each id, or -1 where the row is not stored."""
+        return self.index.lookup(ids)
 
     def read(self, ids: np.ndarray) -> np.ndarray:
-        """Rows of ``ids`` (any order, repeats allowed), float32 ``[n, dim]``: stored or initial."""
+        """Rows of ``ids`` (any order, repeats allowed): stored or initial, ``[n, dim]``."""
         slots = self.lookup(ids)
         missing = slots < 0
         if not missing.any():
-            return self.rows[slots]
+            return self.rows.take(slots)
         out = np.empty((ids.shape[0], self.dim), dtype=np.float32)
         present = ~missing
-        out[present] = self.rows[slots[present]]
+        out[present] = self.rows.take(slots[present])
         out[missing] = initial_values(self.spec.init, ids[missing], self.dim)
         return out
 
-    def _reserve(self, extra: int, config: TableConfig) -> None:
-        need = self.count + extra
-        capacity = self.rows.shape[0]
-        if need <= capacity:
-            return
-        new_capacity = max(need, int(capacity * self._GROWTH), 16)
+    def _ensure_state(self, config: TableConfig | None, names=()) -> None:
+        wanted = set(names)
+        if config is not None:
+            wanted |= set(optimizers.state_names(config.optimizer))
+        for name in wanted - set(self.state):
+            fill = config.optimizer.initial_accumulator_value if (config and name == "sum") else 0.0
+            pages = self.state[name] = _Pages((self.dim,), np.float32, self.page_rows, fill)
+            pages.ensure(self.used)
+        if config is not None and "sum" in self.state:     # rows inserted later start here
+            self.state["sum"].fill = config.optimizer.initial_accumulator_value
+        steps_needed = config is not None and optimizers.needs_row_steps(config.optimizer)
+        if self.row_steps is None and steps_needed:
+            self.row_steps = _Pages((), np.int32, self.page_rows)
+            self.row_steps.ensure(self.used)
 
-        def grow(arr: np.ndarray, fill: float = 0.0) -> np.ndarray:
-            out = np.full((new_capacity,) + arr.shape[1:], fill, dtype=arr.dtype)
-            out[:self.count] = arr[:self.count]
-            return out
+    def _allocate(self, n: int) -> np.ndarray:
+        reuse = self.free[:n]
+        self.free = self.free[n:]
+        fresh = np.arange(self.used, self.used + (n - reuse.shape[0]), dtype=np.int64)
+        self.used += fresh.shape[0]
+        for pages in [self.rows, *self.state.values()] + ([self.row_steps] if self.row_steps else []):
+            pages.ensure(self.used)
+        return np.concatenate([reuse, fresh]) if reuse.shape[0] else fresh
 
-        self.rows = grow(self.rows)
-        if not self.state:
-            self.state = optimizers.new_state(config.optimizer, (0, self.dim))
-        self.state = {k: grow(v, config.optimizer.initial_accumulator_value if k == "sum" else 0.0)
-                      for k, v in self.state.items()}
-        if optimizers.needs_row_steps(config.optimizer):
-            self.row_steps = grow(self.row_steps if self.row_steps is not None
-                                  else np.zeros(0, dtype=np.int32))
-
-    def _insert(self, new_ids: np.ndarray, config: TableConfig) -> None:
-        """Store rows for ``new_ids`` (unique, absent) at their initial values."""
+    def insert(self, new_ids: np.ndarray, config: TableConfig | None, values: np.ndarray | None = None,
+               state: dict[str, np.ndarray] | None = None, steps: np.ndarray | None = None) -> np.ndarray:
+        """Store rows for ``new_ids`` (unique, absent): initial values unless given. Returns
+        their slots."""
         n = new_ids.shape[0]
-        self._reserve(n, config)
-        first = self.count
-        self.rows[first:first + n] = initial_values(self.spec.init, new_ids, self.dim)
-        new_slots = np.arange(first, first + n, dtype=np.int32)
-        self.count += n
-        ids = np.concatenate([self.ids, new_ids])
-        slots = np.concatenate([self.slots, new_slots])
-        order = np.argsort(ids, kind="stable")
-        self.ids, self.slots = ids[order], slots[order]
+        if n == 0:
+            return np.empty(0, dtype=np.int64)
+        self._ensure_state(config, state or ())
+        if steps is not None and self.row_steps is None:
+            self.row_steps = _Pages((), np.int32, self.page_rows)
+            self.row_steps.ensure(self.used)
+        slots = self._allocate(n)
+        self.rows.put(slots, initial_values(self.spec.init, new_ids, self.dim) if values is None else values)
+        for name, pages in self.state.items():
+            if state and name in state:
+                pages.put(slots, state[name])
+            else:
+                pages.put(slots, pages.fill)
+        if self.row_steps is not None:
+            self.row_steps.put(slots, 0 if steps is None else steps)
+        self.index.add(new_ids, slots)
+        blocks = sparse_block_of(new_ids, self.spec.num_blocks)
+        self.block_counts += np.bincount(blocks, minlength=self.block_counts.shape[0])
+        return slots
 
-    def apply_gradient(self, config: TableConfig, ids: np.ndarray, grad: np.ndarray) -> None:
-        """Apply ``grad`` ``[n, dim]`` to rows ``ids`` (unique)."""
+    def apply(self, config: TableConfig, ids: np.ndarray, grad: np.ndarray) -> None:
+        """Apply ``grad`` ``[n, dim]`` to rows ``ids`` (unique), storing new rows first."""
+        self._ensure_state(config)
         slots = self.lookup(ids)
         missing = slots < 0
         if missing.any():
-            self._insert(ids[missing], config)
-            slots = self.lookup(ids)
-        params = self.rows[slots]
-        state = {k: v[slots] for k, v in self.state.items()}
-        step = None
+            slots[missing] = self.insert(ids[missing], config)
+        params = self.rows.take(slots)
+        state = {k: v.take(slots) for k, v in self.state.items()}
+        step = 1
         if self.row_steps is not None:
-            self.row_steps[slots] += 1
-            step = self.row_steps[slots][:, None]
-        optimizers.apply(config.optimizer, params, grad, state, step if step is not None else 1)
-        self.rows[slots] = params
+            steps = self.row_steps.take(slots) + 1
+            self.row_steps.put(slots, steps)
+            step = steps[:, None]
+        optimizers.apply(config.optimizer, params, grad, state, step)
+        self.rows.put(slots, params)
         for k, v in state.items():
-            self.state[k][slots] = v
+            self.state[k].put(slots, v)
+
+    def block_rows(self, block: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, slots) of ``block``'s stored rows, ordered by id (canonical for snapshots)."""
+        ids, slots = self.index.stored()
+        mine = sparse_block_of(ids, self.spec.num_blocks) == block
+        ids, slots = ids[mine], slots[mine]
+        order = np.argsort(ids, kind="stable")
+        return ids[order], slots[order]
+
+    def remove_block(self, block: int) -> None:
+        """Forget every row of ``block``; its slots are reused by later inserts."""
+        if self.block_counts[block] == 0:
+            return
+        ids, slots = self.block_rows(block)
+        self.index.remove(ids)
+        self.free = np.concatenate([self.free, slots])
+        self.block_counts[block] = 0
+
+    def row_bytes(self) -> int:
+        per = self.dim * 4 * (1 + len(self.state)) + (4 if self.row_steps is not None else 0)
+        return per + (4 if isinstance(self.index, _DirectIndex) else 12)
+
+    @property
+    def nbytes(self) -> int:
+        total = self.rows.nbytes + sum(p.nbytes for p in self.state.values()) + self.index.nbytes
+        return total + (self.row_steps.nbytes if self.row_steps is not None else 0)
+
+
+class SparseBlock(Block):
+    """The rows of a sparse table whose ids hash to this block, stored in the server's
+    ``SparseShard`` of that table (shared by the table's blocks on this server)."""
+
+    kind = TableKind.SPARSE
+
+    def __init__(self, key: BlockKey, spec: TableSpec, shard: SparseShard | None = None):
+        super().__init__(key, spec)
+        self.dim = spec.dim
+        self.shard = shard if shard is not None else SparseShard(spec)
+
+    @property
+    def count(self) -> int:
+        return int(self.shard.block_counts[self.key[2]])
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        with self.shard.lock:
+            return self.shard.lookup(ids)
+
+    def read(self, ids: np.ndarray) -> np.ndarray:
+        """Rows of ``ids`` (any order, repeats allowed), float32 ``[n, dim]``: stored or initial."""
+        with self.shard.lock:
+            return self.shard.read(ids)
+
+    def apply_gradient(self, config: TableConfig, ids: np.ndarray, grad: np.ndarray) -> None:
+        """Apply ``grad`` ``[n, dim]`` to rows ``ids`` (unique, all of this block)."""
+        with self.shard.lock:
+            self.shard.apply(config, ids, grad)
         self.version += 1
 
+    def release(self) -> None:
+        """This server no longer holds the block: drop its rows."""
+        with self.shard.lock:
+            self.shard.remove_block(self.key[2])
+
     def nbytes(self) -> int:
-        total = self.rows.nbytes + self.ids.nbytes + self.slots.nbytes
-        total += sum(a.nbytes for a in self.state.values())
-        return total + (self.row_steps.nbytes if self.row_steps is not None else 0)
+        return self.count * self.shard.row_bytes()
 
     def snapshot(self) -> tuple[dict, dict[str, np.ndarray]]:
         meta = self._metadata()
-        meta.update(count=self.count, pending={str(s): len(parts) for s, parts in self.pending.items()})
-        order = np.argsort(self.slots, kind="stable")       # ids in slot order
-        arrays = {"ids": self.ids[order].copy(), "values": self.rows[:self.count].copy()}
-        for name, arr in self.state.items():
-            arrays[f"state.{name}"] = arr[:self.count].copy()
-        if self.row_steps is not None:
-            arrays["row_steps"] = self.row_steps[:self.count].copy()
+        sh = self.shard
+        with sh.lock:
+            ids, slots = sh.block_rows(self.key[2])
+            meta.update(count=int(slots.shape[0]),
+                        pending={str(s): len(parts) for s, parts in self.pending.items()})
+            arrays = {"ids": ids, "values": sh.rows.take(slots)}
+            for name, pages in sh.state.items():
+                arrays[f"state.{name}"] = pages.take(slots)
+            if sh.row_steps is not None:
+                arrays["row_steps"] = sh.row_steps.take(slots)
         for s, parts in self.pending.items():
             for i, (ids, g) in enumerate(parts):
                 arrays[f"pending.{s}.{i}.ids"] = np.array(ids, dtype=np.int64, copy=True)
@@ -322,24 +519,24 @@ class SparseBlock(Block):
 
     def load(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
         self._load_metadata(meta)
-        self.count = int(meta["count"])
-        ids_in_slot_order = arrays["ids"].astype(np.int64)
-        order = np.argsort(ids_in_slot_order, kind="stable")
-        self.ids = ids_in_slot_order[order]
-        self.slots = order.astype(np.int32)
-        self.rows = np.array(arrays["values"], dtype=np.float32).reshape(self.count, self.dim)
-        self.state = {k[len("state."):]: np.array(v, dtype=np.float32).reshape(self.count, self.dim)
-                      for k, v in arrays.items() if k.startswith("state.")}
-        self.row_steps = (np.array(arrays["row_steps"], dtype=np.int32)
-                          if "row_steps" in arrays else None)
+        count = int(meta["count"])
+        ids = np.asarray(arrays["ids"], dtype=np.int64).reshape(count)
+        values = np.asarray(arrays["values"], dtype=np.float32).reshape(count, self.dim)
+        state = {k[len("state."):]: np.asarray(v, dtype=np.float32).reshape(count, self.dim)
+                 for k, v in arrays.items() if k.startswith("state.")}
+        steps = (np.asarray(arrays["row_steps"]).astype(np.int32) if "row_steps" in arrays else None)
+        with self.shard.lock:
+            self.shard.remove_block(self.key[2])
+            self.shard.insert(ids, None, values, state, steps)
         self.pending = {int(s): [(arrays[f"pending.{s}.{i}.ids"],
                                   arrays[f"pending.{s}.{i}.grad"].reshape(-1, self.dim))
                                  for i in range(n)]
                         for s, n in meta.get("pending", {}).items()}
 
 
-def new_block(key: BlockKey, spec: TableSpec) -> Block:
-    return DenseBlock(key, spec) if spec.kind is TableKind.DENSE else SparseBlock(key, spec)
+def new_block(key: BlockKey, spec: TableSpec, shard: SparseShard | None = None) -> Block:
+    """A new empty block; sparse blocks store their rows in ``shard`` (a private one if None)."""
+    return DenseBlock(key, spec) if spec.kind is TableKind.DENSE else SparseBlock(key, spec, shard)
 
 
 def encode_metadata(meta: dict) -> bytes:

@@ -40,7 +40,7 @@ from shardps.metrics import NodeMetrics
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.server import optimizers
-from shardps.server.blocks import (Block, BlockKey, DenseBlock, SparseBlock, Writer,
+from shardps.server.blocks import (Block, BlockKey, DenseBlock, SparseBlock, SparseShard, Writer,
                                    decode_metadata, encode_metadata, new_block)
 from shardps.server.clocks import JobClock
 from shardps.shardmap import ShardMapView, TableView
@@ -140,6 +140,7 @@ class _Part:
     ids: np.ndarray | None = None     # sparse: unique ids (push) or ids in request order (pull)
     positions: np.ndarray | None = None   # pull: where these rows go in the segment's output
     values: np.ndarray | None = None  # push: float32, dense 1-d or sparse [n, dim]
+    whole: tuple | None = None        # sparse push: (ids, values, parts) of the whole segment
 
 
 @dataclass
@@ -174,6 +175,7 @@ class ServerNode:
         self._gate = EpochGate()
         self._lock = threading.Lock()          # guards the dicts below
         self.blocks: dict[BlockKey, Block] = {}
+        self.shards: dict[tuple[str, str], SparseShard] = {}  # a sparse table's rows on this node
         self.staged: dict[BlockKey, tuple[Block, str]] = {}   # copies received, not yet listed
         self.missing: set[BlockKey] = set()                    # listed here, state not loaded
         self.extra: dict[BlockKey, set[str]] = {}              # copy destinations to forward to
@@ -197,8 +199,8 @@ class ServerNode:
             return
         with self._gate.exclusive():
             with self._lock:
-                for d in (self.blocks, self.staged, self.extra, self.needs_resync, self.clocks,
-                          self._pending, self._apply_locks):
+                for d in (self.blocks, self.shards, self.staged, self.extra, self.needs_resync,
+                          self.clocks, self._pending, self._apply_locks):
                     d.clear()
                 self.missing.clear()
                 self.view = ShardMapView()
@@ -235,19 +237,22 @@ class ServerNode:
                     listed.add(key)
                     block = self.blocks.get(key)
                     if block is not None and block.spec != t.spec:
-                        block = None      # a table re-created under the same name
+                        self._forget_block(key)       # a table re-created under the same name
+                        block = None
                     if block is None:
                         if key in self.staged:
                             block = self.staged.pop(key)[0]
                         elif t.since_epoch[b] == t.fresh_epoch[b]:
-                            block = new_block(key, t.spec)
+                            block = self._new_block(key, t.spec)
                         else:
                             self.missing.add(key)
                             continue
                         self.blocks[key] = block
                     self.missing.discard(key)
             for key in [k for k in self.blocks if k not in listed]:
-                del self.blocks[key]
+                self._forget_block(key)
+            for key in [k for k in self.shards if k not in view.tables]:
+                del self.shards[key]
             self.missing &= listed
             for d in (self.extra, self.needs_resync):
                 for key in [k for k in d if k not in listed]:
@@ -283,6 +288,23 @@ class ServerNode:
                     self._resync_locked(block)
         for job in list(self.clocks):
             self._apply_ready_steps(job)
+
+    def _new_block(self, key: BlockKey, spec) -> Block:
+        """A new empty block; a sparse one stores its rows in the table's shard here. Call
+        with ``self._lock`` held."""
+        if spec.kind is TableKind.SPARSE:
+            shard = self.shards.get((key[0], key[1]))
+            if shard is None or shard.spec != spec:
+                shard = self.shards[(key[0], key[1])] = SparseShard(spec)
+            return new_block(key, spec, shard)
+        return new_block(key, spec)
+
+    def _forget_block(self, key: BlockKey) -> None:
+        """Drop a block this node no longer holds (``self._lock`` held)."""
+        blk = self.blocks.pop(key, None)
+        if isinstance(blk, SparseBlock):
+            with blk.lock:
+                blk.release()
 
     def _is_primary(self, key: BlockKey) -> bool:
         t = self.view.tables.get((key[0], key[1]))
@@ -423,11 +445,16 @@ class ServerNode:
                 if for_push:
                     ids, values = coalesce(ids, values)
                 blocks_of = sparse_block_of(ids, spec.num_blocks)
+                seg_parts = []
                 for b, pos in group_by_block(blocks_of):
                     part = _Part((t.job, spec.name, b), t, i, ids=ids[pos], positions=pos)
                     if values is not None:
                         part.values = values[pos]
-                    parts.append(part)
+                    seg_parts.append(part)
+                whole = (ids, values, len(seg_parts)) if for_push else None
+                for part in seg_parts:
+                    part.whole = whole
+                parts.extend(seg_parts)
         self._check_owned(header, parts)
         return parts
 
@@ -543,6 +570,7 @@ class ServerNode:
             # pass 2: apply, in block order
             ops: list[tuple[BlockKey, ps.BlockOp, list[np.ndarray]]] = []
             duplicates = 0
+            todo: list[tuple[_Part, Block]] = []
             for part, blk in zip(parts, blocks):
                 if blk.already_applied(writer):
                     duplicates += 1
@@ -550,8 +578,21 @@ class ServerNode:
                 if part.key in base:
                     self.metrics.updates_between.labels(part.key[0]).observe(
                         max(0, blk.version - base[part.key]))
-                op, arrays = self._apply_one(blk, part, kind, writer, sync, step)
-                ops.append((blk.key, op, arrays))
+                todo.append((part, blk))
+            i = 0
+            while i < len(todo):
+                part, blk = todo[i]
+                j = i + 1
+                if isinstance(blk, SparseBlock) and kind == GRADIENT and not sync:
+                    # every sparse block of one table in one vectorised update
+                    while j < len(todo) and todo[j][1].key[:2] == blk.key[:2] \
+                            and todo[j][1] is not todo[j - 1][1]:
+                        j += 1
+                    ops.extend(self._apply_sparse(todo[i:j], writer))
+                else:
+                    op, arrays = self._apply_one(blk, part, kind, writer, sync, step)
+                    ops.append((blk.key, op, arrays))
+                i = j
             for blk in unique:
                 blk.remember(writer)
             if duplicates:
@@ -561,6 +602,33 @@ class ServerNode:
                 ack.versions.add(table=blk.key[1], block=blk.key[2], version=blk.version)
             ack.duplicate_blocks = duplicates
         return ack
+
+    def _apply_sparse(self, group: list[tuple[_Part, Block]], writer: Writer):
+        """Apply the parts of one sparse table (distinct blocks, unique ids) at once; returns
+        one op per block for the backups. Block locks are held."""
+        t = group[0][0].table
+        whole = group[0][0].whole
+        if whole is not None and whole[2] == len(group) and all(p.whole is whole for p, _ in group):
+            ids, grads = whole[0], whole[1]           # the whole segment: no re-assembly
+        else:
+            ids = np.concatenate([p.ids for p, _ in group])
+            grads = np.concatenate([p.values for p, _ in group])
+        shard = group[0][1].shard
+        with shard.lock:
+            shard.apply(t.config, ids, np.ascontiguousarray(grads, dtype=np.float32).reshape(-1, t.spec.dim))
+        out = []
+        wid = ps.WriterId(session=writer.session, incarnation=writer.incarnation,
+                          sequence=writer.sequence, acked_below=writer.acked_below)
+        for part, blk in group:
+            blk.version += 1
+            if not self._backups(blk.key):
+                continue                              # nothing to forward
+            op = ps.BlockOp(job=blk.key[0], table=blk.key[1], block=blk.key[2], kind=ps.APPLY, writer=wid,
+                            config_version=t.config.version, id_count=part.ids.shape[0],
+                            element_count=part.values.size, version=blk.version)
+            out.append((blk.key, op, [np.ascontiguousarray(part.ids, dtype=np.int64),
+                                      np.ascontiguousarray(part.values, dtype=np.float32)]))
+        return out
 
     def _check_quota(self, parts: list[_Part], blocks: list[Block], writer: Writer) -> None:
         """RESOURCE_EXHAUSTED when this push would store more of its job than the job's
@@ -858,18 +926,33 @@ class ServerNode:
                       for s in parsed]
             stored: dict[int, list] = {i: [] for i, s in enumerate(parsed) if s.all_stored}
             versions: dict[BlockKey, int] = {}
+            sparse_parts: dict[int, list[_Part]] = {}
             for part in parts:
                 s, out = parsed[part.segment], values[part.segment]
+                if not s.dense and not s.all_stored:
+                    sparse_parts.setdefault(part.segment, []).append(part)
+                    continue
                 blk = self.blocks[part.key]
                 with blk.lock:
                     if s.dense:
                         out[part.lo - s.lo:part.hi - s.lo] = blk.read(part.lo, part.hi)
-                    elif s.all_stored:
+                    else:
                         meta, arrays = blk.snapshot()
                         stored[part.segment].append((arrays["ids"], arrays["values"]))
-                    else:
-                        out[part.positions] = blk.read(part.ids)
                     versions[part.key] = blk.version
+            for seg_index, seg_parts in sparse_parts.items():
+                # one vectorised read of every block of the segment, consistent across them
+                blks = sorted({self.blocks[p.key].key: self.blocks[p.key] for p in seg_parts}.values(),
+                              key=lambda b: b.key)
+                with contextlib.ExitStack() as stack:
+                    for blk in blks:
+                        stack.enter_context(blk.lock)
+                    s = parsed[seg_index]
+                    shard = blks[0].shard
+                    with shard.lock:
+                        values[seg_index] = shard.read(s.ids)
+                    for blk in blks:
+                        versions[blk.key] = blk.version
             for i, (s, out) in enumerate(zip(parsed, values)):
                 if s.all_stored:
                     got = stored[i]
@@ -928,18 +1011,20 @@ class ServerNode:
             if reps and reps[0] == self.name and source != "manager":
                 raise StaleEpoch(f"{self.name} is the primary of {key} under epoch {self.view.epoch}; "
                                  f"it does not take copies from {source}")
-            blk = block_from_snapshot(snap, t.spec)
+            meta = decode_metadata(snap.header.metadata)
+            arrays = {info.name: arr for info, arr in zip(snap.header.arrays, snap.arrays)}
             with self._lock:
                 if self.name in reps:
-                    old = self.blocks.get(key)
-                    if old is not None:
-                        with old.lock:
-                            _copy_state(blk, old)
-                    else:
-                        self.blocks[key] = blk
+                    blk = self.blocks.get(key)
+                    if blk is None:
+                        blk = self.blocks[key] = self._new_block(key, t.spec)
                     self.missing.discard(key)
                 else:
+                    staged = self.staged.get(key)
+                    blk = staged[0] if staged is not None else self._new_block(key, t.spec)
                     self.staged[key] = (blk, source)
+            with blk.lock:
+                blk.load(meta, arrays)
             loaded += 1
         self._update_usage_metrics()
         return loaded
@@ -992,7 +1077,7 @@ class ServerNode:
         with self._lock:
             keys = [k for k in self.blocks if k[0] == job and (not tables or k[1] in tables)]
             for k in keys:
-                del self.blocks[k]
+                self._forget_block(k)
         self._update_usage_metrics()
         return len(keys)
 
@@ -1058,18 +1143,3 @@ def snapshot_block(blk: Block) -> BlockSnapshot:
     return BlockSnapshot(header, out)
 
 
-def block_from_snapshot(snap: BlockSnapshot, spec) -> Block:
-    ref = snap.header.ref
-    blk = new_block((ref.job, ref.table, int(ref.block)), spec)
-    arrays = {}
-    for info, arr in zip(snap.header.arrays, snap.arrays):
-        arrays[info.name] = arr
-    blk.load(decode_metadata(snap.header.metadata), arrays)
-    return blk
-
-
-def _copy_state(src: Block, dst: Block) -> None:
-    """Replace ``dst``'s state with ``src``'s (same key), keeping ``dst``'s lock object."""
-    lock = dst.lock
-    dst.__dict__.update(src.__dict__)
-    dst.lock = lock
