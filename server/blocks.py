@@ -232,15 +232,19 @@ class _Pages:
         bounds = np.concatenate(([0], cuts, [sp.shape[0]]))
         return [(int(sp[a]), order[a:b], off[order[a:b]]) for a, b in zip(bounds[:-1], bounds[1:])]
 
-    def take(self, slots: np.ndarray) -> np.ndarray:
+    def take(self, slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         if not self.pages or slots.shape[0] == 0:
-            return np.empty((slots.shape[0],) + self.shape, dtype=self.dtype)
+            return out if out is not None else np.empty((slots.shape[0],) + self.shape, dtype=self.dtype)
         groups = self._groups(slots)
-        if len(groups) == 1:
+        if len(groups) == 1 and out is None:
             return self.pages[groups[0][0]][groups[0][2]]
-        out = np.empty((slots.shape[0],) + self.shape, dtype=self.dtype)
+        if out is None:
+            out = np.empty((slots.shape[0],) + self.shape, dtype=self.dtype)
         for p, where, off in groups:
-            out[where] = self.pages[p][off]
+            if isinstance(where, slice):
+                np.take(self.pages[p], off, axis=0, out=out)
+            else:
+                out[where] = self.pages[p][off]
         return out
 
     def put(self, slots: np.ndarray, values) -> None:
@@ -354,13 +358,15 @@ class SparseShard:
         """Slot of each id, or -1 where the row is not stored."""
         return self.index.lookup(ids)
 
-    def read(self, ids: np.ndarray) -> np.ndarray:
-        """Rows of ``ids`` (any order, repeats allowed): stored or initial, ``[n, dim]``."""
+    def read(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows of ``ids`` (any order, repeats allowed): stored or initial, ``[n, dim]``
+        (written into ``out`` if given)."""
         slots = self.lookup(ids)
         missing = slots < 0
         if not missing.any():
-            return self.rows.take(slots)
-        out = np.empty((ids.shape[0], self.dim), dtype=np.float32)
+            return self.rows.take(slots, out)
+        if out is None:
+            out = np.empty((ids.shape[0], self.dim), dtype=np.float32)
         present = ~missing
         out[present] = self.rows.take(slots[present])
         out[missing] = initial_values(self.spec.init, ids[missing], self.dim)

@@ -891,8 +891,12 @@ class ServerNode:
 
     # ================================================================== pull
     def pull(self, header: pb.RequestHeader, segments: Sequence[pb.Segment], ids_payload,
-             deadline: float | None = None) -> tuple[ps.PullHeader, list[np.ndarray]]:
+             deadline: float | None = None, out_buffer=None) -> tuple[ps.PullHeader, list[np.ndarray]]:
         """Read values; returns the header and the wire-encoded arrays, in segment order.
+
+        ``out_buffer`` (a writable buffer, e.g. a shared-memory region): float32 values are
+        written straight into it (``header.in_shared_memory`` is then set and the returned
+        list is empty); other cases return the arrays as usual.
 
         SYNC / BOUNDED groups: first waits (up to ``deadline``) for the consistency condition.
         """
@@ -920,10 +924,21 @@ class ServerNode:
                     f"pull would return {out_bytes} bytes; the limit max_response_bytes is "
                     f"{self.limits.max_response_bytes}: pull smaller ranges")
             parts = self._split(header, parsed, for_push=False)
-            values = [np.empty(s.hi - s.lo, dtype=np.float32) if s.dense
-                      else None if s.all_stored
-                      else np.empty((s.ids.shape[0], s.table.spec.dim), dtype=np.float32)
-                      for s in parsed]
+            in_place = (out_buffer is not None and out_bytes <= len(out_buffer)
+                        and all(not s.all_stored and s.dtype is WireDType.FLOAT32 for s in parsed))
+            values = []
+            pos = 0
+            for s in parsed:
+                if s.all_stored:
+                    values.append(None)
+                    continue
+                shape = (s.hi - s.lo,) if s.dense else (s.ids.shape[0], s.table.spec.dim)
+                if in_place:
+                    n = int(np.prod(shape))
+                    values.append(np.frombuffer(out_buffer, dtype="<f4", count=n, offset=pos).reshape(shape))
+                    pos += 4 * n
+                else:
+                    values.append(np.empty(shape, dtype=np.float32))
             stored: dict[int, list] = {i: [] for i, s in enumerate(parsed) if s.all_stored}
             versions: dict[BlockKey, int] = {}
             sparse_parts: dict[int, list[_Part]] = {}
@@ -950,7 +965,7 @@ class ServerNode:
                     s = parsed[seg_index]
                     shard = blks[0].shard
                     with shard.lock:
-                        values[seg_index] = shard.read(s.ids)
+                        shard.read(s.ids, out=values[seg_index])
                     for blk in blks:
                         versions[blk.key] = blk.version
             for i, (s, out) in enumerate(zip(parsed, values)):
@@ -963,11 +978,15 @@ class ServerNode:
                     outputs.append(dtypes.encode(rows, s.dtype))
                     header_out.segments.add(dtype=s.dtype.value, elements=rows.size, ids=ids.shape[0])
                     continue
-                outputs.append(dtypes.encode(out, s.dtype))
+                if not in_place:
+                    outputs.append(dtypes.encode(out, s.dtype))
                 header_out.segments.add(dtype=s.dtype.value, elements=out.size)
+            if in_place:
+                header_out.in_shared_memory = True
+                header_out.payload_bytes = out_bytes
             for key, v in sorted(versions.items()):
                 header_out.versions.add(table=key[1], block=key[2], version=v)
-        nbytes = sum(a.nbytes for a in outputs)
+        nbytes = sum(a.nbytes for a in outputs) if outputs else int(header_out.payload_bytes)
         header_out.payload_bytes = nbytes
         self.metrics.request_bytes.labels("Pull").observe(nbytes)
         self.metrics.bytes.labels("out").inc(nbytes)

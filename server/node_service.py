@@ -32,6 +32,7 @@ def collect_chunks(first, rest, header_cls, limit: int, what: str):
     if header is None:
         raise InvalidArgument(f"{what}: the first chunk must carry the header")
     declared = int(getattr(header, "payload_bytes", 0))
+    in_shared_memory = bool(getattr(header, "shared_memory", None) and header.shared_memory.name)
     if declared > limit:
         raise ResourceExhausted(f"{what} declares {declared} bytes; the limit max_request_bytes "
                                 f"is {limit}: split the request")
@@ -45,7 +46,10 @@ def collect_chunks(first, rest, header_cls, limit: int, what: str):
             raise ResourceExhausted(f"{what} exceeds {limit} bytes (limit max_request_bytes): "
                                     f"split the request")
         pieces.append(chunk.data)
-    if declared and total != declared:
+    if in_shared_memory:
+        if total:
+            raise InvalidArgument(f"{what}: the payload is in shared memory; chunks must not carry data")
+    elif declared and total != declared:
         raise InvalidArgument(f"{what}: chunks carry {total} bytes but the header declares "
                               f"{declared} (truncated stream?)")
     payload = assemble(pieces, total) if pieces else memoryview(b"")
@@ -115,7 +119,9 @@ class ParameterServerService:
     """gRPC methods of one node. ``authenticate`` is the credentials check (security issue)."""
 
     def __init__(self, node: ServerNode):
+        from shardps.rpc.shm import ServerRegions
         self.node = node
+        self.regions = ServerRegions()
 
     def methods(self) -> dict[str, Method]:
         return {
@@ -175,15 +181,24 @@ class ParameterServerService:
                                          self.node.limits.max_request_bytes, "Push")
         check_job(call.principal, header.header.job)
         if header.shared_memory.name:
+            if header.shared_memory.length != header.payload_bytes:
+                raise InvalidArgument(f"Push: shared-memory length {header.shared_memory.length} != "
+                                      f"payload_bytes {header.payload_bytes}")
             payload = self.read_shared_memory(header.shared_memory)
         return self.node.push(header.header, header.kind, header.segments, payload, call.deadline)
 
     def pull(self, request: ps.PullRequest, call):
         check_job(call.principal, request.header.job)
-        header, arrays = self.node.pull(request.header, request.segments, request.data, call.deadline)
+        ref = request.reply_shared_memory
+        out_buffer = self._open_shared(ref) if ref.name else None
+        header, arrays = self.node.pull(request.header, request.segments, request.data, call.deadline,
+                                        out_buffer=out_buffer)
         chunk = request.chunk_bytes or CHUNK_BYTES
-        if request.reply_shared_memory.name:
-            self.write_shared_memory(request.reply_shared_memory, arrays)
+        if header.in_shared_memory:            # written straight into the client's memory
+            yield encode_chunk(header.SerializeToString(), None)
+            return
+        if ref.name:
+            self.write_shared_memory(ref, arrays)
             header.in_shared_memory = True
             yield encode_chunk(header.SerializeToString(), None)
             return
@@ -204,8 +219,7 @@ class ParameterServerService:
             return ps.ProbeSharedMemoryResponse(usable=False, reason=exc.message)
 
     def _open_shared(self, ref: pb.SharedMemoryRef) -> memoryview:
-        from shardps.rpc import shm
-        return shm.open_region(ref.name, int(ref.offset), int(ref.length))
+        return self.regions.view(ref.name, int(ref.offset), int(ref.length))
 
     def read_shared_memory(self, ref: pb.SharedMemoryRef):
         return self._open_shared(ref)

@@ -22,6 +22,7 @@ Contract:
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 import time
@@ -41,7 +42,7 @@ from shardps.metrics import WorkerMetrics
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import manager_pb2 as mg
 from shardps.protos.v1 import parameter_server_pb2 as ps
-from shardps.rpc import channels
+from shardps.rpc import channels, shm
 from shardps.rpc.codec import CHUNK_BYTES, encode_chunk, split_payload
 from shardps.rpc.status import from_rpc_error
 from shardps.server.node_service import StubPool
@@ -105,6 +106,7 @@ class ManagerStub:
 
 
 _RETRYABLE = (StaleEpoch, Unavailable)
+SHM_MIN_BYTES = 256 << 10      # payloads this large go through shared memory when possible
 # A single attempt of a data call may take this long plus size / ATTEMPT_BANDWIDTH before it
 # is abandoned and retried (a peer cut off by a partition never answers; the call's overall
 # deadline bounds the retries).
@@ -122,7 +124,7 @@ class PSClient:
     def __init__(self, manager: str, job: str, *, token: str = "", tls: channels.TlsConfig | None = None,
                  timeout: float = 30.0, wire_dtype: str | WireDType = "float32",
                  chunk_bytes: int = CHUNK_BYTES, threads: int = 16,
-                 metrics: WorkerMetrics | None = None):
+                 metrics: WorkerMetrics | None = None, shared_memory: bool = True):
         self.manager_address = manager
         self.job = job
         self.timeout = timeout
@@ -149,6 +151,9 @@ class PSClient:
         self._heartbeat: threading.Thread | None = None
         self._stop = threading.Event()
         self.progress = {"step": 0, "samples_per_second": 0.0, "loss": 0.0}
+        # same-host fast path: bulk bytes through /dev/shm, gRPC for control only
+        self._shm = shm.ClientRegions() if shared_memory and shm.available() else None
+        self._shm_ok: dict[str, bool] = {}
         self.checkpoint_request = ""       # set by heartbeats when an on-demand checkpoint is cut
 
     # ================================================================== plumbing
@@ -179,6 +184,8 @@ class PSClient:
         self._rpcs.shutdown(wait=False, cancel_futures=True)
         self._pool.close()
         self._channel.close()
+        if self._shm is not None:
+            self._shm.close()
 
     def __enter__(self) -> "PSClient":
         return self
@@ -641,6 +648,33 @@ class PSClient:
                 if s in alive:
                     pending.setdefault(s, [])
 
+    # --- the same-host fast path ---
+    def _shared_memory_for(self, address: str, nbytes: int):
+        """A shared-memory region of ``nbytes`` for a call to ``address``, or None when the
+        payload is small or the server cannot map our memory (another host or container)."""
+        if self._shm is None or nbytes < SHM_MIN_BYTES:
+            return None
+        ok = self._shm_ok.get(address)
+        if ok is None:
+            ok = self._shm_ok[address] = self._probe_shared_memory(address)
+        return self._shm.acquire(nbytes) if ok else None
+
+    def _probe_shared_memory(self, address: str) -> bool:
+        region = self._shm.acquire(4096)
+        try:
+            nonce = os.urandom(16)
+            region.view(0, 16)[:] = nonce
+            resp = self._pool.get(address).ProbeSharedMemory(
+                ps.ProbeSharedMemoryRequest(ref=pb.SharedMemoryRef(name=region.name, offset=0, length=16),
+                                            nonce=nonce), timeout=5.0, metadata=self._metadata)
+            if not resp.usable:
+                log.debug("shared memory with %s unusable: %s", address, resp.reason)
+            return resp.usable
+        except grpc.RpcError:
+            return False
+        finally:
+            self._shm.release(region)
+
     # --- pull ---
     def _pull(self, pieces: list[Piece], outputs: list, timeout: float | None) -> PullResult:
         deadline = self._deadline(timeout)
@@ -667,48 +701,29 @@ class PSClient:
                 request.data = b"".join(memoryview(a).cast("B") for a in ids)
             started = time.perf_counter()
             code = "OK"
+            item = self.wire_dtype.itemsize
+            expected = None if any(p.all_stored for p in ps_) else sum(
+                (p.stop - p.start) * item if p.dense else p.rows * view.table(self.job, p.table).spec.dim * item
+                for p in ps_)
+            region = self._shared_memory_for(address, expected) if expected else None
+            if region is not None:
+                request.reply_shared_memory.name = region.name
+                request.reply_shared_memory.length = region.size
             try:
-                expected = sum((p.stop - p.start) * 4 if p.dense else p.rows * 64 for p in ps_)
-                stream = self._pool.get(address).Pull(request, timeout=_attempt_timeout(deadline, expected),
+                stream = self._pool.get(address).Pull(request, timeout=_attempt_timeout(deadline, expected or 0),
                                                       metadata=self._metadata)
                 head, payload = _collect(stream)
+                if head.in_shared_memory:
+                    payload = region.view(0, head.payload_bytes)
+                return self._place(server, ps_, head, payload, header, outputs, versions, stored, lock, result)
             except grpc.RpcError as err:
                 code = err.code().name
                 raise from_rpc_error(err, f"pull from {server}") from None
             finally:
+                payload = None
+                if region is not None:
+                    self._shm.release(region)
                 self._observe("shardps.v1.ParameterServer", "Pull", "server_stream", code, started)
-            self.metrics.bytes.labels("pulled").inc(len(payload))
-            self.metrics.rows.labels("pulled").inc(sum(p.rows for p in ps_))
-            if head.min_clock or header.session:
-                self.last_staleness = max(0, self.clock - int(head.min_clock))
-            self.last_wait = max(self.last_wait, head.waited_seconds)
-            pos = 0
-            for p, layout in zip(ps_, head.segments):
-                wire = WireDType.parse(int(layout.dtype))
-                if layout.ids:
-                    n = int(layout.ids) * 8
-                    got_ids = np.frombuffer(payload[pos:pos + n], dtype="<i8").copy()
-                    pos += n
-                else:
-                    got_ids = None
-                nbytes = int(layout.elements) * wire.itemsize
-                values = dtypes.decode(payload[pos:pos + nbytes], wire, int(layout.elements))
-                pos += nbytes
-                if p.all_stored:
-                    with lock:
-                        stored.setdefault(p.item, []).append((got_ids, values))
-                elif p.dense:
-                    outputs[p.item][p.offset:p.offset + (p.stop - p.start)] = values
-                else:
-                    outputs[p.item][p.positions] = values.reshape(p.rows, -1)
-            if pos != len(payload):
-                raise Unavailable(f"pull from {server}: payload has {len(payload)} bytes; "
-                                  f"the header describes {pos}")
-            with lock:
-                for v in head.versions:
-                    versions[(v.table, v.block)] = v.version
-                    self._versions[(v.table, v.block)] = v.version
-                result.min_clock = max(result.min_clock, int(head.min_clock))
 
         self._run_pieces(pieces, deadline, send)
         for item, got in stored.items():
@@ -716,6 +731,41 @@ class PSClient:
             rows = np.concatenate([g[1] for g in got]) if got else np.empty(0, np.float32)
             outputs[item] = (ids, rows)
         return result
+
+    def _place(self, server, ps_, head, payload, header, outputs, versions, stored, lock, result) -> None:
+        """Copy a pull's payload into the caller's outputs (and record versions and clocks)."""
+        self.metrics.bytes.labels("pulled").inc(len(payload))
+        self.metrics.rows.labels("pulled").inc(sum(p.rows for p in ps_))
+        if head.min_clock or header.session:
+            self.last_staleness = max(0, self.clock - int(head.min_clock))
+        self.last_wait = max(self.last_wait, head.waited_seconds)
+        pos = 0
+        for p, layout in zip(ps_, head.segments):
+            wire = WireDType.parse(int(layout.dtype))
+            if layout.ids:
+                n = int(layout.ids) * 8
+                got_ids = np.frombuffer(payload[pos:pos + n], dtype="<i8").copy()
+                pos += n
+            else:
+                got_ids = None
+            nbytes = int(layout.elements) * wire.itemsize
+            values = dtypes.decode(payload[pos:pos + nbytes], wire, int(layout.elements))
+            pos += nbytes
+            if p.all_stored:
+                with lock:
+                    stored.setdefault(p.item, []).append((got_ids, values))
+            elif p.dense:
+                outputs[p.item][p.offset:p.offset + (p.stop - p.start)] = values
+            else:
+                outputs[p.item][p.positions] = values.reshape(p.rows, -1)
+        if pos != len(payload):
+            raise Unavailable(f"pull from {server}: payload has {len(payload)} bytes; "
+                              f"the header describes {pos}")
+        with lock:
+            for v in head.versions:
+                versions[(v.table, v.block)] = v.version
+                self._versions[(v.table, v.block)] = v.version
+            result.min_clock = max(result.min_clock, int(head.min_clock))
 
     def _add_base_versions(self, seg, p: Piece, view: ShardMapView) -> None:
         """The versions at which this worker last pulled the blocks it now pushes: the servers
@@ -762,6 +812,17 @@ class PSClient:
                     arrays.append(dtypes.encode(p.values, self.wire_dtype))
                     sparse_bytes += arrays[-1].nbytes + arrays[-2].nbytes
             header.payload_bytes = sum(a.nbytes for a in arrays)
+            region = self._shared_memory_for(address, header.payload_bytes)
+            if region is not None:          # same host: write the bytes once, send a reference
+                view, pos = region.view(0, header.payload_bytes), 0
+                for a in arrays:
+                    b = memoryview(a).cast("B")
+                    view[pos:pos + len(b)] = b
+                    pos += len(b)
+                del view
+                header.shared_memory.name = region.name
+                header.shared_memory.length = header.payload_bytes
+                arrays = []
             head = header.SerializeToString()
 
             def chunks():
@@ -781,6 +842,8 @@ class PSClient:
                 code = err.code().name
                 raise from_rpc_error(err, f"push to {server}") from None
             finally:
+                if region is not None:
+                    self._shm.release(region)
                 self._observe("shardps.v1.ParameterServer", "Push", "client_stream", code, started)
             self.metrics.bytes.labels("pushed").inc(header.payload_bytes)
             self.metrics.rows.labels("pushed").inc(rows)
