@@ -156,10 +156,27 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
     fs.add("--path", "", "checkpoint directory (default: the job's newest one on the manager)")
     p.set_defaults(func=cmd_restore)
 
+    p = sub.add_parser("dev-certs", help="make a development CA and TLS certificates",
+                       description="Write a development CA, a server certificate (for the manager and\n"
+                                   "servers) and a client certificate (for workers and the CLI) for\n"
+                                   "mutual TLS. Development only: see SECURITY.md.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    from shardps import devcerts
+    devcerts.add_arguments(p)
+    p.set_defaults(func=devcerts.run)
+    FLAGS["dev-certs"] = ["--host", "--days", "--force"]
+
+    # `shardps bench ...` is dispatched to shardps.bench before parsing (see main); this entry
+    # only lists it in --help
+    sub.add_parser("bench", help="benchmarks against TensorPipe, gloo and DDP "
+                                 "(`shardps bench --help` for its options)", add_help=False)
+    FLAGS["bench"] = []
+
     return parser
 
 
 # ---------------------------------------------------------------------- commands
+
 def _common(args) -> Common:
     return build(Common, args)
 
@@ -317,6 +334,10 @@ def cmd_restore(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     from shardps.local import PARENT_ENV, die_with_parent
     die_with_parent(int(os.environ.get(PARENT_ENV, "0") or 0))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        from shardps.bench.cli import main as bench_main
+        return bench_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
