@@ -24,7 +24,8 @@ def test_presets_measure_what_the_issue_names():
         assert (cfg.e2e_rows, cfg.e2e_workers, cfg.e2e_servers) == (1_000_000, 2, 2)
         assert cfg.mem_dense_params == 10_000_000 and cfg.mem_sparse_rows == 1_000_000
         assert cfg.mem_worker_rows == (1_000_000, 10_000_000)
-        assert {s for s, _ in cfg.curve_points} == {1, 2, 3, 4} == {w for _, w in cfg.curve_points}
+        for axis in (0, 1):
+            assert {p[axis] for p in cfg.curve_points} >= {1, 2, 4}
         assert min(cfg.placement_sizes) <= 10 and max(cfg.placement_sizes) >= 100
         assert cfg.placement_blocks_per_server >= 1000
     assert max(full.placement_sizes) == 1000

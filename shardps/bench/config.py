@@ -34,7 +34,7 @@ class BenchConfig:
     sparse_servers: tuple[int, ...] = (1, 2)
     # end to end: the ctr model
     e2e_rows: int = 1_000_000
-    e2e_train_samples: int = 200_000
+    e2e_train_samples: int = 400_000       # the ctr model's default data size
     e2e_workers: int = 2
     e2e_servers: int = 2
     # memory
@@ -44,7 +44,8 @@ class BenchConfig:
     mem_push_elements: int = 1 << 20       # dense elements per push while filling a table
     mem_push_rows: int = 50_000            # sparse rows per push while filling a table
     mem_worker_rows: tuple[int, int] = (1_000_000, 10_000_000)
-    mem_worker_steps: int = 20
+    mem_worker_steps: int = 10
+    mem_ddp_steps: int = 3                 # DDP reaches its peak (grads + optimizer state) on step 1
     mem_worker_train_samples: int = 20_000
     mem_workers: int = 2
     mem_ddp_dense: bool = True             # also measure DDP with a dense embedding
@@ -65,7 +66,14 @@ class BenchConfig:
         return dataclasses.replace(self, **changes)
 
 
-QUICK = BenchConfig(name="quick")
+QUICK = BenchConfig(
+    name="quick",
+    e2e_train_samples=50_000,       # the dense-embedding DDP baseline runs at ~500-4,000 samples/s here
+    mem_mmap_variant=False,
+    curve_points=((1, 2), (2, 2), (4, 2), (2, 1), (2, 4)),
+    curve_steps=40,
+    placement_sizes=(10, 100),      # 1,000 servers take minutes per plan: --full
+)
 
 FULL = BenchConfig(
     name="full",
@@ -74,6 +82,7 @@ FULL = BenchConfig(
     sparse_rounds=30,
     e2e_train_samples=400_000,
     mem_worker_steps=40,
+    mem_ddp_steps=10,
     curve_points=tuple((s, w) for s in (1, 2, 3, 4) for w in (1, 2, 3, 4)),
     curve_steps=150,
     curve_train_samples=200_000,
@@ -103,6 +112,7 @@ TINY = BenchConfig(
     mem_push_rows=5_000,
     mem_worker_rows=(10_000, 20_000),
     mem_worker_steps=2,
+    mem_ddp_steps=1,
     mem_worker_train_samples=2_048,
     mem_workers=1,
     mem_ddp_dense=False,

@@ -18,7 +18,8 @@ in the server's environment (keys ending ``_mmap64k``): glibc then never raises 
 threshold, which shows how much of the growth is heap fragmentation rather than the table.
 
 Worker: the peak RSS (VmHWM) of rank 0 of a ``ctr`` run of ``mem_workers`` workers x
-``mem_worker_steps`` steps with a ``rows[0]`` and with a ``rows[1]``-row table, shardps (real
+``mem_worker_steps`` steps (DDP: ``mem_ddp_steps``; its gradients and optimizer state exist
+from the first step on) with a ``rows[0]`` and with a ``rows[1]``-row table, shardps (real
 ``shardps worker`` processes) against DDP over gloo with ``nn.Embedding(sparse=True)`` (the
 strong baseline) and with a dense embedding. Growth = peak(rows[1]) - peak(rows[0]), MB (2^20 bytes). The data set
 is the same size in both runs, so the growth is what the table costs the worker.
@@ -55,9 +56,9 @@ def _stored_bytes(client) -> int:
     return sum(int(s.bytes) for s in client.cluster_status().servers)
 
 
-def _accounted_growth(client, before: int, timeout: float = 10.0, quiet: float = 2.5) -> int:
-    """Growth of the bytes the servers report in their heartbeats (about once a second):
-    read once the figure has changed and then stayed put for ``quiet`` seconds."""
+def _stable_stored(client, changed_from: int | None, timeout: float = 10.0, quiet: float = 2.5) -> int:
+    """The bytes the servers report in their heartbeats (about once a second), read once the
+    figure differs from ``changed_from`` and has then stayed put for ``quiet`` seconds."""
     deadline = time.monotonic() + timeout
     last, since = _stored_bytes(client), time.monotonic()
     while time.monotonic() < deadline:
@@ -65,9 +66,9 @@ def _accounted_growth(client, before: int, timeout: float = 10.0, quiet: float =
         now = _stored_bytes(client)
         if now != last:
             last, since = now, time.monotonic()
-        elif last != before and time.monotonic() - since >= quiet:
+        elif last != changed_from and time.monotonic() - since >= quiet:
             break
-    return last - before
+    return last
 
 
 def _fill_dense(client, name: str, params: int, chunk: int, optimizer) -> None:
@@ -103,16 +104,16 @@ def _server_growth(cfg: BenchConfig, kind: str, progress, env: dict | None = Non
             _fill_sparse(client, "warm", max(1, n // 10), cfg.mem_sparse_dim, cfg.mem_push_rows, optimizer,
                          offset=1 << 40)
             before = _settle(pid)
-            stored = _stored_bytes(client)
+            stored = _stable_stored(client, 0)
             _fill_sparse(client, "t", n, cfg.mem_sparse_dim, cfg.mem_push_rows, optimizer)
         else:
             n = cfg.mem_dense_params
             _fill_dense(client, "warm", max(cfg.mem_push_elements, n // 10), cfg.mem_push_elements, optimizer)
             before = _settle(pid)
-            stored = _stored_bytes(client)
+            stored = _stable_stored(client, 0)
             _fill_dense(client, "t", n, cfg.mem_push_elements, optimizer)
         after = _settle(pid)
-        accounted = _accounted_growth(client, stored)
+        accounted = _stable_stored(client, stored) - stored
         client.leave()
     unit = "row" if kind == "sparse" else "param"
     key = {"sgd": "sgd", "adam": "adam", "sparse": f"sgd{cfg.mem_sparse_dim}"}[kind]
@@ -137,8 +138,8 @@ def _worker_peaks(cfg: BenchConfig, progress) -> dict[str, float]:
         peaks.setdefault("ps", []).append(results[0]["peak_rss_kb"] / 1024.0)
         variants = [("ddp", True)] + ([("ddp_dense", False)] if cfg.mem_ddp_dense else [])
         for name, sparse in variants:
-            res = ddp.run_ddp(rows, sparse, n, world=cfg.mem_workers, steps=steps, evaluate=False,
-                              timeout=cfg.process_timeout_s)
+            res = ddp.run_ddp(rows, sparse, n, world=cfg.mem_workers, steps=cfg.mem_ddp_steps,
+                              evaluate=False, timeout=cfg.process_timeout_s)
             peaks.setdefault(name, []).append(res[0]["peak_rss_kb"] / 1024.0)
         progress(f"{rows:,} rows: worker peak RSS " + ", ".join(f"{k} {v[-1]:.0f} MB" for k, v in peaks.items()))
     for name, (small, big) in peaks.items():
