@@ -44,6 +44,8 @@ def add_training_flags(fs) -> None:
     fs.add("--result-file", "", "write the final result as JSON here")
     fs.add("--step-delay", 0.0, "sleep this long per step (to simulate a slow worker)")
     fs.add("--prefetch", True, "prefetch the next batch's embedding rows during the step")
+    fs.add("--overlap", True, "send each push in the background and prefetch the next step's "
+           "dense values meanwhile (one push in flight)")
     fs.add("--checkpoint-every", 0, "join a checkpoint every this many steps (0: only on demand)")
     fs.add("--ready-file", "", "write a JSON line (name, rank, metrics address, pid) here once joined")
 
@@ -166,6 +168,7 @@ def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=Fals
             periodic = every and ps_model.step and ps_model.step % every == 0
             if (request and request != handled_request) or periodic:
                 tb = time.perf_counter()
+                ps_model.flush()
                 state = worker_state_bytes(task.model, ps_model, epoch, i)
                 path = client.checkpoint_barrier(ps_model.step, state, request or "")
                 handled_request = request or handled_request
@@ -217,14 +220,15 @@ def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=Fals
                 log.info("epoch=%d step=%d loss=%.4f samples_per_second=%.0f", epoch, ps_model.step,
                          lv, client.progress["samples_per_second"])
         if getattr(args, "plot", "") and not done:
-            ps_model.pull()
+            ps_model.settle()
             result_curve.append((ps_model.step, task.evaluate(task.model, *task.test)))
         if done:
             break
+    ps_model.flush()
     wall = time.perf_counter() - started
     if bar is not None:
         bar.close()
-    ps_model.pull()
+    ps_model.settle()
     result = TrainResult(client.membership.rank, ps_model.step, samples, wall,
                          task.evaluate(task.model, *task.test), losses, result_curve, max_stale,
                          dict(ps_model.timings, compute=compute), unique_rows,
@@ -344,7 +348,8 @@ def run_worker(args) -> int:
         from shardps.tables import Consistency
         group = client.shard_map.groups.get(args.job)
         report = group is not None and group.consistency is not Consistency.ASYNC
-        ps_model = PSModel(task.model, client, optimizer=opt, optimizers=per_table, report_steps=report)
+        ps_model = PSModel(task.model, client, optimizer=opt, optimizers=per_table, report_steps=report,
+                           overlap=args.overlap)
         ps_model.create_tables()
         resume = None
         if membership.restored:

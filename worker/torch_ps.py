@@ -116,7 +116,7 @@ class PSModel:
     def __init__(self, module: nn.Module, client: PSClient, optimizer: OptimizerConfig | None = None,
                  optimizers: dict[str, OptimizerConfig] | None = None, local: Sequence[str] = (),
                  local_optimizer: torch.optim.Optimizer | None = None, block_size: int = 0,
-                 report_steps: bool = False):
+                 report_steps: bool = False, overlap: bool = False):
         self.module = module
         self.client = client
         self.optimizer = optimizer or sgd(0.01)
@@ -137,6 +137,9 @@ class PSModel:
                 continue
             self.dense[name] = p
         self.step = 0
+        self.overlap = overlap
+        self._pending_push = None
+        self._prefetch = None
         self.timings = {"pull_wait": 0.0, "push_wait": 0.0, "barrier_wait": 0.0}
         self._base_lr: dict[str, float] = {}
 
@@ -170,13 +173,17 @@ class PSModel:
 
     # ------------------------------------------------------------------ per step
     def pull(self) -> None:
-        """Load the servers' current values into the module's dense parameters."""
+        """Load the servers' current values into the module's dense parameters (the values
+        prefetched when the last push was sent, with ``overlap``)."""
         if not self.dense:
             return
         started = time.perf_counter()
-        self.client.clock = self.step
         names = list(self.dense)
-        res = self.client.pull_many([(n,) for n in names])
+        if self._prefetch is not None:
+            res, self._prefetch = self._prefetch.result(), None
+        else:
+            self.client.clock = self.step
+            res = self.client.pull_many([(n,) for n in names])
         with torch.no_grad():
             for name, values in zip(names, res.values):
                 p = self.dense[name]
@@ -185,9 +192,16 @@ class PSModel:
         self.timings["barrier_wait"] += waited        # SYNC / SSP: waiting for stragglers
         self.timings["pull_wait"] += time.perf_counter() - started - waited
 
-    def push(self) -> PushResult:
+    def push(self) -> PushResult | None:
         """Send the gradients of this step (dense parameters, and the rows each PSEmbedding
-        used) as one push, step the local optimizer, zero the gradients, advance the clock."""
+        used) as one push, step the local optimizer, zero the gradients, advance the clock.
+
+        With ``overlap``, the push is sent in the background (at most one in flight: the next
+        ``push`` waits for it and raises its error) and the next step's dense values are
+        prefetched at once, so communication overlaps the next step's compute; a pull may
+        then miss this worker's own last push (staleness 1, as in any asynchronous scheme;
+        SYNC and SSP pulls still wait as their model requires). Returns the acknowledgement
+        without overlap, None with it."""
         started = time.perf_counter()
         requests: list[tuple] = []
         for name, p in self.dense.items():
@@ -199,7 +213,8 @@ class PSModel:
                 ids = np.concatenate([i for i, _ in parts])
                 grads = np.concatenate([g for _, g in parts])
                 requests.append((emb.table, ids, grads))
-        result = self.client.push_many(requests, clock=self.step, report_step=self.report_steps)
+        self.flush()
+        future = self.client.push_many_async(requests, clock=self.step, report_step=self.report_steps)
         if self.local_optimizer is not None:
             self.local_optimizer.step()
             self.local_optimizer.zero_grad(set_to_none=True)
@@ -207,8 +222,28 @@ class PSModel:
             p.grad = None
         self.step += 1
         self.client.clock = self.step
+        result = None
+        if self.overlap:
+            self._pending_push = future
+            if self.dense:
+                self._prefetch = self.client.pull_many_async([(n,) for n in self.dense])
+        else:
+            result = future.result()
         self.timings["push_wait"] += time.perf_counter() - started
         return result
+
+    def flush(self) -> None:
+        """Wait for the push in flight (``overlap``); raises its error."""
+        pending, self._pending_push = self._pending_push, None
+        if pending is not None:
+            pending.result()
+
+    def settle(self) -> None:
+        """Wait for the push in flight, then load the servers' latest values (for evaluation
+        and export)."""
+        self.flush()
+        self._prefetch = None
+        self.pull()
 
     # ------------------------------------------------------------------ schedules and export
     def set_lr(self, lr_of: Callable[[float], float]) -> None:
@@ -219,7 +254,7 @@ class PSModel:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The module's ordinary state dict holding the servers' current values."""
-        self.pull()
+        self.settle()
         state = self.module.state_dict()
         for name, emb in self.embeddings.items():
             key = f"{name}.weight" if name else "weight"
