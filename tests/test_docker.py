@@ -34,8 +34,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.docker, pytest.mark.slow]
-
 ROOT = Path(__file__).resolve().parent.parent
 WHEELHOUSE = ROOT / "wheelhouse"
 SERVER_IMAGE_LIMIT = 300_000_000            # bytes, as `docker images` counts MB
@@ -219,6 +217,8 @@ def _leftovers(project: str) -> dict[str, list[str]]:
     return {k: v for k, v in found.items() if v}
 
 
+@pytest.mark.docker
+@pytest.mark.slow
 @pytest.mark.timeout(3000)     # the first build of the worker image (torch) takes minutes
 def test_compose_cluster_trains_scales_and_reports_a_dead_server(tmp_path):
     problem = _engine_problem()
@@ -307,3 +307,26 @@ def test_compose_cluster_trains_scales_and_reports_a_dead_server(tmp_path):
     assert not left, f"`down -v` left these behind: {left}"
     report("leftovers", "none")
 
+
+
+@pytest.mark.docker
+def test_compose_files_load_in_the_installed_compose():
+    """docker-compose 1.29 and/or `docker compose` v2, whichever is installed, accept both
+    compose files (no engine needed); the compose-spec schema check is in test_deploy_contract."""
+    tools = []
+    docker = _docker()
+    if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
+        tools.append([docker, "compose"])
+    if shutil.which("docker-compose"):
+        tools.append([shutil.which("docker-compose")])
+    if not tools:
+        pytest.skip("neither `docker compose` nor `docker-compose` is installed")
+    for tool in tools:
+        for files in (["docker-compose.yml"], ["docker-compose.yml", "docker-compose.gpu.yml"]):
+            args = [a for f in files for a in ("-f", f)]
+            out = subprocess.run(tool + args + ["config", "-q"], cwd=ROOT, capture_output=True, text=True,
+                                 timeout=60)
+            assert out.returncode == 0, f"{' '.join(tool)} {' '.join(args)} config: {out.stderr}"
+            out = subprocess.run(tool + args + ["--profile", "monitoring", "config", "--services"], cwd=ROOT,
+                                 capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0 and {"prometheus", "grafana"} <= set(out.stdout.split()), out.stderr

@@ -8,9 +8,11 @@ No cluster is needed: rendering is offline and ``kubernetes-validate`` carries t
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -50,7 +52,7 @@ def render(path: Path) -> list[dict]:
     return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
 
 
-def render_with_components(tmp: Path, components: list[str], secret: bool = True) -> list[dict]:
+def render_with_components(tmp: Path, components: list[str]) -> list[dict]:
     """The base plus components, as a user's own overlay would list them."""
     rel = os.path.relpath(K8S, tmp)
     kustomization = {
@@ -63,18 +65,24 @@ def render_with_components(tmp: Path, components: list[str], secret: bool = True
     return render(tmp)
 
 
-def rendered_sets(tmp_path_factory) -> dict[str, list[dict]]:
+@functools.cache
+def rendered_sets() -> dict[str, list[dict]]:
+    """Every overlay, every component on the base, and all components at once (rendered once
+    per test session: tests/test_deploy_contract.py reads the same renders)."""
     sets = {f"overlays/{o}": render(K8S / "overlays" / o) for o in OVERLAYS}
-    for c in COMPONENTS:
-        sets[f"base+{c}"] = render_with_components(tmp_path_factory.mktemp(c), [c])
-    # all at once; elastic-workers first so that tls and gpu patch its Deployment
-    sets["base+all"] = render_with_components(tmp_path_factory.mktemp("all"), list(COMPONENTS))
+    with tempfile.TemporaryDirectory() as tmp:
+        for c in COMPONENTS:
+            (Path(tmp) / c).mkdir()
+            sets[f"base+{c}"] = render_with_components(Path(tmp) / c, [c])
+        # elastic-workers first so that tls and gpu patch its Deployment
+        (Path(tmp) / "all").mkdir()
+        sets["base+all"] = render_with_components(Path(tmp) / "all", list(COMPONENTS))
     return sets
 
 
 @pytest.fixture(scope="module")
-def renders(tmp_path_factory) -> dict[str, list[dict]]:
-    return rendered_sets(tmp_path_factory)
+def renders() -> dict[str, list[dict]]:
+    return rendered_sets()
 
 
 def pod_templates(docs: list[dict]):
