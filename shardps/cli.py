@@ -261,74 +261,58 @@ def _admin_client(args, job: str = "_admin"):
     return PSClient(args.manager, job, token=common.resolved_token(), tls=_tls(common), timeout=10.0)
 
 
-def cmd_status(args) -> int:
-    from shardps.status import format_status, status_to_dict
+def _admin_command(args, what: str, action, job: str = "_admin") -> int:
+    """Run ``action(client)`` against the manager; errors become one line and exit status 2."""
     from shardps.errors import ShardpsError
     try:
-        with _admin_client(args) as client:
-            status = client.cluster_status()
+        with _admin_client(args, job) as client:
+            action(client)
     except ShardpsError as exc:
-        print(f"shardps status: {exc.message}", file=sys.stderr)
+        print(f"shardps {what}: {exc.message}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps(status_to_dict(status), indent=2))
-    else:
-        print(format_status(status))
     return 0
+
+
+def cmd_status(args) -> int:
+    from shardps.status import format_status, status_to_dict
+
+    def show(client):
+        status = client.cluster_status()
+        print(json.dumps(status_to_dict(status), indent=2) if args.json else format_status(status))
+    return _admin_command(args, "status", show)
 
 
 def cmd_drain(args) -> int:
-    from shardps.errors import ShardpsError
-    from shardps.protos.v1 import manager_pb2 as mg
-    try:
-        with _admin_client(args) as client:
-            resp = client._call("DrainServer", client._manager.DrainServer, mg.DrainServerRequest(name=args.node))
-    except ShardpsError as exc:
-        print(f"shardps drain: {exc.message}", file=sys.stderr)
-        return 2
-    print(f"draining {args.node}: {resp.blocks_to_move} blocks to move (epoch {resp.epoch}); "
-          f"watch `shardps status`")
-    return 0
+    def drain(client):
+        resp = client.drain_server(args.node)
+        print(f"draining {args.node}: {resp.blocks_to_move} blocks to move (epoch {resp.epoch}); "
+              f"watch `shardps status`")
+    return _admin_command(args, "drain", drain)
 
 
 def cmd_job(args) -> int:
-    from shardps.errors import ShardpsError
-    try:
-        with _admin_client(args, args.job) as client:
-            if args.action == "create":
-                token = client.create_job(args.mode, args.staleness, args.quota_bytes)
-                print(token if token else f"job {args.job} ready (authentication is off: no token)")
-            else:
-                client.end_job()
-                print(f"job {args.job} ended")
-    except ShardpsError as exc:
-        print(f"shardps job: {exc.message}", file=sys.stderr)
-        return 2
-    return 0
+    def job(client):
+        if args.action == "create":
+            token = client.create_job(args.mode, args.staleness, args.quota_bytes)
+            print(token if token else f"job {args.job} ready (authentication is off: no token)")
+        else:
+            client.end_job()
+            print(f"job {args.job} ended")
+    return _admin_command(args, "job", job, args.job)
 
 
 def cmd_checkpoint(args) -> int:
-    from shardps.errors import ShardpsError
-    try:
-        with _admin_client(args, args.job) as client:
-            resp = client.checkpoint(args.dir)
-    except ShardpsError as exc:
-        print(f"shardps checkpoint: {exc.message}", file=sys.stderr)
-        return 2
-    print(f"{resp.path} (step {resp.step}, {resp.tables} tables, {resp.bytes} bytes)")
-    return 0
+    def checkpoint(client):
+        resp = client.checkpoint(args.dir)
+        print(f"{resp.path} (step {resp.step}, {resp.tables} tables, {resp.bytes} bytes)")
+    return _admin_command(args, "checkpoint", checkpoint, args.job)
 
 
 def cmd_restore(args) -> int:
-    from shardps.errors import ShardpsError
-    try:
-        with _admin_client(args, args.job) as client:
-            resp = client.restore(args.path)
-    except ShardpsError as exc:
-        print(f"shardps restore: {exc.message}", file=sys.stderr)
-        return 2
-    print(f"job {args.job} restored: {resp.tables} tables at step {resp.step} (epoch {resp.epoch})")
-    return 0
+    def restore(client):
+        resp = client.restore(args.path)
+        print(f"job {args.job} restored: {resp.tables} tables at step {resp.step} (epoch {resp.epoch})")
+    return _admin_command(args, "restore", restore, args.job)
 
 
 def main(argv: list[str] | None = None) -> int:

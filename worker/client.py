@@ -320,6 +320,10 @@ class PSClient:
         self.refresh_map(min_epoch=resp.epoch)
         return resp
 
+    def drain_server(self, name: str, timeout: float | None = None) -> mg.DrainServerResponse:
+        """Admin: move every block off server ``name`` (in the background), then retire it."""
+        return self._call("DrainServer", self._manager.DrainServer, mg.DrainServerRequest(name=name), timeout)
+
     def cluster_status(self, timeout: float | None = None) -> mg.ClusterStatus:
         return self._call("GetClusterStatus", self._manager.GetClusterStatus,
                           mg.GetClusterStatusRequest(), timeout)

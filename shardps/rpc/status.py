@@ -10,6 +10,7 @@ with its traceback).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -123,6 +124,31 @@ def _watched(iterator, watchdog: StreamWatchdog | None, key: int):
         yield item
 
 
+class _Outcome:
+    code = "OK"
+
+
+@contextlib.contextmanager
+def _outcome(context: grpc.ServicerContext, full: str, result: _Outcome):
+    """Map what a handler raised to its status code (recorded in ``result.code``) and abort
+    the call with it; unexpected exceptions become INTERNAL, logged with their traceback."""
+    try:
+        yield
+    except ShardpsError as exc:
+        result.code = grpc_code(exc).name
+        context.abort(grpc_code(exc), exc.message)
+    except Exception as exc:
+        if context.code() is not None:           # aborted by grpc itself
+            result.code = context.code().name
+            raise
+        if not context.is_active():              # cancelled (by the client or the watchdog)
+            result.code = "CANCELLED"
+            raise
+        result.code = "INTERNAL"
+        log.exception("internal error in %s", full)
+        context.abort(grpc.StatusCode.INTERNAL, f"internal error in {full}: {type(exc).__name__}: {exc}")
+
+
 _GRPC_TYPE = {"unary_unary": "unary", "unary_stream": "server_stream",
               "stream_unary": "client_stream", "stream_stream": "bidi_stream"}
 
@@ -158,70 +184,40 @@ def bind(service: str, methods: dict[str, Method], metrics=None,
                 metrics.handled.labels(*labels, code).inc()
                 metrics.handling.labels(*labels).observe(time.perf_counter() - started)
 
-        def fail(context, exc: BaseException) -> str:
-            if isinstance(exc, ShardpsError):
-                code = grpc_code(exc)
-                context.abort(code, exc.message)
-            log.exception("internal error in %s", full)
-            context.abort(grpc.StatusCode.INTERNAL,
-                          f"internal error in {full}: {type(exc).__name__}: {exc}")
-
         if m.kind in ("unary_unary", "stream_unary"):
             def handler(request, context):
                 started = time.perf_counter()
-                code = "OK"
+                result = _Outcome()
                 key = None
                 try:
-                    call = begin(context)
-                    if m.kind == "stream_unary":
-                        key = watchdog.watch(context, full)
-                        request = _watched(request, watchdog, key)
-                    return m.fn(request, call)
-                except ShardpsError as exc:
-                    code = grpc_code(exc).name
-                    fail(context, exc)
-                except Exception as exc:
-                    if context.code() is not None:     # aborted by grpc itself
-                        code = context.code().name
-                        raise
-                    if not context.is_active():        # cancelled (by the client or the watchdog)
-                        code = "CANCELLED"
-                        raise
-                    code = "INTERNAL"
-                    fail(context, exc)
+                    with _outcome(context, full, result):
+                        call = begin(context)
+                        if m.kind == "stream_unary":
+                            key = watchdog.watch(context, full)
+                            request = _watched(request, watchdog, key)
+                        return m.fn(request, call)
                 finally:
                     if key is not None:
                         watchdog.release(key)
-                    finish(code, started)
+                    finish(result.code, started)
         else:
             def handler(request, context):
                 started = time.perf_counter()
-                code = "OK"
+                result = _Outcome()
                 key = None if m.idle_ok else watchdog.watch(context, full)
                 try:
-                    call = begin(context)
-                    for item in m.fn(request, call):
-                        if metrics is not None:
-                            metrics.msg_sent.labels(*labels).inc()
-                        if key is not None:
-                            watchdog.touch(key)
-                        yield item
-                except ShardpsError as exc:
-                    code = grpc_code(exc).name
-                    fail(context, exc)
-                except Exception as exc:
-                    if context.code() is not None:
-                        code = context.code().name
-                        raise
-                    if not context.is_active():
-                        code = "CANCELLED"
-                        raise
-                    code = "INTERNAL"
-                    fail(context, exc)
+                    with _outcome(context, full, result):
+                        call = begin(context)
+                        for item in m.fn(request, call):
+                            if metrics is not None:
+                                metrics.msg_sent.labels(*labels).inc()
+                            if key is not None:
+                                watchdog.touch(key)
+                            yield item
                 finally:
                     if key is not None:
                         watchdog.release(key)
-                    finish(code, started)
+                    finish(result.code, started)
 
         factory = getattr(grpc, f"{m.kind}_rpc_method_handler")
         return factory(handler, request_deserializer=m.request_deserializer,
