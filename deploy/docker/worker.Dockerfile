@@ -23,6 +23,13 @@ RUN if ! command -v python3 >/dev/null 2>&1; then \
  && useradd --system --uid 10001 --gid 10001 --home-dir /home/shardps --create-home \
         --shell /usr/sbin/nologin shardps
 
+# The dependency list of pyproject.toml, alone: editing anything else in pyproject.toml
+# (tool settings, the version) leaves the dependency layer below cached.
+FROM base AS requirements
+COPY pyproject.toml /src/
+RUN python3 -c 'import tomllib; p = tomllib.load(open("/src/pyproject.toml", "rb"))["project"]; print("\n".join(p["dependencies"] + p["optional-dependencies"]["worker"]))' \
+        > /requirements.txt
+
 FROM base AS deps
 # OFFLINE=1: pip reads only the wheelhouse (WHEELHOUSE, a folder of the build context whose
 # name starts with "wheelhouse", made by `make wheelhouse`), never an index. OFFLINE=0: the index
@@ -34,19 +41,17 @@ ARG PIP_INDEX_URL=https://pypi.org/simple
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 # constraints.txt always matches, so this COPY works when the wheelhouse folder is absent.
 COPY constraints.txt ${WHEELHOUSE}* /wheels/
-COPY pyproject.toml /src/
+COPY --from=requirements /requirements.txt /tmp/requirements.txt
 # The dependencies (torch is the big one; setuptools builds shardps below) in a stage of their
 # own: source edits reuse it.
 RUN set -eu; \
     if [ "$OFFLINE" = 1 ]; then src=--no-index; else src="--extra-index-url $TORCH_INDEX_URL"; fi; \
     python3 -m venv /opt/shardps; \
-    python3 -c 'import tomllib; p = tomllib.load(open("/src/pyproject.toml", "rb"))["project"]; print("\n".join(p["dependencies"] + p["optional-dependencies"]["worker"]))' \
-        > /tmp/requirements.txt; \
     /opt/shardps/bin/pip install --no-cache-dir --disable-pip-version-check $src --find-links /wheels \
         -c /wheels/constraints.txt -r /tmp/requirements.txt "setuptools>=77"
 
 FROM deps AS build
-COPY README.md /src/
+COPY pyproject.toml README.md /src/
 COPY protos /src/protos
 COPY shardps /src/shardps
 COPY server /src/server
