@@ -57,49 +57,70 @@ def apply(config: OptimizerConfig, params: np.ndarray, grad: np.ndarray,
 
     ``step`` is the step number *after* this update (1 for the first): an int for a dense
     block, or an int array of shape ``[rows, 1]`` for sparse rows. ``grad`` is float32 of
-    ``params``' shape and is not modified.
+    ``params``' shape and is not modified. Uses one scratch array of ``params``' size (and no
+    other temporaries), so a step's memory footprint stays flat.
     """
     lr = np.float32(config.lr)
+    tmp = np.empty_like(params)
     if config.weight_decay:
-        grad = grad + np.float32(config.weight_decay) * params
+        np.multiply(params, np.float32(config.weight_decay), out=tmp)
+        tmp += grad
+        grad = tmp.copy()
     kind = config.kind
     if kind is OptimizerKind.SGD:
         if config.momentum:
             buf = state["momentum_buffer"]
             momentum = np.float32(config.momentum)
-            first = (np.asarray(step) == 1)
+            keep = np.float32(1.0 - config.dampening)
             if np.ndim(step) == 0:
-                if first:
+                if step == 1:
                     buf[...] = grad
                 else:
                     buf *= momentum
-                    buf += np.float32(1.0 - config.dampening) * grad
+                    np.multiply(grad, keep, out=tmp)
+                    buf += tmp
             else:   # per-row: rows on their first step start their buffer at g
-                decayed = momentum * buf + np.float32(1.0 - config.dampening) * grad
-                np.copyto(buf, np.where(first, grad, decayed))
-            update = grad + momentum * buf if config.nesterov else buf
+                np.multiply(buf, momentum, out=tmp)
+                tmp += keep * grad
+                np.copyto(buf, np.where(np.asarray(step) == 1, grad, tmp))
+            if config.nesterov:
+                np.multiply(buf, momentum, out=tmp)
+                tmp += grad
+            else:
+                np.copyto(tmp, buf)
         else:
-            update = grad
-        params -= lr * update
+            np.copyto(tmp, grad)
+        tmp *= lr
+        params -= tmp
     elif kind is OptimizerKind.ADAGRAD:
         step_arr = np.asarray(step, dtype=np.float64)
         clr = (config.lr / (1.0 + (step_arr - 1.0) * config.lr_decay)).astype(np.float32)
         acc = state["sum"]
-        acc += grad * grad
-        std = np.sqrt(acc)
-        std += np.float32(config.effective_eps)
-        params -= clr * (grad / std)
+        np.multiply(grad, grad, out=tmp)
+        acc += tmp
+        np.sqrt(acc, out=tmp)
+        tmp += np.float32(config.effective_eps)
+        np.divide(grad, tmp, out=tmp)
+        tmp *= clr
+        params -= tmp
     elif kind is OptimizerKind.ADAM:
         beta1, beta2 = config.beta1, config.beta2
         step_arr = np.asarray(step, dtype=np.float64)
         m, v = state["exp_avg"], state["exp_avg_sq"]
-        m += np.float32(1.0 - beta1) * (grad - m)
+        np.subtract(grad, m, out=tmp)
+        tmp *= np.float32(1.0 - beta1)
+        m += tmp
         v *= np.float32(beta2)
-        v += np.float32(1.0 - beta2) * grad * grad
+        np.multiply(grad, grad, out=tmp)
+        tmp *= np.float32(1.0 - beta2)
+        v += tmp
         step_size = (config.lr / (1.0 - beta1 ** step_arr)).astype(np.float32)
         bc2_sqrt = np.sqrt(1.0 - beta2 ** step_arr).astype(np.float32)
-        denom = np.sqrt(v) / bc2_sqrt
-        denom += np.float32(config.effective_eps)
-        params -= step_size * (m / denom)
+        np.sqrt(v, out=tmp)
+        tmp /= bc2_sqrt
+        tmp += np.float32(config.effective_eps)
+        np.divide(m, tmp, out=tmp)
+        tmp *= step_size
+        params -= tmp
     else:
         raise ValueError(f"unknown optimizer kind {kind!r}")
