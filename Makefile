@@ -37,5 +37,17 @@ bench-quick: $(STAMP)  ## the benchmark in under 10 minutes
 soak: $(STAMP)  ## 60 s load test: 16 clients against 2 servers
 	$(PY) -m pytest tests/test_soak.py --soak-seconds 60 -s
 
+COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
+
+wheelhouse: $(STAMP)  ## wheels for offline image builds (OFFLINE=1), in ./wheelhouse
+	$(PIP) wheel -q -c constraints.txt -w wheelhouse '.[worker]' 'setuptools>=77'
+	rm -f wheelhouse/shardps-*.whl
+
+images: wheelhouse  ## the server and worker images, built offline from ./wheelhouse
+	OFFLINE=1 $(COMPOSE) build manager worker
+
+chaos: $(STAMP)  ## only the chaos suite (also part of make test)
+	$(PY) -m pytest -m chaos -s $(PYTEST_ARGS)
+
 clean:
 	rm -rf $(VENV) build *.egg-info

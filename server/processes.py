@@ -308,6 +308,6 @@ class ServerProcess:
         self.net.stop()
         for t in (self._thread, self._sync_thread):
             if t is not None:
-                t.join(timeout=5)
+                t.join(timeout=1)     # a heartbeat in flight must not delay the stop
         self._manager.close()
         self.pool.close()

@@ -42,6 +42,9 @@ def from_rpc_error(err: grpc.RpcError, what: str) -> ShardpsError:
     cls = _FROM_GRPC.get(code, errors.Internal)
     if code == grpc.StatusCode.FAILED_PRECONDITION and details and "epoch" in details:
         cls = errors.StaleEpoch
+    if code == grpc.StatusCode.CANCELLED:
+        # not cancelled by us: the peer is stopping, or cut a stalled stream; retry elsewhere
+        cls = errors.Unavailable
     if code == grpc.StatusCode.UNAVAILABLE:
         details = f"{details} (is the process at that address running and reachable?)"
     return cls(f"{what}: {code.name}: {details}")
