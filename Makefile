@@ -7,7 +7,7 @@ SHARDPS  := $(VENV)/bin/shardps
 STAMP    := $(VENV)/.shardps-installed
 PYTEST_ARGS ?=
 
-.PHONY: run test setup protos bench bench-quick soak chaos wheelhouse images clean help
+.PHONY: run test setup protos bench bench-quick soak chaos wheelhouse images secrets clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -45,6 +45,12 @@ wheelhouse: $(STAMP)  ## wheels for offline image builds (OFFLINE=1), in ./wheel
 
 images: wheelhouse  ## the server and worker images, built offline from ./wheelhouse
 	OFFLINE=1 $(COMPOSE) build manager worker
+
+secrets: $(STAMP)  ## development certificates and tokens for docker-compose.tls.yml, in deploy/secrets/
+	$(SHARDPS) dev-certs deploy/secrets --force
+	$(PY) -c "import secrets; print(secrets.token_urlsafe(32), end='', file=open('deploy/secrets/admin-token', 'w'))"
+	$(PY) -c "import secrets; print(secrets.token_urlsafe(32), end='', file=open('deploy/secrets/token-key', 'w'))"
+	chmod 0644 deploy/secrets/*   # readable by the images' non-root user: development only
 
 chaos: $(STAMP)  ## only the chaos suite (also part of make test)
 	$(PY) -m pytest -m chaos -s $(PYTEST_ARGS)

@@ -100,7 +100,7 @@ class Authenticator:
 
 
 def authenticator_for(serving, role: str) -> Authenticator | None:
-    admin = serving.admin_token
+    admin = serving.resolved_admin_token()
     key = serving.resolved_token_key()
     if not admin and not key:
         return None

@@ -134,6 +134,7 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
     fs.add("--mode", "async", "consistency: async, sync or ssp", choices=["async", "sync", "ssp"])
     fs.add("--staleness", 2, "SSP staleness bound T")
     fs.add("--quota-bytes", 0, "storage quota of the job across servers (0: none)")
+    fs.add("--token-out", "", "create: also write the job's token to this file (mode 0600)")
     p.set_defaults(func=cmd_job)
 
     p, fs = _sub(sub, "checkpoint", "write a consistent checkpoint of a job now",
@@ -202,7 +203,7 @@ def cmd_manager(args) -> int:
     from shardps.server.processes import ManagerProcess
     from shardps.server import auth
     authn = auth.authenticator_for(settings.serving, role="manager")
-    admin = settings.serving.admin_token
+    admin = settings.serving.resolved_admin_token()
     metadata = (("authorization", f"Bearer {admin}"),) if admin else ()
     proc = ManagerProcess(settings, authenticate=authn, tls=_tls(common), metadata=metadata).start()
     _wait_for_signal()
@@ -220,7 +221,7 @@ def cmd_server(args) -> int:
     from shardps.server.processes import ServerProcess
     from shardps.server import auth
     authn = auth.authenticator_for(settings.serving, role="server")
-    token = common.resolved_token() or settings.serving.admin_token
+    token = common.resolved_token() or settings.serving.resolved_admin_token()
     metadata = (("authorization", f"Bearer {token}"),) if token else ()
     proc = ServerProcess(settings, authenticate=authn, tls=_tls(common), metadata=metadata)
     proc.node.on_epoch = lambda e: ctx.set(epoch=e)
@@ -294,7 +295,13 @@ def cmd_job(args) -> int:
     def job(client):
         if args.action == "create":
             token = client.create_job(args.mode, args.staleness, args.quota_bytes)
-            print(token if token else f"job {args.job} ready (authentication is off: no token)")
+            if args.token_out and token:
+                fd = os.open(args.token_out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write(token)
+                print(f"job {args.job} ready; its token is in {args.token_out}")
+            else:
+                print(token if token else f"job {args.job} ready (authentication is off: no token)")
         else:
             client.end_job()
             print(f"job {args.job} ended")

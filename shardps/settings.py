@@ -75,6 +75,7 @@ def add_serving(fs: FlagSet, listen: str, metrics_port: int) -> None:
     fs.add("--ready-file", "", "write a JSON line with the bound addresses here once serving")
     fs.add("--threads", 32, "gRPC worker threads")
     fs.add("--admin-token", "", "admin token: required for admin RPCs when set")
+    fs.add("--admin-token-file", "", "file holding --admin-token (a mounted Secret)")
     fs.add("--token-key", "", "secret that signs and verifies job tokens (enables per-job auth)")
     fs.add("--token-key-file", "", "file holding --token-key")
 
@@ -109,8 +110,17 @@ class Serving:
     ready_file: str = ""
     threads: int = 32
     admin_token: str = ""
+    admin_token_file: str = ""
     token_key: str = ""
     token_key_file: str = ""
+
+    def resolved_admin_token(self) -> str:
+        if self.admin_token:
+            return self.admin_token
+        if self.admin_token_file:
+            with open(self.admin_token_file) as f:
+                return f.read().strip()
+        return ""
 
     def resolved_token_key(self) -> bytes:
         if self.token_key:

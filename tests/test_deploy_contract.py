@@ -33,7 +33,7 @@ from shardps.settings import env_name
 from tests.test_k8s import pod_templates, rendered_sets
 
 ROOT = Path(__file__).resolve().parent.parent
-COMPOSE_FILES = ("docker-compose.yml", "docker-compose.gpu.yml")
+COMPOSE_FILES = ("docker-compose.yml", "docker-compose.gpu.yml", "docker-compose.tls.yml")
 DOCKERFILES = {"server": ROOT / "deploy/docker/server.Dockerfile",
                "worker": ROOT / "deploy/docker/worker.Dockerfile"}
 
@@ -192,8 +192,19 @@ def test_dockerfiles_speak_the_cli():
 
 
 # ---------------------------------------------------------------- compose
-def compose_services(name: str) -> dict:
-    return yaml.safe_load((ROOT / name).read_text())["services"]
+def compose_services(*names: str) -> dict:
+    """Services of one compose file, or of a file and its overrides merged as compose does
+    (environments merged key by key, other settings replaced)."""
+    merged: dict = {}
+    for name in names:
+        for svc_name, svc in yaml.safe_load((ROOT / name).read_text())["services"].items():
+            base = merged.setdefault(svc_name, {})
+            for key, value in svc.items():
+                if key == "environment" and isinstance(value, dict):
+                    base["environment"] = {**compose_env(base), **{k: str(v) for k, v in value.items()}}
+                else:
+                    base[key] = value
+    return merged
 
 
 def compose_env(svc: dict) -> dict[str, str]:
@@ -203,10 +214,10 @@ def compose_env(svc: dict) -> dict[str, str]:
     return {k: str(v) for k, v in env.items()}
 
 
-def compose_processes() -> dict[str, Process]:
+def compose_processes(files=("docker-compose.yml",)) -> dict[str, Process]:
     images = {role: image_defaults(role) for role in DOCKERFILES}
     procs = {}
-    for name, svc in compose_services("docker-compose.yml").items():
+    for name, svc in compose_services(*files).items():
         image = svc.get("image", "")
         role = next((r for r in DOCKERFILES if f"/{r}:" in image), None)
         if role is None:
@@ -216,6 +227,9 @@ def compose_processes() -> dict[str, Process]:
         proc = Process(f"docker-compose.yml: {name}", argv, env)
         for p in svc.get("ports", []):
             proc.declared_ports.add(int(str(p).rsplit(":", 1)[-1].split("/")[0]))
+        if (svc.get("healthcheck") or {}).get("disable"):
+            procs[name] = proc                          # a one-shot command (job-init)
+            continue
         test = (svc.get("healthcheck") or {}).get("test") or images[role]["health"]
         health = health_argv(test)
         proc.commands.append(health)
@@ -230,6 +244,16 @@ def test_compose_processes_speak_the_cli():
     assert {"manager", "s0", "s1", "s2", "worker"} <= procs.keys()
     for proc in procs.values():
         proc.check()
+
+
+def test_tls_compose_override_speaks_the_cli():
+    """docker-compose.tls.yml on top of docker-compose.yml: certificates, tokens, the
+    plaintext health port and the job-init service all use flags and variables that exist."""
+    procs = compose_processes(("docker-compose.yml", "docker-compose.tls.yml"))
+    assert {"manager", "s0", "worker", "job-init"} <= procs.keys()
+    for proc in procs.values():
+        proc.check()
+        assert "SHARDPS_TLS_CA" in proc.env, proc.where
 
 
 def test_compose_addresses_point_at_listening_services():
