@@ -57,6 +57,7 @@ def test_placement_simulation_small():
     assert main(["--servers", "3", "--blocks-per-server", "20"]) in (0, 1)
 
 
+@pytest.mark.slow          # about a minute: some 30 real processes start and stop
 def test_tiny_run_writes_every_key(tmp_path):
     from shardps.bench.cli import main
     out = tmp_path / "results" / "latest.json"

@@ -67,10 +67,10 @@ def _finite_or_none(v):
     return v if isinstance(v, (int, float)) and math.isfinite(v) else None
 
 
-def _git_commit() -> str:
+def _git(*args: str) -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              timeout=5, cwd=Path(__file__).resolve().parent).stdout.strip()
+        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=5,
+                              cwd=Path(__file__).resolve().parent).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
 
@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     progress = Progress(quiet=args.quiet)
     errors = dict(meta.get("errors", {}))
     started = time.monotonic()
-    meta.update(preset=cfg.name, config=dataclasses.asdict(cfg), commit=_git_commit(),
+    meta.update(preset=cfg.name, config=dataclasses.asdict(cfg), commit=_git("rev-parse", "--short", "HEAD"),
+                uncommitted_changes=bool(_git("status", "--porcelain", "--untracked-files=no")),
                 started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 cpus=os.cpu_count(), loadavg_before=os.getloadavg())
     progress(f"preset {cfg.name}, parts: {', '.join(parts)}; load average {os.getloadavg()[0]:.1f} "

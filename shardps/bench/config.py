@@ -35,6 +35,7 @@ class BenchConfig:
     # end to end: the ctr model
     e2e_rows: int = 1_000_000
     e2e_train_samples: int = 400_000       # the ctr model's default data size
+    e2e_ddp_dense_train_samples: int = 0   # 0: e2e_train_samples (the dense DDP baseline is slow)
     e2e_workers: int = 2
     e2e_servers: int = 2
     # memory
@@ -68,10 +69,12 @@ class BenchConfig:
 
 QUICK = BenchConfig(
     name="quick",
-    e2e_train_samples=50_000,       # the dense-embedding DDP baseline runs at ~500-4,000 samples/s here
+    e2e_train_samples=200_000,
+    e2e_ddp_dense_train_samples=50_000,    # it runs at ~500-4,000 samples/s here
     mem_mmap_variant=False,
+    mem_ddp_dense=False,            # its 10M-row run alone takes 1-2 minutes here: --full
     curve_points=((1, 2), (2, 2), (4, 2), (2, 1), (2, 4)),
-    curve_steps=40,
+    curve_steps=60,
     placement_sizes=(10, 100),      # 1,000 servers take minutes per plan: --full
 )
 

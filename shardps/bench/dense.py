@@ -7,13 +7,22 @@ its push applying the same SGD update. Each round runs one shardps push + pull a
 push + pull of each torch RPC configuration; the figures are medians over the rounds, after
 one warm-up round each. GB/s counts float32 payload bytes (4 per element) per second.
 
-Keys: ``ps_dense_{push,pull}_gbps_{16,64}mib_{1,2}s``, ``rpc_dense_{push,pull}_gbps_{16,64}mib``
-(TensorPipe uv transport, default channels: the configuration the issue names) and
-``rpc_tcp_dense_{push,pull}_gbps_{..}mib`` (uv transport and the ``basic`` channel: every byte
-over TCP). Headline ``ps_dense_push_gbps`` / ``rpc_dense_push_gbps`` (and pull) are the 16 MiB
-figures with one shardps server against one torch RPC server.
-Also ``ps_dense_{push,pull}_gbps_16mib_1s_bf16``: the same with bfloat16 on the wire (GB/s of
-the float32 tensor moved).
+Both systems have a same-host fast path, so each is measured twice:
+
+* ``ps_*``: shardps as a worker runs it (``PSClient`` default: bulk bytes through shared
+  memory when client and server share a host, gRPC for control);
+* ``ps_tcp_*``: ``PSClient(shared_memory=False)``: every byte over gRPC/TCP, as between hosts;
+* ``rpc_*``: TensorPipe with ``_transports=["uv"]`` and its default channels: the configuration
+  the issue names. On one host TensorPipe then moves tensor payloads with its ``cma`` channel
+  (``process_vm_readv``, a copy between the two processes' memory; strace shows one call per
+  push), only the control messages over TCP;
+* ``rpc_tcp_*``: ``_transports=["uv"], _channels=["basic"]``: tensors over the TCP connection.
+
+Keys: ``{ps,ps_tcp}_dense_{push,pull}_gbps_{16,64}mib_{1,2}s``,
+``{rpc,rpc_tcp}_dense_{push,pull}_gbps_{16,64}mib``; headline ``ps_dense_push_gbps`` (and
+``ps_tcp_``, ``rpc_``, ``rpc_tcp_``, pull) are the 16 MiB figures, one shardps server against
+one torch RPC server. ``ps_tcp_dense_{push,pull}_gbps_16mib_1s_bf16``: bfloat16 on the wire
+(GB/s of the float32 tensor moved).
 """
 
 from __future__ import annotations
@@ -50,33 +59,37 @@ class _Timings:
         return gbps(self.nbytes[key], median(self.seconds[key]))
 
 
-def _round(client, rpcs: dict, name: str, grad: np.ndarray, suffix: str, measured: bool,
+def _round(client, prefix: str, rpcs: dict, name: str, grad: np.ndarray, suffix: str, measured: bool,
            timings: _Timings, counts: dict, cfg: BenchConfig, wire: str) -> None:
-    """One shardps push + pull, then one of each torch RPC configuration (float32 only)."""
+    """One shardps push + pull, then one of each torch RPC configuration in ``rpcs``."""
     nbytes = grad.nbytes
     t0 = time.perf_counter()
     client.push_dense(name, grad)
     t1 = time.perf_counter()
     values = client.pull_dense(name)
     t2 = time.perf_counter()
-    counts[("ps", suffix)] = counts.get(("ps", suffix), 0) + 1
+    counts[(prefix, suffix)] = counts.get((prefix, suffix), 0) + 1
     if wire == "float32":
-        _check(f"shardps {name}", float(values[0]), float(grad[0]), counts[("ps", suffix)], cfg.dense_lr)
+        _check(f"shardps {name}", float(values[0]), float(grad[0]), counts[(prefix, suffix)], cfg.dense_lr)
     if measured:
-        timings.add(f"ps_dense_push_gbps_{suffix}", nbytes, t1 - t0)
-        timings.add(f"ps_dense_pull_gbps_{suffix}", nbytes, t2 - t1)
-    if wire != "float32":
-        return
+        timings.add(f"{prefix}_dense_push_gbps_{suffix}", nbytes, t1 - t0)
+        timings.add(f"{prefix}_dense_pull_gbps_{suffix}", nbytes, t2 - t1)
     mib = nbytes // MIB
-    for prefix, r in rpcs.items():
+    for rpc_prefix, r in rpcs.items():
         tp, tl, first, numel = r.call("dense_round", name, cfg.dense_lr)
-        counts[(prefix, name)] = counts.get((prefix, name), 0) + 1
-        _check(f"{prefix} {name}", first, float(grad[0]), counts[(prefix, name)], cfg.dense_lr)
+        counts[(rpc_prefix, name)] = counts.get((rpc_prefix, name), 0) + 1
+        _check(f"{rpc_prefix} {name}", first, float(grad[0]), counts[(rpc_prefix, name)], cfg.dense_lr)
         if numel != grad.shape[0]:
-            raise BenchError(f"{prefix} pull returned {numel} elements, expected {grad.shape[0]}")
+            raise BenchError(f"{rpc_prefix} pull returned {numel} elements, expected {grad.shape[0]}")
         if measured:
-            timings.add(f"{prefix}_dense_push_gbps_{mib}mib", nbytes, tp)
-            timings.add(f"{prefix}_dense_pull_gbps_{mib}mib", nbytes, tl)
+            timings.add(f"{rpc_prefix}_dense_push_gbps_{mib}mib", nbytes, tp)
+            timings.add(f"{rpc_prefix}_dense_pull_gbps_{mib}mib", nbytes, tl)
+
+
+def _variants(servers: int) -> list[tuple[str, bool, str]]:
+    """(key prefix, shared memory allowed, wire dtype) of the shardps clients measured."""
+    out = [("ps", True, "float32"), ("ps_tcp", False, "float32")]
+    return out + ([("ps_tcp", False, "bfloat16")] if servers == 1 else [])
 
 
 def run(cfg: BenchConfig, progress) -> dict[str, float]:
@@ -98,10 +111,9 @@ def run(cfg: BenchConfig, progress) -> dict[str, float]:
         for servers in cfg.dense_servers:
             progress(f"starting a shardps cluster of {servers} server(s)")
             with LocalCluster(servers=servers) as cluster:
-                wires = ("float32", "bfloat16") if servers == 1 else ("float32",)
-                for wire in wires:
-                    with PSClient(cluster.manager_address, f"bench-dense-{wire}", wire_dtype=wire,
-                                  timeout=300.0) as client:
+                for prefix, shm, wire in _variants(servers):
+                    with PSClient(cluster.manager_address, f"bench-dense-{prefix}-{wire}", wire_dtype=wire,
+                                  timeout=300.0, shared_memory=shm) as client:
                         start_client(client)
                         sizes = cfg.dense_sizes_mib if wire == "float32" else cfg.dense_sizes_mib[:1]
                         for mib in sizes:
@@ -109,16 +121,16 @@ def run(cfg: BenchConfig, progress) -> dict[str, float]:
                             client.create_dense(name, (mib * MIB // 4,), optimizer=sgd(cfg.dense_lr),
                                                 init=zeros())
                             suffix = f"{mib}mib_{servers}s" + ("" if wire == "float32" else "_bf16")
+                            paired = rpcs if wire == "float32" else {}
                             for rnd in range(cfg.dense_rounds + 1):      # round 0 warms up
-                                _round(client, rpcs if wire == "float32" else {}, name, grads[mib],
-                                       suffix, rnd > 0, timings, counts, cfg, wire)
-                            line = (f"{mib} MiB, {servers} server(s), wire {wire}: shardps push "
-                                    f"{timings.gbps(f'ps_dense_push_gbps_{suffix}'):.2f} / pull "
-                                    f"{timings.gbps(f'ps_dense_pull_gbps_{suffix}'):.2f} GB/s")
-                            if wire == "float32":
-                                for prefix in rpcs:
-                                    line += (f"; {prefix} push {timings.gbps(f'{prefix}_dense_push_gbps_{mib}mib'):.2f}"
-                                             f" / pull {timings.gbps(f'{prefix}_dense_pull_gbps_{mib}mib'):.2f}")
+                                _round(client, prefix, paired, name, grads[mib], suffix, rnd > 0, timings,
+                                       counts, cfg, wire)
+                            line = (f"{mib} MiB, {servers} server(s), {prefix} {wire}: push "
+                                    f"{timings.gbps(f'{prefix}_dense_push_gbps_{suffix}'):.2f} / pull "
+                                    f"{timings.gbps(f'{prefix}_dense_pull_gbps_{suffix}'):.2f} GB/s")
+                            for rp in paired:
+                                line += (f"; {rp} push {timings.gbps(f'{rp}_dense_push_gbps_{mib}mib'):.2f}"
+                                         f" / pull {timings.gbps(f'{rp}_dense_pull_gbps_{mib}mib'):.2f}")
                             progress(line)
                         client.leave()
     finally:
@@ -127,10 +139,11 @@ def run(cfg: BenchConfig, progress) -> dict[str, float]:
     out = {key: timings.gbps(key) for key in timings.seconds}
     head, s = cfg.dense_sizes_mib[0], cfg.dense_servers[0]
     for op in ("push", "pull"):
-        out[f"ps_dense_{op}_gbps"] = out[f"ps_dense_{op}_gbps_{head}mib_{s}s"]
-        out[f"rpc_dense_{op}_gbps"] = out[f"rpc_dense_{op}_gbps_{head}mib"]
-        out[f"rpc_tcp_dense_{op}_gbps"] = out[f"rpc_tcp_dense_{op}_gbps_{head}mib"]
+        for prefix in ("ps", "ps_tcp"):
+            out[f"{prefix}_dense_{op}_gbps"] = out[f"{prefix}_dense_{op}_gbps_{head}mib_{s}s"]
+        for prefix in RPC_CONFIGS:
+            out[f"{prefix}_dense_{op}_gbps"] = out[f"{prefix}_dense_{op}_gbps_{head}mib"]
         out[f"ratio_dense_{op}_ps_over_rpc"] = ratio(out[f"ps_dense_{op}_gbps"], out[f"rpc_dense_{op}_gbps"])
-        out[f"ratio_dense_{op}_ps_over_rpc_tcp"] = ratio(out[f"ps_dense_{op}_gbps"],
-                                                        out[f"rpc_tcp_dense_{op}_gbps"])
+        out[f"ratio_dense_{op}_ps_tcp_over_rpc_tcp"] = ratio(out[f"ps_tcp_dense_{op}_gbps"],
+                                                            out[f"rpc_tcp_dense_{op}_gbps"])
     return out

@@ -10,7 +10,10 @@ the MLP, AUC on 50,000 held-out samples. One torch thread per process.
   optimizers run on the servers. AUC: the mean of the workers' (they evaluate the final
   parameters after their own last step).
 * ``ddp`` / ``ddp_sparse``: ``shardps.bench.ddp``, DDP over gloo with ``e2e_workers`` ranks,
-  ``nn.Embedding(sparse=False)`` / ``(sparse=True)``.
+  ``nn.Embedding(sparse=False)`` / ``(sparse=True)``. The dense one trains on a data set of
+  ``e2e_ddp_dense_train_samples`` samples (same generator and seeds) when that is set (``--quick``: it runs at a few
+  thousand samples/s at best here); ``e2e_ddp_train_samples`` records how many, and its AUC
+  is after those.
 * ``single``: ``shardps.worker.runtime.train_single_process`` (``nn.Embedding(sparse=True)``,
   the same optimizers), in a child process.
 
@@ -81,14 +84,16 @@ def run(cfg: BenchConfig, progress) -> dict[str, float]:
         with LocalCluster(servers=cfg.e2e_servers) as cluster:
             results = ps_runs.train(cluster, f"e2e-{mode}", w, worker_args(mode, rows, n), cfg.process_timeout_s)
         record(f"ps_{mode}", ps_runs.summarize(results), time.monotonic() - t0)
-    for name, sparse in (("ddp_sparse", True), ("ddp", False)):
+    n_dense = cfg.e2e_ddp_dense_train_samples or n
+    for name, sparse, samples in (("ddp_sparse", True, n), ("ddp", False, n_dense)):
         t0 = time.monotonic()
-        res = ddp.run_ddp(rows, sparse, n, world=w, seed=0, timeout=cfg.process_timeout_s)
+        res = ddp.run_ddp(rows, sparse, samples, world=w, seed=0, timeout=cfg.process_timeout_s)
         record(name, ddp.summarize(res), time.monotonic() - t0)
     t0 = time.monotonic()
     record("single", run_single(rows, n, cfg.process_timeout_s), time.monotonic() - t0)
 
     out["e2e_train_samples"] = float(n)
+    out["e2e_ddp_train_samples"] = float(n_dense)
     out["ratio_e2e_ps_async_over_ddp"] = ratio(out["e2e_ps_async_samples_per_s"], out["e2e_ddp_samples_per_s"])
     out["ratio_e2e_ps_async_over_ddp_sparse"] = ratio(out["e2e_ps_async_samples_per_s"],
                                                       out["e2e_ddp_sparse_samples_per_s"])

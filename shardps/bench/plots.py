@@ -34,11 +34,13 @@ def _dense(results, plt, path):
                     and k.endswith("s") and "bf16" not in k})
     if not sizes:
         return None
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    systems = [("shardps, 1 server", "ps_dense_{op}_gbps_{m}mib_1s", "C0"),
-               ("shardps, 2 servers", "ps_dense_{op}_gbps_{m}mib_2s", "C1"),
-               ("torch RPC (uv, default channels)", "rpc_dense_{op}_gbps_{m}mib", "C2"),
-               ("torch RPC (uv, basic channel)", "rpc_tcp_dense_{op}_gbps_{m}mib", "C3")]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    systems = [("shardps, 1 server (shared memory)", "ps_dense_{op}_gbps_{m}mib_1s", "C0"),
+               ("shardps, 2 servers (shared memory)", "ps_dense_{op}_gbps_{m}mib_2s", "C1"),
+               ("torch RPC (uv + default channels: cma)", "rpc_dense_{op}_gbps_{m}mib", "C2"),
+               ("shardps, 1 server, TCP only", "ps_tcp_dense_{op}_gbps_{m}mib_1s", "C9"),
+               ("shardps, 2 servers, TCP only", "ps_tcp_dense_{op}_gbps_{m}mib_2s", "C4"),
+               ("torch RPC (uv + basic channel: TCP only)", "rpc_tcp_dense_{op}_gbps_{m}mib", "C3")]
     width = 0.8 / len(systems)
     for ax, op in zip(axes, ("push", "pull")):
         for i, (label, pattern, color) in enumerate(systems):
@@ -63,10 +65,12 @@ def _sparse(results, plt, path):
     if "ps_sparse_rows_per_s" not in results:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    labels = ["shardps 1 server", "shardps 2 servers", "shardps fresh table", "torch RPC"]
+    labels = ["shardps 1 server", "shardps 2 servers", "shardps fresh table", "torch RPC (cma)",
+              "shardps TCP only", "torch RPC TCP only"]
     vals = [_v(results, k) / 1e6 for k in ("ps_sparse_rows_per_s", "ps_sparse_rows_per_s_2s",
-                                           "ps_sparse_rows_per_s_cold", "rpc_sparse_rows_per_s")]
-    _bars(axes[0], labels, vals, ["C0", "C1", "C4", "C2"])
+                                           "ps_sparse_rows_per_s_cold", "rpc_sparse_rows_per_s",
+                                           "ps_tcp_sparse_rows_per_s", "rpc_tcp_sparse_rows_per_s")]
+    _bars(axes[0], labels, vals, ["C0", "C1", "C4", "C2", "C9", "C3"])
     axes[0].set_ylabel("million rows/s (pull + push)")
     axes[0].set_title("10,000 unique rows x 64 of a 1M-row table")
     labels = ["shardps (touched rows)", "DDP sparse grad", "DDP dense grad"]
@@ -119,7 +123,8 @@ def _memory(results, plt, path):
     mmap = [_v(results, k + "_mmap64k") / s for (_, k, _), s in zip(names, scale)]
     acct = [_v(results, k.replace("server_bytes", "server_table_bytes")) / s for (_, k, _), s in zip(names, scale)]
     axes[0].bar([x - 0.27 for x in xs], rss, 0.27, label="server RSS growth", color="C0")
-    axes[0].bar(list(xs), mmap, 0.27, label="RSS growth, MALLOC_MMAP_THRESHOLD_=64k", color="C9")
+    if any(math.isfinite(v) for v in mmap):
+        axes[0].bar(list(xs), mmap, 0.27, label="RSS growth, MALLOC_MMAP_THRESHOLD_=64k", color="C9")
     axes[0].bar([x + 0.27 for x in xs], acct, 0.27, label="accounted by the server", color="C7")
     for x, (_, _, bound), s in zip(xs, names, scale):
         axes[0].plot([x - 0.45, x + 0.45], [bound / s] * 2, "r--", lw=1)
@@ -152,7 +157,7 @@ def _curves(results, plt, path):
         for i, fixed in enumerate(sorted({p[other] for p in pts})):
             keys = sorted((p for p in pts if p[other] == fixed), key=lambda p: p[pos])
             xs = [p[pos] for p in keys]
-            label = f"{fixed} {line_name}"
+            label = f"{fixed} {line_name if fixed != 1 else line_name[:-1]}"
             axes[0][col].plot(xs, [pts[p][0] for p in keys], "o-", color=f"C{i}", label=label)
             axes[1][col].plot(xs, [pts[p][1] / 1e6 for p in keys], "s--", color=f"C{i}", label=label)
         axes[0][col].set_title(f"{axis_name} 1 -> 4 (2 cores shared by every process)")
@@ -160,6 +165,8 @@ def _curves(results, plt, path):
         axes[1][col].set_ylabel("MB per step (servers' payload in + out)")
         axes[1][col].set_xlabel(axis_name)
         axes[1][col].set_xticks(sorted({p[pos] for p in pts}))
+        top = max((v for _, v in pts.values() if math.isfinite(v)), default=1.0)
+        axes[1][col].set_ylim(0, top * 1.25 / 1e6)
         axes[0][col].legend(fontsize=7)
     ddp = _v(results, "ddp_dense_step_bytes_ctr")
     if math.isfinite(ddp):

@@ -1,4 +1,4 @@
-"""The issue's targets, the keys every run must write, and the printed table."""
+"""The issue's targets, the keys every run must write, the printed table and its Markdown form."""
 
 from __future__ import annotations
 
@@ -35,6 +35,13 @@ TARGETS = (
     Target("dense_push", "ratio_dense_push_ps_over_rpc", ">=", 1.0, "ps_dense_push_gbps >= 1.0 x rpc_dense_push_gbps"),
     Target("dense_pull", "ratio_dense_pull_ps_over_rpc", ">=", 1.0, "ps_dense_pull_gbps >= 1.0 x rpc_dense_pull_gbps"),
     Target("sparse", "ratio_sparse_ps_over_rpc", ">=", 2.0, "ps_sparse_rows_per_s >= 2 x rpc_sparse_rows_per_s"),
+    # the same three with every byte over TCP on both sides (as between two hosts)
+    Target("dense_push_tcp", "ratio_dense_push_ps_tcp_over_rpc_tcp", ">=", 1.0,
+           "[TCP only] ps_tcp_dense_push_gbps >= 1.0 x rpc_tcp_dense_push_gbps"),
+    Target("dense_pull_tcp", "ratio_dense_pull_ps_tcp_over_rpc_tcp", ">=", 1.0,
+           "[TCP only] ps_tcp_dense_pull_gbps >= 1.0 x rpc_tcp_dense_pull_gbps"),
+    Target("sparse_tcp", "ratio_sparse_ps_tcp_over_rpc_tcp", ">=", 2.0,
+           "[TCP only] ps_tcp_sparse_rows_per_s >= 2 x rpc_tcp_sparse_rows_per_s"),
     Target("e2e_vs_ddp", "ratio_e2e_ps_async_over_ddp", ">=", 3.0,
            "e2e_ps_async_samples_per_s >= 3 x e2e_ddp_samples_per_s"),
     Target("e2e_vs_ddp_sparse", "ratio_e2e_ps_async_over_ddp_sparse", ">=", 1.0,
@@ -90,3 +97,14 @@ def table(results: dict) -> str:
     for k in sorted(results):
         lines.append(f"  {k:<{kw}}  {_fmt(results[k])}")
     return "\n".join(lines)
+
+
+def markdown_targets(results: dict) -> str:
+    """The targets as a Markdown table (docs/performance.md quotes it)."""
+    rows = ["| target | metric | value | bound | verdict |", "|---|---|---|---|---|"]
+    for t in TARGETS:
+        met = t.met(results)
+        verdict = {True: "met", False: "**missed**", None: "not measured"}[met]
+        text = t.text.replace("|", "\\|")
+        rows.append(f"| {text} | `{t.metric}` | {_fmt(results.get(t.metric))} | {t.op} {t.bound:g} | {verdict} |")
+    return "\n".join(rows)

@@ -3,9 +3,11 @@
 One round = pull the rows of ``sparse_ids`` unique random ids, then push a gradient for each
 (SGD on the server). shardps: a sparse table on a ``LocalCluster`` (1 server; also 2 servers),
 ``pull_rows`` + ``push_rows`` from a ``PSClient`` in this process. torch RPC
-(``shardps.bench.rpc_baseline``, uv transport, default channels): ``table[ids]`` and
-``table.index_add_(0, ids, -lr * grads)`` on a preallocated ``[rows, dim]`` table in another
-process. Both see the same ids and gradients (fixed seed); rounds interleave; one warm-up.
+(``shardps.bench.rpc_baseline``): ``table[ids]`` and ``table.index_add_(0, ids, -lr * grads)``
+on a preallocated ``[rows, dim]`` table in another process. Both see the same ids and
+gradients (fixed seed); rounds interleave; one warm-up. As in ``shardps.bench.dense``, each
+side is measured with its same-host fast path (``ps_``: shared memory; ``rpc_``: TensorPipe's
+default channels, i.e. ``cma``) and TCP only (``ps_tcp_``, ``rpc_tcp_``: the ``basic`` channel).
 
 Rows/s = ids / (pull seconds + push seconds), median over rounds (each row travels both ways).
 Before timing, every row of the shardps table is stored (``sparse_populate``: pushes of zero
@@ -27,6 +29,7 @@ import numpy as np
 
 from shardps.bench.common import BenchError, median, ratio, start_client
 from shardps.bench.config import BenchConfig
+from shardps.bench.dense import RPC_CONFIGS
 from shardps.bench.rpc_baseline import RpcBaseline
 
 LR = 0.01
@@ -65,57 +68,74 @@ def _bytes(client) -> float:
                for d in ("pushed", "pulled"))
 
 
-def run(cfg: BenchConfig, progress) -> dict[str, float]:
+def _one_cluster(cfg: BenchConfig, servers: int, rpcs: dict, times: dict, out: dict, progress) -> None:
+    """Create and fill the table on a fresh cluster, then time interleaved rounds: shardps
+    (with shared memory, and on 1 server also TCP only), then each torch RPC configuration."""
     from shardps.local import LocalCluster
     from shardps.tables import normal, sgd
     from shardps.worker.client import PSClient
 
+    n = cfg.sparse_ids
+    progress(f"starting a shardps cluster of {servers} server(s)")
+    modes = [("ps", True)] + ([("ps_tcp", False)] if servers == 1 else [])
+    with LocalCluster(servers=servers) as cluster:
+        clients = {prefix: start_client(PSClient(cluster.manager_address, "bench-sparse", timeout=300.0,
+                                                 shared_memory=shm)) for prefix, shm in modes}
+        try:
+            client = clients["ps"]
+            client.create_sparse("emb", cfg.sparse_dim, num_rows=cfg.sparse_rows, optimizer=sgd(LR),
+                                 init=normal(0.0, 0.01, seed=cfg.seed))
+            if cfg.sparse_populate:
+                took = _populate(client, "emb", cfg)
+                out[f"ps_sparse_populate_s_{servers}s"] = took
+                progress(f"stored all {cfg.sparse_rows:,} rows in {took:.1f}s")
+            paired = rpcs if servers == 1 else {}
+            for i, (ids, grads) in enumerate(_rounds(cfg, cfg.sparse_rounds + 1, 1)):
+                for prefix, c in clients.items():
+                    before = _bytes(c)
+                    took = _ps_round(c, "emb", ids, grads)
+                    if i:
+                        times.setdefault((prefix, servers), []).append(took)
+                    out[f"{prefix}_sparse_step_bytes"] = _bytes(c) - before + ids.nbytes  # + the pull's ids
+                for prefix, r in paired.items():
+                    tp, tu = r.call("sparse_round", "emb", ids, grads, LR)
+                    if i:
+                        times.setdefault((prefix, 1), []).append(tp + tu)
+            progress(f"{servers} server(s): " + "; ".join(
+                f"{p} {n / median(v):,.0f} rows/s" for (p, s), v in times.items() if s == servers))
+            if servers == 1:
+                client.create_sparse("cold", cfg.sparse_dim, num_rows=cfg.sparse_rows, optimizer=sgd(LR),
+                                     init=normal(0.0, 0.01, seed=cfg.seed))
+                cold = [_ps_round(client, "cold", ids, grads)
+                        for ids, grads in _rounds(cfg, max(3, cfg.sparse_rounds // 3), 2)]
+                out["ps_sparse_rows_per_s_cold"] = n / median(cold)
+                progress(f"fresh table (rows created on first push): {out['ps_sparse_rows_per_s_cold']:,.0f} rows/s")
+            for c in clients.values():
+                c.leave()
+        finally:
+            for c in clients.values():
+                c.close()
+
+
+def run(cfg: BenchConfig, progress) -> dict[str, float]:
     out: dict[str, float] = {}
     n = cfg.sparse_ids
-    with RpcBaseline(None) as rpc:
-        progress(f"torch RPC: creating the remote {cfg.sparse_rows:,} x {cfg.sparse_dim} table")
-        rpc.call("create_sparse", "emb", cfg.sparse_rows, cfg.sparse_dim, cfg.seed)
-        ps_times: dict[int, list[float]] = {}
-        rpc_times: list[float] = []
+    times: dict[tuple[str, int], list[float]] = {}      # (key prefix, servers) -> seconds per round
+    rpcs = {prefix: RpcBaseline(channels) for prefix, channels in RPC_CONFIGS.items()}
+    try:
+        for prefix, r in rpcs.items():
+            progress(f"torch RPC ({prefix}): creating the remote {cfg.sparse_rows:,} x {cfg.sparse_dim} table")
+            r.start()
+            r.call("create_sparse", "emb", cfg.sparse_rows, cfg.sparse_dim, cfg.seed)
         for servers in cfg.sparse_servers:
-            progress(f"starting a shardps cluster of {servers} server(s)")
-            with LocalCluster(servers=servers) as cluster, \
-                    PSClient(cluster.manager_address, "bench-sparse", timeout=300.0) as client:
-                start_client(client)
-                client.create_sparse("emb", cfg.sparse_dim, num_rows=cfg.sparse_rows, optimizer=sgd(LR),
-                                     init=normal(0.0, 0.01, seed=cfg.seed))
-                if cfg.sparse_populate:
-                    took = _populate(client, "emb", cfg)
-                    out[f"ps_sparse_populate_s_{servers}s"] = took
-                    progress(f"stored all {cfg.sparse_rows:,} rows in {took:.1f}s")
-                times = ps_times.setdefault(servers, [])
-                for i, (ids, grads) in enumerate(_rounds(cfg, cfg.sparse_rounds + 1, 1)):
-                    before = _bytes(client)
-                    took = _ps_round(client, "emb", ids, grads)
-                    moved = _bytes(client) - before
-                    if i:
-                        times.append(took)
-                    if servers == 1:
-                        tp, tu = rpc.call("sparse_round", "emb", ids, grads, LR)
-                        if i:
-                            rpc_times.append(tp + tu)
-                        out["ps_sparse_step_bytes"] = moved + ids.nbytes     # + the ids of the pull request
-                progress(f"{servers} server(s): shardps {n / median(times):,.0f} rows/s"
-                         + (f"; torch RPC {n / median(rpc_times):,.0f} rows/s" if servers == 1 else ""))
-                if servers == 1:
-                    client.create_sparse("cold", cfg.sparse_dim, num_rows=cfg.sparse_rows, optimizer=sgd(LR),
-                                         init=normal(0.0, 0.01, seed=cfg.seed))
-                    cold = [_ps_round(client, "cold", ids, grads)
-                            for ids, grads in _rounds(cfg, max(3, cfg.sparse_rounds // 3), 2)]
-                    out["ps_sparse_rows_per_s_cold"] = n / median(cold)
-                    progress(f"fresh table (rows created on first push): {out['ps_sparse_rows_per_s_cold']:,.0f} rows/s")
-                client.leave()
-    out["ps_sparse_rows_per_s"] = n / median(ps_times[1])
-    for servers, times in ps_times.items():
-        if servers != 1:
-            out[f"ps_sparse_rows_per_s_{servers}s"] = n / median(times)
-    out["rpc_sparse_rows_per_s"] = n / median(rpc_times)
+            _one_cluster(cfg, servers, rpcs, times, out, progress)
+    finally:
+        for r in rpcs.values():
+            r.stop()
+    for (prefix, servers), secs in times.items():
+        out[f"{prefix}_sparse_rows_per_s" + ("" if servers == 1 else f"_{servers}s")] = n / median(secs)
     out["ratio_sparse_ps_over_rpc"] = ratio(out["ps_sparse_rows_per_s"], out["rpc_sparse_rows_per_s"])
+    out["ratio_sparse_ps_tcp_over_rpc_tcp"] = ratio(out["ps_tcp_sparse_rows_per_s"], out["rpc_tcp_sparse_rows_per_s"])
     out["ddp_dense_step_bytes"] = float(cfg.sparse_rows * cfg.sparse_dim * 4)
     out["ddp_sparse_step_bytes"] = float(n * (8 + cfg.sparse_dim * 4))
     out["ratio_sparse_step_bytes_ddp_dense_over_ps"] = ratio(out["ddp_dense_step_bytes"], out["ps_sparse_step_bytes"])
