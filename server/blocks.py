@@ -206,61 +206,38 @@ class DenseBlock(Block):
                         for s, parts in meta.get("pending", {}).items()}
 
 
-class _Pages:
-    """A growable ``[slots, *shape]`` array kept in fixed-size pages: growing never copies
-    what is stored, and at most one page is allocated ahead of use."""
+class _Rows:
+    """A growable ``[slots, *shape]`` array. Capacity doubles with ``np.empty``: the memory
+    beyond the rows written is never touched, so it is not resident (RSS tracks the rows
+    stored), and a gather or scatter is one vectorised numpy operation."""
 
-    def __init__(self, shape: tuple, dtype, page_rows: int, fill=0):
-        self.shape, self.dtype, self.page_rows, self.fill = shape, dtype, page_rows, fill
-        self.bits = page_rows.bit_length() - 1
-        self.pages: list[np.ndarray] = []
+    def __init__(self, shape: tuple, dtype, fill=0):
+        self.shape, self.dtype, self.fill = shape, dtype, fill
+        self.data = np.empty((0,) + shape, dtype=dtype)
+        self.size = 0
 
     def ensure(self, slots: int) -> None:
-        while len(self.pages) * self.page_rows < slots:
-            self.pages.append(np.full((self.page_rows,) + self.shape, self.fill, dtype=self.dtype))
-
-    def _groups(self, slots: np.ndarray):
-        """(page, positions into slots, offsets in the page) for each page slots touch."""
-        page = slots >> self.bits
-        off = slots & (self.page_rows - 1)
-        first = int(page[0])
-        if page.shape[0] < 2 or (page == first).all():
-            return [(first, slice(None), off)]
-        order = np.argsort(page, kind="stable")
-        sp = page[order]
-        cuts = np.flatnonzero(sp[1:] != sp[:-1]) + 1
-        bounds = np.concatenate(([0], cuts, [sp.shape[0]]))
-        return [(int(sp[a]), order[a:b], off[order[a:b]]) for a, b in zip(bounds[:-1], bounds[1:])]
+        if slots <= self.data.shape[0]:
+            self.size = max(self.size, slots)
+            return
+        capacity = max(slots, 2 * self.data.shape[0], 1024)
+        grown = np.empty((capacity,) + self.shape, dtype=self.dtype)
+        grown[:self.size] = self.data[:self.size]
+        self.data = grown
+        self.size = slots
 
     def take(self, slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        if not self.pages or slots.shape[0] == 0:
-            return out if out is not None else np.empty((slots.shape[0],) + self.shape, dtype=self.dtype)
-        groups = self._groups(slots)
-        if len(groups) == 1 and out is None:
-            return self.pages[groups[0][0]][groups[0][2]]
         if out is None:
-            out = np.empty((slots.shape[0],) + self.shape, dtype=self.dtype)
-        for p, where, off in groups:
-            if isinstance(where, slice):
-                np.take(self.pages[p], off, axis=0, out=out)
-            else:
-                out[where] = self.pages[p][off]
+            return self.data[slots]
+        np.take(self.data, slots, axis=0, out=out)
         return out
 
     def put(self, slots: np.ndarray, values) -> None:
-        if slots.shape[0] == 0:
-            return
-        scalar = np.ndim(values) == 0
-        for p, where, off in self._groups(slots):
-            self.pages[p][off] = values if scalar else values[where]
-
-    def add(self, slots: np.ndarray, values) -> None:
-        """values[i] is added to slot slots[i] (slots unique)."""
-        self.put(slots, self.take(slots) + values)
+        self.data[slots] = values
 
     @property
     def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.pages)
+        return self.size * int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
 
 
 class _DirectIndex:
@@ -327,25 +304,22 @@ DIRECT_INDEX_MAX_ROWS = 1 << 24     # bounded tables up to 16M rows use a direct
 class SparseShard:
     """Every row of one sparse table that this server holds, across all of its blocks.
 
-    Rows live in one paged store (values, optimizer state, per-row step counts) with one
+    Rows live in growable arrays (values, optimizer state, per-row step counts) with one
     id -> slot index (a direct map for bounded tables, sorted ids otherwise), so that a
     request touching many blocks is a handful of vectorised numpy operations, not a loop over
     blocks. Blocks remain the unit of placement: a block's rows are those whose id hashes to
     it. Slots of removed rows are reused. Not thread-safe: hold ``lock`` (after block locks).
     """
 
-    PAGE_BYTES = 4 << 20
-
     def __init__(self, spec: TableSpec):
         self.spec = spec
         self.dim = spec.dim
         self.lock = threading.Lock()
-        self.page_rows = 1 << max(8, (self.PAGE_BYTES // (4 * self.dim)).bit_length() - 1)
         n = spec.num_rows
         self.index = _DirectIndex(n) if 0 < n <= DIRECT_INDEX_MAX_ROWS else _SortedIndex()
-        self.rows = _Pages((self.dim,), np.float32, self.page_rows)
-        self.state: dict[str, _Pages] = {}
-        self.row_steps: _Pages | None = None
+        self.rows = _Rows((self.dim,), np.float32)
+        self.state: dict[str, _Rows] = {}
+        self.row_steps: _Rows | None = None
         self.used = 0                                   # slots handed out so far
         self.free = np.empty(0, dtype=np.int64)         # slots of removed rows, reused first
         self.block_counts = np.zeros(spec.num_blocks, dtype=np.int64)
@@ -378,14 +352,18 @@ class SparseShard:
             wanted |= set(optimizers.state_names(config.optimizer))
         for name in wanted - set(self.state):
             fill = config.optimizer.initial_accumulator_value if (config and name == "sum") else 0.0
-            pages = self.state[name] = _Pages((self.dim,), np.float32, self.page_rows, fill)
+            pages = self.state[name] = _Rows((self.dim,), np.float32, fill)
             pages.ensure(self.used)
+            if self.used:
+                pages.put(slice(0, self.used), fill)
         if config is not None and "sum" in self.state:     # rows inserted later start here
             self.state["sum"].fill = config.optimizer.initial_accumulator_value
         steps_needed = config is not None and optimizers.needs_row_steps(config.optimizer)
         if self.row_steps is None and steps_needed:
-            self.row_steps = _Pages((), np.int32, self.page_rows)
+            self.row_steps = _Rows((), np.int32)
             self.row_steps.ensure(self.used)
+            if self.used:
+                self.row_steps.put(slice(0, self.used), 0)
 
     def _allocate(self, n: int) -> np.ndarray:
         reuse = self.free[:n]
@@ -405,8 +383,10 @@ class SparseShard:
             return np.empty(0, dtype=np.int64)
         self._ensure_state(config, state or ())
         if steps is not None and self.row_steps is None:
-            self.row_steps = _Pages((), np.int32, self.page_rows)
+            self.row_steps = _Rows((), np.int32)
             self.row_steps.ensure(self.used)
+            if self.used:
+                self.row_steps.put(slice(0, self.used), 0)
         slots = self._allocate(n)
         self.rows.put(slots, initial_values(self.spec.init, new_ids, self.dim) if values is None else values)
         for name, pages in self.state.items():

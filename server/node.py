@@ -408,7 +408,7 @@ class ServerNode:
                                              n_values).reshape(count, spec.dim)
                     offset += vbytes
             if with_values and not t.config.allow_non_finite and s.values is not None \
-                    and s.values.size and not np.isfinite(s.values).all():
+                    and s.values.size and not _all_finite(s.values):
                 bad = int(np.flatnonzero(~np.isfinite(s.values.reshape(-1)))[0])
                 raise InvalidArgument(
                     f"segment {i} ({spec.name!r}) holds a non-finite value "
@@ -1135,6 +1135,14 @@ class ServerNode:
         for (job, table), (_, params, b) in u["tables"].items():
             self.metrics.table_parameters.labels(job, table).set(params)
             self.metrics.table_bytes.labels(job, table).set(b)
+
+
+def _all_finite(values: np.ndarray) -> bool:
+    """True if no NaN or Inf: one cheap reduction, the exact check only if the sum is not
+    finite (a NaN or Inf always makes the sum non-finite; a huge finite sum may too)."""
+    if np.isfinite(np.add.reduce(values, axis=None, dtype=np.float64)):
+        return True
+    return bool(np.isfinite(values).all())
 
 
 def logical_bytes(blk: Block, t: TableView) -> int:

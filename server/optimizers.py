@@ -86,11 +86,11 @@ def apply(config: OptimizerConfig, params: np.ndarray, grad: np.ndarray,
             if config.nesterov:
                 np.multiply(buf, momentum, out=tmp)
                 tmp += grad
+                tmp *= lr
             else:
-                np.copyto(tmp, buf)
+                np.multiply(buf, lr, out=tmp)
         else:
-            np.copyto(tmp, grad)
-        tmp *= lr
+            np.multiply(grad, lr, out=tmp)
         params -= tmp
     elif kind is OptimizerKind.ADAGRAD:
         step_arr = np.asarray(step, dtype=np.float64)

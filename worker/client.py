@@ -106,7 +106,7 @@ class ManagerStub:
 
 
 _RETRYABLE = (StaleEpoch, Unavailable)
-SHM_MIN_BYTES = 256 << 10      # payloads this large go through shared memory when possible
+SHM_MIN_BYTES = 32 << 10       # payloads this large go through shared memory when possible
 # A single attempt of a data call may take this long plus size / ATTEMPT_BANDWIDTH before it
 # is abandoned and retried (a peer cut off by a partition never answers; the call's overall
 # deadline bounds the retries).

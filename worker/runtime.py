@@ -46,6 +46,7 @@ def add_training_flags(fs) -> None:
     fs.add("--prefetch", True, "prefetch the next batch's embedding rows during the step")
     fs.add("--overlap", True, "send each push in the background and prefetch the next step's "
            "dense values meanwhile (one push in flight)")
+    fs.add("--shared-memory", True, "same-host bulk bytes through /dev/shm (false: every byte over gRPC)")
     fs.add("--checkpoint-every", 0, "join a checkpoint every this many steps (0: only on demand)")
     fs.add("--ready-file", "", "write a JSON line (name, rank, metrics address, pid) here once joined")
 
@@ -189,7 +190,10 @@ def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=Fals
             if embeddings and args.prefetch and i + 1 < len(batch_list):
                 nxt = x[torch.as_tensor(batch_list[i + 1])]
                 for emb in embeddings:
-                    emb.prefetch(nxt)
+                    if ps_model.overlap:
+                        emb.request_prefetch(nxt)      # fetched with the next dense values
+                    else:
+                        emb.prefetch(nxt)
             t2 = time.perf_counter()
             compute += t2 - t1
             ps_model.push()
@@ -321,7 +325,8 @@ def run_worker(args) -> int:
                                               registry=metrics.registry)
     tls = TlsConfig.from_files(common.tls_cert, common.tls_key, common.tls_ca)
     client = PSClient(args.manager, args.job, token=common.resolved_token(), tls=tls,
-                      wire_dtype=args.wire_dtype, metrics=metrics, timeout=60.0)
+                      wire_dtype=args.wire_dtype, metrics=metrics, timeout=60.0,
+                      shared_memory=args.shared_memory)
     try:
         _wait_for_manager(client)
         try:

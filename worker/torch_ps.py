@@ -67,6 +67,7 @@ class PSEmbedding(nn.Module):
         self.client: PSClient | None = None
         self._pending: list[tuple[np.ndarray, torch.Tensor]] = []
         self._prefetch: tuple[np.ndarray, futures.Future] | None = None
+        self._wanted: np.ndarray | None = None
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, table={self.table!r}"
@@ -75,6 +76,16 @@ class PSEmbedding(nn.Module):
         """Start pulling the rows of ``ids`` (a coming batch) in the background."""
         unique = np.unique(ids.detach().cpu().numpy().reshape(-1))
         self._prefetch = (unique, self.client.pull_rows_async(self.table, unique))
+
+    def request_prefetch(self, ids: torch.Tensor) -> None:
+        """Ask the owning PSModel to fetch the rows of ``ids`` (a coming batch) together with
+        the next step's dense values, in the same requests (see PSModel.push)."""
+        self._wanted = np.unique(ids.detach().cpu().numpy().reshape(-1))
+
+    def _provide(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        done: futures.Future = futures.Future()
+        done.set_result(rows)
+        self._prefetch = (ids, done)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.client is None:
@@ -175,17 +186,19 @@ class PSModel:
     def pull(self) -> None:
         """Load the servers' current values into the module's dense parameters (the values
         prefetched when the last push was sent, with ``overlap``)."""
-        if not self.dense:
+        if not self.dense and self._prefetch is None:
             return
         started = time.perf_counter()
         names = list(self.dense)
         if self._prefetch is not None:
-            res, self._prefetch = self._prefetch.result(), None
+            (res, wanted), self._prefetch = self._prefetch.result(), None
+            for (emb, ids), rows in zip(wanted, res.values[len(names):]):
+                emb._provide(ids, rows)
         else:
             self.client.clock = self.step
             res = self.client.pull_many([(n,) for n in names])
         with torch.no_grad():
-            for name, values in zip(names, res.values):
+            for name, values in zip(names, res.values[:len(names)]):
                 p = self.dense[name]
                 p.copy_(torch.from_numpy(np.asarray(values)).reshape(p.shape))
         waited = min(self.client.last_wait, time.perf_counter() - started)
@@ -225,8 +238,14 @@ class PSModel:
         result = None
         if self.overlap:
             self._pending_push = future
-            if self.dense:
-                self._prefetch = self.client.pull_many_async([(n,) for n in self.dense])
+            # the next step's dense values and requested embedding rows, in one round
+            wanted = [(emb, emb._wanted) for emb in self.embeddings.values() if emb._wanted is not None]
+            for emb, _ in wanted:
+                emb._wanted = None
+            requests = [(n,) for n in self.dense] + [(emb.table, ids) for emb, ids in wanted]
+            if requests:
+                pull = self.client.pull_many_async(requests)
+                self._prefetch = _Paired(pull, wanted)
         else:
             result = future.result()
         self.timings["push_wait"] += time.perf_counter() - started
@@ -270,6 +289,16 @@ class PSModel:
             ids = np.arange(start, min(start + chunk, emb.num_embeddings), dtype=np.int64)
             out[start:start + ids.shape[0]] = self.client.pull_rows(emb.table, ids)
         return out
+
+
+class _Paired:
+    """A pull future paired with the embeddings whose rows it carries."""
+
+    def __init__(self, future: futures.Future, wanted: list):
+        self.future, self.wanted = future, wanted
+
+    def result(self):
+        return self.future.result(), self.wanted
 
 
 class PSLambdaLR:
