@@ -37,6 +37,7 @@ from shardps.dtypes import WireDType
 from shardps.errors import (FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted,
                             ShardpsError, StaleEpoch, Unavailable)
 from shardps.metrics import NodeMetrics
+from shardps.rpc.codec import byte_view
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.server import optimizers
@@ -347,7 +348,7 @@ class ServerNode:
         if wire not in dtypes.VALUE_DTYPES:
             raise InvalidArgument(f"header.wire_dtype {wire.name} cannot carry values: use "
                                   f"FLOAT32, FLOAT16 or BFLOAT16")
-        view_payload = memoryview(payload).cast("B") if payload is not None else memoryview(b"")
+        view_payload = byte_view(payload) if payload is not None else memoryview(b"")
         total = len(view_payload)
         offset = 0
         rows = 0
@@ -502,7 +503,7 @@ class ServerNode:
             if parts:
                 optimizer = parts[0].table.config.optimizer.kind.name
                 self.metrics.update_seconds.labels(optimizer).observe(self._now() - started)
-        nbytes = len(memoryview(payload).cast("B")) if payload is not None else 0
+        nbytes = len(byte_view(payload)) if payload is not None else 0
         self.metrics.request_bytes.labels("Push").observe(nbytes)
         self.metrics.bytes.labels("in").inc(nbytes)
         self.metrics.request_rows.labels("Push").observe(
@@ -768,7 +769,7 @@ class ServerNode:
         Accepted only from the block's primary under this node's map (or from the node that
         copied a staged block here), for blocks that did not move after ``epoch``.
         """
-        buf = memoryview(payload).cast("B") if payload is not None else memoryview(b"")
+        buf = byte_view(payload) if payload is not None else memoryview(b"")
         offset = 0
         applied = 0
         stale: list[BlockKey] = []

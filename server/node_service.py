@@ -13,7 +13,7 @@ from shardps.errors import InvalidArgument, ResourceExhausted, ShardpsError, Una
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc import channels
-from shardps.rpc.codec import CHUNK_BYTES, assemble, decode_chunk, encode_chunk, split_payload
+from shardps.rpc.codec import CHUNK_BYTES, assemble, byte_view, decode_chunk, encode_chunk, split_payload
 from shardps.rpc.status import Method, bind, from_rpc_error, proto_method
 from shardps.server.auth import check_job
 from shardps.server.node import BlockSnapshot, ServerNode
@@ -232,7 +232,7 @@ class ParameterServerService:
                                     f"{ref.name} offers {len(view)}")
         pos = 0
         for a in arrays:
-            b = memoryview(a).cast("B")
+            b = byte_view(a)
             view[pos:pos + len(b)] = b
             pos += len(b)
 

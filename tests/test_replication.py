@@ -101,3 +101,18 @@ def test_new_server_takes_blocks_and_drain_empties_one(make_cluster, client_fact
     c.push_dense("w", np.ones(64 * 60))
     np.testing.assert_array_equal(c.pull_dense("w"), -3 * np.ones(64 * 60))
     assert replicas_equal(cluster, "test", "w") == 60
+
+
+def test_empty_sparse_blocks_copy_to_a_new_server(make_cluster, client_factory):
+    """Blocks without a stored row are copied too (their snapshot holds zero-row arrays)."""
+    cluster = make_cluster(2, replication=2)
+    c = client_factory(cluster.address)
+    c.create_job()
+    c.create_sparse("e", 4, optimizer=sgd(1.0), num_blocks=32)
+    c.push_rows("e", [1, 2, 3], np.ones((3, 4)))            # most blocks stay empty
+    rt = cluster.manager.runtime
+    cluster.add_server("s2")
+    wait(lambda: not rt.state.plan_moves() and any("s2" in b.replicas for b in rt.state.tables[("test", "e")].blocks),
+         what="rebalance onto s2")
+    assert replicas_equal(cluster, "test", "e") == 32
+    np.testing.assert_array_equal(c.pull_rows("e", [1, 2, 3]), -np.ones((3, 4)))

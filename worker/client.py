@@ -43,7 +43,7 @@ from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import manager_pb2 as mg
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc import channels, shm
-from shardps.rpc.codec import CHUNK_BYTES, encode_chunk, split_payload
+from shardps.rpc.codec import CHUNK_BYTES, byte_view, encode_chunk, split_payload
 from shardps.rpc.status import from_rpc_error
 from shardps.server.node_service import StubPool
 from shardps.shardmap import ShardMapView, TableView
@@ -702,7 +702,7 @@ class PSClient:
                     seg.rows.count = p.rows
                     ids.append(p.ids.astype("<i8", copy=False))
             if ids:
-                request.data = b"".join(memoryview(a).cast("B") for a in ids)
+                request.data = b"".join(byte_view(a) for a in ids)
             started = time.perf_counter()
             code = "OK"
             item = self.wire_dtype.itemsize
@@ -820,7 +820,7 @@ class PSClient:
             if region is not None:          # same host: write the bytes once, send a reference
                 view, pos = region.view(0, header.payload_bytes), 0
                 for a in arrays:
-                    b = memoryview(a).cast("B")
+                    b = byte_view(a)
                     view[pos:pos + len(b)] = b
                     pos += len(b)
                 del view

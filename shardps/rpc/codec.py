@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from shardps.errors import InvalidArgument
 
 _TAG_HEADER = bytes([(1 << 3) | 2])
@@ -105,6 +107,17 @@ def _read_varint(buf: memoryview, pos: int, n: int) -> tuple[int, int]:
             raise InvalidArgument("chunk has a varint longer than 10 bytes")
 
 
+def byte_view(obj) -> memoryview:
+    """A flat byte view of a numpy array (made contiguous if needed; empty arrays give an
+    empty view) or of any buffer."""
+    if isinstance(obj, np.ndarray):
+        if obj.size == 0:
+            return memoryview(b"")
+        return memoryview(np.ascontiguousarray(obj).reshape(-1).view(np.uint8))
+    view = memoryview(obj)
+    return view.cast("B") if view.nbytes else memoryview(b"")
+
+
 def split_payload(arrays, chunk_bytes: int = CHUNK_BYTES):
     """Yield buffers of ``chunk_bytes`` (the last may be shorter) covering the concatenation
     of ``arrays`` (numpy arrays or buffers), in order. Slices of large arrays are zero-copy;
@@ -112,7 +125,7 @@ def split_payload(arrays, chunk_bytes: int = CHUNK_BYTES):
     pending: list = []
     filled = 0
     for arr in arrays:
-        view = memoryview(arr).cast("B")
+        view = byte_view(arr)
         pos, n = 0, len(view)
         while pos < n:
             take = min(chunk_bytes - filled, n - pos)
