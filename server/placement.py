@@ -20,6 +20,7 @@ Only the manager builds the ring; servers and workers use the published shard ma
 from __future__ import annotations
 
 import hashlib
+import heapq
 import math
 from bisect import bisect_right
 from collections import defaultdict
@@ -101,7 +102,7 @@ def plan_placement(blocks: list[str], nodes: list[str], replication: int,
     mean = total / len(nodes)
     cap = max(1, math.ceil(mean * (1 + slack)))
     floor = math.floor(mean * (1 - slack))
-    depth = min(len(nodes), r + 8)
+    depth = min(len(nodes), r + 2)
     pref_cache: dict[str, list[str]] = {}
 
     def prefs(b: str) -> list[str]:
@@ -115,27 +116,28 @@ def plan_placement(blocks: list[str], nodes: list[str], replication: int,
 
     load: dict[str, int] = defaultdict(int)
     placed: dict[str, list[str]] = {}
-    holders: dict[str, set[str]] = defaultdict(set)   # node -> blocks
+    # node -> its blocks, in insertion order (a dict: set order would vary between processes)
+    holders: dict[str, dict[str, None]] = defaultdict(dict)
     # 1. sticky: keep previous replicas on live nodes
     for b in blocks:
         kept = [n for n in previous.get(b, []) if n in live][:r]
         placed[b] = kept
         for n in kept:
             load[n] += 1
-            holders[n].add(b)
+            holders[n][b] = None
 
     def assign(b: str, node: str) -> None:
         placed[b].append(node)
         load[node] += 1
-        holders[node].add(b)
+        holders[node][b] = None
 
     def move(b: str, src: str, dst: str) -> None:
         reps = placed[b]
         reps[reps.index(src)] = dst
         load[src] -= 1
         load[dst] += 1
-        holders[src].discard(b)
-        holders[dst].add(b)
+        holders[src].pop(b, None)
+        holders[dst][b] = None
 
     # 2. fill missing replicas from the preference list, under the cap
     for b in blocks:
@@ -162,7 +164,7 @@ def plan_placement(blocks: list[str], nodes: list[str], replication: int,
     for node in sorted(nodes, key=lambda n: (-load[n], n)):
         if load[node] <= cap:
             continue
-        for b in sorted(holders[node]):
+        for b in list(holders[node]):
             if load[node] <= cap:
                 break
             dst = next((n for n in prefs(b) if n not in placed[b] and load[n] < cap), None)
@@ -170,25 +172,33 @@ def plan_placement(blocks: list[str], nodes: list[str], replication: int,
             if load[dst] < cap:
                 move(b, node, dst)
 
-    # 3c. floor: under-loaded nodes take blocks from the most loaded ones
+    # 3c. floor: under-loaded nodes take blocks from the most loaded ones (a lazy max-heap)
+    heap = [(-load[n], n) for n in nodes]
+    heapq.heapify(heap)
     for node in sorted(nodes):
-        while load[node] < floor:
-            donor = max(nodes, key=lambda n: (load[n], n))
+        while load[node] < floor and heap:
+            neg, donor = heap[0]
+            if -neg != load[donor]:                   # stale entry: refresh it
+                heapq.heapreplace(heap, (-load[donor], donor))
+                continue
             if load[donor] <= load[node] + 1:
                 break
-            candidates = sorted(b for b in holders[donor] if node not in placed[b])
-            if not candidates:
-                break
-            # prefer blocks whose preference list ranks `node` early
-            b = min(candidates, key=lambda b: _rank(prefs(b), node))
+            # prefer a block whose ring preference includes `node`, else any it may take
+            b = next((b for b in holders[donor] if node not in placed[b] and node in prefs(b)), None)
+            b = b or next((b for b in holders[donor] if node not in placed[b]), None)
+            if b is None:
+                heapq.heappop(heap)
+                continue
             move(b, donor, node)
+            heapq.heapreplace(heap, (-load[donor], donor))
 
     # 4. order replicas: previous primary first, then ring order; then balance primaries
     primaries: dict[str, int] = defaultdict(int)
     for b in blocks:
         reps = placed[b]
-        order = prefs(b)
-        reps.sort(key=lambda n: _rank(order, n))
+        if len(reps) > 1:
+            order = prefs(b)
+            reps.sort(key=lambda n: _rank(order, n))
         old = previous.get(b)
         if old and old[0] in reps:
             reps.remove(old[0])
@@ -198,7 +208,7 @@ def plan_placement(blocks: list[str], nodes: list[str], replication: int,
     if r > 1:
         pcap = math.ceil(len(blocks) / len(nodes) * (1 + slack))
         for node in sorted(nodes, key=lambda n: (-primaries[n], n)):
-            for b in sorted(holders[node]):
+            for b in list(holders[node]):
                 if primaries[node] <= pcap:
                     break
                 reps = placed[b]
