@@ -20,8 +20,9 @@ def test_dense_push_pull_round_trip(cluster, client_factory):
     np.testing.assert_allclose(part, (w0 - 0.5).reshape(-1)[1000:1100])
 
 
-def test_sparse_rows_duplicates_summed_and_unpushed_rows_initial(cluster, client_factory):
-    c = client_factory(cluster.address)
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "grpc-chunks"])
+def test_sparse_rows_duplicates_summed_and_unpushed_rows_initial(cluster, client_factory, shared_memory):
+    c = client_factory(cluster.address, shared_memory=shared_memory)
     c.create_job()
     c.create_sparse("e", 8, optimizer=sgd(1.0), init=normal(0, 0.1, seed=9))
     ids = np.array([3, 99, 3, 2**40, -7], dtype=np.int64)
@@ -52,8 +53,9 @@ def test_several_tables_in_one_request_and_state_dict(cluster, client_factory):
     assert set(sd) == {"a", "b.ids", "b.rows"} and sd["b.ids"].tolist() == [5, 6]
 
 
-def test_requests_above_4mib_work_and_futures(cluster, client_factory):
-    c = client_factory(cluster.address)
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "grpc-chunks"])
+def test_requests_above_4mib_work_and_futures(cluster, client_factory, shared_memory):
+    c = client_factory(cluster.address, shared_memory=shared_memory)
     c.create_job()
     n = 5 << 20   # 20 MiB of float32
     c.create_dense("big", (n,), optimizer=sgd(1.0))
@@ -61,6 +63,10 @@ def test_requests_above_4mib_work_and_futures(cluster, client_factory):
     fut = c.push_dense_async("big", grad)
     fut.result(timeout=60)
     np.testing.assert_allclose(c.pull_dense_async("big").result(timeout=60), -grad)
+    ids = np.arange(100_000)
+    c.create_sparse("rows", 32, optimizer=sgd(1.0))              # a 12.8 MiB sparse pull too
+    c.push_rows("rows", ids, np.ones((100_000, 32)))
+    np.testing.assert_allclose(c.pull_rows("rows", ids), -np.ones((100_000, 32)))
 
 
 def test_create_table_idempotent_and_conflict(cluster, client_factory):

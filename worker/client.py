@@ -718,7 +718,7 @@ class PSClient:
                                                       metadata=self._metadata)
                 head, payload = _collect(stream)
                 if head.in_shared_memory:
-                    payload = region.view(0, head.payload_bytes)
+                    payload = _Payload([region.view(0, head.payload_bytes)])
                 return self._place(server, ps_, head, payload, header, outputs, versions, stored, lock, result)
             except grpc.RpcError as err:
                 code = err.code().name
@@ -743,28 +743,29 @@ class PSClient:
         if head.min_clock or header.session:
             self.last_staleness = max(0, self.clock - int(head.min_clock))
         self.last_wait = max(self.last_wait, head.waited_seconds)
-        pos = 0
         for p, layout in zip(ps_, head.segments):
             wire = WireDType.parse(int(layout.dtype))
+            got_ids = None
             if layout.ids:
-                n = int(layout.ids) * 8
-                got_ids = np.frombuffer(payload[pos:pos + n], dtype="<i8").copy()
-                pos += n
-            else:
-                got_ids = None
-            nbytes = int(layout.elements) * wire.itemsize
-            values = dtypes.decode(payload[pos:pos + nbytes], wire, int(layout.elements))
-            pos += nbytes
+                got_ids = np.frombuffer(payload.read(int(layout.ids) * 8), dtype="<i8").copy()
+            count = int(layout.elements)
+            if p.dense and not p.all_stored and wire is WireDType.FLOAT32:
+                out = outputs[p.item][p.offset:p.offset + (p.stop - p.start)]
+                if out.size != count or not out.flags.c_contiguous:
+                    raise Unavailable(f"pull from {server}: {count} values for a range of {out.size}")
+                payload.read_into(byte_view(out))          # straight into the result
+                continue
+            values = dtypes.decode(payload.read(count * wire.itemsize), wire, count)
             if p.all_stored:
                 with lock:
-                    stored.setdefault(p.item, []).append((got_ids, values))
+                    stored.setdefault(p.item, []).append((got_ids, values.copy()))
             elif p.dense:
                 outputs[p.item][p.offset:p.offset + (p.stop - p.start)] = values
             else:
                 outputs[p.item][p.positions] = values.reshape(p.rows, -1)
-        if pos != len(payload):
+        if payload.consumed != len(payload):
             raise Unavailable(f"pull from {server}: payload has {len(payload)} bytes; "
-                              f"the header describes {pos}")
+                              f"the header describes {payload.consumed}")
         with lock:
             for v in head.versions:
                 versions[(v.table, v.block)] = v.version
@@ -888,7 +889,53 @@ def _capture(fn, arg):
         return False, exc
 
 
-def _collect(stream) -> tuple[ps.PullHeader, memoryview]:
+class _Payload:
+    """The data of a pull response as the chunks that carried it, read in order without
+    assembling them first: a read inside one chunk is zero-copy, ``read_into`` copies chunk
+    pieces straight into the caller's array."""
+
+    def __init__(self, pieces: list):
+        self.pieces = pieces
+        self.total = sum(len(p) for p in pieces)
+        self._i = 0
+        self._pos = 0
+        self.consumed = 0
+
+    def __len__(self) -> int:
+        return self.total
+
+    def read(self, n: int):
+        if n == 0:
+            return memoryview(b"")
+        piece = self.pieces[self._i] if self._i < len(self.pieces) else memoryview(b"")
+        if self._pos + n <= len(piece):
+            out = piece[self._pos:self._pos + n]
+            self._advance(n)
+            return out
+        out = bytearray(n)
+        self.read_into(memoryview(out))
+        return memoryview(out)
+
+    def read_into(self, dest: memoryview) -> None:
+        filled, n = 0, len(dest)
+        while filled < n:
+            if self._i >= len(self.pieces):
+                raise Unavailable(f"pull payload ended {n - filled} bytes short")
+            piece = self.pieces[self._i]
+            take = min(n - filled, len(piece) - self._pos)
+            dest[filled:filled + take] = piece[self._pos:self._pos + take]
+            filled += take
+            self._advance(take)
+
+    def _advance(self, n: int) -> None:
+        self._pos += n
+        self.consumed += n
+        while self._i < len(self.pieces) and self._pos >= len(self.pieces[self._i]):
+            self._pos -= len(self.pieces[self._i])
+            self._i += 1
+
+
+def _collect(stream) -> tuple[ps.PullHeader, _Payload]:
     header = None
     pieces = []
     for chunk in stream:
@@ -900,14 +947,7 @@ def _collect(stream) -> tuple[ps.PullHeader, memoryview]:
             pieces.append(chunk.data)
     if header is None:
         raise Unavailable("pull stream ended without a header")
-    if len(pieces) == 1:
-        return header, pieces[0]
-    buf = bytearray(sum(len(p) for p in pieces))
-    pos = 0
-    for p in pieces:
-        buf[pos:pos + len(p)] = p
-        pos += len(p)
-    return header, memoryview(buf)
+    return header, _Payload(pieces)
 
 
 def _as_float32(values) -> np.ndarray:
