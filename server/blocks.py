@@ -138,15 +138,25 @@ class DenseBlock(Block):
             self.state = optimizers.new_state(config.optimizer, self.size)
         return self.values
 
-    def read(self, lo: int, hi: int) -> np.ndarray:
-        """Values of the flat table range [lo, hi) (inside this block). May be a view."""
+    def read(self, lo: int, hi: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Values of the flat table range [lo, hi) (inside this block): a view, or written
+        into ``out`` when given."""
         if not self.initialized:
             raise FailedPrecondition(
                 f"table {self.spec.name!r} block {self.key[2]} has no initial values yet "
                 f"(ASSIGNED initializer): push INITIALIZE first")
         if self.values is None:
-            return dense_initial_values(self.spec, lo, hi)
-        return self.values[lo - self.start:hi - self.start]
+            init = self.spec.init
+            if out is not None and init.kind in (InitKind.ZEROS, InitKind.CONSTANT):
+                out.fill(init.value if init.kind is InitKind.CONSTANT else 0.0)
+                return out
+            values = dense_initial_values(self.spec, lo, hi)
+        else:
+            values = self.values[lo - self.start:hi - self.start]
+        if out is not None:
+            np.copyto(out, values)
+            return out
+        return values
 
     def apply_gradient(self, config: TableConfig, lo: int, hi: int, grad: np.ndarray) -> None:
         if not self.initialized:

@@ -951,7 +951,7 @@ class ServerNode:
                 blk = self.blocks[part.key]
                 with blk.lock:
                     if s.dense:
-                        out[part.lo - s.lo:part.hi - s.lo] = blk.read(part.lo, part.hi)
+                        blk.read(part.lo, part.hi, out=out[part.lo - s.lo:part.hi - s.lo])
                     else:
                         meta, arrays = blk.snapshot()
                         stored[part.segment].append((arrays["ids"], arrays["values"]))
@@ -1141,7 +1141,7 @@ class ServerNode:
 def _all_finite(values: np.ndarray) -> bool:
     """True if no NaN or Inf: one cheap reduction, the exact check only if the sum is not
     finite (a NaN or Inf always makes the sum non-finite; a huge finite sum may too)."""
-    if np.isfinite(np.add.reduce(values, axis=None, dtype=np.float64)):
+    if np.isfinite(values.sum()):
         return True
     return bool(np.isfinite(values).all())
 

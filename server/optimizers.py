@@ -19,6 +19,8 @@ row is pushed). With plain SGD and Adagrad this equals torch.optim with sparse g
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from shardps.tables import OptimizerConfig, OptimizerKind
@@ -51,6 +53,22 @@ def new_state(config: OptimizerConfig, shape) -> dict[str, np.ndarray]:
     return state
 
 
+_local = threading.local()
+SCRATCH_MAX = 1 << 24          # elements (64 MiB) a thread keeps for reuse
+
+
+def scratch(shape) -> np.ndarray:
+    """A float32 scratch array of ``shape``, reused by this thread (its contents are garbage).
+    Reusing it keeps each step free of large allocations and their page faults."""
+    n = int(np.prod(shape))
+    if n > SCRATCH_MAX:
+        return np.empty(shape, dtype=np.float32)     # a rare huge update: not kept
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.shape[0] < n:
+        buf = _local.buf = np.empty(max(n, 1 << 16), dtype=np.float32)
+    return buf[:n].reshape(shape)
+
+
 def apply(config: OptimizerConfig, params: np.ndarray, grad: np.ndarray,
           state: dict[str, np.ndarray], step) -> None:
     """One optimizer step, in place on ``params`` and ``state``.
@@ -61,7 +79,7 @@ def apply(config: OptimizerConfig, params: np.ndarray, grad: np.ndarray,
     other temporaries), so a step's memory footprint stays flat.
     """
     lr = np.float32(config.lr)
-    tmp = np.empty_like(params)
+    tmp = scratch(params.shape)
     if config.weight_decay:
         np.multiply(params, np.float32(config.weight_decay), out=tmp)
         tmp += grad
