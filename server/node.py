@@ -229,6 +229,8 @@ class ServerNode:
     def _install_locked(self, view: ShardMapView) -> None:
         me = self.name
         listed: set[BlockKey] = set()
+        dropped: list[Block] = []
+        forget: list[tuple[str, set]] = []
         with self._lock:
             for (job, tname), t in view.tables.items():
                 for b, reps in enumerate(t.replicas):
@@ -238,7 +240,7 @@ class ServerNode:
                     listed.add(key)
                     block = self.blocks.get(key)
                     if block is not None and block.spec != t.spec:
-                        self._forget_block(key)       # a table re-created under the same name
+                        dropped.append(self.blocks.pop(key))   # a table re-created under the name
                         block = None
                     if block is None:
                         if key in self.staged:
@@ -251,7 +253,7 @@ class ServerNode:
                         self.blocks[key] = block
                     self.missing.discard(key)
             for key in [k for k in self.blocks if k not in listed]:
-                self._forget_block(key)
+                dropped.append(self.blocks.pop(key))
             for key in [k for k in self.shards if k not in view.tables]:
                 del self.shards[key]
             self.missing &= listed
@@ -267,14 +269,18 @@ class ServerNode:
                     clock = self.clocks[job] = JobClock(g.consistency, g.staleness, self._now)
                     self._apply_locks[job] = threading.Lock()
                 clock.set_members({m.session for m in g.members}, g.consistency, g.staleness)
-                writers = g.writers
-                for key, blk in self.blocks.items():
-                    if key[0] == job:
-                        blk.forget_writers(writers)
+                forget.append((job, g.writers))
             for job in [j for j in self.clocks if j not in view.groups]:
                 del self.clocks[job]
             self.view = view
             self.my_index = view.server_names.index(me) if me in view.server_names else -1
+            held = list(self.blocks.items())
+        self._release(dropped)
+        for job, writers in forget:         # writers that left the group can never retry
+            for key, blk in held:
+                if key[0] == job:
+                    with blk.lock:
+                        blk.forget_writers(writers)
         self.metrics.epoch.set(view.epoch)
         self._update_usage_metrics()
         if self.on_epoch is not None:
@@ -300,12 +306,15 @@ class ServerNode:
             return new_block(key, spec, shard)
         return new_block(key, spec)
 
-    def _forget_block(self, key: BlockKey) -> None:
-        """Drop a block this node no longer holds (``self._lock`` held)."""
-        blk = self.blocks.pop(key, None)
-        if isinstance(blk, SparseBlock):
-            with blk.lock:
-                blk.release()
+    @staticmethod
+    def _release(blocks: list[Block]) -> None:
+        """Free the rows of sparse blocks this node no longer holds. Lock order: a block's
+        lock is never taken while ``self._lock`` is held (copy_blocks takes them the other
+        way round), so callers pop blocks under ``self._lock`` and release them after."""
+        for blk in blocks:
+            if isinstance(blk, SparseBlock):
+                with blk.lock:
+                    blk.release()
 
     def _is_primary(self, key: BlockKey) -> bool:
         t = self.view.tables.get((key[0], key[1]))
@@ -651,10 +660,12 @@ class ServerNode:
                 new += int((blk.lookup(part.ids) < 0).sum()) * (blk.dim * row_bytes + 12)
         if not new:
             return
-        held = [k for k in self.blocks if k[0] == job]
+        with self._lock:
+            held = [(k, b) for k, b in self.blocks.items() if k[0] == job]
         total = sum(len(reps) for (j, _), t in self.view.tables.items() if j == job for reps in t.replicas)
         share = group.quota_bytes * len(held) // max(1, total)
-        usage = sum(logical_bytes(self.blocks[k], self.view.tables[(k[0], k[1])]) for k in held)
+        usage = sum(logical_bytes(b, self.view.tables[(k[0], k[1])]) for k, b in held
+                    if (k[0], k[1]) in self.view.tables)
         if usage + new > share:
             raise ResourceExhausted(
                 f"job {job!r} is over its storage quota (quota_bytes={group.quota_bytes}; this server "
@@ -1096,8 +1107,8 @@ class ServerNode:
     def drop_tables(self, job: str, tables: Sequence[str] = ()) -> int:
         with self._lock:
             keys = [k for k in self.blocks if k[0] == job and (not tables or k[1] in tables)]
-            for k in keys:
-                self._forget_block(k)
+            dropped = [self.blocks.pop(k) for k in keys]
+        self._release(dropped)
         self._update_usage_metrics()
         return len(keys)
 
