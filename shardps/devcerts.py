@@ -36,8 +36,12 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-# Loopback names, then the service names of the compose file and the Kubernetes overlay.
-DEFAULT_HOSTS = ("localhost", "127.0.0.1", "::1", "manager", "s0", "s1", "s2")
+# Loopback names, the service names of docker-compose.yml, and the names the Kubernetes base
+# advertises (the manager's Service; the servers' StatefulSet pods under their headless
+# Service). Other names: --host.
+DEFAULT_HOSTS = ("localhost", "127.0.0.1", "::1", "manager", "s0", "s1", "s2", "shardps-manager",
+                 "shardps-server-0.shardps-server", "shardps-server-1.shardps-server",
+                 "shardps-server-2.shardps-server")
 
 FILES = {
     "ca": "ca.pem",

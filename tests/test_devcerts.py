@@ -86,7 +86,9 @@ def test_certificate_contents(certs):
         assert leaf.issuer == ca.subject
         leaf.verify_directly_issued_by(ca)
     san = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    assert set(san.get_values_for_type(x509.DNSName)) == {"localhost", "manager", "s0", "s1", "s2"}
+    assert set(san.get_values_for_type(x509.DNSName)) == {
+        "localhost", "manager", "s0", "s1", "s2", "shardps-manager", "shardps-server-0.shardps-server",
+        "shardps-server-1.shardps-server", "shardps-server-2.shardps-server"}
     assert set(san.get_values_for_type(x509.IPAddress)) == {ipaddress.ip_address("127.0.0.1"),
                                                             ipaddress.ip_address("::1")}
     assert not any("*" in n for n in san.get_values_for_type(x509.DNSName))
@@ -101,7 +103,7 @@ def test_mutual_tls_accepts_the_client_certificate(certs, mtls_server):
     assert _check(f"localhost:{mtls_server}", _client(certs)) == "SERVING"
 
 
-@pytest.mark.parametrize("name", ["manager", "s0", "s1", "s2"])
+@pytest.mark.parametrize("name", ["manager", "s0", "s1", "s2", "shardps-manager", "shardps-server-2.shardps-server"])
 def test_service_names_verify(certs, mtls_server, name):
     """The compose/Kubernetes service names are in the certificate (checked by the client)."""
     assert _check(f"127.0.0.1:{mtls_server}", _client(certs, override=name)) == "SERVING"
