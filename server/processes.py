@@ -37,23 +37,21 @@ from shardps.settings import ManagerProcessSettings, ServerProcessSettings, Serv
 log = logging.getLogger("shardps.process")
 
 
-def tune_malloc(mmap_threshold: int = 4 << 20, arenas: int = 4) -> bool:
+def tune_malloc(mmap_threshold: int = 64 << 10, arenas: int = 4) -> bool:
     """Keep a server's resident memory close to what it stores (glibc only).
 
-    glibc raises its mmap threshold each time a large block is freed, after which rebuilt
-    indexes and other large buffers come from heap arenas that never shrink (one per thread).
-    A fixed threshold (4 MiB) keeps large buffers in mmap, returned to the system when freed,
-    while small temporaries are still recycled cheaply from the heap; a few arenas bound the
-    rest. Returns False where mallopt is unavailable."""
+    glibc raises its mmap threshold each time a large block is freed, after which blocks,
+    rebuilt indexes and temporaries share heap arenas (one per thread) that fragment and
+    never shrink. A fixed 64 KiB threshold keeps every large buffer in its own mapping,
+    returned to the system when freed; a few arenas bound the rest. (The per-request
+    temporaries this would make costly are avoided: optimizers reuse a scratch array and
+    pulls write into the reply.) Returns False where mallopt is unavailable."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return False
-    m_trim_threshold, m_mmap_threshold, m_arena_max = -1, -3, -8
-    ok = libc.mallopt(m_mmap_threshold, mmap_threshold) and libc.mallopt(m_arena_max, arenas)
-    # fixing the mmap threshold also fixes the trim threshold at 128 KiB, which would hand
-    # freed heap back to the system (and fault it in again) on every request
-    return bool(ok and libc.mallopt(m_trim_threshold, 2 * mmap_threshold))
+    m_mmap_threshold, m_arena_max = -3, -8
+    return bool(libc.mallopt(m_mmap_threshold, mmap_threshold) and libc.mallopt(m_arena_max, arenas))
 
 
 def advertised(serving: Serving, port: int) -> str:
