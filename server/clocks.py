@@ -67,6 +67,10 @@ class JobClock:
                 return range(self.applied_steps, self.applied_steps)
             return range(self.applied_steps, self._min_locked())
 
+    def skip_to(self, steps: int) -> None:
+        """SYNC: ``steps`` steps are applied here (none of those skipped had data)."""
+        self.mark_applied(steps - 1)
+
     def mark_applied(self, step: int) -> None:
         with self.cond:
             self.applied_steps = max(self.applied_steps, step + 1)

@@ -51,6 +51,7 @@ from shardps.tables import (Consistency, TableKind, check_ids, check_range, coal
 log = logging.getLogger("shardps.server")
 
 GRADIENT, INITIALIZE = ps.GRADIENT, ps.INITIALIZE
+MAX_CLOCK = 1 << 40          # steps: far beyond any real run, far below int64 overflow
 
 
 @dataclass(frozen=True)
@@ -338,6 +339,18 @@ class ServerNode:
                            f"create it first, or refresh the shard map")
         return t
 
+    def _check_header(self, header: pb.RequestHeader) -> None:
+        """Bounds every header field can be checked against without the map."""
+        if not 0 <= header.clock < MAX_CLOCK:
+            raise InvalidArgument(f"header.clock={header.clock}: a worker's completed steps must "
+                                  f"lie in [0, {MAX_CLOCK})")
+
+    def _member(self, header: pb.RequestHeader) -> bool:
+        """Whether the request's session is a live member of its job's group."""
+        group = self.view.groups.get(header.job)
+        return bool(header.session) and group is not None and any(
+            m.session == header.session for m in group.members)
+
     def _check_epoch(self, header: pb.RequestHeader) -> None:
         if header.epoch > self.view.epoch:
             raise Unavailable(
@@ -501,6 +514,7 @@ class ServerNode:
         writer = Writer(header.session, int(header.incarnation), int(header.sequence),
                         int(header.acked_below))
         started = self._now()
+        self._check_header(header)
         with self._gate.shared():
             self._check_epoch(header)
             self._check_writer(header)
@@ -508,6 +522,14 @@ class ServerNode:
             parts = self._split(header, parsed, for_push=True)
             group = self.view.groups.get(header.job)
             sync = group is not None and group.consistency is Consistency.SYNC and kind == GRADIENT
+            if sync and self._member(header):
+                clock = self.clocks.get(header.job)
+                if clock is not None and header.clock > clock.applied_steps:
+                    # a SYNC worker pushes step t only after pulling step t, which waited for
+                    # step t - 1: a clock further ahead is not a real worker's
+                    raise FailedPrecondition(
+                        f"SYNC push for step {header.clock} while this server has applied "
+                        f"{clock.applied_steps} steps: a worker pushes step t after pulling it")
             ack = self._apply_parts(parts, kind, writer, sync, int(header.clock), parsed)
             if parts:
                 optimizer = parts[0].table.config.optimizer.kind.name
@@ -789,13 +811,15 @@ class ServerNode:
             key = (op.job, op.table, int(op.block))
             arrays = []
             if op.kind in (ps.APPLY, ps.ACCUMULATE, ps.INITIAL):
-                if op.id_count:
-                    n = int(op.id_count) * 8
-                    arrays.append(np.frombuffer(buf[offset:offset + n], dtype="<i8"))
+                for count, dtype, size in ((op.id_count, "<i8", 8), (op.element_count, "<f4", 4)):
+                    if dtype == "<i8" and not count:
+                        continue
+                    n = int(count) * size
+                    if offset + n > len(buf):
+                        raise InvalidArgument(f"replicate payload has {len(buf)} bytes; op {key} needs "
+                                              f"{n} more after byte {offset}")
+                    arrays.append(np.frombuffer(buf[offset:offset + n], dtype=dtype))
                     offset += n
-                n = int(op.element_count) * 4
-                arrays.append(np.frombuffer(buf[offset:offset + n], dtype="<f4"))
-                offset += n
             blk = self._replica_block(view, key, source, epoch)
             with blk.lock:
                 if op.version != blk.version + 1:
@@ -853,7 +877,17 @@ class ServerNode:
         if clock is None or lock is None or clock.mode is not Consistency.SYNC:
             return
         with lock:
-            for step in clock.steps_to_apply():
+            ready = clock.steps_to_apply()
+            with self._lock:
+                keys = list(self._pending.get(job, set()))
+            with_data = set()
+            for k in keys:
+                blk = self.blocks.get(k)
+                if blk is not None:
+                    with blk.lock:
+                        with_data.update(st for st in blk.pending if st in ready)
+            with_data = sorted(with_data)
+            for step in with_data:      # steps nobody pushed data for need no work here
                 divisor = max(1, len(clock.live))
                 with self._gate.shared(), contextlib.ExitStack() as stack:
                     with self._lock:
@@ -880,6 +914,8 @@ class ServerNode:
                         log.warning("step %d of job %s applied; a backup missed it (%s): it "
                                     "will be resynced", step, job, exc.message)
                 clock.mark_applied(step)
+            if len(ready):
+                clock.skip_to(ready.stop)
 
     def _apply_step_locked(self, blk: Block, t: TableView, step: int, divisor: int) -> None:
         parts = blk.pending.pop(step, [])
@@ -913,8 +949,12 @@ class ServerNode:
         SYNC / BOUNDED groups: first waits (up to ``deadline``) for the consistency condition.
         """
         header_out = ps.PullHeader()
+        self._check_header(header)
+        with self._gate.shared():          # a malformed pull is refused before it waits
+            self._check_epoch(header)
+            self._parse_segments(header, segments, ids_payload, with_values=False)
         clock = self.clocks.get(header.job)
-        if clock is not None and header.session:
+        if clock is not None and self._member(header):
             waited = self._now()
             staleness = clock.wait_for_pull(int(header.clock), deadline)
             header_out.waited_seconds = self._now() - waited

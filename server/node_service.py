@@ -19,11 +19,18 @@ from shardps.server.auth import check_job
 from shardps.server.node import BlockSnapshot, ServerNode
 
 SERVICE = "shardps.v1.ParameterServer"
+MAX_HOLD_SECONDS = 600.0
+MIN_CHUNK_BYTES = 64 << 10          # a client cannot ask for one message per byte
+MAX_CHUNK_BYTES = 16 << 20
 _IDENTITY = bytes
 
 
 def _np_dtype(code: int) -> str:
-    return {pb.FLOAT32: "<f4", pb.INT64: "<i8", pb.FLOAT64: "<f8"}[code]
+    try:
+        return {pb.FLOAT32: "<f4", pb.INT64: "<i8", pb.FLOAT64: "<f8"}[code]
+    except KeyError:
+        raise InvalidArgument(f"block array dtype {code}: block state travels as FLOAT32, "
+                              f"FLOAT64 or INT64") from None
 
 
 def collect_chunks(first, rest, header_cls, limit: int, what: str):
@@ -85,7 +92,9 @@ def decode_snapshots(chunks) -> tuple[int, list[BlockSnapshot]]:
         arrays, pos = [], 0
         for info in current.arrays:
             dt = np.dtype(_np_dtype(info.dtype))
-            count = int(np.prod(info.shape)) if len(info.shape) else 1
+            if any(d < 0 for d in info.shape):
+                raise InvalidArgument(f"block {current.ref}: array {info.name!r} shape {list(info.shape)}")
+            count = int(np.prod(info.shape, dtype=object)) if len(info.shape) else 1
             n = count * dt.itemsize
             if pos + n > len(data):
                 raise InvalidArgument(f"block {current.ref}: array {info.name!r} is truncated")
@@ -184,21 +193,21 @@ class ParameterServerService:
             if header.shared_memory.length != header.payload_bytes:
                 raise InvalidArgument(f"Push: shared-memory length {header.shared_memory.length} != "
                                       f"payload_bytes {header.payload_bytes}")
-            payload = self.read_shared_memory(header.shared_memory)
+            payload = self.read_shared_memory(header.shared_memory, header.header.job)
         return self.node.push(header.header, header.kind, header.segments, payload, call.deadline)
 
     def pull(self, request: ps.PullRequest, call):
         check_job(call.principal, request.header.job)
         ref = request.reply_shared_memory
-        out_buffer = self._open_shared(ref) if ref.name else None
+        out_buffer = self._open_shared(ref, request.header.job) if ref.name else None
         header, arrays = self.node.pull(request.header, request.segments, request.data, call.deadline,
                                         out_buffer=out_buffer)
-        chunk = request.chunk_bytes or CHUNK_BYTES
+        chunk = max(MIN_CHUNK_BYTES, min(request.chunk_bytes or CHUNK_BYTES, MAX_CHUNK_BYTES))
         if header.in_shared_memory:            # written straight into the client's memory
             yield encode_chunk(header.SerializeToString(), None)
             return
         if ref.name:
-            self.write_shared_memory(ref, arrays)
+            self.write_shared_memory(ref, arrays, request.header.job)
             header.in_shared_memory = True
             yield encode_chunk(header.SerializeToString(), None)
             return
@@ -211,21 +220,29 @@ class ParameterServerService:
 
     # --- shared-memory fast path (same host) ---
     def probe_shared_memory(self, request, call) -> ps.ProbeSharedMemoryResponse:
+        check_job(call.principal, request.job)
+        if len(request.nonce) < 16:
+            return ps.ProbeSharedMemoryResponse(usable=False, reason="nonce shorter than 16 bytes")
         try:
-            view = self._open_shared(request.ref)
+            view = self.regions.view(request.ref.name, int(request.ref.offset), int(request.ref.length))
             ok = bytes(view[:len(request.nonce)]) == request.nonce
-            return ps.ProbeSharedMemoryResponse(usable=ok, reason="" if ok else "nonce differs")
+            del view
         except ShardpsError as exc:
             return ps.ProbeSharedMemoryResponse(usable=False, reason=exc.message)
+        if not ok:
+            return ps.ProbeSharedMemoryResponse(usable=False, reason="nonce differs")
+        if not self.regions.bind(request.ref.name, request.job):
+            return ps.ProbeSharedMemoryResponse(usable=False, reason="region belongs to another job")
+        return ps.ProbeSharedMemoryResponse(usable=True)
 
-    def _open_shared(self, ref: pb.SharedMemoryRef) -> memoryview:
-        return self.regions.view(ref.name, int(ref.offset), int(ref.length))
+    def _open_shared(self, ref: pb.SharedMemoryRef, job: str) -> memoryview:
+        return self.regions.view_for(ref.name, int(ref.offset), int(ref.length), job)
 
-    def read_shared_memory(self, ref: pb.SharedMemoryRef):
-        return self._open_shared(ref)
+    def read_shared_memory(self, ref: pb.SharedMemoryRef, job: str):
+        return self._open_shared(ref, job)
 
-    def write_shared_memory(self, ref: pb.SharedMemoryRef, arrays) -> None:
-        view = self._open_shared(ref)
+    def write_shared_memory(self, ref: pb.SharedMemoryRef, arrays, job: str) -> None:
+        view = self._open_shared(ref, job)
         total = sum(a.nbytes for a in arrays)
         if total > len(view):
             raise ResourceExhausted(f"pull result is {total} bytes; the shared-memory region "
@@ -268,7 +285,11 @@ class ParameterServerService:
         yield from encode_snapshots(self.node.snapshot_blocks(refs), self.node.epoch)
 
     def hold_job(self, request, call) -> ps.HoldJobResponse:
-        self.node.hold_job(request.job, request.hold, request.hold_seconds or 30.0)
+        seconds = request.hold_seconds or 30.0
+        if not 0 < seconds <= MAX_HOLD_SECONDS:
+            raise InvalidArgument(f"hold_seconds={request.hold_seconds}: a hold lasts (0, "
+                                  f"{MAX_HOLD_SECONDS}] seconds")
+        self.node.hold_job(request.job, request.hold, seconds)
         return ps.HoldJobResponse()
 
     def drop_tables(self, request, call) -> ps.DropTablesResponse:

@@ -78,6 +78,12 @@ def apply(config: OptimizerConfig, params: np.ndarray, grad: np.ndarray,
     ``params``' shape and is not modified. Uses one scratch array of ``params``' size (and no
     other temporaries), so a step's memory footprint stays flat.
     """
+    with np.errstate(all="ignore"):     # tables that allow NaN/Inf propagate them silently
+        _apply(config, params, grad, state, step)
+
+
+def _apply(config: OptimizerConfig, params: np.ndarray, grad: np.ndarray,
+           state: dict[str, np.ndarray], step) -> None:
     lr = np.float32(config.lr)
     tmp = scratch(params.shape)
     if config.weight_decay:

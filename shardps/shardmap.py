@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shardps.convert import config_from_proto, consistency_from_proto, spec_from_proto
-from shardps.errors import NotFound
+from shardps.errors import InvalidArgument, NotFound
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.tables import Consistency, TableConfig, TableSpec
 
@@ -74,6 +74,10 @@ class ShardMapView:
             fresh = np.zeros(n, dtype=np.uint64)
             replicas = []
             for b, bp in enumerate(t.blocks):
+                if any(i >= len(self.servers) for i in bp.replicas):
+                    raise InvalidArgument(
+                        f"shard map epoch {self.epoch}: block {b} of {t.spec.name!r} lists replica "
+                        f"index {max(bp.replicas)} but the map has {len(self.servers)} servers")
                 names = tuple(self.servers[i].name for i in bp.replicas)
                 replicas.append(names)
                 if names:

@@ -21,11 +21,11 @@ from enum import Enum
 
 import numpy as np
 
-from shardps.errors import InvalidArgument
+from shardps.errors import InvalidArgument, ResourceExhausted
 
 DEFAULT_BLOCK_SIZE = 1 << 16      # dense elements per block: 256 KiB of float32
 DEFAULT_SPARSE_BLOCKS = 64
-MAX_BLOCKS_PER_TABLE = 1 << 20
+MAX_BLOCKS_PER_TABLE = 1 << 16
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.:/-]{1,128}$")
 _JOB_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -228,18 +228,20 @@ class TableSpec:
                 raise InvalidArgument(
                     f"table {self.name!r} block_size={self.block_size}: must be in [1, 2**26]")
             if self.block_count > MAX_BLOCKS_PER_TABLE:
-                raise InvalidArgument(
-                    f"table {self.name!r} would have {self.block_count} blocks "
-                    f"(max {MAX_BLOCKS_PER_TABLE}): raise block_size")
+                raise ResourceExhausted(
+                    f"table {self.name!r} would have {self.block_count} blocks; the limit "
+                    f"MAX_BLOCKS_PER_TABLE is {MAX_BLOCKS_PER_TABLE}: raise block_size")
         elif self.kind is TableKind.SPARSE:
             if len(self.shape) != 2 or self.shape[0] < 0 or self.shape[1] <= 0:
                 raise InvalidArgument(
                     f"sparse table {self.name!r} shape {list(self.shape)}: must be "
                     f"[num_rows >= 0 (0: any id), dim >= 1]")
-            if not 1 <= self.num_blocks <= MAX_BLOCKS_PER_TABLE:
-                raise InvalidArgument(
-                    f"table {self.name!r} num_blocks={self.num_blocks}: must be in "
-                    f"[1, {MAX_BLOCKS_PER_TABLE}]")
+            if self.num_blocks < 1:
+                raise InvalidArgument(f"table {self.name!r} num_blocks={self.num_blocks}: must be >= 1")
+            if self.num_blocks > MAX_BLOCKS_PER_TABLE:
+                raise ResourceExhausted(
+                    f"table {self.name!r} num_blocks={self.num_blocks}; the limit "
+                    f"MAX_BLOCKS_PER_TABLE is {MAX_BLOCKS_PER_TABLE}")
             if self.init.kind is InitKind.ASSIGNED:
                 raise InvalidArgument(
                     f"sparse table {self.name!r}: ASSIGNED initial values are for dense tables; "

@@ -81,22 +81,7 @@ class KnownBug:
     repro: str
 
 
-KNOWN_BUGS = [
-    KnownBug("undecodable-request-is-internal", "INTERNAL", None, r"^Exception deserializing request!$",
-             "test_bug_undecodable_request_is_internal_not_invalid_argument"),
-    # ... and a push whose last chunk is undecodable is applied before grpc refuses it:
-    # test_bug_push_with_a_trailing_undecodable_chunk_is_applied
-    KnownBug("undecodable-header-is-internal", "INTERNAL", frozenset({"Push", "Replicate", "LoadBlocks"}),
-             r"DecodeError", "test_bug_undecodable_push_header_is_internal"),
-    KnownBug("replicate-short-payload-is-internal", "INTERNAL", frozenset({"Replicate"}),
-             r"ValueError", "test_bug_replicate_with_short_payload_is_internal"),
-    KnownBug("load-blocks-unknown-dtype-is-internal", "INTERNAL", frozenset({"LoadBlocks"}),
-             r"KeyError|ValueError|TypeError", "test_bug_load_blocks_with_unknown_array_dtype_is_internal"),
-    KnownBug("malformed-shard-map-is-internal", "INTERNAL", frozenset({"InstallShardMap"}),
-             r"IndexError|KeyError|ValueError", "test_bug_install_of_a_malformed_shard_map_is_internal"),
-    KnownBug("clock-overflow-is-internal", "INTERNAL", frozenset({"Pull"}),
-             r"Value out of range", "test_bug_push_with_clock_int64_max_breaks_every_pull_of_the_job"),
-]
+KNOWN_BUGS: list = []      # none open: each bug found has a regression test at the bottom
 
 PS_METHODS = {   # name -> gRPC kind
     "Push": "stream_unary", "Pull": "unary_stream", "ProbeSharedMemory": "unary_unary",
@@ -368,6 +353,9 @@ class RefTable:
         return stored if stored is not None else np.full(self.dim, self.init_value, np.float32)
 
 
+MAX_CLOCK = 1 << 40        # RequestHeader.clock bound (a worker's completed steps)
+
+
 @dataclass
 class Verdict:
     """The rules a request breaks (their codes) and, if none, what applying it does."""
@@ -463,6 +451,9 @@ class Reference:
     def judge_push(self, server: str, h: ps.PushHeader, payload: bytes) -> Verdict:
         v = Verdict()
         hdr = h.header
+        if not 0 <= hdr.clock < MAX_CLOCK:
+            v.bad(INVALID, f"clock {hdr.clock} outside [0, 2**40)")
+            return v
         if h.kind not in (ps.PUSH_KIND_UNSPECIFIED, ps.GRADIENT, ps.INITIALIZE):
             v.bad(INVALID, f"unknown push kind {h.kind}")
         kind = h.kind or ps.GRADIENT
@@ -526,6 +517,9 @@ class Reference:
     def judge_pull(self, server: str, req: ps.PullRequest) -> Verdict:
         v = Verdict()
         hdr = req.header
+        if not 0 <= hdr.clock < MAX_CLOCK:
+            v.bad(INVALID, f"clock {hdr.clock} outside [0, 2**40)")
+            return v
         if req.reply_shared_memory.name:
             v.bad(SHM_REFUSED, "shared-memory reply region that does not exist")
         if hdr.job != DATA_JOB and hdr.session:
@@ -916,9 +910,8 @@ def draw_header(data, w: World, push: bool, hostile: bool) -> pb.RequestHeader:
     sequence = one_of(w, [*range(41), 2 ** 64 - 1]) if push else 0
     acked = one_of(w, [0] * 8 + [1, 5, 20]) if push else 0
     wire = one_of(w, WIRE_BAD if hostile and randint(w, 0, 9) == 0 else WIRE)
-    # clock 2**63 - 1 is left out: it breaks every later pull of the job (KNOWN_BUGS:
-    # test_bug_push_with_clock_int64_max_breaks_every_pull_of_the_job)
-    clock = one_of(w, [0, 1, 2, 5] + CLOCK_EDGE)
+    # clocks beyond 2**40 (and 2**63 - 1: test_bug_push_with_clock_int64_max_...) are refused
+    clock = knob(w, hostile, [0, 1, 2, 5], CLOCK_EDGE + [2 ** 63 - 1], "clock")
     return pb.RequestHeader(job=job, epoch=epoch, session=sess, incarnation=inc, sequence=sequence,
                             acked_below=acked, clock=clock, wire_dtype=wire)
 
@@ -1898,9 +1891,6 @@ def _code(fn) -> str:
         return err.code().name
 
 
-@pytest.mark.xfail(strict=True, reason="grpc's own deserializer refuses undecodable requests with "
-                   "INTERNAL ('Exception deserializing request!'); the contract says INVALID_ARGUMENT. "
-                   "Fix: identity deserializers in status.bind, parse inside the handler")
 def test_bug_undecodable_request_is_internal_not_invalid_argument(one_server):
     cluster, _, ch = one_server
     assert _code(lambda: list(ch.unary_stream(f"/{PS}/Pull")(b"\xff\xff\xff", timeout=5))) == INVALID
@@ -1908,8 +1898,6 @@ def test_bug_undecodable_request_is_internal_not_invalid_argument(one_server):
         assert _code(lambda: mch.unary_unary(f"/{RM}/CreateJob")(b"\xff", timeout=5)) == INVALID
 
 
-@pytest.mark.xfail(strict=True, reason="a push whose last chunk cannot be decoded is applied, then "
-                   "grpc fails the call with INTERNAL: a refused push changed the table")
 def test_bug_push_with_a_trailing_undecodable_chunk_is_applied(one_server):
     _, client, ch = one_server
     before = client.pull_dense("w")
@@ -1920,16 +1908,12 @@ def test_bug_push_with_a_trailing_undecodable_chunk_is_applied(one_server):
     np.testing.assert_array_equal(client.pull_dense("w"), before, err_msg=f"refused with {code}, yet applied")
 
 
-@pytest.mark.xfail(strict=True, reason="an undecodable PushHeader (or Replicate/LoadBlocks header) "
-                   "escapes as DecodeError: INTERNAL instead of INVALID_ARGUMENT")
 def test_bug_undecodable_push_header_is_internal(one_server):
     _, _, ch = one_server
     assert _code(lambda: ch.stream_unary(f"/{PS}/Push")(iter([_raw_chunk(b"\xff\xff", b"")]),
                                                          timeout=5)) == INVALID
 
 
-@pytest.mark.xfail(strict=True, reason="Replicate reads op payloads with np.frombuffer before checking "
-                   "their length: ValueError, INTERNAL")
 def test_bug_replicate_with_short_payload_is_internal(one_server):
     _, _, ch = one_server
     head = ps.ReplicateHeader(epoch=1, source="s0", ops=[ps.BlockOp(job="r", table="w", block=0,
@@ -1938,8 +1922,6 @@ def test_bug_replicate_with_short_payload_is_internal(one_server):
     assert _code(lambda: ch.stream_unary(f"/{PS}/Replicate")(iter([chunk]), timeout=5)) == INVALID
 
 
-@pytest.mark.xfail(strict=True, reason="LoadBlocks looks array dtypes up in a dict: an unknown one "
-                   "(FLOAT16 here) is a KeyError, INTERNAL")
 def test_bug_load_blocks_with_unknown_array_dtype_is_internal(one_server):
     _, _, ch = one_server
     head = ps.BlockStateHeader(ref=ps.BlockRef(job="r", table="w", block=0),
@@ -1948,9 +1930,6 @@ def test_bug_load_blocks_with_unknown_array_dtype_is_internal(one_server):
     assert _code(lambda: ch.stream_unary(f"/{PS}/LoadBlocks")(iter([chunk]), timeout=5)) == INVALID
 
 
-@pytest.mark.xfail(strict=True, reason="RequestHeader.clock = 2**63 - 1 makes the worker's completed "
-                   "steps 2**63, which no longer fits PullHeader.min_clock (int64): every later pull "
-                   "of the job fails with INTERNAL (ValueError) until the worker leaves")
 def test_bug_push_with_clock_int64_max_breaks_every_pull_of_the_job(one_server):
     _, client, ch = one_server
     m = client.join(heartbeat=False)
@@ -1961,8 +1940,6 @@ def test_bug_push_with_clock_int64_max_breaks_every_pull_of_the_job(one_server):
     assert _code(lambda: list(ch.unary_stream(f"/{PS}/Pull")(req.SerializeToString(), timeout=5))) == OK
 
 
-@pytest.mark.xfail(strict=True, reason="InstallShardMap trusts replica indexes: a map whose replica "
-                   "index is past its server list is an IndexError, INTERNAL (admin-only RPC)")
 def test_bug_install_of_a_malformed_shard_map_is_internal(one_server):
     _, client, ch = one_server
     m = pb.ShardMap()
@@ -1973,10 +1950,6 @@ def test_bug_install_of_a_malformed_shard_map_is_internal(one_server):
     assert _code(lambda: ch.unary_unary(f"/{PS}/InstallShardMap")(req, timeout=5)) == INVALID
 
 
-@pytest.mark.xfail(strict=True, reason="a pull in a BOUNDED or SYNC job waits for the slowest worker "
-                   "before it looks at the request: a pull of a table that does not exist, from a "
-                   "session that is not a member, holds a server thread until its deadline (or forever "
-                   "without one) instead of NOT_FOUND")
 def test_bug_pull_waits_for_the_clock_before_validating(make_cluster, client_factory):
     cluster = make_cluster(1)
     client = client_factory(cluster.address, "b")
@@ -1991,9 +1964,6 @@ def test_bug_pull_waits_for_the_clock_before_validating(make_cluster, client_fac
         assert _code(lambda: list(ch.unary_stream(f"/{PS}/Pull")(req.SerializeToString(), timeout=2))) == NOT_FOUND
 
 
-@pytest.mark.xfail(strict=True, reason="a push reporting a huge clock in a SYNC job makes the server "
-                   "apply steps 0..clock one by one (about 5 us each) while holding the job's apply "
-                   "lock: 10**12 steps keep a server thread busy for days; the push never returns")
 @pytest.mark.timeout(180, method="thread")
 def test_bug_sync_push_with_a_huge_clock_spins_a_server_thread(tmp_path):
     with process_cluster(tmp_path, "s", "sync") as client:
@@ -2008,10 +1978,6 @@ def test_bug_sync_push_with_a_huge_clock_spins_a_server_thread(tmp_path):
         assert code in (OK, INVALID, FAILED), code
 
 
-@pytest.mark.xfail(strict=True, reason="no limit on a table's block count: CreateTable (a job-level "
-                   "call) of a sparse table with 2**18 blocks holds the manager's lock for ~20 s, "
-                   "heartbeats time out, servers are declared dead and other jobs' blocks re-created "
-                   "empty (measured by hand; see the security report). It should be refused at once")
 @pytest.mark.timeout(180, method="thread")
 def test_bug_a_table_with_very_many_blocks_is_not_refused(tmp_path):
     from shardps.errors import ResourceExhausted, ShardpsError
@@ -2026,36 +1992,31 @@ def test_bug_a_table_with_very_many_blocks_is_not_refused(tmp_path):
         raise AssertionError(f"CreateTable of 2**18 blocks: {outcome}, not RESOURCE_EXHAUSTED")
 
 
-@pytest.mark.xfail(strict=True, reason="Push applies on the primary, then forwards to the backups: "
-                   "when a backup cannot be reached the push is refused (UNAVAILABLE) although the "
-                   "primary applied it. parameter_server.proto says a rejected request changes nothing "
-                   "stored; either say that UNAVAILABLE pushes may have been applied (a retry with the "
-                   "same sequence is exactly-once) or apply nothing until the backups did")
-def test_bug_push_refused_as_unavailable_was_applied(make_cluster, client_factory):
-    cluster = make_cluster(2, replication=2)
+def test_a_push_answered_unavailable_is_applied_once_when_retried(make_cluster, client_factory):
+    """UNAVAILABLE from Push means an unknown outcome (parameter_server.proto): the primary
+    may have applied it before a backup failed to. Retried with the same (session,
+    incarnation, sequence) once the map drops the dead backup, it is applied exactly once."""
+    cluster = make_cluster(2, replication=2, lease=1.0)
     client = client_factory(cluster.address, "r", timeout=10)
     client.create_job()
+    m = client.join(heartbeat=False)
     view = client.create_dense("w", (8,), optimizer=sgd(1.0), block_size=8)
     primary, backup = view.replicas[0]
     cluster.servers[backup].stop()
     payload = np.ones(8, np.float32).tobytes()
-    push = _push_chunk(client, [pb.Segment(table="w", range=pb.Range(start=0, stop=8))], payload)
+    ident = dict(session=m.session, incarnation=m.incarnation, sequence=1)
+    push = _push_chunk(client, [pb.Segment(table="w", range=pb.Range(start=0, stop=8))], payload, **ident)
     with channels.channel(cluster.servers[primary].address) as ch:
-        code = _code(lambda: ch.stream_unary(f"/{PS}/Push")(iter([push]), timeout=5))
-        assert code == UNAVAILABLE, code
-        req = ps.PullRequest(header=pb.RequestHeader(job="r", epoch=client.shard_map.epoch),
-                             segments=[pb.Segment(table="w", range=pb.Range(start=0, stop=8))])
-        chunks = [ps.PullChunk.FromString(c) for c in
-                  ch.unary_stream(f"/{PS}/Pull")(req.SerializeToString(), timeout=5)]
-    values = np.frombuffer(b"".join(c.data for c in chunks), np.float32)
-    np.testing.assert_array_equal(values, np.zeros(8, np.float32), err_msg="refused, yet applied")
+        assert _code(lambda: ch.stream_unary(f"/{PS}/Push")(iter([push]), timeout=5)) == UNAVAILABLE
+        deadline = time.monotonic() + 30
+        while backup in client.refresh_map().table("r", "w").replicas[0]:
+            assert time.monotonic() < deadline, "the dead backup was never dropped"
+            time.sleep(0.1)
+        retry = _push_chunk(client, [pb.Segment(table="w", range=pb.Range(start=0, stop=8))], payload, **ident)
+        assert _code(lambda: ch.stream_unary(f"/{PS}/Push")(iter([retry]), timeout=5)) == OK
+    np.testing.assert_array_equal(client.pull_dense("w"), -np.ones(8, np.float32))
 
 
-@pytest.mark.xfail(strict=True, reason="the same-host fast path trusts any region name of the form "
-                   "shardps-<hex>: a worker of job B (with B's valid token) can name a region of job "
-                   "A's worker (/dev/shm is listable) and the server reads A's bytes into B's table "
-                   "(or, with reply_shared_memory, writes B's values into A's region). Regions should "
-                   "be bound to the job that probed them")
 def test_bug_a_job_can_use_another_clients_shared_memory_region(make_cluster, client_factory):
     import os
     import secrets

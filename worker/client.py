@@ -154,6 +154,7 @@ class PSClient:
         # same-host fast path: bulk bytes through /dev/shm, gRPC for control only
         self._shm = shm.ClientRegions() if shared_memory and shm.available() else None
         self._shm_ok: dict[str, bool] = {}
+        self._shm_proved: set[tuple[str, str]] = set()
         self.checkpoint_request = ""       # set by heartbeats when an on-demand checkpoint is cut
 
     # ================================================================== plumbing
@@ -655,29 +656,33 @@ class PSClient:
     # --- the same-host fast path ---
     def _shared_memory_for(self, address: str, nbytes: int):
         """A shared-memory region of ``nbytes`` for a call to ``address``, or None when the
-        payload is small or the server cannot map our memory (another host or container)."""
-        if self._shm is None or nbytes < SHM_MIN_BYTES:
+        payload is small or the server cannot map our memory (another host or container).
+        Each region is proved to each server once (the server binds it to this job)."""
+        if self._shm is None or nbytes < SHM_MIN_BYTES or self._shm_ok.get(address) is False:
             return None
-        ok = self._shm_ok.get(address)
-        if ok is None:
-            ok = self._shm_ok[address] = self._probe_shared_memory(address)
-        return self._shm.acquire(nbytes) if ok else None
+        region = self._shm.acquire(nbytes)
+        if (address, region.name) in self._shm_proved:
+            return region
+        if self._probe_shared_memory(address, region):
+            self._shm_proved.add((address, region.name))
+            self._shm_ok[address] = True
+            return region
+        self._shm_ok[address] = False
+        self._shm.release(region)
+        return None
 
-    def _probe_shared_memory(self, address: str) -> bool:
-        region = self._shm.acquire(4096)
+    def _probe_shared_memory(self, address: str, region) -> bool:
+        nonce = os.urandom(16)
+        region.view(0, 16)[:] = nonce
         try:
-            nonce = os.urandom(16)
-            region.view(0, 16)[:] = nonce
             resp = self._pool.get(address).ProbeSharedMemory(
                 ps.ProbeSharedMemoryRequest(ref=pb.SharedMemoryRef(name=region.name, offset=0, length=16),
-                                            nonce=nonce), timeout=5.0, metadata=self._metadata)
-            if not resp.usable:
-                log.debug("shared memory with %s unusable: %s", address, resp.reason)
-            return resp.usable
+                                            nonce=nonce, job=self.job), timeout=5.0, metadata=self._metadata)
         except grpc.RpcError:
             return False
-        finally:
-            self._shm.release(region)
+        if not resp.usable:
+            log.debug("shared memory with %s unusable: %s", address, resp.reason)
+        return resp.usable
 
     # --- pull ---
     def _pull(self, pieces: list[Piece], outputs: list, timeout: float | None) -> PullResult:

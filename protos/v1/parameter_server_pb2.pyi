@@ -111,12 +111,14 @@ class PullChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ProbeSharedMemoryRequest(_message.Message):
-    __slots__ = ("ref", "nonce")
+    __slots__ = ("ref", "nonce", "job")
     REF_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
     ref: _common_pb2.SharedMemoryRef
     nonce: bytes
-    def __init__(self, ref: _Optional[_Union[_common_pb2.SharedMemoryRef, _Mapping]] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+    job: str
+    def __init__(self, ref: _Optional[_Union[_common_pb2.SharedMemoryRef, _Mapping]] = ..., nonce: _Optional[bytes] = ..., job: _Optional[str] = ...) -> None: ...
 
 class ProbeSharedMemoryResponse(_message.Message):
     __slots__ = ("usable", "reason")

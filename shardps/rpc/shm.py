@@ -78,6 +78,22 @@ class ServerRegions:
         self.idle_seconds = idle_seconds
         self._lock = threading.Lock()
         self._regions: dict[str, Region] = {}
+        self._owner: dict[str, str] = {}      # region name -> the job that proved it
+
+    def bind(self, name: str, job: str) -> bool:
+        """Bind a region to the job that proved it; False if another job holds it."""
+        with self._lock:
+            owner = self._owner.setdefault(name, job)
+            return owner == job
+
+    def view_for(self, name: str, offset: int, length: int, job: str) -> memoryview:
+        """A view of a region bound to ``job`` (see ``bind``)."""
+        with self._lock:
+            owner = self._owner.get(name)
+        if owner != job:
+            raise InvalidArgument(f"shared-memory region {name!r} was not proved by job {job!r} "
+                                  f"(ProbeSharedMemory first; regions are not shared between jobs)")
+        return self.view(name, offset, length)
 
     def view(self, name: str, offset: int, length: int) -> memoryview:
         if not NAME_RE.match(name or ""):
@@ -106,6 +122,8 @@ class ServerRegions:
             if i < excess or now - region.last_used > self.idle_seconds:
                 if region.close():
                     del self._regions[region.name]
+                    if not os.path.exists(region.path):     # the client is gone
+                        self._owner.pop(region.name, None)
 
     def close(self) -> None:
         with self._lock:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from shardps import errors
 from shardps.errors import ShardpsError
@@ -140,6 +141,10 @@ def _outcome(context: grpc.ServicerContext, full: str, result: _Outcome):
     except ShardpsError as exc:
         result.code = grpc_code(exc).name
         context.abort(grpc_code(exc), exc.message)
+    except DecodeError as exc:                   # a request that is not the message it claims
+        result.code = "INVALID_ARGUMENT"
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"{full}: the request does not decode as its protobuf message ({exc})")
     except Exception as exc:
         if context.code() is not None:           # aborted by grpc itself
             result.code = context.code().name
@@ -194,10 +199,12 @@ def bind(service: str, methods: dict[str, Method], metrics=None,
                 key = None
                 try:
                     with _outcome(context, full, result):
-                        call = begin(context)
+                        call = begin(context)         # credentials first, then decoding
                         if m.kind == "stream_unary":
                             key = watchdog.watch(context, full)
-                            request = _watched(request, watchdog, key)
+                            request = map(m.request_deserializer, _watched(request, watchdog, key))
+                        else:
+                            request = m.request_deserializer(request)
                         return m.fn(request, call)
                 finally:
                     if key is not None:
@@ -211,7 +218,7 @@ def bind(service: str, methods: dict[str, Method], metrics=None,
                 try:
                     with _outcome(context, full, result):
                         call = begin(context)
-                        for item in m.fn(request, call):
+                        for item in m.fn(m.request_deserializer(request), call):
                             if metrics is not None:
                                 metrics.msg_sent.labels(*labels).inc()
                             if key is not None:
@@ -222,9 +229,10 @@ def bind(service: str, methods: dict[str, Method], metrics=None,
                         watchdog.release(key)
                     finish(result.code, started)
 
+        # requests reach the handler as bytes: decoding them there maps a malformed message
+        # to INVALID_ARGUMENT (grpc's own decoding would answer INTERNAL), after credentials
         factory = getattr(grpc, f"{m.kind}_rpc_method_handler")
-        return factory(handler, request_deserializer=m.request_deserializer,
-                       response_serializer=m.response_serializer)
+        return factory(handler, request_deserializer=None, response_serializer=m.response_serializer)
 
     return grpc.method_handlers_generic_handler(
         service, {name: wrap(name, m) for name, m in methods.items()})
