@@ -780,14 +780,10 @@ class PSClient:
     def _add_base_versions(self, seg, p: Piece, view: ShardMapView) -> None:
         """The versions at which this worker last pulled the blocks it now pushes: the servers
         measure how many updates arrived in between (shardps_push_intervening_updates)."""
-        if not self._versions:
-            return
+        if not self._versions or not p.dense:
+            return        # sparse pushes skip it: finding their blocks costs a hash per row
         spec = view.table(self.job, p.table).spec
-        if p.dense:
-            blocks = range(p.start // spec.block_size, (p.stop - 1) // spec.block_size + 1)
-        else:
-            from shardps.tables import sparse_block_of
-            blocks = np.unique(sparse_block_of(p.ids, spec.num_blocks)).tolist()
+        blocks = range(p.start // spec.block_size, (p.stop - 1) // spec.block_size + 1)
         for b in blocks:
             v = self._versions.get((p.table, b))
             if v is not None:

@@ -183,9 +183,8 @@ def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=Fals
             max_stale = max(max_stale, client.last_staleness)
             t1 = time.perf_counter()
             xb, yb = x[torch.as_tensor(b)], y[torch.as_tensor(b)]
-            if embeddings:
-                unique_rows += int(torch.unique(xb).numel())
             loss = task.loss(task.model(xb), yb)
+            unique_rows += sum(emb.last_unique for emb in embeddings)
             loss.backward()
             if embeddings and args.prefetch and i + 1 < len(batch_list):
                 nxt = x[torch.as_tensor(batch_list[i + 1])]

@@ -68,6 +68,8 @@ class PSEmbedding(nn.Module):
         self._pending: list[tuple[np.ndarray, torch.Tensor]] = []
         self._prefetch: tuple[np.ndarray, futures.Future] | None = None
         self._wanted: np.ndarray | None = None
+        self._planned: tuple | None = None     # (batch ids, unique, inverse) of an announced batch
+        self.last_unique = 0                   # distinct ids of the last forward
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, table={self.table!r}"
@@ -79,8 +81,12 @@ class PSEmbedding(nn.Module):
 
     def request_prefetch(self, ids: torch.Tensor) -> None:
         """Ask the owning PSModel to fetch the rows of ``ids`` (a coming batch) together with
-        the next step's dense values, in the same requests (see PSModel.push)."""
-        self._wanted = np.unique(ids.detach().cpu().numpy().reshape(-1))
+        the next step's dense values, in the same requests (see PSModel.push). The batch is
+        deduplicated once, here; its forward reuses that."""
+        flat = ids.detach().cpu().numpy().reshape(-1)
+        unique, inverse = np.unique(flat, return_inverse=True)
+        self._planned = (flat, unique, inverse.astype(np.int64))
+        self._wanted = unique
 
     def _provide(self, ids: np.ndarray, rows: np.ndarray) -> None:
         done: futures.Future = futures.Future()
@@ -91,8 +97,15 @@ class PSEmbedding(nn.Module):
         if self.client is None:
             raise InvalidArgument(f"PSEmbedding {self.table!r} is not bound: wrap the model in PSModel")
         flat = ids.reshape(-1)
-        unique, inverse = torch.unique(flat, return_inverse=True)
-        unique_np = unique.detach().cpu().numpy()
+        flat_np = flat.detach().cpu().numpy()
+        planned = self._planned
+        self._planned = None
+        if planned is not None and np.array_equal(planned[0], flat_np):
+            unique_np, inverse = planned[1], torch.from_numpy(planned[2]).to(ids.device)
+        else:                      # the batch was not announced: deduplicate it now
+            unique, inverse = torch.unique(flat, return_inverse=True)
+            unique_np = unique.detach().cpu().numpy()
+        self.last_unique = int(unique_np.shape[0])
         rows_np = None
         if self._prefetch is not None:
             pre_ids, fut = self._prefetch
@@ -227,6 +240,17 @@ class PSModel:
                 grads = np.concatenate([g for _, g in parts])
                 requests.append((emb.table, ids, grads))
         self.flush()
+        prefetch = None
+        if self.overlap:
+            # the next step's dense values and requested embedding rows, in one round, sent
+            # before this push so the servers read them without waiting behind its updates
+            wanted = [(emb, emb._wanted) for emb in self.embeddings.values() if emb._wanted is not None]
+            for emb, _ in wanted:
+                emb._wanted = None
+            requests_next = [(n,) for n in self.dense] + [(emb.table, ids) for emb, ids in wanted]
+            if requests_next:
+                self.client.clock = self.step + 1
+                prefetch = _Paired(self.client.pull_many_async(requests_next), wanted)
         future = self.client.push_many_async(requests, clock=self.step, report_step=self.report_steps)
         if self.local_optimizer is not None:
             self.local_optimizer.step()
@@ -238,14 +262,7 @@ class PSModel:
         result = None
         if self.overlap:
             self._pending_push = future
-            # the next step's dense values and requested embedding rows, in one round
-            wanted = [(emb, emb._wanted) for emb in self.embeddings.values() if emb._wanted is not None]
-            for emb, _ in wanted:
-                emb._wanted = None
-            requests = [(n,) for n in self.dense] + [(emb.table, ids) for emb, ids in wanted]
-            if requests:
-                pull = self.client.pull_many_async(requests)
-                self._prefetch = _Paired(pull, wanted)
+            self._prefetch = prefetch
         else:
             result = future.result()
         self.timings["push_wait"] += time.perf_counter() - started
