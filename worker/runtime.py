@@ -148,7 +148,14 @@ def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=Fals
     last_log = time.monotonic()
     start_epoch, start_batch = resume or (0, 0)
     handled_request = ""
+    factor = 1.0
     for epoch in range(start_epoch, epochs):
+        if task.lr_schedule is not None and client.membership.rank == 0:
+            wanted = task.lr_schedule(epoch, epochs)
+            if wanted != factor:           # one worker updates the shared tables' configs
+                factor = wanted
+                ps_model.set_lr(lambda base: base * factor)
+                log.info("epoch %d: learning rate factor %g", epoch, factor)
         view = client.refresh_map()
         g = view.groups.get(job)
         ranks = [m.rank for m in g.members] if g else [client.membership.rank]
@@ -266,7 +273,12 @@ def train_single_process(args, task=None) -> TrainResult:
     started = time.perf_counter()
     steps = samples = 0
     losses = []
+    base_lrs = [[g["lr"] for g in o.param_groups] for o in optimizers]
     for epoch in range(epochs):
+        factor = task.lr_schedule(epoch, epochs) if task.lr_schedule is not None else 1.0
+        for o, lrs in zip(optimizers, base_lrs):
+            for g, lr in zip(o.param_groups, lrs):
+                g["lr"] = lr * factor
         for b in batches(shard_indices(x.shape[0], epoch, args.seed, 0, 1), bs):
             if args.steps and steps >= args.steps:
                 break

@@ -65,7 +65,13 @@ def build_digits(seed: int = 0, dropout: bool = True, **_) -> Task:
     torch.manual_seed(seed)
     train, test = load_digits_split(seed)
     return Task("digits-cnn", DigitsNet(8, dropout), train, test, F.nll_loss, accuracy,
-                optimizer=adam(lr=2e-3), batch_size=32, epochs=20, metric="test_accuracy")
+                optimizer=adam(lr=2e-3), batch_size=32, epochs=20, metric="test_accuracy",
+                lr_schedule=step_decay)
+
+
+def step_decay(epoch: int, epochs: int) -> float:
+    """The learning rate drops tenfold for the last quarter of the epochs."""
+    return 0.1 if epoch >= 0.75 * epochs else 1.0
 
 
 def build_mnist(seed: int = 0, data_dir: str = "", **_) -> Task:
