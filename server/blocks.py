@@ -237,9 +237,11 @@ class _Rows:
         self.size = slots
 
     def take(self, slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows at ``slots`` (each in [0, size)), into ``out`` if given (unbuffered)."""
         if out is None:
             return self.data[slots]
-        np.take(self.data, slots, axis=0, out=out)
+        # mode="clip" writes straight into out; the default buffers a whole temporary copy
+        np.take(self.data, slots, axis=0, out=out, mode="clip")
         return out
 
     def put(self, slots: np.ndarray, values) -> None:
@@ -418,8 +420,11 @@ class SparseShard:
         missing = slots < 0
         if missing.any():
             slots[missing] = self.insert(ids[missing], config)
-        params = self.rows.take(slots)
-        state = {k: v.take(slots) for k, v in self.state.items()}
+        n = ids.shape[0]
+        # gathered into per-thread scratch: no large temporaries (and page faults) per push
+        params = self.rows.take(slots, optimizers.scratch((n, self.dim), "shard-rows"))
+        state = {k: v.take(slots, optimizers.scratch((n, self.dim), f"shard-{k}"))
+                 for k, v in self.state.items()}
         step = 1
         if self.row_steps is not None:
             steps = self.row_steps.take(slots) + 1

@@ -140,9 +140,23 @@ class _Part:
     lo: int = 0                       # dense: flat range
     hi: int = 0
     ids: np.ndarray | None = None     # sparse: unique ids (push) or ids in request order (pull)
-    positions: np.ndarray | None = None   # pull: where these rows go in the segment's output
-    values: np.ndarray | None = None  # push: float32, dense 1-d or sparse [n, dim]
+    positions: np.ndarray | None = None   # where these rows are in the segment (its output, on pulls)
     whole: tuple | None = None        # sparse push: (ids, values, parts) of the whole segment
+    source: np.ndarray | None = None  # sparse push: the segment's values (rows at ``positions``)
+    _values: np.ndarray | None = None
+
+    @property
+    def values(self) -> np.ndarray | None:
+        """Push: float32, dense 1-d or sparse ``[n, dim]``. A sparse part's rows are gathered
+        from ``source`` on first use: a push applied to the whole segment at once never
+        copies them unless a backup needs them."""
+        if self._values is None and self.source is not None:
+            self._values = self.source[self.positions]
+        return self._values
+
+    @values.setter
+    def values(self, values: np.ndarray | None) -> None:
+        self._values = values
 
 
 @dataclass
@@ -470,9 +484,7 @@ class ServerNode:
                 blocks_of = sparse_block_of(ids, spec.num_blocks)
                 seg_parts = []
                 for b, pos in group_by_block(blocks_of):
-                    part = _Part((t.job, spec.name, b), t, i, ids=ids[pos], positions=pos)
-                    if values is not None:
-                        part.values = values[pos]
+                    part = _Part((t.job, spec.name, b), t, i, ids=ids[pos], positions=pos, source=values)
                     seg_parts.append(part)
                 whole = (ids, values, len(seg_parts)) if for_push else None
                 for part in seg_parts:

@@ -392,7 +392,10 @@ def group_by_block(block_of_row: np.ndarray) -> list[tuple[int, np.ndarray]]:
     """Group row positions by block: [(block, positions into the original arrays)], blocks ascending."""
     if block_of_row.shape[0] == 0:
         return []
-    order = np.argsort(block_of_row, kind="stable")
+    keys = block_of_row
+    if keys.dtype.kind in "iu" and 0 <= keys.min() and keys.max() < (1 << 16):
+        keys = keys.astype(np.uint16)        # a stable sort of 16-bit keys is a radix sort
+    order = np.argsort(keys, kind="stable")
     sorted_blocks = block_of_row[order]
     cuts = np.flatnonzero(sorted_blocks[1:] != sorted_blocks[:-1]) + 1
     starts = np.concatenate(([0], cuts))

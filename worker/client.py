@@ -9,11 +9,14 @@
 Contract:
 * Blocking calls take ``timeout=`` (seconds; default ``PSClient.timeout``) and raise
   ``shardps.errors.ShardpsError`` subclasses, never ``grpc.RpcError``. ``*_async`` variants
-  return ``concurrent.futures.Future``; the blocking call is the async one plus ``result()``.
+  return ``concurrent.futures.Future``; the blocking call does the same work in the caller's
+  thread.
 * Data calls fan out in parallel to the servers that own the touched blocks; a server that
   answers FAILED_PRECONDITION (stale epoch) or UNAVAILABLE makes the client refresh its shard
   map and re-send just that server's share, until the deadline. Pushes keep their sequence
-  number across retries, so a retried push is applied once.
+  number across retries, so a retried push is applied once: this needs a session (``join``).
+  A client that has not joined is not deduplicated, and a retry after an UNAVAILABLE push
+  (whose outcome is unknown) may apply it twice on some blocks.
 * Sparse ids are int64 (any order, repeats allowed): pulls send each distinct id once, pushes
   sum the rows of repeated ids before sending. Dense ranges are flat and half-open.
 * Thread-safe: one client may be shared by threads (each call is independent).
@@ -21,6 +24,7 @@ Contract:
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -383,10 +387,10 @@ class PSClient:
                    timeout: float | None = None) -> np.ndarray:
         """Values of the flat range [start, stop) (default: the whole table, returned in the
         table's shape; a sub-range is returned flat). float32."""
-        return self.pull_dense_async(table, start, stop, timeout).result()
+        return self._pull_dense_call(table, start, stop, timeout)()
 
-    def pull_dense_async(self, table: str, start: int = 0, stop: int | None = None,
-                         timeout: float | None = None) -> futures.Future:
+    def _pull_dense_call(self, table: str, start: int = 0, stop: int | None = None,
+                         timeout: float | None = None):
         t = self.table(table)
         whole = start == 0 and stop is None
         stop = t.spec.numel if stop is None else stop
@@ -397,20 +401,28 @@ class PSClient:
             res = self._pull([piece], [np.empty(stop - start, np.float32)], timeout)
             out = res.values[0]
             return out.reshape(t.spec.shape) if whole else out
-        return self._calls.submit(run)
+        return run
+
+    def pull_dense_async(self, table: str, start: int = 0, stop: int | None = None,
+                         timeout: float | None = None) -> futures.Future:
+        return self._calls.submit(self._pull_dense_call(table, start, stop, timeout))
 
     def push_dense(self, table: str, grad, start: int = 0, timeout: float | None = None,
                    clock: int | None = None) -> PushResult:
         """Push a gradient for the flat range starting at ``start`` (``grad`` of any shape)."""
-        return self.push_dense_async(table, grad, start, timeout, clock).result()
+        return self._push_dense_call(table, grad, start, timeout, clock)()
 
-    def push_dense_async(self, table: str, grad, start: int = 0, timeout: float | None = None,
-                         clock: int | None = None) -> futures.Future:
+    def _push_dense_call(self, table: str, grad, start: int = 0, timeout: float | None = None,
+                         clock: int | None = None):
         t = self.table(table)
         values = _as_float32(grad).reshape(-1)
         _check_dense(t, start, start + values.shape[0])
         piece = Piece(0, table, True, start, start + values.shape[0], values=values)
-        return self._calls.submit(self._push, [piece], ps.GRADIENT, timeout, clock, False)
+        return functools.partial(self._push, [piece], ps.GRADIENT, timeout, clock, False)
+
+    def push_dense_async(self, table: str, grad, start: int = 0, timeout: float | None = None,
+                         clock: int | None = None) -> futures.Future:
+        return self._calls.submit(self._push_dense_call(table, grad, start, timeout, clock))
 
     def initialize_dense(self, table: str, values, timeout: float | None = None) -> PushResult:
         """Write the initial values of an ASSIGNED table (the first writer wins; later calls
@@ -427,9 +439,9 @@ class PSClient:
     def pull_rows(self, table: str, ids, timeout: float | None = None) -> np.ndarray:
         """Rows of ``ids`` (int64, any order, repeats allowed): float32 ``[len(ids), dim]``.
         Each distinct id travels once; never-pushed rows come back at their initial value."""
-        return self.pull_rows_async(table, ids, timeout).result()
+        return self._pull_rows_call(table, ids, timeout)()
 
-    def pull_rows_async(self, table: str, ids, timeout: float | None = None) -> futures.Future:
+    def _pull_rows_call(self, table: str, ids, timeout: float | None = None):
         t = self.table(table)
         ids = _as_ids(ids, t)
         unique, inverse = np.unique(ids, return_inverse=True)
@@ -440,31 +452,39 @@ class PSClient:
             res = self._pull([piece], [out], timeout)
             rows = res.values[0]
             return rows if unique.shape[0] == ids.shape[0] and np.array_equal(unique, ids) else rows[inverse]
-        return self._calls.submit(run)
+        return run
+
+    def pull_rows_async(self, table: str, ids, timeout: float | None = None) -> futures.Future:
+        return self._calls.submit(self._pull_rows_call(table, ids, timeout))
 
     def push_rows(self, table: str, ids, grads, timeout: float | None = None,
                   clock: int | None = None) -> PushResult:
         """Push gradient rows for ``ids`` (repeated ids are summed before sending)."""
-        return self.push_rows_async(table, ids, grads, timeout, clock).result()
+        return self._push_rows_call(table, ids, grads, timeout, clock)()
 
-    def push_rows_async(self, table: str, ids, grads, timeout: float | None = None,
-                        clock: int | None = None) -> futures.Future:
+    def _push_rows_call(self, table: str, ids, grads, timeout: float | None = None,
+                        clock: int | None = None):
         t = self.table(table)
         ids = _as_ids(ids, t)
         grads = _as_float32(grads).reshape(ids.shape[0], t.spec.dim) if ids.shape[0] else \
             np.empty((0, t.spec.dim), np.float32)
         ids, grads = coalesce(ids, grads)
         piece = Piece(0, table, False, ids=ids, positions=np.arange(ids.shape[0]), values=grads)
-        return self._calls.submit(self._push, [piece], ps.GRADIENT, timeout, clock, False)
+        return functools.partial(self._push, [piece], ps.GRADIENT, timeout, clock, False)
 
     # ================================================================== data: several tables
+
+    def push_rows_async(self, table: str, ids, grads, timeout: float | None = None,
+                        clock: int | None = None) -> futures.Future:
+        return self._calls.submit(self._push_rows_call(table, ids, grads, timeout, clock))
+
     def pull_many(self, requests: Sequence[tuple], timeout: float | None = None) -> PullResult:
         """Pull several tables in one round: ``requests`` are ``(table,)`` (whole dense table),
         ``(table, start, stop)`` or ``(table, ids)``. Returns values in request order (dense
         whole tables in their shape; sparse rows ``[len(ids), dim]``)."""
-        return self.pull_many_async(requests, timeout).result()
+        return self._pull_many_call(requests, timeout)()
 
-    def pull_many_async(self, requests: Sequence[tuple], timeout: float | None = None) -> futures.Future:
+    def _pull_many_call(self, requests: Sequence[tuple], timeout: float | None = None):
         pieces, outputs, finish = [], [], []
         for i, req in enumerate(requests):
             t = self.table(req[0])
@@ -486,17 +506,20 @@ class PSClient:
             res = self._pull(pieces, outputs, timeout)
             res.values = [f(v) for f, v in zip(finish, res.values)]
             return res
-        return self._calls.submit(run)
+        return run
+
+    def pull_many_async(self, requests: Sequence[tuple], timeout: float | None = None) -> futures.Future:
+        return self._calls.submit(self._pull_many_call(requests, timeout))
 
     def push_many(self, requests: Sequence[tuple], timeout: float | None = None,
                   clock: int | None = None, report_step: bool = False) -> PushResult:
         """Push several tables as one push (one sequence number): ``(table, grad)`` (dense,
         whole table), ``(table, grad, start)`` or ``(table, ids, grads)`` (sparse).
         ``report_step``: also report step ``clock`` to every server (SYNC / BOUNDED groups)."""
-        return self.push_many_async(requests, timeout, clock, report_step).result()
+        return self._push_many_call(requests, timeout, clock, report_step)()
 
-    def push_many_async(self, requests: Sequence[tuple], timeout: float | None = None,
-                        clock: int | None = None, report_step: bool = False) -> futures.Future:
+    def _push_many_call(self, requests: Sequence[tuple], timeout: float | None = None,
+                        clock: int | None = None, report_step: bool = False):
         pieces = []
         for i, req in enumerate(requests):
             t = self.table(req[0])
@@ -511,7 +534,11 @@ class PSClient:
                 ids, grads = coalesce(ids, grads)
                 pieces.append(Piece(i, t.name, False, ids=ids, positions=np.arange(ids.shape[0]),
                                     values=grads))
-        return self._calls.submit(self._push, pieces, ps.GRADIENT, timeout, clock, report_step)
+        return functools.partial(self._push, pieces, ps.GRADIENT, timeout, clock, report_step)
+
+    def push_many_async(self, requests: Sequence[tuple], timeout: float | None = None,
+                        clock: int | None = None, report_step: bool = False) -> futures.Future:
+        return self._calls.submit(self._push_many_call(requests, timeout, clock, report_step))
 
     def report_step(self, clock: int, timeout: float | None = None) -> None:
         """Tell every server this worker finished step ``clock`` without sending data."""
