@@ -321,11 +321,21 @@ class ManagerState:
                     f"or delete tables")
         epoch = self._bump()
         names = [block_name(job, spec.name, i) for i in range(spec.block_count)]
-        placement = plan_placement(names, nodes, self.settings.replication)
+        placement = self._place_new(names, nodes)
         blocks = [BlockRecord(placement[n], epoch, epoch) for n in names]
         rec = TableRecord(job, spec, config.replace(version=1), blocks)
         self.tables[(job, spec.name)] = rec
         return rec, True
+
+    def _place_new(self, names: list[str], nodes: list[str]) -> dict[str, list[str]]:
+        """Replicas for new blocks ``names``, planned together with every block already placed
+        (which stay where they are here): the new blocks fill the least-loaded servers, so
+        the rebalancer has no reason to move them right after they were created."""
+        current = {block_name(t.job, t.spec.name, i): b.replicas
+                   for t in self.tables.values() for i, b in enumerate(t.blocks) if b.replicas}
+        target = plan_placement(list(current) + names, nodes, self.settings.replication,
+                                previous=current)
+        return {n: target[n] for n in names}
 
     def table(self, job: str, name: str) -> TableRecord:
         self.job(job)
@@ -378,7 +388,7 @@ class ManagerState:
         for spec, config in tables:
             spec.validate()
             names = [block_name(job, spec.name, i) for i in range(spec.block_count)]
-            placement = plan_placement(names, nodes, self.settings.replication)
+            placement = self._place_new(names, nodes)
             rec = TableRecord(job, spec, config, [BlockRecord(placement[n], epoch, epoch) for n in names])
             self.tables[(job, spec.name)] = rec
             out.append(rec)

@@ -28,6 +28,21 @@ def test_table_creation_is_idempotent_and_conflicts_are_named():
         st.create_table("nope", dense_table("w", (1,)), TableConfig())
 
 
+@pytest.mark.parametrize("r", [1, 2])
+def test_new_tables_fill_the_least_loaded_servers_and_are_not_moved_after(r):
+    st = make(3, r)
+    for i, blocks in enumerate([64, 7, 64, 10, 64, 1, 33]):
+        st.create_table("j", sparse_table(f"e{i}", 4, num_blocks=blocks), TableConfig(sgd(0.1)))
+        moved = [m for m in st.plan_moves() if m.table == f"e{i}"]
+        assert moved == [], f"table e{i} ({blocks} blocks) was placed off balance"
+    load = {f"s{n}": 0 for n in range(3)}
+    for t in st.tables.values():
+        for b in t.blocks:
+            for node in b.replicas:
+                load[node] += 1
+    assert max(load.values()) - min(load.values()) <= 0.1 * sum(load.values()) / 3, load
+
+
 def test_lease_expiry_promotes_the_backup_and_bumps_since_epoch():
     st = make()
     t, _ = st.create_table("j", sparse_table("e", 4, num_blocks=30), TableConfig(sgd(0.1)))

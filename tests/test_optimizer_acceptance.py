@@ -24,6 +24,7 @@ def client():
     with LocalCluster(servers=3) as cluster:
         c = PSClient(cluster.manager_address, "acceptance", timeout=120)
         c.create_job()
+        c.join()                 # a session: pushes retried across live moves apply once
         yield c
         c.close()
 

@@ -30,6 +30,16 @@ def replicas_equal(cluster, job, table):
     return checked
 
 
+def settled(cluster):
+    """No move is planned and every server installed the manager's current shard map."""
+    rt = cluster.manager.runtime
+    with rt.lock:
+        epoch, moves = rt.state.epoch, rt.state.plan_moves()
+        retired = {n for n, rec in rt.state.servers.items() if rec.retired}
+    return not moves and all(s.node.view.epoch >= epoch for n, s in cluster.servers.items()
+                             if n not in retired)
+
+
 def wait(cond, timeout=30.0, what="condition"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -73,7 +83,7 @@ def test_failover_keeps_acknowledged_pushes_and_restores_r(make_cluster, client_
     print(f"recovery (in-process, lease 1 s): {recovered:.2f}s")
     rt = cluster.manager.runtime
     del cluster.servers[victim]
-    wait(lambda: rt.state.under_replicated() == 0 and not rt.state.plan_moves(), what="R restored")
+    wait(lambda: rt.state.under_replicated() == 0 and settled(cluster), what="R restored")
     with rt.lock:
         assert all(len(b.replicas) == 2 and victim not in b.replicas
                    for b in rt.state.tables[("test", "counters")].blocks)
@@ -90,13 +100,13 @@ def test_new_server_takes_blocks_and_drain_empties_one(make_cluster, client_fact
     c.push_dense("w", np.ones(64 * 60))
     rt = cluster.manager.runtime
     cluster.add_server("s2")
-    wait(lambda: not rt.state.plan_moves() and any("s2" in b.replicas for b in rt.state.tables[("test", "w")].blocks),
+    wait(lambda: settled(cluster) and any("s2" in b.replicas for b in rt.state.tables[("test", "w")].blocks),
          what="rebalance onto s2")
     c.push_dense("w", np.ones(64 * 60))
     np.testing.assert_array_equal(c.pull_dense("w"), -2 * np.ones(64 * 60))
     assert replicas_equal(cluster, "test", "w") == 60
     rt.change(lambda s: s.drain_server("s0"))
-    wait(lambda: rt.state.servers["s0"].retired, what="s0 drained")
+    wait(lambda: rt.state.servers["s0"].retired and settled(cluster), what="s0 drained")
     assert all("s0" not in b.replicas for b in rt.state.tables[("test", "w")].blocks)
     c.push_dense("w", np.ones(64 * 60))
     np.testing.assert_array_equal(c.pull_dense("w"), -3 * np.ones(64 * 60))
@@ -112,7 +122,7 @@ def test_empty_sparse_blocks_copy_to_a_new_server(make_cluster, client_factory):
     c.push_rows("e", [1, 2, 3], np.ones((3, 4)))            # most blocks stay empty
     rt = cluster.manager.runtime
     cluster.add_server("s2")
-    wait(lambda: not rt.state.plan_moves() and any("s2" in b.replicas for b in rt.state.tables[("test", "e")].blocks),
+    wait(lambda: settled(cluster) and any("s2" in b.replicas for b in rt.state.tables[("test", "e")].blocks),
          what="rebalance onto s2")
     assert replicas_equal(cluster, "test", "e") == 32
     np.testing.assert_array_equal(c.pull_rows("e", [1, 2, 3]), -np.ones((3, 4)))
