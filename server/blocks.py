@@ -13,6 +13,7 @@ Plain numpy; no grpc, no torch.
 from __future__ import annotations
 
 import json
+import mmap
 import threading
 from dataclasses import dataclass, field
 
@@ -22,6 +23,31 @@ from shardps.errors import FailedPrecondition, InvalidArgument
 from shardps.tables import (InitKind, TableConfig, TableKind, TableSpec,
                             dense_initial_values, initial_values, sparse_block_of)
 from shardps.server import optimizers
+
+MAPPED_MIN_BYTES = 64 << 10
+
+
+def storage(shape, dtype=np.float32) -> np.ndarray:
+    """An uninitialised array for long-lived state: stored values, optimizer state, indexes.
+
+    From 64 KiB up it gets its own anonymous memory mapping (pages become resident when
+    first written, and return to the system when the array is freed). Stored tables so never
+    share the allocator's heap with request temporaries: the heap, which glibc keeps for
+    reuse (keeping transient buffers cheap), does not grow with the tables, and deleting or
+    moving a table gives its memory back."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64))
+    if n * dtype.itemsize < MAPPED_MIN_BYTES:
+        return np.empty(shape, dtype=dtype)
+    return np.frombuffer(mmap.mmap(-1, n * dtype.itemsize), dtype=dtype, count=n).reshape(shape)
+
+
+def stored(values: np.ndarray, dtype=np.float32) -> np.ndarray:
+    """A copy of ``values`` in ``storage``."""
+    values = np.asarray(values)
+    out = storage(values.shape, dtype)
+    np.copyto(out, values, casting="unsafe")
+    return out
 
 BlockKey = tuple[str, str, int]   # (job, table, block index)
 
@@ -133,9 +159,9 @@ class DenseBlock(Block):
 
     def _materialise(self, config: TableConfig) -> np.ndarray:
         if self.values is None:
-            self.values = dense_initial_values(self.spec, self.start, self.stop)
+            self.values = stored(dense_initial_values(self.spec, self.start, self.stop))
         if not self.state and self.step == 0:
-            self.state = optimizers.new_state(config.optimizer, self.size)
+            self.state = {k: stored(v) for k, v in optimizers.new_state(config.optimizer, self.size).items()}
         return self.values
 
     def read(self, lo: int, hi: int, out: np.ndarray | None = None) -> np.ndarray:
@@ -181,7 +207,7 @@ class DenseBlock(Block):
             raise InvalidArgument(
                 f"INITIALIZE of table {self.spec.name!r} must cover whole blocks: block "
                 f"{self.key[2]} is [{self.start}, {self.stop}), got [{lo}, {hi})")
-        self.values = np.array(values, dtype=np.float32, copy=True)
+        self.values = stored(values)
         self.initialized = True
         self.version += 1
         return True
@@ -209,15 +235,16 @@ class DenseBlock(Block):
         self._load_metadata(meta)
         self.step = int(meta["step"])
         self.initialized = bool(meta["initialized"])
-        self.values = arrays.get("values")
-        self.state = {k[len("state."):]: v for k, v in arrays.items() if k.startswith("state.")}
+        values = arrays.get("values")
+        self.values = None if values is None else stored(values)
+        self.state = {k[len("state."):]: stored(v) for k, v in arrays.items() if k.startswith("state.")}
         self.pending = {int(s): [(lo, hi, arrays[f"pending.{s}.{i}"])
                                  for i, (lo, hi) in enumerate(parts)]
                         for s, parts in meta.get("pending", {}).items()}
 
 
 class _Rows:
-    """A growable ``[slots, *shape]`` array. Capacity doubles with ``np.empty``: the memory
+    """A growable ``[slots, *shape]`` array. Capacity doubles (in ``storage``): the memory
     beyond the rows written is never touched, so it is not resident (RSS tracks the rows
     stored), and a gather or scatter is one vectorised numpy operation."""
 
@@ -231,7 +258,7 @@ class _Rows:
             self.size = max(self.size, slots)
             return
         capacity = max(slots, 2 * self.data.shape[0], 1024)
-        grown = np.empty((capacity,) + self.shape, dtype=self.dtype)
+        grown = storage((capacity,) + self.shape, self.dtype)
         grown[:self.size] = self.data[:self.size]
         self.data = grown
         self.size = slots
@@ -256,7 +283,8 @@ class _DirectIndex:
     """id -> slot for ids in [0, num_rows): one int32 per possible id (4 bytes a row)."""
 
     def __init__(self, num_rows: int):
-        self.slot_of = np.full(num_rows, -1, dtype=np.int32)
+        self.slot_of = storage(num_rows, np.int32)
+        self.slot_of.fill(-1)
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         return self.slot_of[ids].astype(np.int64)
@@ -294,13 +322,19 @@ class _SortedIndex:
     def add(self, ids: np.ndarray, slots: np.ndarray) -> None:
         order = np.argsort(ids, kind="stable")
         sorted_ids = ids[order]
-        pos = np.searchsorted(self.ids, sorted_ids)
-        self.ids = np.insert(self.ids, pos, sorted_ids)
-        self.slots = np.insert(self.slots, pos, slots[order].astype(np.int32))
+        # merge into fresh arrays in storage (as np.insert would, outside the heap)
+        dest = np.searchsorted(self.ids, sorted_ids) + np.arange(sorted_ids.shape[0])
+        n = self.ids.shape[0] + sorted_ids.shape[0]
+        old = np.ones(n, dtype=bool)
+        old[dest] = False
+        merged_ids, merged_slots = storage(n, np.int64), storage(n, np.int32)
+        merged_ids[dest], merged_ids[old] = sorted_ids, self.ids
+        merged_slots[dest], merged_slots[old] = slots[order], self.slots
+        self.ids, self.slots = merged_ids, merged_slots
 
     def remove(self, ids: np.ndarray) -> None:
         keep = ~np.isin(self.ids, ids)
-        self.ids, self.slots = self.ids[keep], self.slots[keep]
+        self.ids, self.slots = stored(self.ids[keep], np.int64), stored(self.slots[keep], np.int32)
 
     def stored(self) -> tuple[np.ndarray, np.ndarray]:
         return self.ids, self.slots.astype(np.int64)

@@ -7,7 +7,6 @@ inside a test process (several at once: nothing is global).
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -35,23 +34,6 @@ from shardps.server.node_service import GrpcPeers, ParameterServerService, StubP
 from shardps.settings import ManagerProcessSettings, ServerProcessSettings, Serving
 
 log = logging.getLogger("shardps.process")
-
-
-def tune_malloc(mmap_threshold: int = 64 << 10, arenas: int = 4) -> bool:
-    """Keep a server's resident memory close to what it stores (glibc only).
-
-    glibc raises its mmap threshold each time a large block is freed, after which blocks,
-    rebuilt indexes and temporaries share heap arenas (one per thread) that fragment and
-    never shrink. A fixed 64 KiB threshold keeps every large buffer in its own mapping,
-    returned to the system when freed; a few arenas bound the rest. (The per-request
-    temporaries this would make costly are avoided: optimizers reuse a scratch array and
-    pulls write into the reply.) Returns False where mallopt is unavailable."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    m_mmap_threshold, m_arena_max = -3, -8
-    return bool(libc.mallopt(m_mmap_threshold, mmap_threshold) and libc.mallopt(m_arena_max, arenas))
 
 
 def advertised(serving: Serving, port: int) -> str:
@@ -163,7 +145,6 @@ class ServerProcess:
 
     def __init__(self, settings: ServerProcessSettings, authenticate=None, tls=None, metadata=()):
         self.settings = settings
-        tune_malloc()
         self.metrics = NodeMetrics()
         self.pool = StubPool(tls=tls, metadata=metadata)
         name = settings.name or socket.gethostname()
