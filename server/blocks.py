@@ -325,7 +325,8 @@ class _SortedIndex:
         # merge into fresh arrays in storage (as np.insert would, outside the heap)
         dest = np.searchsorted(self.ids, sorted_ids) + np.arange(sorted_ids.shape[0])
         n = self.ids.shape[0] + sorted_ids.shape[0]
-        old = np.ones(n, dtype=bool)
+        old = storage(n, bool)        # a mapping of its own: this mask grows with every insert
+        old.fill(True)
         old[dest] = False
         merged_ids, merged_slots = storage(n, np.int64), storage(n, np.int32)
         merged_ids[dest], merged_ids[old] = sorted_ids, self.ids
@@ -454,11 +455,8 @@ class SparseShard:
         missing = slots < 0
         if missing.any():
             slots[missing] = self.insert(ids[missing], config)
-        n = ids.shape[0]
-        # gathered into per-thread scratch: no large temporaries (and page faults) per push
-        params = self.rows.take(slots, optimizers.scratch((n, self.dim), "shard-rows"))
-        state = {k: v.take(slots, optimizers.scratch((n, self.dim), f"shard-{k}"))
-                 for k, v in self.state.items()}
+        params = self.rows.take(slots)
+        state = {k: v.take(slots) for k, v in self.state.items()}
         step = 1
         if self.row_steps is not None:
             steps = self.row_steps.take(slots) + 1

@@ -54,23 +54,19 @@ def new_state(config: OptimizerConfig, shape) -> dict[str, np.ndarray]:
 
 
 _local = threading.local()
-SCRATCH_MAX = 1 << 24          # elements (64 MiB) a thread keeps for reuse
+SCRATCH_MAX = 1 << 18          # elements (1 MiB) a thread keeps for reuse: dense blocks; larger
+                               # updates (big sparse pushes) allocate, which the heap makes cheap
 
 
-def scratch(shape, name: str = "tmp", dtype=np.float32) -> np.ndarray:
-    """A scratch array of ``shape`` and ``dtype``, reused by this thread under ``name`` (its
-    contents are garbage; distinct names never alias). Reusing it keeps each step free of
-    large allocations and their page faults."""
+def scratch(shape) -> np.ndarray:
+    """A float32 scratch array of ``shape``, reused by this thread (its contents are garbage).
+    Reusing it keeps each step free of large allocations and their page faults."""
     n = int(np.prod(shape))
     if n > SCRATCH_MAX:
-        return np.empty(shape, dtype=dtype)          # a rare huge update: not kept
-    bufs = getattr(_local, "bufs", None)
-    if bufs is None:
-        bufs = _local.bufs = {}
-    key = (name, np.dtype(dtype).str)
-    buf = bufs.get(key)
+        return np.empty(shape, dtype=np.float32)     # a rare huge update: not kept
+    buf = getattr(_local, "buf", None)
     if buf is None or buf.shape[0] < n:
-        buf = bufs[key] = np.empty(max(n, 1 << 16), dtype=dtype)
+        buf = _local.buf = np.empty(max(n, 1 << 16), dtype=np.float32)
     return buf[:n].reshape(shape)
 
 
