@@ -274,10 +274,6 @@ class _Rows:
     def put(self, slots: np.ndarray, values) -> None:
         self.data[slots] = values
 
-    @property
-    def nbytes(self) -> int:
-        return self.size * int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
-
 
 class _DirectIndex:
     """id -> slot for ids in [0, num_rows): one int32 per possible id (4 bytes a row)."""
@@ -298,10 +294,6 @@ class _DirectIndex:
     def stored(self) -> tuple[np.ndarray, np.ndarray]:
         ids = np.flatnonzero(self.slot_of >= 0).astype(np.int64)
         return ids, self.slot_of[ids].astype(np.int64)
-
-    @property
-    def nbytes(self) -> int:
-        return self.slot_of.nbytes
 
 
 class _SortedIndex:
@@ -340,10 +332,6 @@ class _SortedIndex:
     def stored(self) -> tuple[np.ndarray, np.ndarray]:
         return self.ids, self.slots.astype(np.int64)
 
-    @property
-    def nbytes(self) -> int:
-        return self.ids.nbytes + self.slots.nbytes
-
 
 DIRECT_INDEX_MAX_ROWS = 1 << 24     # bounded tables up to 16M rows use a direct id -> slot map
 
@@ -371,10 +359,6 @@ class SparseShard:
         self.free = np.empty(0, dtype=np.int64)         # slots of removed rows, reused first
         self.block_counts = np.zeros(spec.num_blocks, dtype=np.int64)
 
-    @property
-    def count(self) -> int:
-        return int(self.block_counts.sum())
-
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """Slot of each id, or -1 where the row is not stored."""
         return self.index.lookup(ids)
@@ -399,18 +383,23 @@ class SparseShard:
             wanted |= set(optimizers.state_names(config.optimizer))
         for name in wanted - set(self.state):
             fill = config.optimizer.initial_accumulator_value if (config and name == "sum") else 0.0
-            pages = self.state[name] = _Rows((self.dim,), np.float32, fill)
-            pages.ensure(self.used)
-            if self.used:
-                pages.put(slice(0, self.used), fill)
+            self.state[name] = self._pages((self.dim,), np.float32, fill)
         if config is not None and "sum" in self.state:     # rows inserted later start here
             self.state["sum"].fill = config.optimizer.initial_accumulator_value
-        steps_needed = config is not None and optimizers.needs_row_steps(config.optimizer)
-        if self.row_steps is None and steps_needed:
-            self.row_steps = _Rows((), np.int32)
-            self.row_steps.ensure(self.used)
-            if self.used:
-                self.row_steps.put(slice(0, self.used), 0)
+        if config is not None and optimizers.needs_row_steps(config.optimizer):
+            self._ensure_row_steps()
+
+    def _pages(self, shape: tuple, dtype, fill) -> _Rows:
+        """New per-row arrays covering the slots handed out so far, at ``fill``."""
+        pages = _Rows(shape, dtype, fill)
+        pages.ensure(self.used)
+        if self.used:
+            pages.put(slice(0, self.used), fill)
+        return pages
+
+    def _ensure_row_steps(self) -> None:
+        if self.row_steps is None:
+            self.row_steps = self._pages((), np.int32, 0)
 
     def _allocate(self, n: int) -> np.ndarray:
         reuse = self.free[:n]
@@ -429,11 +418,8 @@ class SparseShard:
         if n == 0:
             return np.empty(0, dtype=np.int64)
         self._ensure_state(config, state or ())
-        if steps is not None and self.row_steps is None:
-            self.row_steps = _Rows((), np.int32)
-            self.row_steps.ensure(self.used)
-            if self.used:
-                self.row_steps.put(slice(0, self.used), 0)
+        if steps is not None:
+            self._ensure_row_steps()
         slots = self._allocate(n)
         self.rows.put(slots, initial_values(self.spec.init, new_ids, self.dim) if values is None else values)
         for name, pages in self.state.items():
@@ -485,13 +471,9 @@ class SparseShard:
         self.block_counts[block] = 0
 
     def row_bytes(self) -> int:
+        """Bytes one stored row takes: values, optimizer state, step count, index entry."""
         per = self.dim * 4 * (1 + len(self.state)) + (4 if self.row_steps is not None else 0)
         return per + (4 if isinstance(self.index, _DirectIndex) else 12)
-
-    @property
-    def nbytes(self) -> int:
-        total = self.rows.nbytes + sum(p.nbytes for p in self.state.values()) + self.index.nbytes
-        return total + (self.row_steps.nbytes if self.row_steps is not None else 0)
 
 
 class SparseBlock(Block):

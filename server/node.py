@@ -142,16 +142,15 @@ class _Part:
     ids: np.ndarray | None = None     # sparse: unique ids (push) or ids in request order (pull)
     positions: np.ndarray | None = None   # where these rows are in the segment (its output, on pulls)
     whole: tuple | None = None        # sparse push: (ids, values, parts) of the whole segment
-    source: np.ndarray | None = None  # sparse push: the segment's values (rows at ``positions``)
     _values: np.ndarray | None = None
 
     @property
     def values(self) -> np.ndarray | None:
         """Push: float32, dense 1-d or sparse ``[n, dim]``. A sparse part's rows are gathered
-        from ``source`` on first use: a push applied to the whole segment at once never
-        copies them unless a backup needs them."""
-        if self._values is None and self.source is not None:
-            self._values = self.source[self.positions]
+        from the segment's (``whole``) on first use: a push applied to the whole segment at
+        once never copies them unless a backup needs them."""
+        if self._values is None and self.whole is not None and self.whole[1] is not None:
+            self._values = self.whole[1][self.positions]
         return self._values
 
     @values.setter
@@ -482,14 +481,10 @@ class ServerNode:
                 if for_push:
                     ids, values = coalesce(ids, values)
                 blocks_of = sparse_block_of(ids, spec.num_blocks)
-                seg_parts = []
-                for b, pos in group_by_block(blocks_of):
-                    part = _Part((t.job, spec.name, b), t, i, ids=ids[pos], positions=pos, source=values)
-                    seg_parts.append(part)
-                whole = (ids, values, len(seg_parts)) if for_push else None
-                for part in seg_parts:
-                    part.whole = whole
-                parts.extend(seg_parts)
+                groups = group_by_block(blocks_of)
+                whole = (ids, values, len(groups)) if for_push else None
+                parts.extend(_Part((t.job, spec.name, b), t, i, ids=ids[pos], positions=pos, whole=whole)
+                             for b, pos in groups)
         self._check_owned(header, parts)
         return parts
 
@@ -964,7 +959,8 @@ class ServerNode:
         self._check_header(header)
         with self._gate.shared():          # a malformed pull is refused before it waits
             self._check_epoch(header)
-            self._parse_segments(header, segments, ids_payload, with_values=False)
+            parsed = self._parse_segments(header, segments, ids_payload, with_values=False)
+            parsed_under = self.view
         clock = self.clocks.get(header.job)
         if clock is not None and self._member(header):
             waited = self._now()
@@ -980,7 +976,8 @@ class ServerNode:
         outputs: list[np.ndarray] = []
         with self._gate.shared():
             self._check_epoch(header)
-            parsed = self._parse_segments(header, segments, ids_payload, with_values=False)
+            if self.view is not parsed_under:      # a new map came in while the pull waited
+                parsed = self._parse_segments(header, segments, ids_payload, with_values=False)
             out_bytes = sum(((s.hi - s.lo) if s.dense else s.ids.shape[0] * s.table.spec.dim)
                             * s.dtype.itemsize for s in parsed if not s.all_stored)
             if out_bytes > self.limits.max_response_bytes:

@@ -13,7 +13,8 @@ from shardps.errors import InvalidArgument, ResourceExhausted, ShardpsError, Una
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc import channels
-from shardps.rpc.codec import CHUNK_BYTES, assemble, byte_view, decode_chunk, encode_chunk, split_payload
+from shardps.rpc.codec import (CHUNK_BYTES, assemble, decode_chunk, encode_chunk, split_payload,
+                                write_into)
 from shardps.rpc.status import Method, bind, from_rpc_error, proto_method
 from shardps.server.auth import check_job
 from shardps.server.node import BlockSnapshot, ServerNode
@@ -247,11 +248,7 @@ class ParameterServerService:
         if total > len(view):
             raise ResourceExhausted(f"pull result is {total} bytes; the shared-memory region "
                                     f"{ref.name} offers {len(view)}")
-        pos = 0
-        for a in arrays:
-            b = byte_view(a)
-            view[pos:pos + len(b)] = b
-            pos += len(b)
+        write_into(view, arrays)
 
     # --- internal ---
     def replicate(self, chunks, call) -> ps.ReplicateAck:

@@ -47,7 +47,7 @@ from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import manager_pb2 as mg
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc import channels, shm
-from shardps.rpc.codec import CHUNK_BYTES, byte_view, encode_chunk, split_payload
+from shardps.rpc.codec import CHUNK_BYTES, byte_view, encode_chunk, split_payload, write_into
 from shardps.rpc.status import from_rpc_error
 from shardps.server.node_service import StubPool
 from shardps.shardmap import ShardMapView, TableView
@@ -847,11 +847,8 @@ class PSClient:
             header.payload_bytes = sum(a.nbytes for a in arrays)
             region = self._shared_memory_for(address, header.payload_bytes)
             if region is not None:          # same host: write the bytes once, send a reference
-                view, pos = region.view(0, header.payload_bytes), 0
-                for a in arrays:
-                    b = byte_view(a)
-                    view[pos:pos + len(b)] = b
-                    pos += len(b)
+                view = region.view(0, header.payload_bytes)
+                write_into(view, arrays)
                 del view
                 header.shared_memory.name = region.name
                 header.shared_memory.length = header.payload_bytes

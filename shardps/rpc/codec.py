@@ -118,6 +118,17 @@ def byte_view(obj) -> memoryview:
     return view.cast("B") if view.nbytes else memoryview(b"")
 
 
+def write_into(dest: memoryview, arrays) -> int:
+    """Copy the bytes of ``arrays`` (numpy arrays or buffers) one after another into ``dest``
+    (a writable byte view at least that long). Returns the bytes written."""
+    pos = 0
+    for arr in arrays:
+        view = byte_view(arr)
+        dest[pos:pos + len(view)] = view
+        pos += len(view)
+    return pos
+
+
 def split_payload(arrays, chunk_bytes: int = CHUNK_BYTES):
     """Yield buffers of ``chunk_bytes`` (the last may be shorter) covering the concatenation
     of ``arrays`` (numpy arrays or buffers), in order. Slices of large arrays are zero-copy;
@@ -145,10 +156,7 @@ def assemble(chunks: list[memoryview], total: int | None = None):
         return chunks[0]
     size = sum(len(c) for c in chunks) if total is None else total
     out = bytearray(size)
-    pos = 0
-    for c in chunks:
-        out[pos:pos + len(c)] = c
-        pos += len(c)
+    pos = write_into(memoryview(out), chunks)
     if pos != size:
         raise InvalidArgument(f"chunks carry {pos} bytes; the header declared {size}")
     return memoryview(out)
