@@ -176,6 +176,7 @@ def plan_placement(blocks: list[str], nodes: list[str], replication: int,
     heap = [(-load[n], n) for n in nodes]
     heapq.heapify(heap)
     for node in sorted(nodes):
+        skipped = []                                  # donors with nothing `node` may take
         while load[node] < floor and heap:
             neg, donor = heap[0]
             if -neg != load[donor]:                   # stale entry: refresh it
@@ -187,10 +188,12 @@ def plan_placement(blocks: list[str], nodes: list[str], replication: int,
             b = next((b for b in holders[donor] if node not in placed[b] and node in prefs(b)), None)
             b = b or next((b for b in holders[donor] if node not in placed[b]), None)
             if b is None:
-                heapq.heappop(heap)
+                skipped.append(heapq.heappop(heap))
                 continue
             move(b, donor, node)
             heapq.heapreplace(heap, (-load[donor], donor))
+        for item in skipped:                          # they may still give to the next nodes
+            heapq.heappush(heap, item)
 
     # 4. order replicas: previous primary first, then ring order; then balance primaries
     primaries: dict[str, int] = defaultdict(int)

@@ -296,9 +296,8 @@ def cmd_job(args) -> int:
         if args.action == "create":
             token = client.create_job(args.mode, args.staleness, args.quota_bytes)
             if args.token_out and token:
-                fd = os.open(args.token_out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                with os.fdopen(fd, "w") as f:
-                    f.write(token)
+                from shardps.devcerts import write_private
+                write_private(args.token_out, token.encode())
                 print(f"job {args.job} ready; its token is in {args.token_out}")
             else:
                 print(token if token else f"job {args.job} ready (authentication is off: no token)")

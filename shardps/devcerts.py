@@ -167,15 +167,19 @@ def _key_usage(cert_sign: bool) -> x509.KeyUsage:
                          encipher_only=False, decipher_only=False)
 
 
-def _write_key(path: Path, key) -> None:
-    data = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
-    # Created 0600 from the start (no window in which the key is readable by others);
-    # chmod as well in case the file existed with wider permissions.
+def write_private(path: str | Path, data: bytes) -> None:
+    """Write a secret readable by its owner only."""
+    # Created 0600 from the start (no window in which it is readable by others); chmod as
+    # well in case the file existed with wider permissions.
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
     os.chmod(path, 0o600)
+
+
+def _write_key(path: Path, key) -> None:
+    write_private(path, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption()))
 
 
 def _write_cert(path: Path, cert: x509.Certificate) -> None:

@@ -80,6 +80,16 @@ def add_serving(fs: FlagSet, listen: str, metrics_port: int) -> None:
     fs.add("--token-key-file", "", "file holding --token-key")
 
 
+def _value_or_file(value: str, path: str) -> str:
+    """A secret given inline (``--x``) or as a file holding it (``--x-file``); inline wins."""
+    if value:
+        return value
+    if path:
+        with open(path) as f:
+            return f.read().strip()
+    return ""
+
+
 @dataclass(frozen=True)
 class Common:
     log_format: str = "human"
@@ -92,12 +102,7 @@ class Common:
     token_file: str = ""
 
     def resolved_token(self) -> str:
-        if self.token:
-            return self.token
-        if self.token_file:
-            with open(self.token_file) as f:
-                return f.read().strip()
-        return ""
+        return _value_or_file(self.token, self.token_file)
 
 
 @dataclass(frozen=True)
@@ -115,12 +120,7 @@ class Serving:
     token_key_file: str = ""
 
     def resolved_admin_token(self) -> str:
-        if self.admin_token:
-            return self.admin_token
-        if self.admin_token_file:
-            with open(self.admin_token_file) as f:
-                return f.read().strip()
-        return ""
+        return _value_or_file(self.admin_token, self.admin_token_file)
 
     def resolved_token_key(self) -> bytes:
         if self.token_key:

@@ -443,15 +443,12 @@ class PSClient:
 
     def _pull_rows_call(self, table: str, ids, timeout: float | None = None):
         t = self.table(table)
-        ids = _as_ids(ids, t)
-        unique, inverse = np.unique(ids, return_inverse=True)
+        unique, spread = _distinct(_as_ids(ids, t))
         piece = Piece(0, table, False, ids=unique, positions=np.arange(unique.shape[0]))
 
         def run():
             out = np.empty((unique.shape[0], t.spec.dim), np.float32)
-            res = self._pull([piece], [out], timeout)
-            rows = res.values[0]
-            return rows if unique.shape[0] == ids.shape[0] and np.array_equal(unique, ids) else rows[inverse]
+            return spread(self._pull([piece], [out], timeout).values[0])
         return run
 
     def pull_rows_async(self, table: str, ids, timeout: float | None = None) -> futures.Future:
@@ -496,11 +493,10 @@ class PSClient:
                 shape = t.spec.shape if len(req) == 1 else None
                 finish.append(lambda v, shape=shape: v.reshape(shape) if shape else v)
             else:
-                ids = _as_ids(req[1], t)
-                unique, inverse = np.unique(ids, return_inverse=True)
+                unique, spread = _distinct(_as_ids(req[1], t))
                 pieces.append(Piece(i, t.name, False, ids=unique, positions=np.arange(unique.shape[0])))
                 outputs.append(np.empty((unique.shape[0], t.spec.dim), np.float32))
-                finish.append(lambda v, inverse=inverse: v[inverse])
+                finish.append(spread)
 
         def run():
             res = self._pull(pieces, outputs, timeout)
@@ -979,6 +975,16 @@ def _as_float32(values) -> np.ndarray:
     if hasattr(values, "detach"):            # a torch tensor: no torch import needed here
         values = values.detach().cpu().numpy()
     return np.ascontiguousarray(values, dtype=np.float32)
+
+
+def _distinct(ids: np.ndarray):
+    """(each distinct id once, ascending; a function taking their rows to the rows of
+    ``ids``). Ids already distinct and ascending (e.g. from ``torch.unique``) are neither
+    sorted again nor gathered afterwards."""
+    if ids.shape[0] <= 1 or bool(np.all(ids[1:] > ids[:-1])):
+        return ids, lambda rows: rows
+    unique, inverse = np.unique(ids, return_inverse=True)
+    return unique, lambda rows: rows[inverse]
 
 
 def _as_ids(ids, t: TableView) -> np.ndarray:

@@ -74,19 +74,23 @@ class PSEmbedding(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, table={self.table!r}"
 
+    def _plan(self, ids: torch.Tensor) -> np.ndarray:
+        """Deduplicate a coming batch once (its forward reuses it); returns its distinct ids.
+        The batch is copied, so a caller may reuse its buffer."""
+        flat = ids.detach().reshape(-1).to("cpu", copy=True).numpy()
+        unique, inverse = np.unique(flat, return_inverse=True)
+        self._planned = (flat, unique, inverse.astype(np.int64, copy=False))
+        return unique
+
     def prefetch(self, ids: torch.Tensor) -> None:
         """Start pulling the rows of ``ids`` (a coming batch) in the background."""
-        unique = np.unique(ids.detach().cpu().numpy().reshape(-1))
+        unique = self._plan(ids)
         self._prefetch = (unique, self.client.pull_rows_async(self.table, unique))
 
     def request_prefetch(self, ids: torch.Tensor) -> None:
         """Ask the owning PSModel to fetch the rows of ``ids`` (a coming batch) together with
-        the next step's dense values, in the same requests (see PSModel.push). The batch is
-        deduplicated once, here; its forward reuses that."""
-        flat = ids.detach().cpu().numpy().reshape(-1)
-        unique, inverse = np.unique(flat, return_inverse=True)
-        self._planned = (flat, unique, inverse.astype(np.int64))
-        self._wanted = unique
+        the next step's dense values, in the same requests (see PSModel.push)."""
+        self._wanted = self._plan(ids)
 
     def _provide(self, ids: np.ndarray, rows: np.ndarray) -> None:
         done: futures.Future = futures.Future()
@@ -97,10 +101,8 @@ class PSEmbedding(nn.Module):
         if self.client is None:
             raise InvalidArgument(f"PSEmbedding {self.table!r} is not bound: wrap the model in PSModel")
         flat = ids.reshape(-1)
-        flat_np = flat.detach().cpu().numpy()
-        planned = self._planned
-        self._planned = None
-        if planned is not None and np.array_equal(planned[0], flat_np):
+        planned, self._planned = self._planned, None
+        if planned is not None and np.array_equal(planned[0], flat.detach().cpu().numpy()):
             unique_np, inverse = planned[1], torch.from_numpy(planned[2]).to(ids.device)
         else:                      # the batch was not announced: deduplicate it now
             unique, inverse = torch.unique(flat, return_inverse=True)
@@ -162,8 +164,9 @@ class PSModel:
             self.dense[name] = p
         self.step = 0
         self.overlap = overlap
-        self._pending_push = None
-        self._prefetch = None
+        self._pending_push: futures.Future | None = None
+        # with overlap: (the next step's pull, the (embedding, ids) whose rows it carries)
+        self._prefetch: tuple[futures.Future, list] | None = None
         self.timings = {"pull_wait": 0.0, "push_wait": 0.0, "barrier_wait": 0.0}
         self._base_lr: dict[str, float] = {}
 
@@ -204,7 +207,8 @@ class PSModel:
         started = time.perf_counter()
         names = list(self.dense)
         if self._prefetch is not None:
-            (res, wanted), self._prefetch = self._prefetch.result(), None
+            future, wanted = self._prefetch
+            res, self._prefetch = future.result(), None
             for (emb, ids), rows in zip(wanted, res.values[len(names):]):
                 emb._provide(ids, rows)
         else:
@@ -250,7 +254,7 @@ class PSModel:
             requests_next = [(n,) for n in self.dense] + [(emb.table, ids) for emb, ids in wanted]
             if requests_next:
                 self.client.clock = self.step + 1
-                prefetch = _Paired(self.client.pull_many_async(requests_next), wanted)
+                prefetch = (self.client.pull_many_async(requests_next), wanted)
         future = self.client.push_many_async(requests, clock=self.step, report_step=self.report_steps)
         if self.local_optimizer is not None:
             self.local_optimizer.step()
@@ -306,16 +310,6 @@ class PSModel:
             ids = np.arange(start, min(start + chunk, emb.num_embeddings), dtype=np.int64)
             out[start:start + ids.shape[0]] = self.client.pull_rows(emb.table, ids)
         return out
-
-
-class _Paired:
-    """A pull future paired with the embeddings whose rows it carries."""
-
-    def __init__(self, future: futures.Future, wanted: list):
-        self.future, self.wanted = future, wanted
-
-    def result(self):
-        return self.future.result(), self.wanted
 
 
 class PSLambdaLR:

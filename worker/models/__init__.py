@@ -33,7 +33,7 @@ class Task:
     optimizers: dict[str, OptimizerConfig] = field(default_factory=dict)
     info: dict = field(default_factory=dict)
     # learning-rate factor of epoch e of n (1.0 when None): applied to the server-side
-    # optimizers through the tables' configs (PSModel.set_lr), and to the baseline's
+    # optimizers through the tables' configs (PSModel.set_lr), and to the baseline's torch optimizers
     lr_schedule: Callable[[int, int], float] | None = None
 
 
