@@ -163,8 +163,8 @@ class ManagerRuntime:
         self._last_tick = now
         if stalled:
             # the manager itself was busy (a long placement, a slow disk): heartbeats queued
-            # meanwhile have not been counted yet; judge leases on the next round
-            log.warning("reconcile loop stalled; lease checks skipped once")
+            # meanwhile have not been counted yet; skip this round, judge leases on the next
+            log.warning("reconcile loop stalled; this round is skipped (leases are judged on the next)")
             return
         changed = self.change(lambda s: s.expire(now))
         if not changed:
