@@ -74,6 +74,13 @@ def test_tiny_run_writes_every_key(tmp_path):
         assert f"target_{t.name}_met" in results, t.name
     assert {p.name for p in img.glob("*.png")} >= {"bench-dense.png", "bench-sparse.png", "bench-e2e.png",
                                                    "bench-memory.png", "bench-curves.png", "bench-placement.png"}
+    # the "Results of one run" section of docs/performance.md, from this run's files
+    from shardps.bench.report import markdown_results, md_cell
+    section = markdown_results(results, meta)
+    assert f"| shardps, 1 server (shared memory) | {md_cell(results, 'ps_sparse_rows_per_s')} |" in section
+    for mib in TINY.dense_sizes_mib:
+        assert f"| {mib} MiB | push | {md_cell(results, f'ps_dense_push_gbps_{mib}mib_1s')} |" in section
+        assert results.get(f"ps_dense_push_gbps_{mib}mib_1s") is not None
     # --only merges one part into the existing file
     assert main(["--tiny", "--only", "transport", "--out", str(out), "--quiet"]) == 0
     again = json.loads(out.read_text())

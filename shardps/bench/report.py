@@ -31,17 +31,22 @@ class Target:
         return {">=": operator.ge, "<=": operator.le}[self.op](value, self.bound)
 
 
-TARGETS = (
+def _tcp_only(t: Target) -> Target:
+    """``t`` with every byte over TCP on both sides (as between two hosts): ``ps_tcp_*`` against
+    ``rpc_tcp_*`` instead of each side's same-host fast path."""
+    return Target(f"{t.name}_tcp", t.metric.replace("_ps_over_rpc", "_ps_tcp_over_rpc_tcp"), t.op, t.bound,
+                  "[TCP only] " + t.text.replace("ps_", "ps_tcp_").replace("rpc_", "rpc_tcp_"))
+
+
+_SAME_HOST = (
     Target("dense_push", "ratio_dense_push_ps_over_rpc", ">=", 1.0, "ps_dense_push_gbps >= 1.0 x rpc_dense_push_gbps"),
     Target("dense_pull", "ratio_dense_pull_ps_over_rpc", ">=", 1.0, "ps_dense_pull_gbps >= 1.0 x rpc_dense_pull_gbps"),
     Target("sparse", "ratio_sparse_ps_over_rpc", ">=", 2.0, "ps_sparse_rows_per_s >= 2 x rpc_sparse_rows_per_s"),
-    # the same three with every byte over TCP on both sides (as between two hosts)
-    Target("dense_push_tcp", "ratio_dense_push_ps_tcp_over_rpc_tcp", ">=", 1.0,
-           "[TCP only] ps_tcp_dense_push_gbps >= 1.0 x rpc_tcp_dense_push_gbps"),
-    Target("dense_pull_tcp", "ratio_dense_pull_ps_tcp_over_rpc_tcp", ">=", 1.0,
-           "[TCP only] ps_tcp_dense_pull_gbps >= 1.0 x rpc_tcp_dense_pull_gbps"),
-    Target("sparse_tcp", "ratio_sparse_ps_tcp_over_rpc_tcp", ">=", 2.0,
-           "[TCP only] ps_tcp_sparse_rows_per_s >= 2 x rpc_tcp_sparse_rows_per_s"),
+)
+
+TARGETS = (
+    *_SAME_HOST,
+    *map(_tcp_only, _SAME_HOST),
     Target("e2e_vs_ddp", "ratio_e2e_ps_async_over_ddp", ">=", 3.0,
            "e2e_ps_async_samples_per_s >= 3 x e2e_ddp_samples_per_s"),
     Target("e2e_vs_ddp_sparse", "ratio_e2e_ps_async_over_ddp_sparse", ">=", 1.0,
@@ -108,3 +113,91 @@ def markdown_targets(results: dict) -> str:
         text = t.text.replace("|", "\\|")
         rows.append(f"| {text} | `{t.metric}` | {_fmt(results.get(t.metric))} | {t.op} {t.bound:g} | {verdict} |")
     return "\n".join(rows)
+
+
+def md_cell(results: dict, key: str, digits: int = 3) -> str:
+    """A metric as a Markdown table cell: thousands separated, else `digits` decimals; "-" if absent."""
+    v = results.get(key)
+    if v is None:
+        return "-"
+    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.{digits}f}"
+
+
+def markdown_results(results: dict, meta: dict) -> str:
+    """The "Results of one run" section of docs/performance.md, from a run's JSON and meta."""
+    def f(key: str, digits: int = 3) -> str:
+        return md_cell(results, key, digits)
+
+    out = [f"One quick run: preset `{meta.get('preset')}`, commit `{meta.get('commit')}`"
+           f"{' plus uncommitted changes' if meta.get('uncommitted_changes') else ''}, started "
+           f"{meta.get('started')}, {meta.get('seconds', 0):.0f} s wall, load average "
+           f"{meta.get('loadavg_before', [0])[0]:.1f} before / {meta.get('loadavg_after', [0])[0]:.1f} "
+           f"after on {meta.get('cpus')} cores.", "", "### Targets", "", markdown_targets(results), "",
+           "### Transport and dense (GB/s)", "",
+           f"Raw TCP socket, two processes: send {f('tcp_gbps')}, receive {f('tcp_pull_gbps')}.", "",
+           "| tensor | op | shardps 1 server | shardps 2 servers | torch RPC (uv, default channels = cma) "
+           "| shardps 1 server, TCP only | shardps 2 servers, TCP only | torch RPC (uv, basic = TCP only) |",
+           "|---|---|---|---|---|---|---|---|"]
+    for mib in meta.get("config", {}).get("dense_sizes_mib", (16, 64)):
+        for op in ("push", "pull"):
+            keys = (f"ps_dense_{op}_gbps_{mib}mib_1s", f"ps_dense_{op}_gbps_{mib}mib_2s", f"rpc_dense_{op}_gbps_{mib}mib",
+                    f"ps_tcp_dense_{op}_gbps_{mib}mib_1s", f"ps_tcp_dense_{op}_gbps_{mib}mib_2s",
+                    f"rpc_tcp_dense_{op}_gbps_{mib}mib")
+            out.append(f"| {mib} MiB | {op} | " + " | ".join(f(k) for k in keys) + " |")
+    out += ["", f"bfloat16 on the wire (TCP only, 16 MiB, 1 server, GB/s of the float32 tensor): push "
+            f"{f('ps_tcp_dense_push_gbps_16mib_1s_bf16')}, pull {f('ps_tcp_dense_pull_gbps_16mib_1s_bf16')}.", "",
+            "### Sparse (10,000 rows x 64 of 1,000,000, pull + push)", "", "| system | rows/s |", "|---|---|"]
+    for label, key in (("shardps, 1 server (shared memory)", "ps_sparse_rows_per_s"),
+                       ("shardps, 2 servers", "ps_sparse_rows_per_s_2s"),
+                       ("shardps, 1 server, fresh table (rows created on first push)", "ps_sparse_rows_per_s_cold"),
+                       ("torch RPC (uv, default channels)", "rpc_sparse_rows_per_s"),
+                       ("shardps, 1 server, TCP only", "ps_tcp_sparse_rows_per_s"),
+                       ("torch RPC (uv, basic channel)", "rpc_tcp_sparse_rows_per_s")):
+        out.append(f"| {label} | {f(key)} |")
+    out += ["", f"Bytes per step: shardps {f('ps_sparse_step_bytes')} (ids and rows, both ways); DDP with a "
+            f"sparse gradient {f('ddp_sparse_step_bytes')} sent per rank; dense DDP all-reduces "
+            f"{f('ddp_dense_step_bytes')} ({f('ratio_sparse_step_bytes_ddp_dense_over_ps')} x shardps). "
+            f"Filling the table: {f('ps_sparse_populate_s_1s')} s on 1 server, {f('ps_sparse_populate_s_2s')} s on 2.",
+            "", "### End to end: ctr", "", "| system | samples/s | test AUC | worker peak RSS (MB) |", "|---|---|---|---|"]
+    for label, p in (("shardps async (2 workers, 2 servers)", "ps_async"), ("shardps sync", "ps_sync"),
+                     ("DDP gloo, dense embedding", "ddp"), ("DDP gloo, sparse embedding", "ddp_sparse"),
+                     ("single process, sparse embedding", "single")):
+        out.append(f"| {label} | {f(f'e2e_{p}_samples_per_s', 1)} | {f(f'e2e_{p}_auc')} | "
+                   f"{f(f'e2e_{p}_worker_peak_rss_mb', 1)} |")
+    out += ["", f"Training samples: {f('e2e_train_samples')} (dense DDP: {f('e2e_ddp_train_samples')}). shardps "
+            f"async workers' loop time: pull wait {f('e2e_ps_async_share_pull_wait')}, compute "
+            f"{f('e2e_ps_async_share_compute')}, push wait {f('e2e_ps_async_share_push_wait')}.", "",
+            "### Memory", "", "| | measured (RSS growth) | accounted by the server | target |", "|---|---|---|---|",
+            f"| dense, plain SGD (B/param) | {f('server_bytes_per_param_sgd')} | "
+            f"{f('server_table_bytes_per_param_sgd')} | <= 4.5 |",
+            f"| dense, Adam (B/param) | {f('server_bytes_per_param_adam')} | "
+            f"{f('server_table_bytes_per_param_adam')} | <= 13 |",
+            f"| sparse d=16, SGD (B/row) | {f('server_bytes_per_sparse_row_sgd16')} | "
+            f"{f('server_table_bytes_per_sparse_row_sgd16')} | <= 80 |", "",
+            "| worker, ctr table 1M -> 10M rows | peak RSS at 1M (MB) | at 10M (MB) | growth (MB) |", "|---|---|---|---|",
+            f"| shardps worker | {f('worker_peak_rss_mb_ps_small', 1)} | {f('worker_peak_rss_mb_ps_big', 1)} | "
+            f"{f('worker_rss_growth_mb_ps')} |",
+            f"| DDP, sparse embedding | {f('worker_peak_rss_mb_ddp_small', 1)} | {f('worker_peak_rss_mb_ddp_big', 1)} | "
+            f"{f('worker_rss_growth_mb_ddp', 1)} |", "",
+            "### Cost curves", "", "| servers | workers | samples/s | payload bytes per step |", "|---|---|---|---|"]
+    for s, w in ((1, 2), (2, 1), (2, 2), (2, 4), (4, 2)):
+        out.append(f"| {s} | {w} | {f(f'curve_s{s}_w{w}_samples_per_s', 1)} | {f(f'curve_s{s}_w{w}_bytes_per_step')} |")
+    out += ["", "### Placement", "",
+            "| servers | blocks | max/mean (worst of initial, join, leave) | moved on join / ideal "
+            "| moved on leave / ideal | plan s | join s | leave s |", "|---|---|---|---|---|---|---|---|"]
+    for n in (10, 100, 1000):
+        if f"placement_{n}_plan_seconds" in results:
+            keys = (f"placement_{n}_worst_max_over_mean", f"placement_{n}_join_moved_over_ideal",
+                    f"placement_{n}_leave_moved_over_ideal", f"placement_{n}_plan_seconds",
+                    f"placement_{n}_join_seconds", f"placement_{n}_leave_seconds")
+            out.append(f"| {n} | {n * 1000:,} | " + " | ".join(f(k) for k in keys) + " |")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    path = sys.argv[1] if len(sys.argv) > 1 else "bench/results/latest.json"
+    with open(path) as fh, open(path[:-len(".json")] + ".meta.json") as mh:
+        print(markdown_results(json.load(fh), json.load(mh)))
