@@ -91,14 +91,14 @@ def main(argv=None) -> int:
         raw, _ = client.worker_state()
         acked = int(json.loads(raw.decode())["acked"])
     elif previous:
+        if previous.get("rank") != m.rank:      # before touching rows: ids follow the rank
+            print(f"rank changed on rejoin: {previous.get('rank')} -> {m.rank}", file=sys.stderr)
+            return 3
         rows = client.pull_rows(TABLE, ids)[:, 0]
         acked = int(round(float(rows.max())))
         behind = rows < acked
         if behind.any():          # complete the dead push on the blocks it did not reach
             client.push_rows(TABLE, ids[behind], (rows[behind] - acked)[:, None])
-        if previous.get("rank") != m.rank:
-            print(f"rank changed on rejoin: {previous.get('rank')} -> {m.rank}", file=sys.stderr)
-            return 3
     state = {"session": m.session, "rank": m.rank, "incarnation": m.incarnation,
              "acked": acked, "ids": ids.tolist(), "restarts": previous.get("restarts", -1) + 1,
              "incarnations": previous.get("incarnations", []) + [m.incarnation]}

@@ -1,13 +1,11 @@
 """Checkpoints of a training job: on demand while workers train, and worker state round trip."""
 
 import io
-import json
 import subprocess
 import sys
 import time
 
 import numpy as np
-import pytest
 import torch
 from torch import nn
 
@@ -79,5 +77,6 @@ def test_worker_state_survives_a_restore(make_cluster, client_factory, tmp_path)
     fresh = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
     m2 = PSModel(fresh, again, optimizer=sgd(0.1))
     raw, step = again.worker_state()
+    assert step == 5, "the step the checkpoint was cut at"
     assert load_worker_state(raw, fresh, m2) == (2, 7) and m2.step == 5
     assert torch.equal(fresh[1].running_mean, saved_bn)

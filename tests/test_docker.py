@@ -26,13 +26,15 @@ import os
 import re
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from shardps.bench.common import free_port
+from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 WHEELHOUSE = ROOT / "wheelhouse"
@@ -71,12 +73,6 @@ def _compose_command() -> list[str]:
         return [legacy]
     pytest.fail("a Docker engine answers but neither `docker compose` nor `docker-compose` is installed "
                 "(../shared/tools/docker-up installs docker-compose)")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Compose:
@@ -119,18 +115,6 @@ def _inspect(ids: list[str], fmt: str) -> list[str]:
     out = subprocess.run([_docker(), "inspect", "--format", fmt, *ids], capture_output=True, text=True,
                          timeout=60, check=True)
     return out.stdout.split()
-
-
-def _wait(what: str, predicate, timeout: float, interval: float = 0.5):
-    """Polls ``predicate`` until it returns something truthy; returns that value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
 
 
 # ------------------------------------------------------------------ wheelhouse and images
@@ -241,7 +225,7 @@ def test_compose_cluster_trains_scales_and_reports_a_dead_server(tmp_path):
     project = f"shardpstest{os.getpid()}{secrets.token_hex(3)}"
     refs = {"server": "shardps-test/server:latest", "worker": "shardps-test/worker:latest"}
     compose = Compose(project, {"IMAGE_REPO": "shardps-test", "IMAGE_TAG": "latest", "OFFLINE": "1",
-                                "WHEELHOUSE": "wheelhouse", "MANAGER_PORT": str(_free_port())})
+                                "WHEELHOUSE": "wheelhouse", "MANAGER_PORT": str(free_port())})
 
     def report(key: str, value) -> None:
         results[key] = value
@@ -265,26 +249,29 @@ def test_compose_cluster_trains_scales_and_reports_a_dead_server(tmp_path):
             ids = [i for svc in ("manager", *SERVERS) for i in compose.containers(svc)]
             states = _inspect(ids, "{{.State.Health.Status}}")
             return len(ids) == 4 and all(s == "healthy" for s in states)
-        _wait("the manager and s0..s2 to be healthy", all_healthy, timeout=240)
+        wait_for("the manager and s0..s2 to be healthy", all_healthy, timeout=240)
         report("up_to_healthy_seconds", round(time.monotonic() - t_up, 1))
 
         # -- both workers train; a third one joins their worker group mid-run
-        _wait("2 workers in the demo worker group", lambda: _group_size(compose.status()) >= 2,
-              timeout=240, interval=1.0)
+        wait_for("2 workers in the demo worker group", lambda: _group_size(compose.status()) >= 2,
+                 timeout=240, interval=1.0)
         assert not any(_final_line(c) for c in compose.containers("worker")), \
             "the workers finished before the scale-up could happen"
         compose.run("up", "-d", "--no-build", "--no-deps", "--no-recreate", "--scale", "worker=3", "worker",
                     timeout=300)
-        _wait("3 workers training together", lambda: _group_size(compose.status()) == 3,
-              timeout=240, interval=1.0)
+        wait_for("3 workers training together", lambda: _group_size(compose.status()) == 3,
+                 timeout=240, interval=1.0)
         report("workers_training_together", 3)
 
         # -- a server stops while they train: the manager declares it DEAD (lease 3 s)
         t_stop = time.monotonic()
         compose.run("stop", "-t", "10", "s2", timeout=120)
         stopped = time.monotonic()
-        status = _wait("s2 reported DEAD", lambda: (lambda st: st if _server_state(st, "s2") == "DEAD" else None)(
-            compose.status()), timeout=60, interval=0.5)
+
+        def s2_dead():
+            st = compose.status()
+            return st if _server_state(st, "s2") == "DEAD" else None
+        status = wait_for("s2 reported DEAD", s2_dead, timeout=60, interval=0.5)
         report("server_stop_seconds", round(stopped - t_stop, 1))
         report("stopped_to_dead_seconds", round(time.monotonic() - stopped, 1))   # includes the polls
         report("s2_heartbeat_age_when_seen_dead", round(next(
@@ -296,7 +283,7 @@ def test_compose_cluster_trains_scales_and_reports_a_dead_server(tmp_path):
             ids = compose.containers("worker")
             states = _inspect(ids, "{{.State.Status}}")
             return ids if len(ids) == 3 and all(s == "exited" for s in states) else None
-        worker_ids = _wait("the 3 workers to finish", all_exited, timeout=600, interval=2.0)
+        worker_ids = wait_for("the 3 workers to finish", all_exited, timeout=600, interval=2.0)
         codes = _inspect(worker_ids, "{{.State.ExitCode}}")
         restarts = [int(n) for n in _inspect(worker_ids, "{{.RestartCount}}")]
         finals = [_final_line(c) for c in worker_ids]

@@ -20,11 +20,11 @@ serializers (so nothing on the client side tidies it up), every call with a dead
   no crash, no hang, documented codes only.
 
 Both assert: the processes keep answering health; no call outlives its deadline; only the
-status codes the .proto files document (INTERNAL counts as a bug). Failures already known
-are listed in ``KNOWN_BUGS``; each has an ``xfail(strict=True)`` reproduction at the bottom of
-this file, so that fixing it turns the reproduction green (then delete the entry and the
-marker). Hypothesis runs from fixed seeds, without shrinking and without a database:
-the same messages are sent on every run.
+status codes the .proto files document (INTERNAL counts as a bug). A failure found and not
+yet fixed is listed in ``KNOWN_BUGS`` (none is open) with an ``xfail(strict=True)``
+reproduction at the bottom of this file; once fixed, the entry and the marker go and the
+reproduction stays as a regression test. Hypothesis runs from fixed seeds, without
+shrinking and without a database: the same messages are sent on every run.
 """
 
 from __future__ import annotations
@@ -1847,9 +1847,9 @@ def test_fuzz_admin_rpcs(make_cluster, client_factory, tmp_path):
 
 
 # ====================================================================== reproductions
-# Each failure the fuzzers found, reduced to a few requests. They are expected to fail until
-# the bug is fixed (strict: a fix makes them pass, and then the marker and the KNOWN_BUGS
-# entry go).
+# Each failure the fuzzers found, reduced to a few requests; all fixed, so these are
+# regression tests (an open bug's reproduction carries xfail(strict=True) and a KNOWN_BUGS
+# entry until it is fixed).
 
 @pytest.fixture
 def one_server(make_cluster, client_factory):

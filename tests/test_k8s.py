@@ -234,15 +234,18 @@ def test_probes_are_native_grpc_and_use_the_plaintext_port_under_tls(renders):
 
 def test_gpu_workers_get_gpus_on_gpu_nodes(renders):
     for name in ("overlays/gpu", "base+gpu", "base+all"):
+        workers = 0
         for _, tmpl in pod_templates(renders[name]):
             if tmpl["metadata"]["labels"]["app.kubernetes.io/component"] != "worker":
                 assert "nvidia.com/gpu" not in str(tmpl), "only workers take GPUs"
                 continue
+            workers += 1
             spec = tmpl["spec"]
             c = spec["containers"][0]
             assert int(c["resources"]["limits"]["nvidia.com/gpu"]) >= 1
             assert c["image"].endswith("-cuda")
             assert spec["nodeSelector"] and any(t["key"] == "nvidia.com/gpu" for t in spec["tolerations"])
+        assert workers, f"{name} renders no worker pod"
 
 
 def test_pods_run_as_non_root_with_requests_limits_and_scrape_annotations(renders):

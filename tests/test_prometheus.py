@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -28,6 +27,9 @@ import grpc
 import numpy as np
 import pytest
 import yaml
+
+from shardps.bench.common import free_port
+from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARDS = sorted((ROOT / "deploy" / "grafana" / "dashboards").glob("*.json"))
@@ -117,12 +119,6 @@ def prometheus_binary() -> str:
         print(f"skipping: {reason}")
         pytest.skip(reason)
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 _HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))   # loopback, never a proxy
@@ -264,17 +260,6 @@ class KubernetesTargets:
         pods += [self.pod(f"worker-{i}", "worker", a) for i, a in enumerate(workers)]
         pods.append(self.pod("not-annotated", "other", f"127.0.0.1:{free_port()}", scrape="false"))
         _write_targets(self.file, pods)
-
-
-def wait_for(what: str, check, timeout: float, interval: float = 0.5):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not after {timeout}s")
-        time.sleep(interval)
 
 
 def all_targets_up(prom: Prometheus, expected: int) -> bool:

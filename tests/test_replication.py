@@ -4,10 +4,10 @@ acknowledged push, re-replication restores R (real gRPC servers on loopback)."""
 import time
 
 import numpy as np
-import pytest
 
 from shardps.server.node import snapshot_block
 from shardps.tables import adam, sgd
+from tests.waiting import wait_for
 
 
 def replicas_equal(cluster, job, table):
@@ -40,13 +40,8 @@ def settled(cluster):
                              if n not in retired)
 
 
-def wait(cond, timeout=30.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.05)
-    raise TimeoutError(what)
+def wait(cond, what: str, timeout: float = 30.0):
+    wait_for(what, cond, timeout, interval=0.05)
 
 
 def test_backups_apply_exactly_what_primaries_apply(make_cluster, client_factory):

@@ -17,15 +17,14 @@ run for ``make test``.
 
 from __future__ import annotations
 
-import re
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
 
+from shardps.bench.common import metric_sum, proc_status_kb, scrape
 from shardps.local import LocalCluster
 from shardps.tables import sgd
 from shardps.worker.client import PSClient
@@ -43,19 +42,12 @@ JOB = "soak"
 
 def handled_rpcs(metrics_address: str) -> int:
     """ParameterServer RPCs a server completed (any status), from its /metrics endpoint."""
-    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    pattern = re.compile(r'^grpc_server_handled_total\{[^}]*grpc_service="shardps\.v1\.ParameterServer"[^}]*\} (\S+)$',
-                         re.M)
-    return int(sum(float(v) for v in pattern.findall(text)))
+    return int(metric_sum(scrape(metrics_address, timeout=10), "grpc_server_handled_total",
+                          grpc_service="shardps.v1.ParameterServer"))
 
 
 def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for pid {pid}")
+    return proc_status_kb(pid, "VmRSS") * 1024
 
 
 @dataclass

@@ -198,4 +198,4 @@ def test_json_logs_carry_the_context_and_the_worker_plots_its_curve(tmp_path):
     assert {"ts", "level", "msg", "role", "node", "job", "rank", "epoch"} <= set(joined), joined
     assert joined["role"] == "worker" and joined["job"] == "demo"
     server = [json.loads(line) for line in (tmp_path / "w" / "s0.log").read_text().splitlines()]
-    assert all(r["role"] == "server" and r["node"] == "s0" for r in server)
+    assert server and all(r["role"] == "server" and r["node"] == "s0" for r in server)
