@@ -31,6 +31,7 @@ class JobClock:
         self.completed: dict[str, int] = {}   # session -> completed steps
         self.live: set[str] = set()
         self.applied_steps = 0                # SYNC: steps applied on this server
+        self.closed_below = 0                 # SYNC: steps below this take no more pushes
 
     def set_members(self, sessions: set[str], mode: Consistency, staleness: int) -> None:
         with self.cond:
@@ -67,6 +68,12 @@ class JobClock:
                 return range(self.applied_steps, self.applied_steps)
             return range(self.applied_steps, self._min_locked())
 
+    def close(self, steps: int) -> None:
+        """SYNC: steps below ``steps`` are being applied; a push for one of them is refused
+        from now on (it could no longer be part of its step)."""
+        with self.cond:
+            self.closed_below = max(self.closed_below, steps)
+
     def skip_to(self, steps: int) -> None:
         """SYNC: ``steps`` steps are applied here (none of those skipped had data)."""
         self.mark_applied(steps - 1)
@@ -74,6 +81,7 @@ class JobClock:
     def mark_applied(self, step: int) -> None:
         with self.cond:
             self.applied_steps = max(self.applied_steps, step + 1)
+            self.closed_below = max(self.closed_below, self.applied_steps)
             self.cond.notify_all()
 
     def wait_for_pull(self, clock: int, deadline: float | None) -> int:

@@ -274,6 +274,7 @@ class ServerNode:
             for d in (self.extra, self.needs_resync):
                 for key in [k for k in d if k not in listed]:
                     del d[key]
+            self._prune_destinations(view)
             for key in [k for k, (blk, _) in self.staged.items()
                         if (k[0], k[1]) not in view.tables]:
                 del self.staged[key]
@@ -300,13 +301,38 @@ class ServerNode:
         if self.on_epoch is not None:
             self.on_epoch(view.epoch)
 
+    def _prune_destinations(self, view: ShardMapView) -> None:
+        """Forget copy destinations the map now lists as replicas (the copy is done: they are
+        backups like any other) and any node the map declares dead, so that neither is sent
+        ops or resyncs any more. Call with ``self._lock`` held."""
+        dead = {s.name for s in view.servers if s.state == pb.DEAD}
+        live = set(view.server_names) - dead
+        for key in list(self.extra):
+            t = view.tables[(key[0], key[1])]
+            dests = (self.extra[key] - set(t.replicas[key[2]])) & live
+            if dests:
+                self.extra[key] = dests
+            else:
+                del self.extra[key]
+        for key in list(self.needs_resync):
+            nodes = self.needs_resync[key] & live
+            if nodes:
+                self.needs_resync[key] = nodes
+            else:
+                del self.needs_resync[key]
+
     def _after_install(self) -> None:
-        """Work a new map may unlock: resync listed backups, apply completed SYNC steps."""
+        """Work a new map may unlock: resync listed backups, apply completed SYNC steps.
+        A backup that cannot be reached now does not fail the install: it stays marked and is
+        resynced before its block acknowledges the next push."""
         for key in list(self.needs_resync):
             block = self.blocks.get(key)
             if block is not None and self._is_primary(key):
                 with block.lock:
-                    self._resync_locked(block)
+                    try:
+                        self._resync_locked(block)
+                    except Unavailable as exc:
+                        log.warning("resync after epoch %d deferred: %s", self.view.epoch, exc.message)
         for job in list(self.clocks):
             self._apply_ready_steps(job)
 
@@ -529,7 +555,12 @@ class ServerNode:
             parts = self._split(header, parsed, for_push=True)
             group = self.view.groups.get(header.job)
             sync = group is not None and group.consistency is Consistency.SYNC and kind == GRADIENT
-            if sync and self._member(header):
+            if sync and not self._member(header):
+                raise FailedPrecondition(
+                    f"job {header.job!r} is SYNC: its pushes are applied as steps of its worker "
+                    f"group, and session {header.session!r} is not a member under epoch "
+                    f"{self.view.epoch}: join the group (PSClient.join) before pushing")
+            if sync:
                 clock = self.clocks.get(header.job)
                 if clock is not None and header.clock > clock.applied_steps:
                     # a SYNC worker pushes step t only after pulling step t, which waited for
@@ -602,6 +633,8 @@ class ServerNode:
                     raise FailedPrecondition(
                         f"table {part.table.name!r} block {part.key[2]} has no initial values "
                         f"yet: push INITIALIZE first")
+            if sync:
+                self._check_step_open(parts[0].key[0], step, unique)
             self._check_quota(parts, blocks, writer)
             for blk in unique:
                 if self.needs_resync.get(blk.key):
@@ -668,6 +701,24 @@ class ServerNode:
             out.append((blk.key, op, [np.ascontiguousarray(part.ids, dtype=np.int64),
                                       np.ascontiguousarray(part.values, dtype=np.float32)]))
         return out
+
+    def _check_step_open(self, job: str, step: int, blocks: list[Block]) -> None:
+        """SYNC: refuse a push for a step that was already applied here (block locks held).
+
+        The blocks are registered as pending *before* the check, so a step that closes after
+        the check still finds them (``_apply_ready_steps`` closes a step, then collects the
+        pending blocks, then takes their locks): a push is either part of its step or refused.
+        A refused push leaves at most a registration without data, which the next step drops.
+        """
+        with self._lock:
+            self._pending.setdefault(job, set()).update(b.key for b in blocks)
+        clock = self.clocks.get(job)
+        if clock is not None and step < clock.closed_below:
+            raise FailedPrecondition(
+                f"SYNC step {step} of job {job!r} was already applied on server {self.name} "
+                f"({clock.closed_below} steps applied) without this push; nothing was applied: "
+                f"push each step once, for the step after the last one pulled (PSClient keeps "
+                f"the step when a loop uses client.step() / next_step())")
 
     def _check_quota(self, parts: list[_Part], blocks: list[Block], writer: Writer) -> None:
         """RESOURCE_EXHAUSTED when this push would store more of its job than the job's
@@ -885,6 +936,7 @@ class ServerNode:
             return
         with lock:
             ready = clock.steps_to_apply()
+            clock.close(ready.stop)      # before collecting: see _check_step_open
             with self._lock:
                 keys = list(self._pending.get(job, set()))
             with_data = set()
@@ -893,6 +945,9 @@ class ServerNode:
                 if blk is not None:
                     with blk.lock:
                         with_data.update(st for st in blk.pending if st in ready)
+                        if not blk.pending:
+                            with self._lock:
+                                self._pending.get(job, set()).discard(k)
             with_data = sorted(with_data)
             for step in with_data:      # steps nobody pushed data for need no work here
                 divisor = max(1, len(clock.live))

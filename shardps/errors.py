@@ -97,3 +97,12 @@ ERRORS_BY_CODE: dict[str, type[ShardpsError]] = {
         Internal,
     )
 }
+
+
+# The error's identity on the wire: servers send the class name under this trailing-metadata
+# key beside the status code, so a client tells a StaleEpoch from another FAILED_PRECONDITION
+# without reading the message.
+WIRE_KEY = "x-shardps-error"
+ERRORS_BY_NAME: dict[str, type[ShardpsError]] = {
+    cls.__name__: cls for cls in (*ERRORS_BY_CODE.values(), StaleEpoch)
+}

@@ -41,14 +41,33 @@ def from_rpc_error(err: grpc.RpcError, what: str) -> ShardpsError:
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = err.details() if hasattr(err, "details") else str(err)
     cls = _FROM_GRPC.get(code, errors.Internal)
-    if code == grpc.StatusCode.FAILED_PRECONDITION and details and "epoch" in details:
-        cls = errors.StaleEpoch
+    named = errors.ERRORS_BY_NAME.get(_wire_name(err) or "")
+    if named is not None and named.code == code.name:
+        cls = named                  # the subclass the server raised (e.g. StaleEpoch)
     if code == grpc.StatusCode.CANCELLED:
         # not cancelled by us: the peer is stopping, or cut a stalled stream; retry elsewhere
         cls = errors.Unavailable
     if code == grpc.StatusCode.UNAVAILABLE:
         details = f"{details} (is the process at that address running and reachable?)"
     return cls(f"{what}: {code.name}: {details}")
+
+
+def _wire_name(err: grpc.RpcError) -> str | None:
+    """The error class name the server sent in trailing metadata, if any."""
+    try:
+        trailing = err.trailing_metadata() or ()
+    except Exception:            # an RpcError raised before any response has none
+        return None
+    for key, value in trailing:
+        if key == errors.WIRE_KEY:
+            return value
+    return None
+
+
+def abort(context: grpc.ServicerContext, exc: ShardpsError) -> None:
+    """Abort the call with ``exc``'s status code, message and class name (trailing metadata)."""
+    context.set_trailing_metadata(((errors.WIRE_KEY, type(exc).__name__),))
+    context.abort(grpc_code(exc), exc.message)
 
 
 @dataclass
@@ -140,7 +159,7 @@ def _outcome(context: grpc.ServicerContext, full: str, result: _Outcome):
         yield
     except ShardpsError as exc:
         result.code = grpc_code(exc).name
-        context.abort(grpc_code(exc), exc.message)
+        abort(context, exc)
     except DecodeError as exc:                   # a request that is not the message it claims
         result.code = "INVALID_ARGUMENT"
         context.abort(grpc.StatusCode.INVALID_ARGUMENT,
