@@ -118,6 +118,21 @@ class Move:
 
 
 @dataclass(frozen=True)
+class ReplicationHealth:
+    """How far the placement is from R replicas of every block (``ManagerState.replication_health``)."""
+
+    target: int              # R, the replication factor
+    servers: int             # servers that may hold blocks (live, not draining)
+    under_replicated: int    # blocks with fewer than R replicas
+    unrestorable: int        # of those, blocks that cannot get R back: fewer than R servers
+
+    @property
+    def target_reachable(self) -> bool:
+        """Whether there are enough servers to hold R replicas of every block."""
+        return self.servers >= self.target
+
+
+@dataclass(frozen=True)
 class ManagerSettings:
     replication: int = 1
     server_lease_seconds: float = 3.0
@@ -319,6 +334,7 @@ class ManagerState:
                     f"job {job!r} storage quota_bytes={quota}: its dense tables hold {dense} bytes and "
                     f"{spec.name!r} needs {need} more (values and optimizer state): raise the quota "
                     f"or delete tables")
+        self._warn_if_short(f"table {spec.name!r} of job {job!r}", nodes)
         epoch = self._bump()
         names = [block_name(job, spec.name, i) for i in range(spec.block_count)]
         placement = self._place_new(names, nodes)
@@ -326,6 +342,17 @@ class ManagerState:
         rec = TableRecord(job, spec, config.replace(version=1), blocks)
         self.tables[(job, spec.name)] = rec
         return rec, True
+
+    def _warn_if_short(self, what: str, nodes: list[str]) -> None:
+        """Fewer servers than R: the blocks get one replica per server now, and the missing
+        ones are added (``plan_moves``) as servers join. Placement is not refused: a cluster
+        that lost servers keeps serving, and servers that start after the first client are
+        normal in a deployment."""
+        r = self.settings.replication
+        if len(nodes) < r:
+            log.warning("%s placed with %d replica(s) per block, fewer than the replication "
+                        "factor %d: %d server(s) can hold blocks; start more servers to restore it",
+                        what, len(nodes), r, len(nodes))
 
     def _place_new(self, names: list[str], nodes: list[str]) -> dict[str, list[str]]:
         """Replicas for new blocks ``names``, planned together with every block already placed
@@ -378,6 +405,7 @@ class ManagerState:
         nodes = self.candidates()
         if not nodes:
             raise FailedPrecondition("no live server to restore onto: start servers first")
+        self._warn_if_short(f"restored job {job!r}", nodes)
         job_rec = self.jobs.get(job)
         if job_rec is None:
             job_rec, _ = self.create_job(job, consistency, staleness)
@@ -544,8 +572,17 @@ class ManagerState:
         return msg
 
     def under_replicated(self) -> int:
-        r = min(self.settings.replication, max(1, len(self.candidates())))
-        return sum(1 for t in self.tables.values() for b in t.blocks if len(b.replicas) < r)
+        """Blocks with fewer than R replicas, however many servers are left (with 1 of 3
+        servers and R=2, every block has one copy and counts)."""
+        return self.replication_health().under_replicated
+
+    def replication_health(self) -> ReplicationHealth:
+        """Under-replicated blocks, and how many of them cannot get R replicas back until
+        servers are added (fewer than R servers may hold blocks)."""
+        r = self.settings.replication
+        servers = len(self.candidates())
+        under = sum(1 for t in self.tables.values() for b in t.blocks if len(b.replicas) < r)
+        return ReplicationHealth(r, servers, under, under if servers < r else 0)
 
     # ------------------------------------------------------------------ persistence
     def to_dict(self) -> dict:

@@ -116,7 +116,11 @@ class ManagerMetrics:
                                   "Bytes each server reports storing.", ("server",), registry=r)
         self.blocks = Gauge("shardps_blocks", "Blocks in the shard map.", registry=r)
         self.under_replicated = Gauge("shardps_under_replicated_blocks",
-                                      "Blocks with fewer than R live replicas.", registry=r)
+                                      "Blocks with fewer than R live replicas (R itself, even when "
+                                      "fewer than R servers are left).", registry=r)
+        self.unrestorable = Gauge("shardps_replication_unrestorable_blocks",
+                                  "Under-replicated blocks that cannot get R replicas back: fewer than "
+                                  "R servers may hold blocks (start servers).", registry=r)
         self.moves = Counter("shardps_block_moves_total", "Blocks copied to a new replica.", registry=r)
         self.failovers = Counter("shardps_server_failures_total",
                                  "Servers declared dead (lease expired).", registry=r)
@@ -124,6 +128,11 @@ class ManagerMetrics:
         self.install_seconds = Histogram("shardps_map_install_seconds",
                                          "Time to install a new epoch on every live server.",
                                          buckets=LATENCY_BUCKETS, registry=r)
+
+    def set_replication(self, health) -> None:
+        """Set the replication gauges from a ``ReplicationHealth`` (server/manager_state.py)."""
+        self.under_replicated.set(health.under_replicated)
+        self.unrestorable.set(health.unrestorable)
 
 
 class WorkerMetrics:

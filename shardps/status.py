@@ -26,9 +26,23 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
+def replication_shortfall(st: mg.ClusterStatus) -> tuple[int, int]:
+    """(servers that may hold blocks, under-replicated blocks that cannot get R replicas back
+    because there are fewer such servers than R). The manager's rule, from the status alone:
+    JOINING and SERVING servers hold blocks; DRAINING and DEAD ones do not."""
+    servers = sum(1 for s in st.servers if s.server.state in (pb.JOINING, pb.SERVING))
+    return servers, (st.under_replicated_blocks if servers < st.replication else 0)
+
+
 def format_status(st: mg.ClusterStatus) -> str:
     parts = [f"epoch {st.epoch}   replication {st.replication}   blocks {st.blocks}   "
-             f"under-replicated {st.under_replicated_blocks}", ""]
+             f"under-replicated {st.under_replicated_blocks}"]
+    servers, unrestorable = replication_shortfall(st)
+    if servers < st.replication:
+        parts.append(f"replication {st.replication} cannot be restored: {servers} server(s) can hold "
+                     f"blocks; {unrestorable} blocks stay under-replicated until "
+                     f"{st.replication - servers} more server(s) join")
+    parts.append("")
     rows = [[s.server.name, pb.ServerState.Name(s.server.state), str(s.server.incarnation), s.server.address,
              str(s.primary_blocks), str(s.replica_blocks), _bytes(s.bytes), f"{s.heartbeat_age_seconds:.1f}s"]
             for s in st.servers]
@@ -49,4 +63,10 @@ def format_status(st: mg.ClusterStatus) -> str:
 
 
 def status_to_dict(st: mg.ClusterStatus) -> dict:
-    return MessageToDict(st, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    """The message as a dict, plus ``replication_target_reachable`` and
+    ``unrestorable_blocks`` (see ``replication_shortfall``)."""
+    out = MessageToDict(st, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    servers, unrestorable = replication_shortfall(st)
+    out["replication_target_reachable"] = servers >= st.replication
+    out["unrestorable_blocks"] = unrestorable
+    return out

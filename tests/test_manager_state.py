@@ -109,3 +109,58 @@ def test_drain_plans_moves_off_the_node_and_retires_it():
     assert st.commit_moves(moves, now=1.0) == len(moves)
     assert all("s0" not in b.replicas for b in t.blocks)
     assert st.retire_drained() == ["s0"] and st.servers["s0"].retired
+
+
+def _replica_counts(t):
+    return sorted({len(b.replicas) for b in t.blocks})
+
+
+def test_under_replicated_counts_against_r_when_too_few_servers_are_left():
+    """1 of 3 servers left with R=2: every block has one copy and counts as under-replicated,
+    and none of them can get R back until a server joins."""
+    st = make(3, 2)
+    t, _ = st.create_table("j", sparse_table("e", 4, num_blocks=30), TableConfig(sgd(0.1)))
+    assert st.under_replicated() == 0
+    st.server_heartbeat("s0", 1, st.epoch, {}, now=2.5)
+    assert st.expire(now=4.0) == ["server:s1", "server:s2"]
+    assert _replica_counts(t) == [1]
+    assert st.under_replicated() == 30
+    health = st.replication_health()
+    assert (health.target, health.servers, health.under_replicated, health.unrestorable) == (2, 1, 30, 30)
+    assert not health.target_reachable
+    assert st.plan_moves() == []                     # nowhere to copy to
+
+
+def test_under_replicated_blocks_are_restorable_while_r_servers_are_left():
+    st = make(3, 2)
+    t, _ = st.create_table("j", sparse_table("e", 4, num_blocks=30), TableConfig(sgd(0.1)))
+    for name in ("s0", "s1"):
+        st.server_heartbeat(name, 1, st.epoch, {}, now=2.5)
+    st.expire(now=4.0)
+    lost = sum(1 for b in t.blocks if len(b.replicas) < 2)
+    health = st.replication_health()
+    assert lost > 0 and health.under_replicated == lost and health.unrestorable == 0
+    assert health.target_reachable
+    assert st.commit_moves(st.plan_moves(), now=4.0) == lost
+    assert st.under_replicated() == 0 and _replica_counts(t) == [2]
+
+
+def test_tables_created_with_fewer_servers_than_r_get_r_when_servers_join():
+    """What CreateTable promises (manager.proto): with fewer live servers than R the table is
+    created under-replicated, not refused, and the missing replicas follow the servers."""
+    st = make(1, 2)
+    t, created = st.create_table("j", dense_table("w", (100,), block_size=10), TableConfig(sgd(0.1)))
+    assert created and _replica_counts(t) == [1]
+    health = st.replication_health()
+    assert (health.under_replicated, health.unrestorable) == (10, 10)
+    st.register_server("s1", "h:1", "", "boot1", now=1.0)
+    assert st.replication_health().unrestorable == 0
+    assert st.commit_moves(st.plan_moves(), now=1.0) == 10
+    assert _replica_counts(t) == [2] and st.under_replicated() == 0
+
+
+def test_a_table_needs_at_least_one_server():
+    st = ManagerState(ManagerSettings(replication=2))
+    st.create_job("j", Consistency.ASYNC, 0)
+    with pytest.raises(FailedPrecondition, match="no live server"):
+        st.create_table("j", dense_table("w", (10,)), TableConfig())

@@ -153,7 +153,8 @@ class PSClient:
         self.last_wait = 0.0               # seconds the last pull waited for stragglers
         self._versions: dict[tuple[str, int], int] = {}   # block versions seen at pulls
         self._heartbeat: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._stop = threading.Event()      # stops the heartbeat loop
+        self._closed = threading.Event()    # ends the retries of calls in flight
         self.progress = {"step": 0, "samples_per_second": 0.0, "loss": 0.0}
         # same-host fast path: bulk bytes through /dev/shm, gRPC for control only
         self._shm = shm.ClientRegions() if shared_memory and shm.available() else None
@@ -162,15 +163,39 @@ class PSClient:
         self.checkpoint_request = ""       # set by heartbeats when an on-demand checkpoint is cut
 
     # ================================================================== plumbing
-    def _call(self, what: str, fn, request, timeout: float | None = None):
-        """A unary manager call with a deadline, errors translated."""
+    def _call(self, what: str, fn, request, timeout: float | None = None, *, idempotent: bool = False):
+        """A unary manager call that honours its deadline, errors translated.
+
+        ``idempotent`` calls (reads, heartbeats, creations of an identical job or table,
+        deletions; see manager.proto) are retried after UNAVAILABLE with jittered backoff
+        until the deadline: the manager may be restarting or briefly unreachable. The others
+        are sent once, but only when a connection exists (``wait_for_ready``: a call that was
+        never sent cannot have been executed), so they too wait for a manager that is slow
+        to accept instead of failing at once. ``close()`` ends the retries."""
+        timeout = timeout or self.timeout
         started = time.perf_counter()
         code = "OK"
+        attempts = 0
+
+        def attempt(left: float):
+            nonlocal attempts
+            attempts += 1
+            return fn(request, timeout=left, metadata=self._metadata)
+
         try:
-            return fn(request, timeout=timeout or self.timeout, metadata=self._metadata)
+            if idempotent:
+                return channels.call_with_retries(attempt, timeout, sleep=self._closed.wait)
+            return fn(request, timeout=timeout, metadata=self._metadata, wait_for_ready=True)
         except grpc.RpcError as err:
             code = err.code().name if hasattr(err, "code") else "UNKNOWN"
-            raise from_rpc_error(err, what) from None
+            exc = from_rpc_error(err, what)
+            if attempts > 1:
+                exc = type(exc)(f"{exc.message} (gave up after {attempts} attempts in {timeout:g}s)")
+            elif not idempotent and code == "DEADLINE_EXCEEDED":
+                exc = type(exc)(f"{exc.message} (waited {timeout:g}s for the manager at "
+                                f"{self.manager_address}: is it running and reachable, or is the "
+                                f"timeout too short for this call?)")
+            raise exc from None
         finally:
             self._observe(MANAGER, what, "unary", code, started)
 
@@ -182,6 +207,7 @@ class PSClient:
 
     def close(self) -> None:
         """Stop heartbeats, leave nothing running. Does not leave the group (see ``leave``)."""
+        self._closed.set()
         self._stop.set()
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=5)
@@ -206,7 +232,7 @@ class PSClient:
     def refresh_map(self, min_epoch: int = 0, timeout: float | None = None) -> ShardMapView:
         """Fetch the published shard map (waiting for ``min_epoch`` if given)."""
         msg = self._call("GetShardMap", self._manager.GetShardMap,
-                         mg.GetShardMapRequest(min_epoch=min_epoch), timeout)
+                         mg.GetShardMapRequest(min_epoch=min_epoch), timeout, idempotent=True)
         with self._map_lock:
             if msg.epoch > self._map.epoch:
                 self._map = ShardMapView(msg)
@@ -227,11 +253,11 @@ class PSClient:
             raise InvalidArgument(f"consistency {consistency!r}: use async, sync or ssp")
         resp = self._call("CreateJob", self._manager.CreateJob, mg.CreateJobRequest(
             job=self.job, consistency=consistency_to_proto(mode, staleness),
-            quota=mg.JobQuota(max_bytes=quota_bytes)), timeout)
+            quota=mg.JobQuota(max_bytes=quota_bytes)), timeout, idempotent=True)
         return resp.token
 
     def end_job(self, timeout: float | None = None) -> None:
-        self._call("EndJob", self._manager.EndJob, mg.EndJobRequest(job=self.job), timeout)
+        self._call("EndJob", self._manager.EndJob, mg.EndJobRequest(job=self.job), timeout, idempotent=True)
 
     def join(self, name: str = "", rank_hint: int = -1, previous_session: str = "",
              heartbeat: bool = True, timeout: float | None = None) -> Membership:
@@ -257,7 +283,8 @@ class PSClient:
         self._stop.set()
         if m is not None:
             self._call("LeaveWorkerGroup", self._manager.LeaveWorkerGroup,
-                       mg.LeaveWorkerGroupRequest(job=self.job, session=m.session), timeout)
+                       mg.LeaveWorkerGroupRequest(job=self.job, session=m.session), timeout,
+                       idempotent=True)
             self.membership = None
 
     def heartbeat(self, timeout: float | None = None) -> mg.WorkerHeartbeatResponse:
@@ -267,7 +294,7 @@ class PSClient:
         resp = self._call("WorkerHeartbeat", self._manager.WorkerHeartbeat, mg.WorkerHeartbeatRequest(
             job=self.job, session=m.session, incarnation=m.incarnation,
             step=int(self.progress["step"]), samples_per_second=float(self.progress["samples_per_second"]),
-            loss=float(self.progress["loss"])), timeout or 5.0)
+            loss=float(self.progress["loss"])), timeout or 5.0, idempotent=True)
         self.checkpoint_request = resp.checkpoint_id
         if resp.world_size != m.world_size or resp.rank != m.rank:
             self.membership = Membership(resp.rank, m.session, m.incarnation, resp.world_size, m.restored)
@@ -311,7 +338,7 @@ class PSClient:
         if m is None:
             raise FailedPrecondition("worker_state needs a group member: call join() first")
         resp = self._call("GetWorkerState", self._manager.GetWorkerState,
-                          mg.GetWorkerStateRequest(job=self.job, rank=m.rank), timeout)
+                          mg.GetWorkerStateRequest(job=self.job, rank=m.rank), timeout, idempotent=True)
         return resp.worker_state, resp.step
 
     def checkpoint(self, directory: str = "", timeout: float | None = 600.0) -> mg.CheckpointResponse:
@@ -327,11 +354,12 @@ class PSClient:
 
     def drain_server(self, name: str, timeout: float | None = None) -> mg.DrainServerResponse:
         """Admin: move every block off server ``name`` (in the background), then retire it."""
-        return self._call("DrainServer", self._manager.DrainServer, mg.DrainServerRequest(name=name), timeout)
+        return self._call("DrainServer", self._manager.DrainServer, mg.DrainServerRequest(name=name), timeout,
+                          idempotent=True)
 
     def cluster_status(self, timeout: float | None = None) -> mg.ClusterStatus:
         return self._call("GetClusterStatus", self._manager.GetClusterStatus,
-                          mg.GetClusterStatusRequest(), timeout)
+                          mg.GetClusterStatusRequest(), timeout, idempotent=True)
 
     # ================================================================== tables
     def create_table(self, spec: TableSpec, optimizer: OptimizerConfig | None = None,
@@ -341,7 +369,7 @@ class PSClient:
         spec.validate()
         config.validate()
         resp = self._call("CreateTable", self._manager.CreateTable, mg.CreateTableRequest(
-            job=self.job, spec=spec_to_proto(spec), config=config_to_proto(config)), timeout)
+            job=self.job, spec=spec_to_proto(spec), config=config_to_proto(config)), timeout, idempotent=True)
         view = self.refresh_map(min_epoch=resp.epoch)
         return view.table(self.job, spec.name)
 
@@ -380,7 +408,7 @@ class PSClient:
 
     def delete_table(self, name: str, timeout: float | None = None) -> None:
         self._call("DeleteTable", self._manager.DeleteTable,
-                   mg.DeleteTableRequest(job=self.job, table=name), timeout)
+                   mg.DeleteTableRequest(job=self.job, table=name), timeout, idempotent=True)
 
     # ================================================================== data: dense
     def pull_dense(self, table: str, start: int = 0, stop: int | None = None,

@@ -161,7 +161,8 @@ class ResourceManagerServicer:
 
     def DrainServer(self, request, context):
         """Admin: copy every block away from a server, then retire it. Returns at once; progress is
-        visible in GetClusterStatus. Idempotent.
+        visible in GetClusterStatus. Idempotent. FAILED_PRECONDITION: it is the only server that
+        may hold blocks. Draining below R servers leaves blocks under-replicated (see CreateTable).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -187,6 +188,12 @@ class ResourceManagerServicer:
     def CreateTable(self, request, context):
         """Create a table and place its blocks. Idempotent for an identical spec (the existing
         table is returned with created = false); ALREADY_EXISTS for a different spec.
+        FAILED_PRECONDITION: no live server can hold blocks. With fewer such servers than the
+        replication factor R, the table is created anyway with one replica per server: its
+        blocks count as under-replicated (and unrestorable while servers are missing; see
+        ClusterStatus), and the manager copies the missing replicas as servers join. A cluster
+        that lost servers keeps accepting tables, and servers that register after the first
+        client (a normal start of a deployment) need no ordering.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -281,7 +288,9 @@ class ResourceManagerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Restore(self, request, context):
-        """Admin: recreate a job's tables from a checkpoint onto the current servers.
+        """Admin: recreate a job's tables from a checkpoint onto the current servers. Like
+        CreateTable: FAILED_PRECONDITION without any live server; under-replicated (and
+        restored later) with fewer than R.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

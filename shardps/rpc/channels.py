@@ -1,13 +1,36 @@
-"""gRPC servers and channels with shardps's settings: message limits, keepalive, TLS, health
-and reflection.
+"""gRPC servers and channels with shardps's settings: message limits, keepalive, connection
+attempts, TLS, health and reflection.
 
-Keepalive: clients ping every 10 s (a peer cut off by a partition is noticed within 15 s);
-servers accept pings every 10 s or slower (a server that is stricter than its clients closes
-connections with "too_many_pings").
+Keepalive (client and server must agree, or the server closes the client's connections):
+
+* A client pings every ``KEEPALIVE_MS`` (10 s) on every connection, with calls or without,
+  and gives up on a connection whose ping is not answered within ``KEEPALIVE_TIMEOUT_MS``
+  (5 s): a peer cut off by a partition is noticed within 15 s.
+* A server accepts pings without calls (``keepalive_permit_without_calls``) as often as every
+  ``MIN_PING_INTERVAL_MS`` (5 s), half the clients' interval. A ping that comes sooner is a
+  strike; after ``max_ping_strikes`` strikes the server sends GOAWAY "too_many_pings" and
+  drops the connection with the calls on it. The margin of 2 absorbs timer jitter and delayed
+  pings: a client never pings faster than ``MIN_PING_INTERVAL_MS`` without a bug.
+  gRPC's name for this setting is ``grpc.http2.min_ping_interval_without_data_ms``; the
+  similar-looking ``grpc.http2.min_recv_ping_interval_without_data_ms`` is not a gRPC setting
+  and is silently ignored (the server then allows one ping per 5 minutes, and every idle
+  client was cut off after six pings, about a minute).
+* Servers also ping idle clients every 60 s (``max_pings_without_data`` 0: pings are not
+  limited to connections carrying data) to drop connections of clients that died.
+
+Connection attempts: gRPC calls its minimum connection-attempt time
+``grpc.min_reconnect_backoff_ms``: a TCP + TLS + HTTP/2 handshake that has not finished after
+it is abandoned, and calls that are not ``wait_for_ready`` then fail with UNAVAILABLE whatever
+their deadline. It is ``CONNECT_TIMEOUT_MS`` (5 s): longer than the handshake of a peer that
+is paused or busy (a stop signal, a long GC, a loaded host), short enough that an attempt to a
+peer cut off by a partition is given up and started again. Reconnection after a refused
+attempt still starts after 100 ms (``initial_reconnect_backoff_ms``).
 """
 
 from __future__ import annotations
 
+import random
+import time
 from concurrent import futures
 from dataclasses import dataclass
 
@@ -16,6 +39,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 MAX_MESSAGE_BYTES = 64 << 20   # one chunk is ~1 MiB; this bounds any single message
+KEEPALIVE_MS = 10_000          # clients ping this often
+KEEPALIVE_TIMEOUT_MS = 5_000   # ... and drop a connection whose ping is unanswered this long
+MIN_PING_INTERVAL_MS = 5_000   # servers accept pings this often: KEEPALIVE_MS / 2
+CONNECT_TIMEOUT_MS = 5_000     # a connection attempt may take this long
 
 _COMMON = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -25,20 +52,21 @@ SERVER_OPTIONS = _COMMON + [
     ("grpc.keepalive_time_ms", 60_000),
     ("grpc.keepalive_timeout_ms", 20_000),
     ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
     ("grpc.http2.max_ping_strikes", 5),
     ("grpc.max_connection_idle_ms", 3_600_000),
     ("grpc.so_reuseport", 0),
 ]
 CLIENT_OPTIONS = _COMMON + [
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.enable_retries", 0),
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2_000),
-    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", CONNECT_TIMEOUT_MS),
 ]
 
 
@@ -121,11 +149,53 @@ def channel(address: str, tls: TlsConfig | None = None, options=()) -> grpc.Chan
     return grpc.insecure_channel(address, options=opts)
 
 
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Pauses between attempts of an idempotent call that failed with UNAVAILABLE: jittered
+    (0.5x to 1.5x), doubling from ``initial_seconds`` up to ``max_seconds``. The call's
+    deadline bounds the whole; see ``call_with_retries``."""
+
+    initial_seconds: float = 0.05
+    max_seconds: float = 1.0
+    multiplier: float = 2.0
+
+
+RETRY = RetryPolicy()
+_LAST_ATTEMPT_SECONDS = 0.005    # less time left than this: no attempt can succeed
+
+
+def call_with_retries(attempt, timeout: float, policy: RetryPolicy = RETRY, *,
+                      clock=time.monotonic, sleep=time.sleep, jitter=random.random):
+    """``attempt(seconds_left)`` until it returns, retrying while it raises a
+    ``grpc.RpcError`` with code UNAVAILABLE (the peer is down, starting, or the connection
+    broke) for up to ``timeout`` seconds in all. Raises any other error at once, and the last
+    UNAVAILABLE once the deadline leaves no time for another attempt. Only for idempotent
+    calls: an UNAVAILABLE call may have been executed. ``sleep(seconds)`` pauses between
+    attempts; one that returns True (``threading.Event.wait`` of a set event: the caller is
+    closing) ends the retries with the last error. Blocking; thread-safe."""
+    deadline = clock() + timeout
+    delay = policy.initial_seconds
+    while True:
+        try:
+            return attempt(max(_LAST_ATTEMPT_SECONDS, deadline - clock()))
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            if sleep(max(0.0, min(delay * (0.5 + jitter()), deadline - clock()))):
+                raise
+            if deadline - clock() < _LAST_ATTEMPT_SECONDS:
+                raise
+            delay = min(delay * policy.multiplier, policy.max_seconds)
+
+
 def check_health(address: str, service: str = "", timeout: float = 3.0,
                  tls: TlsConfig | None = None) -> str:
-    """The health status name of ``service`` at ``address`` (SERVING, NOT_SERVING, ...);
-    raises grpc.RpcError when unreachable."""
+    """The health status name of ``service`` at ``address`` (SERVING, NOT_SERVING, ...).
+    An unreachable address is tried again until ``timeout``; then raises its
+    grpc.RpcError (UNAVAILABLE, or DEADLINE_EXCEEDED when a connection stalled)."""
     with channel(address, tls) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
-        resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        resp = call_with_retries(
+            lambda left: stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=left),
+            timeout)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)

@@ -1,0 +1,68 @@
+"""``shardps status`` and the replication gauges say when R cannot be restored."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+
+from shardps.metrics import ManagerMetrics
+from shardps.protos.v1 import common_pb2 as pb
+from shardps.protos.v1 import manager_pb2 as mg
+from shardps.status import format_status, status_to_dict
+from shardps.tables import sgd
+from tests.waiting import wait_for
+
+
+def _status(replication: int, states: list[int], under: int) -> mg.ClusterStatus:
+    st = mg.ClusterStatus(epoch=7, replication=replication, blocks=30, under_replicated_blocks=under)
+    for i, state in enumerate(states):
+        st.servers.add(server=pb.ServerInfo(name=f"s{i}", address=f"h:{i}", incarnation=1, state=state))
+    return st
+
+
+def test_status_says_when_r_cannot_be_restored():
+    st = _status(2, [pb.SERVING, pb.DEAD, pb.DEAD], under=30)
+    text = format_status(st)
+    assert "under-replicated 30" in text
+    assert ("replication 2 cannot be restored: 1 server(s) can hold blocks; 30 blocks stay "
+            "under-replicated until 1 more server(s) join") in text
+    data = status_to_dict(st)
+    assert data["replication_target_reachable"] is False and data["unrestorable_blocks"] == 30
+
+
+def test_status_is_quiet_while_r_can_be_restored():
+    st = _status(2, [pb.SERVING, pb.JOINING, pb.DEAD], under=12)      # copies to s1 will follow
+    assert "cannot be restored" not in format_status(st)
+    data = status_to_dict(st)
+    assert data["replication_target_reachable"] is True and data["unrestorable_blocks"] == 0
+
+
+def test_draining_servers_do_not_count_towards_r():
+    st = _status(2, [pb.SERVING, pb.DRAINING], under=0)
+    assert "replication 2 cannot be restored: 1 server(s)" in format_status(st)
+
+
+def test_replication_gauges():
+    from shardps.server.manager_state import ReplicationHealth
+    m = ManagerMetrics(CollectorRegistry())
+    m.set_replication(ReplicationHealth(target=2, servers=1, under_replicated=30, unrestorable=30))
+    assert m.registry.get_sample_value("shardps_under_replicated_blocks") == 30
+    assert m.registry.get_sample_value("shardps_replication_unrestorable_blocks") == 30
+
+
+def test_cluster_status_after_losing_servers_below_r(make_cluster, client_factory):
+    """Two servers, R=2, one dies: the manager reports every block under-replicated (not 0,
+    as when it counted against the servers left) and status says R cannot be restored."""
+    cluster = make_cluster(2, replication=2, lease=1.0)
+    c = client_factory(cluster.address)
+    c.create_job()
+    c.create_sparse("e", 4, optimizer=sgd(0.1), num_blocks=8)
+    assert c.cluster_status().under_replicated_blocks == 0
+    cluster.servers.pop("s1").stop()
+
+    def s1_dead():
+        st = c.cluster_status()
+        return st if {s.server.name: s.server.state for s in st.servers}["s1"] == pb.DEAD else None
+
+    st = wait_for("s1 declared dead", s1_dead, timeout=30, interval=0.1)
+    assert st.under_replicated_blocks == 8
+    assert "replication 2 cannot be restored: 1 server(s) can hold blocks; 8 blocks" in format_status(st)
