@@ -1,13 +1,16 @@
 """Checkpoint files: a consistent snapshot of one job, written and read without grpc.
 
-Layout of a checkpoint directory ``<root>/<job>-<id>/``::
+Layout of a checkpoint directory ``<root>/<job>/<id>/`` (job and id follow the rules of
+``shardps.names``, so the directory is always inside ``root`` and no two jobs share one)::
 
     manifest.json                 job, step, consistency, creation time, tables (spec and
                                   config as JSON), per block: metadata (version, exactly-once
                                   records, step counters, pending SYNC state) and its arrays,
                                   the sha256 of every file, the worker states by rank
     tables/<table>.safetensors    every block's arrays, named "<block>/<array>"
-    workers/rank-<r>.bin          each worker's opaque local state (torch.save bytes)
+    workers/rank-<r>.bin          each worker's local state, opaque to the manager (shardps
+                                  workers write ``shardps.worker.local_state``: safetensors
+                                  plus JSON, never a pickle)
 
 The directory is written under a temporary name and renamed when complete, so a
 half-written checkpoint is never taken for a good one; ``latest(root, job)`` finds the newest.
@@ -27,6 +30,7 @@ import numpy as np
 from google.protobuf.json_format import MessageToDict, ParseDict
 from safetensors.numpy import load_file, save_file
 
+from shardps import names
 from shardps.errors import FailedPrecondition, InvalidArgument, NotFound
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
@@ -61,11 +65,16 @@ def _sha256(path: Path) -> str:
 def write_checkpoint(root: str | Path, job: str, checkpoint_id: str, step: int, consistency: pb.Consistency,
                      tables: list[pb.TablePlacement], snapshots: dict[str, list[BlockSnapshot]],
                      workers: dict[int, bytes]) -> Path:
-    """Write a checkpoint atomically; returns its directory."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{job}-{checkpoint_id}"
-    tmp = root / f".{job}-{checkpoint_id}.tmp-{os.getpid()}"
+    """Write a checkpoint atomically; returns its directory ``<root>/<job>/<id>``.
+    InvalidArgument if ``job`` or ``checkpoint_id`` break their rules (``shardps.names``)."""
+    names.check(names.JOB, job, "job")
+    names.check(names.CHECKPOINT_ID, checkpoint_id, "checkpoint_id")
+    root = Path(root).resolve()
+    final = root / job / checkpoint_id
+    if final.resolve().parent != root / job:        # the names' rules make this unreachable
+        raise InvalidArgument(f"checkpoint {job}/{checkpoint_id} would leave the root {root}")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = root / job / f".{checkpoint_id}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     (tmp / "tables").mkdir(parents=True)
@@ -79,13 +88,13 @@ def write_checkpoint(root: str | Path, job: str, checkpoint_id: str, step: int, 
         blocks_meta = []
         for snap in sorted(snapshots.get(name, []), key=lambda s: s.header.ref.block):
             b = snap.header.ref.block
-            names = []
+            array_names = []
             for info, arr in zip(snap.header.arrays, snap.arrays):
                 arrays[f"{b}/{info.name}"] = np.ascontiguousarray(arr)
-                names.append(info.name)
+                array_names.append(info.name)
             blocks_meta.append({"block": b, "version": snap.header.version,
                                 "initialized": snap.header.initialized,
-                                "metadata": snap.header.metadata.decode(), "arrays": names})
+                                "metadata": snap.header.metadata.decode(), "arrays": array_names})
         if len(blocks_meta) != len(t.blocks):
             raise FailedPrecondition(f"checkpoint of {job}/{name}: got {len(blocks_meta)} of "
                                      f"{len(t.blocks)} blocks")
@@ -148,15 +157,22 @@ def read_checkpoint(path: str | Path, verify: bool = True) -> Checkpoint:
 
 
 def latest(root: str | Path, job: str) -> Path | None:
-    """The newest complete checkpoint of ``job`` under ``root``."""
+    """The newest complete checkpoint of ``job`` under ``root``: in ``<root>/<job>/``, or in
+    the flat layout of earlier versions (``<root>/<job>-<id>``), whose manifest must name
+    ``job`` (job "a" would otherwise find job "a-b"'s)."""
+    names.check(names.JOB, job, "job")
     root = Path(root)
-    if not root.exists():
-        return None
+    candidates = []
+    if (root / job).is_dir():
+        candidates += (d for d in (root / job).iterdir() if not d.name.startswith("."))
+    if root.is_dir():
+        candidates += (d for d in root.iterdir() if d.name.startswith(f"{job}-"))
     found = []
-    for d in root.iterdir():
-        if d.is_dir() and d.name.startswith(f"{job}-") and (d / "manifest.json").exists():
-            try:
-                found.append((json.loads((d / "manifest.json").read_text())["created"], d))
-            except (OSError, ValueError, KeyError):
-                continue
-    return max(found)[1] if found else None
+    for d in candidates:
+        try:
+            manifest = json.loads((d / "manifest.json").read_text())
+            if manifest["job"] == job:
+                found.append((manifest["created"], str(d), d))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue                    # not a complete checkpoint (or a temporary one)
+    return max(found)[2] if found else None

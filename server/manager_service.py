@@ -22,7 +22,8 @@ import grpc
 from shardps.convert import config_from_proto, config_to_proto, consistency_from_proto, spec_from_proto
 from google.protobuf.json_format import ParseDict
 
-from shardps.errors import (DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound,
+from shardps import names
+from shardps.errors import (DeadlineExceeded, InvalidArgument, NotFound,
                             ShardpsError, Unavailable)
 from shardps.metrics import ManagerMetrics
 from shardps.protos.v1 import common_pb2 as pb
@@ -286,12 +287,10 @@ class CheckpointCoordinator:
         with self._cond:
             return self._requests.get(job, "")
 
-    def _directory(self, directory: str) -> str:
-        d = directory or self.default_dir
-        if not d:
-            raise FailedPrecondition("no checkpoint directory: pass one, or start the manager with "
-                                     "--checkpoint-dir")
-        return d
+    def _directory(self, directory: str, field: str = "directory") -> str:
+        """``directory`` of a request resolved inside the checkpoint root (``names.inside_root``):
+        the root itself when empty; FailedPrecondition without a root, InvalidArgument outside."""
+        return str(names.inside_root(directory, self.default_dir, field))
 
     def _live(self, job: str) -> dict[str, int]:
         with self.rt.lock:
@@ -417,6 +416,8 @@ class CheckpointCoordinator:
             if found is None:
                 raise NotFound(f"no checkpoint of job {job!r} under {self.default_dir}")
             path = str(found)
+        else:
+            path = self._directory(path, "path")
         ck = read_checkpoint(path)
         if ck.job != job:
             raise InvalidArgument(f"checkpoint {path} is of job {ck.job!r}, not {job!r}")
@@ -506,6 +507,7 @@ class ResourceManagerService:
 
     # --- servers ---
     def register_server(self, req, call) -> mg.RegisterServerResponse:
+        names.check(names.SERVER, req.name, "name")
         now = self.rt.now()
         rec = self.rt.change(lambda s: s.register_server(req.name, req.address, req.metrics_address,
                                                          req.boot_id, now))
@@ -515,6 +517,7 @@ class ResourceManagerService:
                                          map=self.rt.published)
 
     def server_heartbeat(self, req, call) -> mg.ServerHeartbeatResponse:
+        names.check(names.SERVER, req.name, "name")
         stats = {"primary_blocks": req.primary_blocks, "replica_blocks": req.replica_blocks,
                  "bytes": req.bytes}
         now = self.rt.now()
@@ -524,11 +527,13 @@ class ResourceManagerService:
         return mg.ServerHeartbeatResponse(epoch=self.rt.published.epoch, retired=retired)
 
     def drain_server(self, req, call) -> mg.DrainServerResponse:
+        names.check(names.SERVER, req.name, "name")
         n = self.rt.change(lambda s: s.drain_server(req.name))
         return mg.DrainServerResponse(epoch=self.rt.published.epoch, blocks_to_move=n)
 
     # --- jobs and tables ---
     def create_job(self, req, call) -> mg.CreateJobResponse:
+        names.check(names.JOB, req.job, "job")
         mode, staleness = consistency_from_proto(req.consistency)
         job, created = self.rt.change(lambda s: s.create_job(req.job, mode, staleness,
                                                              req.quota.max_bytes))
@@ -540,12 +545,14 @@ class ResourceManagerService:
         return issue_job_token(self.token_key, job.name) if self.token_key else ""
 
     def end_job(self, req, call) -> mg.EndJobResponse:
+        names.check(names.JOB, req.job, "job")
         dropped = self.rt.change(lambda s: s.end_job(req.job))
         if dropped:
             log.info("job %s ended: %d tables deleted", req.job, len(dropped))
         return mg.EndJobResponse(epoch=self.rt.published.epoch)
 
     def create_table(self, req, call) -> mg.CreateTableResponse:
+        names.check(names.TABLE, req.spec.name, "spec.name")
         spec = spec_from_proto(req.spec)
         config = config_from_proto(req.config)
         rec, created = self.rt.change(lambda s: s.create_table(req.job, spec, config))
@@ -596,6 +603,7 @@ class ResourceManagerService:
 
     # --- worker groups ---
     def join_worker_group(self, req, call) -> mg.JoinWorkerGroupResponse:
+        names.check_optional(names.WORKER, req.name, "name")
         consistency, staleness = (consistency_from_proto(req.consistency)
                                   if req.consistency.mode else (None, 0))
         now = self.rt.now()
@@ -630,6 +638,7 @@ class ResourceManagerService:
 
     # --- checkpoints ---
     def checkpoint(self, req, call) -> mg.CheckpointResponse:
+        names.check(names.JOB, req.job, "job")
         path = self.checkpoints.request(req.job, req.directory, call.deadline)
         from shardps.server.checkpoints import read_checkpoint
         ck = read_checkpoint(path, verify=False)
@@ -637,11 +646,13 @@ class ResourceManagerService:
         return mg.CheckpointResponse(path=path, step=ck.step, tables=len(ck.tables), bytes=nbytes)
 
     def checkpoint_barrier(self, req, call) -> mg.CheckpointBarrierResponse:
+        names.check_optional(names.CHECKPOINT_ID, req.checkpoint_id, "checkpoint_id")
         path = self.checkpoints.barrier(req.job, req.session, req.step, req.worker_state,
                                         req.checkpoint_id, deadline=call.deadline)
         return mg.CheckpointBarrierResponse(path=path)
 
     def restore(self, req, call) -> mg.RestoreResponse:
+        names.check(names.JOB, req.job, "job")
         epoch, step, tables = self.checkpoints.restore(req.job, req.path)
         return mg.RestoreResponse(epoch=epoch, step=step, tables=tables)
 
@@ -655,10 +666,12 @@ class ResourceManagerService:
 
 
 def _job_scoped(fn):
-    """A handler for requests naming a job: a job token may only act on its own job."""
+    """A handler for requests naming a job: the name follows its rule (``shardps.names``) and
+    a job token may only act on its own job."""
     from shardps.server.auth import check_job
 
     def handler(req, call):
+        names.check(names.JOB, req.job, "job")
         check_job(call.principal, req.job)
         return fn(req, call)
     handler.__name__ = fn.__name__

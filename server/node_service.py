@@ -9,6 +9,7 @@ import threading
 import grpc
 import numpy as np
 
+from shardps import names
 from shardps.errors import InvalidArgument, ResourceExhausted, ShardpsError, Unavailable
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
@@ -16,7 +17,7 @@ from shardps.rpc import channels
 from shardps.rpc.codec import (CHUNK_BYTES, assemble, decode_chunk, encode_chunk, split_payload,
                                 write_into)
 from shardps.rpc.status import Method, bind, from_rpc_error, proto_method
-from shardps.server.auth import check_job
+from shardps.server.auth import JOB, check_job
 from shardps.server.node import BlockSnapshot, ServerNode
 
 SERVICE = "shardps.v1.ParameterServer"
@@ -221,6 +222,7 @@ class ParameterServerService:
 
     # --- shared-memory fast path (same host) ---
     def probe_shared_memory(self, request, call) -> ps.ProbeSharedMemoryResponse:
+        names.check(names.JOB, request.job, "job")
         check_job(call.principal, request.job)
         if len(request.nonce) < 16:
             return ps.ProbeSharedMemoryResponse(usable=False, reason="nonce shorter than 16 bytes")
@@ -282,6 +284,7 @@ class ParameterServerService:
         yield from encode_snapshots(self.node.snapshot_blocks(refs), self.node.epoch)
 
     def hold_job(self, request, call) -> ps.HoldJobResponse:
+        names.check(names.JOB, request.job, "job")
         seconds = request.hold_seconds or 30.0
         if not 0 < seconds <= MAX_HOLD_SECONDS:
             raise InvalidArgument(f"hold_seconds={request.hold_seconds}: a hold lasts (0, "
@@ -290,24 +293,37 @@ class ParameterServerService:
         return ps.HoldJobResponse()
 
     def drop_tables(self, request, call) -> ps.DropTablesResponse:
+        names.check(names.JOB, request.job, "job")
         return ps.DropTablesResponse(dropped_blocks=self.node.drop_tables(request.job, list(request.tables)))
 
     def get_node_status(self, request, call) -> ps.NodeStatus:
-        return node_status(self.node)
+        principal = call.principal
+        only = principal.job if principal is not None and principal.role == JOB else None
+        return node_status(self.node, only)
 
 
-def node_status(node: ServerNode) -> ps.NodeStatus:
+def node_status(node: ServerNode, job: str | None = None) -> ps.NodeStatus:
+    """The node's usage and clocks; with ``job``, only that job's tables and clocks, and the
+    block and byte totals of that job alone (what a job token may see)."""
     u = node.usage()
     msg = ps.NodeStatus(name=node.name, incarnation=node.incarnation, epoch=node.epoch,
                         primary_blocks=u["primary_blocks"], replica_blocks=u["replica_blocks"],
                         bytes=u["bytes"])
-    for (job, table), (blocks, params, nbytes) in sorted(u["tables"].items()):
-        msg.tables.add(job=job, table=table, blocks=blocks, parameters=params, bytes=nbytes)
-    for job, clock in sorted(node.clocks.items()):
-        view = node.view.groups.get(job)
+    if job is not None:
+        keys = [k for k in list(node.blocks) if k[0] == job]
+        msg.primary_blocks = sum(1 for k in keys if node._is_primary(k))   # usage()'s rule
+        msg.replica_blocks = len(keys) - msg.primary_blocks
+        msg.bytes = sum(nbytes for (j, _), (_, _, nbytes) in u["tables"].items() if j == job)
+    for (j, table), (blocks, params, nbytes) in sorted(u["tables"].items()):
+        if job is None or j == job:
+            msg.tables.add(job=j, table=table, blocks=blocks, parameters=params, bytes=nbytes)
+    for j, clock in sorted(node.clocks.items()):
+        if job is not None and j != job:
+            continue
+        view = node.view.groups.get(j)
         ranks = {m.session: m.rank for m in view.members} if view else {}
         for session, done in sorted(clock.completed.items()):
-            msg.clocks.add(job=job, rank=ranks.get(session, 0), clock=done)
+            msg.clocks.add(job=j, rank=ranks.get(session, 0), clock=done)
     return msg
 
 

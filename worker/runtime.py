@@ -95,25 +95,33 @@ def build_task(args):
 
 def worker_state_bytes(model, ps_model, epoch: int, batch: int) -> bytes:
     """What lives on the worker: local parameters and buffers (batch-norm statistics), the
-    step, the data position (epoch, batch) and the random-generator states."""
-    import io
+    step, the data position (epoch, batch) and the random-generator state, in the format of
+    ``shardps.worker.local_state`` (safetensors + JSON: reading it cannot run code)."""
     import torch
+    from shardps.worker import local_state
     local = {k: v for k, v in model.state_dict().items() if k not in ps_model.dense}
-    buf = io.BytesIO()
-    torch.save({"step": ps_model.step, "epoch": epoch, "batch": batch, "local": local,
-                "torch_rng": torch.get_rng_state()}, buf)
-    return buf.getvalue()
+    return local_state.encode({"step": ps_model.step, "epoch": epoch, "batch": batch,
+                               "local": local, "torch_rng": torch.get_rng_state()})
 
 
 def load_worker_state(raw: bytes, model, ps_model) -> tuple[int, int]:
-    """Restore what ``worker_state_bytes`` saved; returns the data position (epoch, batch)."""
-    import io
+    """Restore what ``worker_state_bytes`` saved; returns the data position (epoch, batch).
+    InvalidArgument for anything else (a pickle above all: it is never loaded)."""
     import torch
-    state = torch.load(io.BytesIO(raw), weights_only=False)
-    model.load_state_dict(state["local"], strict=False)
-    ps_model.step = int(state["step"])
-    torch.set_rng_state(state["torch_rng"])
-    return int(state["epoch"]), int(state["batch"])
+    from shardps.errors import InvalidArgument
+    from shardps.worker import local_state
+    state = local_state.decode(raw)
+    local, rng = state.get("local"), state.get("torch_rng")
+    fields = (state.get("step"), state.get("epoch"), state.get("batch"))
+    if not (isinstance(local, dict) and all(isinstance(v, torch.Tensor) for v in local.values())
+            and isinstance(rng, torch.Tensor) and rng.dtype == torch.uint8
+            and all(isinstance(f, int) and not isinstance(f, bool) for f in fields)):
+        raise InvalidArgument("worker state: expected int step, epoch and batch, a dict of "
+                              "tensors 'local' and a uint8 tensor 'torch_rng'")
+    model.load_state_dict(local, strict=False)
+    ps_model.step = state["step"]
+    torch.set_rng_state(rng)
+    return state["epoch"], state["batch"]
 
 
 def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=False,

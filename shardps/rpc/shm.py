@@ -7,7 +7,7 @@ processes on different hosts or in different containers fall back to gRPC chunks
 themselves.
 
 * Regions are files ``/dev/shm/shardps-<random>`` created by the client with mode 0600 and
-  unlinked when the client closes; their names carry 64 random bits.
+  unlinked when the client closes; their names carry 128 random bits.
 * The server maps a region on first use and keeps the mapping while it is used (unmapped
   after ``idle_seconds`` or beyond ``max_regions``); it only opens names of that form and
   checks every offset and length against the file's size.
@@ -22,10 +22,10 @@ import secrets
 import threading
 import time
 
-from shardps.errors import InvalidArgument, ResourceExhausted
+from shardps.errors import InvalidArgument, PermissionDenied, ResourceExhausted
 
 SHM_DIR = "/dev/shm"
-NAME_RE = re.compile(r"^shardps-[0-9a-f]{16,64}$")
+NAME_RE = re.compile(r"shardps-[0-9a-f]{16,64}")     # whole-string matches only (fullmatch)
 
 
 class Region:
@@ -87,16 +87,20 @@ class ServerRegions:
             return owner == job
 
     def view_for(self, name: str, offset: int, length: int, job: str) -> memoryview:
-        """A view of a region bound to ``job`` (see ``bind``)."""
+        """A view of a region bound to ``job`` (see ``bind``). PermissionDenied if another job
+        holds it, InvalidArgument if no job proved it yet."""
         with self._lock:
             owner = self._owner.get(name)
+        if owner is None:
+            raise InvalidArgument(f"shared-memory region {name!r} was not proved by job {job!r}: "
+                                  f"call ProbeSharedMemory first")
         if owner != job:
-            raise InvalidArgument(f"shared-memory region {name!r} was not proved by job {job!r} "
-                                  f"(ProbeSharedMemory first; regions are not shared between jobs)")
+            raise PermissionDenied(f"shared-memory region {name!r} belongs to another job, not "
+                                   f"{job!r}: regions are not shared between jobs")
         return self.view(name, offset, length)
 
     def view(self, name: str, offset: int, length: int) -> memoryview:
-        if not NAME_RE.match(name or ""):
+        if not NAME_RE.fullmatch(name or ""):
             raise InvalidArgument(f"shared-memory name {name!r} is not a shardps region "
                                   f"(shardps-<hex>)")
         with self._lock:
