@@ -555,12 +555,12 @@ class ServerNode:
             parts = self._split(header, parsed, for_push=True)
             group = self.view.groups.get(header.job)
             sync = group is not None and group.consistency is Consistency.SYNC and kind == GRADIENT
-            if sync and not self._member(header):
+            if sync and parts and not self._member(header):
                 raise FailedPrecondition(
                     f"job {header.job!r} is SYNC: its pushes are applied as steps of its worker "
                     f"group, and session {header.session!r} is not a member under epoch "
                     f"{self.view.epoch}: join the group (PSClient.join) before pushing")
-            if sync:
+            if sync and self._member(header):
                 clock = self.clocks.get(header.job)
                 if clock is not None and header.clock > clock.applied_steps:
                     # a SYNC worker pushes step t only after pulling step t, which waited for
