@@ -57,6 +57,10 @@ class ManagerRuntime:
         self.pool = pool or StubPool()
         self.now = clock
         self.lock = threading.RLock()
+        # Held while blocks move (plan, copy, commit) and while a restore loads its blocks: a
+        # restored block must not be copied before its values are loaded. Order: moves_lock
+        # before lock.
+        self.moves_lock = threading.Lock()
         path = Path(runtime.state_path) if runtime.state_path else None
         if path is not None and path.exists():
             self.state = ManagerState.load(path, settings, self.now())
@@ -173,19 +177,24 @@ class ManagerRuntime:
         if any(c.startswith("server:") for c in changed):
             self.metrics.failovers.inc(sum(1 for c in changed if c.startswith("server:")))
             self.last_recovery = {"declared_dead_at": now, "what": changed}
-        with self.lock:
-            if self.state.epoch == self._planned_epoch:
-                return
-            moves = self.state.plan_moves(self.settings.move_batch_blocks)
-            if not moves:
-                self._planned_epoch = self.state.epoch
-        if moves:
-            done = self._execute(moves)
-            if done:
-                n = self.change(lambda s: s.commit_moves(done, self.now()))
-                self.metrics.moves.inc(n)
-        self.change(lambda s: s.retire_drained())
-        self.change(lambda s: s.replace_lost())
+        if not self.moves_lock.acquire(blocking=False):
+            return                  # a restore is loading blocks: move them on a later round
+        try:
+            with self.lock:
+                if self.state.epoch == self._planned_epoch:
+                    return
+                moves = self.state.plan_moves(self.settings.move_batch_blocks)
+                if not moves:
+                    self._planned_epoch = self.state.epoch
+            if moves:
+                done = self._execute(moves)
+                if done:
+                    n = self.change(lambda s: s.commit_moves(done, self.now()))
+                    self.metrics.moves.inc(n)
+            self.change(lambda s: s.retire_drained())
+            self.change(lambda s: s.replace_lost())
+        finally:
+            self.moves_lock.release()
 
     def _execute(self, moves: list[Move]) -> list[Move]:
         """Copy blocks (grouped by source and destination); returns the moves whose copies
@@ -245,7 +254,7 @@ class ManagerRuntime:
                 m.server_blocks.labels(rec.name, "backup").set(replicas.get(rec.name, 0))
                 m.server_bytes.labels(rec.name).set(rec.bytes)
             m.blocks.set(nblocks)
-            m.under_replicated.set(st.under_replicated())
+            m.set_replication(st.replication_health())
             for job in st.jobs.values():
                 m.workers.labels(job.name).set(len(job.members))
 
@@ -410,7 +419,6 @@ class CheckpointCoordinator:
         Returns (epoch, step, tables). Run it with the job's workers stopped."""
         from shardps.convert import spec_from_proto, config_from_proto, consistency_from_proto
         from shardps.server.checkpoints import latest, read_checkpoint
-        from shardps.server.node_service import encode_snapshots
         if not path:
             found = latest(self._directory(""), job)
             if found is None:
@@ -423,32 +431,42 @@ class CheckpointCoordinator:
             raise InvalidArgument(f"checkpoint {path} is of job {ck.job!r}, not {job!r}")
         mode, staleness = consistency_from_proto(ParseDict(ck.consistency, pb.Consistency()))
         tables = [(spec_from_proto(s), config_from_proto(c)) for s, c in ck.table_specs()]
-        self.rt.change(lambda s: s.restore_job(job, mode, staleness, tables, path, ck.step,
-                                               list(ck.workers)))
-        msg = self.rt.published
-        servers = [s for s in msg.servers if s.state != pb.DEAD]
-        self._hold(servers, job, True)
-        try:
-            per_server: dict[int, list] = {}
-            for t in msg.tables:
-                if t.job != job:
-                    continue
-                snaps = ck.blocks[t.spec.name]
-                for b, bp in enumerate(t.blocks):
-                    for index in bp.replicas:
-                        per_server.setdefault(index, []).append(snaps[b])
-            for index, snaps in per_server.items():
-                server = msg.servers[index]
-                try:
-                    self.rt.pool.get(server.address).LoadBlocks(
-                        encode_snapshots(snaps, msg.epoch), timeout=300,
-                        metadata=self.rt.pool.metadata + (("x-shardps-source", "manager"),))
-                except grpc.RpcError as err:
-                    raise from_rpc_error(err, f"load blocks on {server.name}") from None
-        finally:
-            self._hold(servers, job, False)
+        # No block moves while the restored blocks are empty (a copy would carry the empty
+        # state to a replica the next map lists), and the job's pushes are held from before
+        # the tables are recreated until their values are loaded: when this returns, every
+        # block is readable with the checkpoint's values on the replicas the map names.
+        with self.rt.moves_lock:
+            servers = [s for s in self.rt.published.servers if s.state != pb.DEAD]
+            self._hold(servers, job, True)
+            try:
+                self.rt.change(lambda s: s.restore_job(job, mode, staleness, tables, path,
+                                                       ck.step, list(ck.workers)))
+                msg = self.rt.published
+                self._load(msg, job, ck)
+            finally:
+                self._hold(servers, job, False)
         log.info("job %s restored from %s (step %d) onto %d servers", job, path, ck.step, len(servers))
         return msg.epoch, ck.step, len(tables)
+
+    def _load(self, msg: pb.ShardMap, job: str, ck) -> None:
+        """Send checkpoint ``ck``'s blocks of ``job`` to every replica ``msg`` lists."""
+        from shardps.server.node_service import encode_snapshots
+        per_server: dict[int, list] = {}
+        for t in msg.tables:
+            if t.job != job:
+                continue
+            snaps = ck.blocks[t.spec.name]
+            for b, bp in enumerate(t.blocks):
+                for index in bp.replicas:
+                    per_server.setdefault(index, []).append(snaps[b])
+        for index, snaps in per_server.items():
+            server = msg.servers[index]
+            try:
+                self.rt.pool.get(server.address).LoadBlocks(
+                    encode_snapshots(snaps, msg.epoch), timeout=300,
+                    metadata=self.rt.pool.metadata + (("x-shardps-source", "manager"),))
+            except grpc.RpcError as err:
+                raise from_rpc_error(err, f"load blocks on {server.name}") from None
 
     def worker_state(self, job: str, rank: int) -> tuple[bytes, int]:
         from shardps.server.checkpoints import read_checkpoint
