@@ -154,6 +154,7 @@ class ParameterServerService:
             "HoldJob": proto_method("unary_unary", self.hold_job, ps.HoldJobRequest),
             "DropTables": proto_method("unary_unary", self.drop_tables, ps.DropTablesRequest),
             "GetNodeStatus": proto_method("unary_unary", self.get_node_status, ps.GetNodeStatusRequest),
+            "OpenDataPlane": proto_method("unary_unary", self.open_data_plane, ps.OpenDataPlaneRequest),
         }
 
     def handler(self, metrics=None, authenticate=None) -> grpc.GenericRpcHandler:
@@ -219,6 +220,61 @@ class ParameterServerService:
             head = None
         if head is not None:
             yield encode_chunk(head, None)
+
+    # --- data plane (shardps.rpc.dataplane): Push and Pull as above, and Exchange ---
+    def open_data_plane(self, request, call) -> ps.OpenDataPlaneResponse:
+        names.check(names.JOB, request.job, "job")
+        check_job(call.principal, request.job)
+        return ps.OpenDataPlaneResponse(address=self.data_plane_address,
+                                        max_frame_bytes=self.data_plane_max_frame_bytes)
+
+    data_plane_address = ""               # set by the process that serves a data plane
+    data_plane_max_frame_bytes = 0
+
+    def data_plane(self, method, header: bytes, payload: memoryview, call):
+        """``DataPlaneServer`` handler: the same messages and checks as the gRPC methods
+        (names, the principal's job, the node's validation), the bulk bytes raw beside the
+        header. Returns (reply header, payload buffers)."""
+        try:
+            if method == "Push":
+                return self._dp_push(ps.PushHeader.FromString(header), payload, call).SerializeToString(), None
+            if method == "Pull":
+                head, arrays = self._dp_pull(ps.PullRequest.FromString(header), payload, call)
+                return head.SerializeToString(), arrays
+            if method == "Exchange":
+                request = ps.ExchangeHeader.FromString(header)
+                split = int(request.push.payload_bytes)
+                if split > len(payload):
+                    raise InvalidArgument(f"Exchange: push.payload_bytes={split} but the frame "
+                                          f"carries {len(payload)} payload bytes")
+                ack = self._dp_push(request.push, payload[:split], call)
+                head, arrays = self._dp_pull(request.pull, payload[split:], call)
+                return ps.ExchangeReply(ack=ack, pull=head).SerializeToString(), arrays
+            raise InvalidArgument(f"data plane: unknown method {method!r}: Push, Pull or Exchange")
+        except ShardpsError as exc:
+            self._refused(exc)
+            raise
+
+    def _dp_push(self, header: ps.PushHeader, payload: memoryview, call) -> ps.PushAck:
+        names.check(names.JOB, header.header.job, "header.job")
+        check_job(call.principal, header.header.job)
+        if header.shared_memory.name:
+            raise InvalidArgument("data plane: the payload travels in the frame, not in shared memory")
+        if header.payload_bytes and header.payload_bytes != len(payload):
+            raise InvalidArgument(f"Push: the header declares {header.payload_bytes} payload bytes; "
+                                  f"the frame carries {len(payload)}")
+        if len(payload) > self.node.limits.max_request_bytes:
+            raise ResourceExhausted(f"Push: {len(payload)} bytes; the limit max_request_bytes is "
+                                    f"{self.node.limits.max_request_bytes}: split the request")
+        return self.node.push(header.header, header.kind, header.segments, payload, call.deadline)
+
+    def _dp_pull(self, request: ps.PullRequest, ids: memoryview, call):
+        names.check(names.JOB, request.header.job, "header.job")
+        check_job(call.principal, request.header.job)
+        if request.reply_shared_memory.name:
+            raise InvalidArgument("data plane: the reply travels in the frame, not in shared memory")
+        return self.node.pull(request.header, request.segments, ids if len(ids) else request.data,
+                              call.deadline)
 
     # --- shared-memory fast path (same host) ---
     def probe_shared_memory(self, request, call) -> ps.ProbeSharedMemoryResponse:

@@ -140,6 +140,23 @@ class ManagerProcess:
         self.runtime.stop()
 
 
+def _data_plane(settings: ServerProcessSettings, service: ParameterServerService, address: str,
+                tls, authenticate):
+    """The server's data plane (``shardps.rpc.dataplane``) on the gRPC listener's host, with
+    the same TLS certificates and credential check; None when ``data_plane_port`` is -1.
+    Clients learn its address from OpenDataPlane (advertised host, the data plane's port)."""
+    if settings.data_plane_port < 0:
+        return None
+    from shardps.rpc.dataplane import DataPlaneServer, server_ssl_context
+    host = settings.serving.listen.rsplit(":", 1)[0] or "0.0.0.0"
+    server = DataPlaneServer(service.data_plane, host.strip("[]"), settings.data_plane_port,
+                             server_ssl_context(tls) if tls is not None else None,
+                             authenticate=authenticate)
+    service.data_plane_address = f"{address.rsplit(':', 1)[0]}:{server.port}"
+    service.data_plane_max_frame_bytes = server.limits.max_frame_bytes
+    return server
+
+
 class ServerProcess:
     """A server node: registers with the manager, heartbeats, serves its blocks."""
 
@@ -158,6 +175,7 @@ class ServerProcess:
         self.net = _Serving(settings.serving, tls, NODE_SERVICE,
                             self.service.handler(self.metrics.grpc, authenticate),
                             self.metrics.registry, self.metrics.grpc)
+        self.data_plane = _data_plane(settings, self.service, self.net.address, tls, authenticate)
         self._tls = tls
         self._metadata = tuple(metadata)
         self._manager = channels.channel(settings.manager, tls)
@@ -191,6 +209,8 @@ class ServerProcess:
         return self.node.name
 
     def start(self, wait_registered: float | None = 60.0) -> "ServerProcess":
+        if self.data_plane is not None:
+            self.data_plane.start()
         self.net.start()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
         self._thread.start()
@@ -289,6 +309,8 @@ class ServerProcess:
         with self._wanted:
             self._wanted.notify_all()
         self.net.stop()
+        if self.data_plane is not None:
+            self.data_plane.stop(grace=1.0)
         for t in (self._thread, self._sync_thread):
             if t is not None:
                 t.join(timeout=1)     # a heartbeat in flight must not delay the stop

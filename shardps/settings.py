@@ -151,6 +151,7 @@ class ServerProcessSettings:
     max_request_bytes: int = 1 << 30
     max_rows: int = 4_000_000
     forward_timeout: float = 1.5
+    data_plane_port: int = 0          # the data plane's port (0: any free one; -1: none, gRPC only)
 
 
 def build(cls, args: argparse.Namespace, **nested):

@@ -363,3 +363,33 @@ class WorkerClock(_message.Message):
     rank: int
     clock: int
     def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., clock: _Optional[int] = ...) -> None: ...
+
+class OpenDataPlaneRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class OpenDataPlaneResponse(_message.Message):
+    __slots__ = ("address", "max_frame_bytes")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    max_frame_bytes: int
+    def __init__(self, address: _Optional[str] = ..., max_frame_bytes: _Optional[int] = ...) -> None: ...
+
+class ExchangeHeader(_message.Message):
+    __slots__ = ("push", "pull")
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
+    push: PushHeader
+    pull: PullRequest
+    def __init__(self, push: _Optional[_Union[PushHeader, _Mapping]] = ..., pull: _Optional[_Union[PullRequest, _Mapping]] = ...) -> None: ...
+
+class ExchangeReply(_message.Message):
+    __slots__ = ("ack", "pull")
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
+    ack: PushAck
+    pull: PullHeader
+    def __init__(self, ack: _Optional[_Union[PushAck, _Mapping]] = ..., pull: _Optional[_Union[PullHeader, _Mapping]] = ...) -> None: ...

@@ -49,6 +49,11 @@ class ParameterServerStub:
                 request_serializer=shardps_dot_protos_dot_v1_dot_parameter__server__pb2.ProbeSharedMemoryRequest.SerializeToString,
                 response_deserializer=shardps_dot_protos_dot_v1_dot_parameter__server__pb2.ProbeSharedMemoryResponse.FromString,
                 _registered_method=True)
+        self.OpenDataPlane = channel.unary_unary(
+                '/shardps.v1.ParameterServer/OpenDataPlane',
+                request_serializer=shardps_dot_protos_dot_v1_dot_parameter__server__pb2.OpenDataPlaneRequest.SerializeToString,
+                response_deserializer=shardps_dot_protos_dot_v1_dot_parameter__server__pb2.OpenDataPlaneResponse.FromString,
+                _registered_method=True)
         self.Replicate = channel.stream_unary(
                 '/shardps.v1.ParameterServer/Replicate',
                 request_serializer=shardps_dot_protos_dot_v1_dot_parameter__server__pb2.ReplicateChunk.SerializeToString,
@@ -118,6 +123,17 @@ class ParameterServerServicer:
         """Fast path for a client on the same host: proves that this server can open the client's
         shared-memory segment (reads the nonce the client wrote). Thereafter Push and Pull may
         carry a SharedMemoryRef instead of `data` chunks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OpenDataPlane(self, request, context):
+        """The address of this server's data plane: a socket transport (TCP, TLS with the same
+        certificates when TLS is on) that carries Push, Pull and Exchange with the messages
+        below, at a fraction of gRPC's cost per call. Job-scoped: the data plane itself checks
+        the same token again on connect, and the job of every request. A server without one
+        answers UNIMPLEMENTED or an empty address: clients then stay on gRPC.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -203,6 +219,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.ProbeSharedMemory,
                     request_deserializer=shardps_dot_protos_dot_v1_dot_parameter__server__pb2.ProbeSharedMemoryRequest.FromString,
                     response_serializer=shardps_dot_protos_dot_v1_dot_parameter__server__pb2.ProbeSharedMemoryResponse.SerializeToString,
+            ),
+            'OpenDataPlane': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenDataPlane,
+                    request_deserializer=shardps_dot_protos_dot_v1_dot_parameter__server__pb2.OpenDataPlaneRequest.FromString,
+                    response_serializer=shardps_dot_protos_dot_v1_dot_parameter__server__pb2.OpenDataPlaneResponse.SerializeToString,
             ),
             'Replicate': grpc.stream_unary_rpc_method_handler(
                     servicer.Replicate,
@@ -326,6 +347,33 @@ class ParameterServer:
             '/shardps.v1.ParameterServer/ProbeSharedMemory',
             shardps_dot_protos_dot_v1_dot_parameter__server__pb2.ProbeSharedMemoryRequest.SerializeToString,
             shardps_dot_protos_dot_v1_dot_parameter__server__pb2.ProbeSharedMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenDataPlane(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardps.v1.ParameterServer/OpenDataPlane',
+            shardps_dot_protos_dot_v1_dot_parameter__server__pb2.OpenDataPlaneRequest.SerializeToString,
+            shardps_dot_protos_dot_v1_dot_parameter__server__pb2.OpenDataPlaneResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -20,6 +20,10 @@ class BenchConfig:
     # transport: one process sends `tcp_mib` to another over a loopback socket, `tcp_repeats` times
     tcp_mib: int = 64
     tcp_repeats: int = 10
+    # transport call cost: raw TCP, gRPC and the data plane, client and server in two processes
+    transport_rounds: int = 10
+    transport_small_calls: int = 300      # 64-byte calls per system per round
+    transport_1mib_calls: int = 30        # 1 MiB calls per system per round
     # dense: whole-tensor push (SGD on the server) and pull; rounds interleave the systems
     dense_sizes_mib: tuple[int, ...] = (16, 64)
     dense_servers: tuple[int, ...] = (1, 2)
@@ -81,6 +85,7 @@ QUICK = BenchConfig(
 FULL = BenchConfig(
     name="full",
     tcp_repeats=20,
+    transport_rounds=20,
     dense_rounds=10,
     sparse_rounds=30,
     e2e_train_samples=400_000,
@@ -97,6 +102,9 @@ TINY = BenchConfig(
     name="tiny",
     tcp_mib=1,
     tcp_repeats=2,
+    transport_rounds=1,
+    transport_small_calls=5,
+    transport_1mib_calls=2,
     dense_sizes_mib=(1,),
     dense_servers=(1,),
     dense_rounds=1,

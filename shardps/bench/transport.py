@@ -1,17 +1,31 @@
-"""Transport ceiling: a raw TCP socket between two Python processes on loopback.
+"""Transport: the ceiling of a raw socket, and what one call costs on each transport.
 
-The client sends ``tcp_mib`` MiB with ``sendall`` and waits for a one-byte acknowledgement
-(``tcp_gbps``: the push direction); then it sends a one-byte request and the other process
-answers with the same amount (``tcp_pull_gbps``). Receivers ``recv_into`` a preallocated buffer: no per-message copies.
-This is what any Python data path on this machine could reach at best.
+Ceiling (``tcp_gbps``, ``tcp_pull_gbps``): the client sends ``tcp_mib`` MiB with ``sendall``
+and waits for a one-byte acknowledgement (the push direction); then it sends a one-byte request
+and the other process answers with the same amount. Receivers ``recv_into`` a preallocated
+buffer: no per-message copies. This is what any Python data path on this machine could reach
+at best.
+
+Call cost (``transport_<system>_<size>_{rtt,cpu}_us``): a client process calls a server
+process on loopback, one call at a time, over (a) ``raw``: a TCP socket with length-prefixed
+frames, the floor, minimal code; (b) ``grpc``: grpcio unary with identity serializers and the
+channel and server options of ``shardps.rpc.channels``, as shardps uses gRPC today; (c)
+``dataplane``: ``shardps.rpc.dataplane`` (plain TCP). ``small``: 64 bytes in, 64 bytes back;
+``1mib``: 1 MiB in, 64 bytes back (a push). ``rtt``: the median call time of a round; ``cpu``:
+CPU seconds (``time.process_time``, every thread) of client plus server per call
+(``..._client_cpu_us`` / ``..._server_cpu_us`` apart). Each figure is the median of
+``transport_rounds`` rounds; a round runs every system in turn (the order rotates), so the
+systems see the same machine load. ``transport_ps_small_*`` (a 1-row pull through ``PSClient``)
+is a hook, ``_ps_small_call``, to fill once PSClient uses the data plane.
 """
 
 from __future__ import annotations
 
 import socket
+import struct
 import time
 
-from shardps.bench.common import Children, gbps, median
+from shardps.bench.common import BenchError, Children, gbps, median
 from shardps.bench.config import MIB, BenchConfig
 
 
@@ -38,7 +52,7 @@ def _peer(port: int, nbytes: int, repeats: int) -> None:
             conn.sendall(view)
 
 
-def run(cfg: BenchConfig, progress) -> dict[str, float]:
+def _ceiling(cfg: BenchConfig, progress) -> dict[str, float]:
     nbytes = cfg.tcp_mib * MIB
     with socket.socket() as listener, Children() as children:
         listener.bind(("127.0.0.1", 0))
@@ -65,3 +79,212 @@ def run(cfg: BenchConfig, progress) -> dict[str, float]:
     progress(f"{cfg.tcp_mib} MiB x {cfg.tcp_repeats}: send {out['tcp_gbps']:.2f} GB/s, "
              f"receive {out['tcp_pull_gbps']:.2f} GB/s")
     return out
+
+
+def run(cfg: BenchConfig, progress) -> dict[str, float]:
+    out = _ceiling(cfg, progress)
+    out.update(_call_costs(cfg, progress))
+    out.update(_ps_small_call(cfg, progress))
+    return out
+
+
+# ---------------------------------------------------------------- call cost per transport
+SYSTEMS = ("raw", "grpc", "dataplane")
+LABELS = {"raw": "raw TCP socket", "grpc": "grpcio unary", "dataplane": "data plane"}
+SIZES = {"small": 64, "1mib": MIB}
+REPLY = b"r" * 64
+_LEN = struct.Struct("<I")
+_GRPC_METHOD = "/shardps.bench.Transport/Call"
+_DATAPLANE_METHOD = 1
+
+
+def _raw_serve(conn: socket.socket) -> None:
+    """The floor's server: a 4-byte length and that many bytes, read into one buffer (as
+    much as has arrived per ``recv_into``: one call for a small frame), answered with REPLY
+    framed the same way."""
+    buf = memoryview(bytearray(MIB + 64))
+    answer = _LEN.pack(len(REPLY)) + REPLY
+    with conn:
+        while True:
+            got = conn.recv_into(buf)
+            if not got:
+                return
+            while got < _LEN.size:
+                n = conn.recv_into(buf[got:])
+                if not n:
+                    return
+                got += n
+            total = _LEN.size + _LEN.unpack_from(buf)[0]
+            if got < total:
+                _recv_exact(conn, buf[got:total])
+            conn.sendall(answer)
+
+
+def _call_server(system: str, pipe) -> None:
+    """A server process: serve ``system`` on loopback, send its port, then answer ``cpu``
+    (this process's CPU seconds) until ``stop``."""
+    import threading
+    if system == "raw":
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(4)
+
+        def accept_loop():
+            while True:
+                conn, _ = listener.accept()
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                threading.Thread(target=_raw_serve, args=(conn,), daemon=True).start()
+
+        threading.Thread(target=accept_loop, daemon=True).start()
+        port = listener.getsockname()[1]
+    elif system == "grpc":
+        import grpc
+
+        from shardps.rpc import channels
+        handler = grpc.method_handlers_generic_handler("shardps.bench.Transport", {
+            "Call": grpc.unary_unary_rpc_method_handler(lambda request, context: REPLY)})
+        server = channels.new_server(handlers=[handler])
+        port = channels.add_port(server, "127.0.0.1:0")
+        server.start()
+    else:
+        from shardps.rpc.dataplane import DataPlaneServer
+        server = DataPlaneServer(lambda method, header, payload, call: (b"", [REPLY])).start()
+        port = server.port
+    pipe.send(port)
+    while True:
+        cmd = pipe.recv()
+        if cmd == "stop":
+            return
+        pipe.send(time.process_time())
+
+
+def _caller(system: str, port: int):
+    """``call(payload)`` for one blocking call of ``system``, checked."""
+    if system == "raw":
+        sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+        sock.settimeout(None)               # the floor: blocking calls, no poll() before each
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        reply = memoryview(bytearray(4 + len(REPLY)))
+
+        def call(payload):
+            parts = [memoryview(_LEN.pack(len(payload))), memoryview(payload)]
+            while parts:                    # sendmsg: no copy of the payload into a frame
+                sent = sock.sendmsg(parts)
+                while sent:
+                    if sent >= len(parts[0]):
+                        sent -= len(parts.pop(0))
+                    else:
+                        parts[0], sent = parts[0][sent:], 0
+            _recv_exact(sock, reply)
+        return call
+    if system == "grpc":
+        from shardps.rpc import channels
+        stub = channels.channel(f"127.0.0.1:{port}").unary_unary(_GRPC_METHOD)
+
+        def call(payload):
+            if len(stub(payload, timeout=60)) != len(REPLY):
+                raise BenchError("gRPC: wrong reply")
+        return call
+    from shardps.rpc.dataplane import DataPlaneConnection
+    conn = DataPlaneConnection(f"127.0.0.1:{port}")
+
+    def call(payload):
+        if len(conn.call(_DATAPLANE_METHOD, b"", [payload], timeout=60)[1]) != len(REPLY):
+            raise BenchError("data plane: wrong reply")
+    return call
+
+
+def _call_client(system: str, port: int, pipe) -> None:
+    """A client process: for each ``(nbytes, calls)`` it gets, make ``calls`` calls of
+    ``nbytes`` and send back (median seconds per call, CPU seconds per call); ``stop`` ends."""
+    call = _caller(system, port)
+    payloads = {n: bytes(n) for n in SIZES.values()}
+    pipe.send("ready")
+    while True:
+        cmd = pipe.recv()
+        if cmd == "stop":
+            return
+        nbytes, calls = cmd
+        payload = payloads[nbytes]
+        times = []
+        cpu0 = time.process_time()
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            call(payload)
+            times.append(time.perf_counter() - t0)
+        pipe.send((median(times), (time.process_time() - cpu0) / calls))
+
+
+def _expect(pipe, what: str, timeout: float = 120.0):
+    try:
+        if pipe.poll(timeout):
+            return pipe.recv()
+    except EOFError:
+        raise BenchError(f"transport: {what} exited (its error is above)") from None
+    raise BenchError(f"transport: {what} gave no answer in {timeout:.0f}s")
+
+
+def _call_costs(cfg: BenchConfig, progress) -> dict[str, float]:
+    calls = {"small": cfg.transport_small_calls, "1mib": cfg.transport_1mib_calls}
+    samples: dict[str, list[float]] = {}
+    with Children() as children:
+        servers, clients = {}, {}
+        for system in SYSTEMS:
+            servers[system], child = children.ctx.Pipe()
+            children.spawn(_call_server, system, child)
+        ports = {s: _expect(p, f"the {s} server") for s, p in servers.items()}
+        for system in SYSTEMS:
+            clients[system], child = children.ctx.Pipe()
+            children.spawn(_call_client, system, ports[system], child)
+        for s, p in clients.items():
+            _expect(p, f"the {s} client")
+
+        def measure(system: str, size: str, n: int) -> tuple[float, float, float]:
+            servers[system].send("cpu")
+            before = _expect(servers[system], f"the {system} server")
+            clients[system].send((SIZES[size], n))
+            rtt, client_cpu = _expect(clients[system], f"the {system} client", cfg.process_timeout_s)
+            servers[system].send("cpu")
+            server_cpu = (_expect(servers[system], f"the {system} server") - before) / n
+            return rtt, client_cpu, server_cpu
+
+        for system in SYSTEMS:                          # warm-up: connections, buffers, caches
+            for size in SIZES:
+                measure(system, size, max(2, calls[size] // 5))
+        for r in range(cfg.transport_rounds):
+            order = SYSTEMS[r % len(SYSTEMS):] + SYSTEMS[:r % len(SYSTEMS)]
+            for system in order:
+                for size in SIZES:
+                    rtt, ccpu, scpu = measure(system, size, calls[size])
+                    for key, value in (("rtt", rtt), ("client_cpu", ccpu), ("server_cpu", scpu),
+                                       ("cpu", ccpu + scpu)):
+                        samples.setdefault(f"transport_{system}_{size}_{key}_us", []).append(value * 1e6)
+            progress(f"call cost: round {r + 1}/{cfg.transport_rounds}")
+        for p in list(servers.values()) + list(clients.values()):
+            p.send("stop")
+    out = {k: median(v) for k, v in samples.items()}
+    for line in _table(out, cfg):
+        progress(line)
+    return out
+
+
+def _table(out: dict[str, float], cfg: BenchConfig) -> list[str]:
+    lines = [f"call cost, medians of {cfg.transport_rounds} rounds ({cfg.transport_small_calls} x 64 B, "
+             f"{cfg.transport_1mib_calls} x 1 MiB); CPU = client + server:",
+             f"  {'':16}{'64 B p50':>10}{'64 B CPU':>10}{'x raw':>7}{'1 MiB p50':>11}{'1 MiB CPU':>11}{'x raw':>7}"]
+    for s in SYSTEMS:
+        k = f"transport_{s}"
+        lines.append(f"  {LABELS[s]:16}{out[k + '_small_rtt_us']:8.0f}us{out[k + '_small_cpu_us']:8.0f}us"
+                     f"{out[k + '_small_cpu_us'] / out['transport_raw_small_cpu_us']:7.2f}"
+                     f"{out[k + '_1mib_rtt_us']:9.0f}us{out[k + '_1mib_cpu_us']:9.0f}us"
+                     f"{out[k + '_1mib_cpu_us'] / out['transport_raw_1mib_cpu_us']:7.2f}")
+    return lines
+
+
+def _ps_small_call(cfg: BenchConfig, progress) -> dict[str, float]:
+    """HOOK (lead, when PSClient moves Push/Pull onto the data plane): time a 1-row
+    ``PSClient.pull_rows`` against a one-server cluster (client and server in separate
+    processes, as above) and return ``transport_ps_small_rtt_us`` and
+    ``transport_ps_small_cpu_us`` (client + server CPU per call). Until then nothing is
+    measured and no key is written."""
+    return {}

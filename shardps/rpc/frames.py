@@ -1,0 +1,346 @@
+"""The data plane's wire format (one fixed 40-byte prefix, then three byte strings) and the
+frame I/O on one socket: ``send_parts`` (scatter-gather), ``FrameReader`` (one reusable
+receive buffer), ``SocketTimer`` (deadlines). ``shardps.rpc.dataplane`` builds the server and
+the client on them.
+
+Every frame, request or reply, is::
+
+    prefix (40 bytes, little-endian, PREFIX below)
+    message  (message_len bytes: UTF-8 error text; replies only, empty on OK)
+    header   (header_len bytes: a serialized protobuf message, e.g. a PushHeader; in a
+              reply with an error status, the error's class name, e.g. ``StaleEpoch``: what
+              gRPC calls carry in the ``x-shardps-error`` trailing metadata)
+    payload  (payload_len bytes: raw little-endian tensor bytes, the concatenation of the
+              sender's buffers)
+
+========  ====  ==========================================================================
+offset    size  field
+========  ====  ==========================================================================
+0         2     magic ``b"SD"`` (shardps data plane)
+2         1     version (``VERSION``; a frame of another version is refused)
+3         1     flags: ``FLAG_REPLY`` (1) on replies, ``FLAG_CLOSE`` (2) when the sender
+                closes the connection after this frame
+4         2     method id (``METHOD_IDS``; ``HELLO`` = 0 opens every connection)
+6         2     status: a gRPC status code number (0 = OK); 0 in requests
+8         8     request id, chosen by the client, echoed by the reply
+16        4     timeout in milliseconds (requests; 0 = none): the server's deadline
+20        4     message_len
+24        4     header_len
+28        4     reserved (0)
+32        8     payload_len
+========  ====  ==========================================================================
+
+A connection carries one call at a time: the client sends its next request after the reply
+to the last (a server refuses bytes that follow a request). The protobuf messages are those
+of ``protos/``; the data plane adds no message types. The
+``HELLO`` exchange that opens a connection carries JSON: the client's metadata (what gRPC
+sends as call metadata, e.g. ``authorization``) and, back, the server's frame limit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import struct
+import time
+from typing import NamedTuple
+
+from shardps.errors import InvalidArgument
+from shardps.rpc.codec import byte_view
+
+MAGIC = b"SD"
+VERSION = 1
+PREFIX = struct.Struct("<2sBBHHQIIIIQ")
+PREFIX_BYTES = PREFIX.size          # 40
+FLAG_REPLY = 1
+FLAG_CLOSE = 2
+
+HELLO = 0
+# The ParameterServer methods the data plane carries (ids are part of the wire format:
+# add, never renumber).
+METHOD_IDS = {"Push": 1, "Pull": 2, "Exchange": 3}
+METHOD_NAMES = {v: k for k, v in METHOD_IDS.items()}
+MAX_METHOD_ID = 0xFFFF
+
+
+class ProtocolError(InvalidArgument):
+    """Bytes that are not a data-plane frame (wrong magic or version, inconsistent lengths)."""
+
+
+class Prefix(NamedTuple):
+    """The fields of a prefix, in wire order (a tuple: built once per frame, cheaply)."""
+
+    magic: bytes
+    version: int
+    flags: int
+    method: int
+    status: int
+    request_id: int
+    timeout_ms: int
+    message_len: int
+    header_len: int
+    reserved: int
+    payload_len: int
+
+    @property
+    def body_len(self) -> int:
+        return self.message_len + self.header_len + self.payload_len
+
+
+def pack_prefix(flags: int, method: int, status: int, request_id: int, timeout_ms: int,
+                message_len: int, header_len: int, payload_len: int) -> bytes:
+    return PREFIX.pack(MAGIC, VERSION, flags, method, status, request_id, timeout_ms, message_len,
+                       header_len, 0, payload_len)
+
+
+def unpack_prefix(buf) -> Prefix:
+    """Parse the first ``PREFIX_BYTES`` of ``buf``; ProtocolError if they are not a prefix."""
+    p = Prefix._make(PREFIX.unpack_from(buf))
+    if p.magic != MAGIC:
+        raise ProtocolError(f"not a shardps data-plane frame (magic {bytes(p.magic)!r}, expected {MAGIC!r}): "
+                            f"is this port the data plane, and do both sides agree on TLS?")
+    if p.version != VERSION:
+        raise ProtocolError(f"data-plane frame version {p.version}; this side speaks {VERSION}")
+    return p
+
+
+def method_id(method: int | str) -> int:
+    """The wire id of ``method`` (a name of ``METHOD_IDS`` or an id in 1..65535)."""
+    if isinstance(method, str):
+        try:
+            return METHOD_IDS[method]
+        except KeyError:
+            raise InvalidArgument(f"data-plane method {method!r}: known names are "
+                                  f"{sorted(METHOD_IDS)}, or pass an id in 1..{MAX_METHOD_ID}") from None
+    if not 0 < int(method) <= MAX_METHOD_ID:
+        raise InvalidArgument(f"data-plane method id {method}: use 1..{MAX_METHOD_ID} (0 is HELLO)")
+    return int(method)
+
+
+def encode_hello(metadata) -> bytes:
+    return json.dumps({"metadata": [[str(k), str(v)] for k, v in metadata]}).encode()
+
+
+def decode_hello(raw: bytes) -> tuple[tuple[str, str], ...]:
+    try:
+        doc = json.loads(raw.decode() or "{}")
+        return tuple((str(k), str(v)) for k, v in doc.get("metadata", ()))
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise ProtocolError(f"malformed HELLO: {exc}") from None
+
+
+def encode_hello_reply(max_frame_bytes: int) -> bytes:
+    return json.dumps({"max_frame_bytes": int(max_frame_bytes)}).encode()
+
+
+def decode_hello_reply(raw: bytes) -> dict:
+    try:
+        doc = json.loads(raw.decode() or "{}")
+        return {"max_frame_bytes": int(doc.get("max_frame_bytes", 0))}
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise ProtocolError(f"malformed HELLO reply: {exc}") from None
+
+
+# ====================================================================== frame I/O on one socket
+KEEP_BUFFER_BYTES = 64 << 20               # receive buffers larger than this are not kept
+INITIAL_BUFFER_BYTES = 64 << 10
+_IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)
+_TLS_COALESCE_BYTES = 64 << 10             # TLS: small pieces are joined into one record
+
+
+class FrameTooLarge(Exception):
+    """A frame declares more bytes than the reader accepts (only its prefix was read)."""
+
+    def __init__(self, prefix: Prefix, limit: int, already: int):
+        super().__init__(f"frame of {prefix.body_len} bytes exceeds the limit of {limit}")
+        self.prefix = prefix
+        self.limit = limit
+        self.already = already        # bytes of the frame already read
+
+
+class PeerClosed(Exception):
+    """The peer closed the connection between frames (not an error for a server)."""
+
+
+class Frame(NamedTuple):
+    """One frame read by ``FrameReader``: views into its buffer."""
+
+    prefix: Prefix
+    message: memoryview
+    header: memoryview
+    payload: memoryview
+
+
+_TIMEVAL = struct.Struct("@ll")
+
+
+class SocketTimer:
+    """Applies deadlines to one socket's operations; ``arm(deadline)`` before each.
+
+    TLS sockets use Python's socket timeouts. Plain sockets stay in blocking mode with kernel
+    timeouts (SO_RCVTIMEO / SO_SNDTIMEO), changed only when the one set is shorter than the
+    time left or more than 25 % (+10 ms) longer: Python's own timeouts cost a poll() before
+    every send and receive and an ioctl per change, a tenth of a small call's CPU. A kernel
+    timeout surfaces as BlockingIOError, which the I/O functions below turn into
+    socket.timeout."""
+
+    __slots__ = ("sock", "kernel", "current")
+
+    def __init__(self, sock: socket.socket, tls: bool):
+        self.sock = sock
+        self.kernel = not tls
+        self.current = -1.0                 # the kernel timeout now set; 0: none; -1: unknown
+        if self.kernel:
+            sock.settimeout(None)
+
+    def arm(self, deadline: float | None) -> None:
+        if deadline is None:
+            if not self.kernel:
+                self.sock.settimeout(None)
+            elif self.current != 0.0:
+                self._set(0.0)
+            return
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise socket.timeout("deadline passed")
+        if not self.kernel:
+            self.sock.settimeout(remaining)
+        elif not remaining <= self.current <= remaining * 1.25 + 0.01:
+            self._set(remaining)
+
+    def _set(self, seconds: float) -> None:
+        whole = int(seconds)
+        tv = _TIMEVAL.pack(whole, min(999_999, math.ceil((seconds - whole) * 1e6)))
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        self.current = seconds
+
+
+class FrameReader:
+    """One reusable receive buffer; ``read_frame`` fills it with one whole frame. Views it
+    returns stay valid until the next ``read_frame``. Not thread-safe (one per connection)."""
+
+    def __init__(self, initial: int = INITIAL_BUFFER_BYTES, keep: int = KEEP_BUFFER_BYTES):
+        self.initial = initial
+        self.keep = keep
+        self._new(initial)
+
+    def _new(self, size: int) -> None:
+        self.buf = bytearray(size)
+        self.view = memoryview(self.buf)
+
+    def read_frame(self, timer: SocketTimer, max_body: int, deadline: float | None,
+                   first_deadline: float | None = None) -> Frame:
+        """Read one frame by ``deadline`` (socket.timeout after); with ``first_deadline``
+        (later), the wait for its first bytes lasts until then. Raises PeerClosed on EOF
+        before any byte, ProtocolError, FrameTooLarge (when the declared body exceeds
+        ``max_body``; the prefix alone was read), OSError."""
+        try:
+            return self._read_frame(timer, max_body, deadline, first_deadline)
+        except BlockingIOError:                 # a kernel timeout (see SocketTimer)
+            raise socket.timeout("timed out") from None
+
+    def _read_frame(self, timer: SocketTimer, max_body: int, deadline: float | None,
+                    first_deadline: float | None) -> Frame:
+        if len(self.buf) > self.keep:           # a one-off huge frame: do not keep its buffer
+            self._new(self.initial)
+        view = self.view
+        sock = timer.sock
+        window = None if deadline is None else deadline - time.monotonic()
+        while True:
+            timer.arm(deadline)
+            try:
+                got = sock.recv_into(view)      # greedy: a small frame arrives in one call
+                break
+            except (socket.timeout, BlockingIOError):
+                if first_deadline is None or window is None or time.monotonic() >= first_deadline:
+                    raise
+                deadline = time.monotonic() + window    # idle: wait another window (same timeout)
+        if not got:
+            raise PeerClosed()
+        while got < PREFIX_BYTES:
+            timer.arm(deadline)
+            n = sock.recv_into(view[got:])
+            if not n:
+                raise ProtocolError(f"connection closed inside a frame prefix ({got} bytes)")
+            got += n
+        prefix = unpack_prefix(view)
+        body = prefix.message_len + prefix.header_len + prefix.payload_len
+        if body > max_body:
+            raise FrameTooLarge(prefix, max_body, got)
+        total = PREFIX_BYTES + body
+        if got > total:
+            raise ProtocolError(f"{got - total} bytes followed a frame before its reply "
+                                       f"(one call at a time per connection)")
+        if total > len(self.buf):
+            old = view
+            self._new(min(max(total, 2 * len(self.buf)), self.keep) if total <= self.keep else total)
+            self.view[:got] = old[:got]
+            view = self.view
+        while got < total:
+            timer.arm(deadline)
+            n = sock.recv_into(view[got:total])
+            if not n:
+                raise ProtocolError(f"connection closed inside a frame ({got} of {total} bytes)")
+            got += n
+        b = PREFIX_BYTES + prefix.message_len
+        c = b + prefix.header_len
+        return Frame(prefix, view[PREFIX_BYTES:b], view[b:c], view[c:total])
+
+
+def add_views(parts: list, buffers) -> int:
+    """Append the non-empty byte views of ``buffers`` (bytes as they are, numpy arrays and
+    other buffers through ``codec.byte_view``) to ``parts``; returns their total length."""
+    total = 0
+    if buffers:
+        for buf in buffers:
+            v = buf if type(buf) is bytes else byte_view(buf)
+            n = len(v)
+            if n:
+                parts.append(v)
+                total += n
+    return total
+
+
+def send_parts(timer: SocketTimer, parts: list, deadline: float | None) -> None:
+    """Send ``parts`` (byte views) in order by ``deadline`` (socket.timeout after):
+    scatter-gather ``sendmsg`` on plain sockets; on TLS sockets (no sendmsg) small parts are
+    joined and large ones sent as they are."""
+    try:
+        _send(timer, parts, deadline)
+    except BlockingIOError:                     # a kernel timeout (see SocketTimer)
+        raise socket.timeout("timed out") from None
+
+
+def _send(timer: SocketTimer, parts: list, deadline: float | None) -> None:
+    sock = timer.sock
+    if not timer.kernel:                        # TLS
+        pending = bytearray()
+        for p in parts:
+            if len(p) < _TLS_COALESCE_BYTES:
+                pending += p
+                continue
+            if pending:
+                timer.arm(deadline)
+                sock.sendall(pending)
+                pending = bytearray()
+            timer.arm(deadline)
+            sock.sendall(p)
+        if pending:
+            timer.arm(deadline)
+            sock.sendall(pending)
+        return
+    i, n = 0, len(parts)
+    while i < n:
+        timer.arm(deadline)
+        sent = sock.sendmsg(parts[i:i + _IOV_MAX] if i or n > _IOV_MAX else parts)
+        while sent:
+            size = len(parts[i])
+            if sent >= size:
+                sent -= size
+                i += 1
+            else:
+                parts[i] = parts[i][sent:]
+                sent = 0
