@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from shardps import kernels
 from shardps.errors import FailedPrecondition, InvalidArgument
 from shardps.tables import (InitKind, TableConfig, TableKind, TableSpec,
                             dense_initial_values, initial_values, sparse_block_of)
@@ -441,6 +442,11 @@ class SparseShard:
         missing = slots < 0
         if missing.any():
             slots[missing] = self.insert(ids[missing], config)
+        if kernels.AVAILABLE:       # one fused pass over the rows, in place
+            kernels.apply_rows(config.optimizer, self.rows.data, {k: v.data for k, v in self.state.items()},
+                               self.row_steps.data if self.row_steps is not None else None,
+                               slots, grad.reshape(-1, self.dim))
+            return
         params = self.rows.take(slots)
         state = {k: v.take(slots) for k, v in self.state.items()}
         step = 1

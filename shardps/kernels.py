@@ -1,0 +1,198 @@
+"""Compiled kernels for the hot loops of the data path, with numpy fallbacks.
+
+Two loops dominate a sparse step outside the network:
+
+* the servers' optimizer update of pushed rows: look up each row's slot, gather its values
+  and optimizer state, update, scatter back. numpy needs about fifteen passes over
+  ``rows x dim`` elements plus three fancy-indexed copies (10.5 ms for 10,000 x 64 Adagrad
+  rows on this machine); one fused pass over the rows in place costs well under 1 ms;
+* the workers' deduplication of a batch's ids with the inverse map (``np.unique`` sorts all
+  of them: 0.5 ms for the ctr batch's 13,312 ids); hashing, then sorting only the distinct
+  ids, is several times cheaper.
+
+The kernels are compiled with numba (``cache=True``: once per machine, into ``__pycache__``
+or ``NUMBA_CACHE_DIR``) and release the GIL. When numba is not installed, ``AVAILABLE`` is
+False and callers use the numpy code they had; the tests compare both.
+
+Arithmetic is float32, in the order of ``shardps.server.optimizers`` (the numpy reference),
+with per-row learning-rate factors computed in float64 and rounded to float32 as it does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+try:                                    # pragma: no cover - exercised where numba exists
+    from numba import njit
+    AVAILABLE = True
+except ImportError:                     # pragma: no cover
+    AVAILABLE = False
+
+    def njit(*args, **kwargs):          # the decorated functions are then never called
+        return (lambda f: f) if not args or not callable(args[0]) else args[0]
+
+
+SGD, ADAGRAD, ADAM = 0, 1, 2
+# error_model="numpy": a division by zero gives inf/nan as numpy does; numba's default
+# ("python") checks every division, which keeps LLVM from vectorising the loops (3x slower)
+_JIT = dict(cache=True, nogil=True, fastmath=False, boundscheck=False, error_model="numpy")
+
+
+# ====================================================================== optimizer updates
+@njit(**_JIT)
+def _sgd(rows, buf, steps, slots, grad, lr, wd, momentum, keep, nesterov):
+    n, d = grad.shape
+    lr32 = np.float32(lr)
+    wd32 = np.float32(wd)
+    mom = np.float32(momentum)
+    keep32 = np.float32(keep)
+    for i in range(n):
+        s = slots[i]
+        first = False
+        if steps.shape[0]:
+            st = steps[s] + 1
+            steps[s] = st
+            first = st == 1
+        for j in range(d):
+            g = grad[i, j]
+            if wd != 0.0:
+                g = rows[s, j] * wd32 + g
+            if buf.shape[0]:
+                if first:
+                    b = g
+                else:
+                    b = buf[s, j] * mom + keep32 * g
+                buf[s, j] = b
+                if nesterov:
+                    upd = (b * mom + g) * lr32
+                else:
+                    upd = b * lr32
+            else:
+                upd = g * lr32
+            rows[s, j] -= upd
+
+
+@njit(**_JIT)
+def _adagrad(rows, acc, steps, slots, grad, lr, lr_decay, eps, wd):
+    n, d = grad.shape
+    eps32 = np.float32(eps)
+    wd32 = np.float32(wd)
+    for i in range(n):
+        s = slots[i]
+        st = steps[s] + 1
+        steps[s] = st
+        clr = np.float32(lr / (1.0 + (st - 1.0) * lr_decay))
+        if wd != 0.0:
+            for j in range(d):
+                g = rows[s, j] * wd32 + grad[i, j]
+                a = acc[s, j] + g * g
+                acc[s, j] = a
+                rows[s, j] -= (g / (np.sqrt(a) + eps32)) * clr
+        else:
+            for j in range(d):
+                g = grad[i, j]
+                a = acc[s, j] + g * g
+                acc[s, j] = a
+                rows[s, j] -= (g / (np.sqrt(a) + eps32)) * clr
+
+
+@njit(**_JIT)
+def _adam(rows, m, v, steps, slots, grad, lr, beta1, beta2, eps, wd):
+    n, d = grad.shape
+    eps32 = np.float32(eps)
+    wd32 = np.float32(wd)
+    one_b1 = np.float32(1.0 - beta1)
+    b2 = np.float32(beta2)
+    one_b2 = np.float32(1.0 - beta2)
+    for i in range(n):
+        s = slots[i]
+        st = steps[s] + 1
+        steps[s] = st
+        step_size = np.float32(lr / (1.0 - beta1 ** st))
+        bc2 = np.float32(np.sqrt(1.0 - beta2 ** st))
+        for j in range(d):
+            g = grad[i, j]
+            if wd != 0.0:
+                g = rows[s, j] * wd32 + g
+            mj = m[s, j] + (g - m[s, j]) * one_b1
+            m[s, j] = mj
+            vj = v[s, j] * b2 + (g * g) * one_b2
+            v[s, j] = vj
+            rows[s, j] -= (mj / (np.sqrt(vj) / bc2 + eps32)) * step_size
+
+
+_EMPTY_2D = np.empty((0, 0), dtype=np.float32)
+_EMPTY_STEPS = np.empty(0, dtype=np.int32)
+
+
+def apply_rows(config, rows: np.ndarray, state: dict[str, np.ndarray], steps: np.ndarray | None,
+               slots: np.ndarray, grad: np.ndarray) -> None:
+    """One optimizer step for the rows at ``slots`` of ``rows`` (``[capacity, dim]`` float32,
+    updated in place with ``state``'s arrays of the same shape and the int32 per-row step
+    counts ``steps``, which it increments). ``slots`` are distinct; ``grad`` is ``[n, dim]``.
+    Same results as ``shardps.server.optimizers.apply`` on the gathered rows (to float32
+    rounding). Requires ``AVAILABLE``; releases the GIL."""
+    from shardps.tables import OptimizerKind
+    kind = config.kind
+    slots = np.ascontiguousarray(slots, dtype=np.int64)
+    grad = np.ascontiguousarray(grad, dtype=np.float32)
+    st = _EMPTY_STEPS if steps is None else steps
+    wd = float(config.weight_decay)
+    if kind is OptimizerKind.SGD:
+        buf = state.get("momentum_buffer", _EMPTY_2D) if config.momentum else _EMPTY_2D
+        _sgd(rows, buf, st, slots, grad, float(config.lr), wd, float(config.momentum),
+             float(1.0 - config.dampening), bool(config.nesterov))
+    elif kind is OptimizerKind.ADAGRAD:
+        _adagrad(rows, state["sum"], st, slots, grad, float(config.lr), float(config.lr_decay),
+                 float(config.effective_eps), wd)
+    elif kind is OptimizerKind.ADAM:
+        _adam(rows, state["exp_avg"], state["exp_avg_sq"], st, slots, grad, float(config.lr),
+              float(config.beta1), float(config.beta2), float(config.effective_eps), wd)
+    else:
+        raise ValueError(f"unknown optimizer kind {kind!r}")
+
+
+# ====================================================================== deduplication
+@njit(**_JIT)
+def _hash_unique(ids, table_bits):
+    size = 1 << table_bits
+    mask = size - 1
+    keys = np.empty(size, dtype=np.int64)
+    index = np.full(size, -1, dtype=np.int64)
+    n = ids.shape[0]
+    first = np.empty(n, dtype=np.int64)           # distinct ids in order of first appearance
+    inverse = np.empty(n, dtype=np.int64)         # position of each id in ``first``
+    count = 0
+    for i in range(n):
+        x = ids[i]
+        h = (np.uint64(x) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(64 - table_bits)
+        p = np.int64(h)
+        while True:
+            k = index[p]
+            if k < 0:
+                index[p] = count
+                keys[p] = x
+                first[count] = x
+                inverse[i] = count
+                count += 1
+                break
+            if keys[p] == x:
+                inverse[i] = k
+                break
+            p = (p + 1) & mask
+    return first[:count], inverse
+
+
+def unique_inverse(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(ids, return_inverse=True)`` for int64 ids: (sorted distinct ids, index of
+    each id in them). Hashes the ids, then sorts only the distinct ones."""
+    ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
+    if not AVAILABLE or ids.shape[0] < 64:
+        unique, inverse = np.unique(ids, return_inverse=True)
+        return unique, inverse.reshape(-1)
+    bits = max(4, int(ids.shape[0] * 2 - 1).bit_length())     # load factor <= 1/2
+    first, inverse = _hash_unique(ids, bits)
+    order = np.argsort(first, kind="stable")
+    rank = np.empty(order.shape[0], dtype=np.int64)
+    rank[order] = np.arange(order.shape[0], dtype=np.int64)
+    return first[order], rank[inverse]

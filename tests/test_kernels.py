@@ -1,0 +1,62 @@
+"""The compiled kernels equal the numpy code they replace (``shardps.kernels``)."""
+
+import numpy as np
+import pytest
+
+from shardps import kernels
+from shardps.server import optimizers
+from shardps.tables import adagrad, adam, sgd
+
+pytestmark = pytest.mark.skipif(not kernels.AVAILABLE, reason="numba is not installed")
+
+CONFIGS = {
+    "sgd": sgd(0.1),
+    "sgd-momentum": sgd(0.1, momentum=0.9, dampening=0.1),
+    "sgd-nesterov-wd": sgd(0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+    "adagrad": adagrad(0.05),
+    "adagrad-decay-wd": adagrad(0.05, lr_decay=0.01, weight_decay=0.001),
+    "adam": adam(1e-2),
+    "adam-wd": adam(1e-2, weight_decay=0.01),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_sparse_rows_update_equals_the_numpy_optimizer(name):
+    config = CONFIGS[name]
+    rng = np.random.default_rng(1)
+    capacity, dim = 500, 8
+    rows = rng.standard_normal((capacity, dim)).astype(np.float32)
+    state = {k: np.abs(rng.standard_normal((capacity, dim))).astype(np.float32)
+             for k in optimizers.state_names(config)}
+    steps = np.zeros(capacity, np.int32) if optimizers.needs_row_steps(config) else None
+    ref_rows, ref_state = rows.copy(), {k: v.copy() for k, v in state.items()}
+    ref_steps = None if steps is None else steps.copy()
+    for _ in range(4):                     # rows at different step counts, some on their first
+        slots = np.sort(rng.choice(capacity, 120, replace=False))
+        grad = rng.standard_normal((120, dim)).astype(np.float32)
+        kernels.apply_rows(config, rows, state, steps, slots, grad)
+        params = ref_rows[slots]
+        st = {k: v[slots] for k, v in ref_state.items()}
+        step = 1
+        if ref_steps is not None:
+            ref_steps[slots] += 1
+            step = ref_steps[slots][:, None]
+        optimizers.apply(config, params, grad, st, step)
+        ref_rows[slots] = params
+        for k, v in st.items():
+            ref_state[k][slots] = v
+    np.testing.assert_allclose(rows, ref_rows, rtol=2e-6, atol=2e-7)
+    for k in state:
+        np.testing.assert_allclose(state[k], ref_state[k], rtol=2e-6, atol=2e-7)
+    if steps is not None:
+        np.testing.assert_array_equal(steps, ref_steps)
+
+
+@pytest.mark.parametrize("n, high", [(0, 10), (1, 10), (100, 5), (13_312, 1 << 40), (50_000, 3_000)])
+def test_unique_inverse_equals_numpy(n, high):
+    rng = np.random.default_rng(n)
+    ids = rng.integers(-high, high, n, dtype=np.int64)
+    unique, inverse = kernels.unique_inverse(ids)
+    ref_unique, ref_inverse = np.unique(ids, return_inverse=True)
+    np.testing.assert_array_equal(unique, ref_unique)
+    np.testing.assert_array_equal(inverse, ref_inverse.reshape(-1))
