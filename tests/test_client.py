@@ -117,10 +117,75 @@ def test_exactly_once_retry_of_the_same_push(cluster, client_factory):
     c.join(name="w", heartbeat=False)
     c.create_dense("w", (100,), optimizer=sgd(1.0), block_size=10)
     piece = Piece(0, "w", True, 0, 100, values=np.ones(100, np.float32))
-    with c._seq_lock:
-        seq = c._next_seq
-    first = c._push([piece], ps.GRADIENT, None, None, False)
-    c._next_seq = seq            # simulate a retry of the same push after a lost ack
-    again = c._push([piece], ps.GRADIENT, None, None, False)
+    session = c._session
+    with session._lock:
+        seq = session._next_seq
+    first = c._data.push([piece], ps.GRADIENT, None, None, False)
+    session._next_seq = seq      # simulate a retry of the same push after a lost ack
+    again = c._data.push([piece], ps.GRADIENT, None, None, False)
     assert first.duplicate_blocks == 0 and again.duplicate_blocks == 10
     np.testing.assert_allclose(c.pull_dense("w"), -np.ones(100))
+
+
+def test_pull_results_carry_their_own_clock_wait_and_staleness(cluster, client_factory):
+    """Per-call results come back on the result, not in shared fields: two pulls in flight
+    at once each report their own clock and staleness."""
+    c = client_factory(cluster.address, job="ssp")
+    c.create_job("ssp", staleness=5)
+    c.join(name="w", heartbeat=False)
+    c.create_dense("w", (8,), optimizer=sgd(1.0))
+    one, four = (c.pull_many_async([("w",)], clock=k) for k in (1, 4))
+    a, b = one.result(timeout=30), four.result(timeout=30)
+    assert (a.clock, a.staleness) == (1, 1) and (b.clock, b.staleness) == (4, 4)
+    assert a.waited_seconds >= 0 and a.min_clock == b.min_clock == 0
+    res = c.pull_many([("w",)], clock=2)
+    assert (c.clock, c.last_staleness, c.last_wait) == (2, 2, res.waited_seconds)
+    assert c.push_dense("w", np.ones(8), clock=0).clock == 0
+    with pytest.raises(AttributeError):
+        c.clock = 7            # a worker names its clock per call
+
+
+class _FlakyTransport:
+    """A Transport wrapping another: refuses the first call of each kind to each server
+    with StaleEpoch, and records every call."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.calls: list[tuple[str, str]] = []
+
+    def _refuse_first(self, kind: str, server: str) -> None:
+        from shardps.errors import StaleEpoch
+        self.calls.append((kind, server))
+        if self.calls.count((kind, server)) == 1:
+            raise StaleEpoch(f"{kind} to {server}: injected")
+
+    def push(self, server, address, header, payload, timeout):
+        self._refuse_first("push", server)
+        return self.inner.push(server, address, header, payload, timeout)
+
+    def pull(self, server, address, request, reply_bytes, timeout, consume):
+        self._refuse_first("pull", server)
+        return self.inner.pull(server, address, request, reply_bytes, timeout, consume)
+
+    def close(self):
+        self.inner.close()
+
+
+def test_a_transport_plugs_in_and_refusals_are_rerouted(cluster, client_factory):
+    """Every data call goes through the Transport given to PSClient; a server's StaleEpoch
+    makes the client re-send just that server's share."""
+    from shardps.metrics import WorkerMetrics
+    from shardps.rpc.stubs import StubPool
+    from shardps.worker.client import GrpcTransport
+    flaky = _FlakyTransport(GrpcTransport("test", StubPool(), WorkerMetrics()))
+    c = client_factory(cluster.address, transport=flaky)
+    c.create_job()
+    c.create_dense("w", (4096,), optimizer=sgd(1.0), block_size=256)
+    servers = {r[0] for r in c.table("w").replicas}
+    assert len(servers) == 2, "the table should span both servers"
+    ack = c.push_dense("w", np.ones(4096))
+    assert ack.duplicate_blocks == 0 and len(ack.versions) == 16
+    np.testing.assert_allclose(c.pull_dense("w"), -np.ones(4096))
+    for kind in ("push", "pull"):       # each server: refused once, then served
+        assert sorted(s for k, s in flaky.calls if k == kind) == sorted(list(servers) * 2), flaky.calls
+    assert c.metrics.retries.labels("StaleEpoch")._value.get() == 4

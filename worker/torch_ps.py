@@ -70,6 +70,7 @@ class PSEmbedding(nn.Module):
         self._wanted: np.ndarray | None = None
         self._planned: tuple | None = None     # (batch ids, unique, inverse) of an announced batch
         self.last_unique = 0                   # distinct ids of the last forward
+        self.clock = 0                         # the worker's completed steps, sent with pulls (PSModel sets it)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, table={self.table!r}"
@@ -85,7 +86,7 @@ class PSEmbedding(nn.Module):
     def prefetch(self, ids: torch.Tensor) -> None:
         """Start pulling the rows of ``ids`` (a coming batch) in the background."""
         unique = self._plan(ids)
-        self._prefetch = (unique, self.client.pull_rows_async(self.table, unique))
+        self._prefetch = (unique, self.client.pull_rows_async(self.table, unique, clock=self.clock))
 
     def request_prefetch(self, ids: torch.Tensor) -> None:
         """Ask the owning PSModel to fetch the rows of ``ids`` (a coming batch) together with
@@ -115,7 +116,7 @@ class PSEmbedding(nn.Module):
             if np.array_equal(pre_ids, unique_np):
                 rows_np = fut.result()
         if rows_np is None:
-            rows_np = self.client.pull_rows(self.table, unique_np)
+            rows_np = self.client.pull_rows(self.table, unique_np, clock=self.clock)
         rows = torch.from_numpy(rows_np).to(ids.device)
         if self.training and torch.is_grad_enabled():
             rows.requires_grad_(True)
@@ -212,13 +213,13 @@ class PSModel:
             for (emb, ids), rows in zip(wanted, res.values[len(names):]):
                 emb._provide(ids, rows)
         else:
-            self.client.clock = self.step
-            res = self.client.pull_many([(n,) for n in names])
+            self._set_clock(self.step)
+            res = self.client.pull_many([(n,) for n in names], clock=self.step)
         with torch.no_grad():
             for name, values in zip(names, res.values[:len(names)]):
                 p = self.dense[name]
                 p.copy_(torch.from_numpy(np.asarray(values)).reshape(p.shape))
-        waited = min(self.client.last_wait, time.perf_counter() - started)
+        waited = min(res.waited_seconds, time.perf_counter() - started)
         self.timings["barrier_wait"] += waited        # SYNC / SSP: waiting for stragglers
         self.timings["pull_wait"] += time.perf_counter() - started - waited
 
@@ -253,8 +254,8 @@ class PSModel:
                 emb._wanted = None
             requests_next = [(n,) for n in self.dense] + [(emb.table, ids) for emb, ids in wanted]
             if requests_next:
-                self.client.clock = self.step + 1
-                prefetch = (self.client.pull_many_async(requests_next), wanted)
+                self._set_clock(self.step + 1)
+                prefetch = (self.client.pull_many_async(requests_next, clock=self.step + 1), wanted)
         future = self.client.push_many_async(requests, clock=self.step, report_step=self.report_steps)
         if self.local_optimizer is not None:
             self.local_optimizer.step()
@@ -262,7 +263,7 @@ class PSModel:
         for p in self.dense.values():
             p.grad = None
         self.step += 1
-        self.client.clock = self.step
+        self._set_clock(self.step)
         result = None
         if self.overlap:
             self._pending_push = future
@@ -271,6 +272,11 @@ class PSModel:
             result = future.result()
         self.timings["push_wait"] += time.perf_counter() - started
         return result
+
+    def _set_clock(self, clock: int) -> None:
+        """The clock the embeddings' pulls carry from now on (the dense pulls name theirs)."""
+        for emb in self.embeddings.values():
+            emb.clock = clock
 
     def flush(self) -> None:
         """Wait for the push in flight (``overlap``); raises its error."""
@@ -308,7 +314,7 @@ class PSModel:
         out = np.empty((emb.num_embeddings, emb.embedding_dim), np.float32)
         for start in range(0, emb.num_embeddings, chunk):
             ids = np.arange(start, min(start + chunk, emb.num_embeddings), dtype=np.int64)
-            out[start:start + ids.shape[0]] = self.client.pull_rows(emb.table, ids)
+            out[start:start + ids.shape[0]] = self.client.pull_rows(emb.table, ids, clock=emb.clock)
         return out
 
 

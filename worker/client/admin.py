@@ -1,0 +1,195 @@
+"""The manager calls of one job: jobs, tables, the shard map, checkpoints, status, drains.
+
+``Admin.call`` is the one way to the manager: it honours the call's deadline, retries the
+idempotent calls after UNAVAILABLE, counts the call in ``grpc_client_*`` metrics and turns
+``grpc.RpcError`` into ``ShardpsError``. ``Admin`` also keeps the client's shard map, the
+only state the data path reads from the manager.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import grpc
+
+from shardps.convert import config_from_proto, config_to_proto, consistency_to_proto, spec_to_proto
+from shardps.errors import InvalidArgument, NotFound
+from shardps.metrics import WorkerMetrics
+from shardps.protos.v1 import manager_pb2 as mg
+from shardps.rpc import channels
+from shardps.rpc.status import from_rpc_error
+from shardps.rpc.stubs import MANAGER, ManagerStub
+from shardps.shardmap import ShardMapView, TableView
+from shardps.tables import Consistency, OptimizerConfig, TableConfig, TableSpec
+
+_MODES = {"async": Consistency.ASYNC, "asp": Consistency.ASYNC, "sync": Consistency.SYNC,
+          "bsp": Consistency.SYNC, "ssp": Consistency.BOUNDED, "bounded": Consistency.BOUNDED}
+
+
+def parse_consistency(text: str) -> Consistency:
+    """``async``/``asp``, ``sync``/``bsp`` or ``ssp``/``bounded`` (any case); InvalidArgument
+    otherwise."""
+    mode = _MODES.get(str(text).lower())
+    if mode is None:
+        raise InvalidArgument(f"consistency {text!r}: use async, sync or ssp")
+    return mode
+
+
+class Admin:
+    """Manager calls of job ``job``. Every call blocks for at most ``timeout`` seconds
+    (default ``default_timeout``) and raises ``ShardpsError``, never ``grpc.RpcError``.
+    Thread-safe. ``closed``: once set (the client closes), retries stop."""
+
+    def __init__(self, address: str, job: str, stub: ManagerStub, metrics: WorkerMetrics, *,
+                 metadata=(), default_timeout: float = 30.0, closed: threading.Event | None = None):
+        self.address = address
+        self.job = job
+        self.stub = stub
+        self.metrics = metrics
+        self.metadata = tuple(metadata)
+        self.default_timeout = default_timeout
+        self.closed = closed or threading.Event()
+        self._map = ShardMapView()
+        self._map_lock = threading.Lock()
+
+    # ================================================================== the one call
+    def call(self, what: str, fn, request, timeout: float | None = None, *, idempotent: bool = False):
+        """A unary manager call that honours its deadline, errors translated.
+
+        ``idempotent`` calls (reads, heartbeats, creations of an identical job or table,
+        deletions; see manager.proto) are retried after UNAVAILABLE with jittered backoff
+        until the deadline: the manager may be restarting or briefly unreachable. The others
+        are sent once, but only when a connection exists (``wait_for_ready``: a call that was
+        never sent cannot have been executed), so they too wait for a manager that is slow
+        to accept instead of failing at once. ``closed`` ends the retries."""
+        timeout = timeout or self.default_timeout
+        started = time.perf_counter()
+        code = "OK"
+        attempts = 0
+
+        def attempt(left: float):
+            nonlocal attempts
+            attempts += 1
+            return fn(request, timeout=left, metadata=self.metadata)
+
+        try:
+            if idempotent:
+                return channels.call_with_retries(attempt, timeout, sleep=self.closed.wait)
+            return fn(request, timeout=timeout, metadata=self.metadata, wait_for_ready=True)
+        except grpc.RpcError as err:
+            code = err.code().name if hasattr(err, "code") else "UNKNOWN"
+            exc = from_rpc_error(err, what)
+            if attempts > 1:
+                exc = type(exc)(f"{exc.message} (gave up after {attempts} attempts in {timeout:g}s)")
+            elif not idempotent and code == "DEADLINE_EXCEEDED":
+                exc = type(exc)(f"{exc.message} (waited {timeout:g}s for the manager at "
+                                f"{self.address}: is it running and reachable, or is the "
+                                f"timeout too short for this call?)")
+            raise exc from None
+        finally:
+            g = self.metrics.grpc
+            g.started.labels(MANAGER, what, "unary").inc()
+            g.handled.labels(MANAGER, what, "unary", code).inc()
+            g.handling.labels(MANAGER, what, "unary").observe(time.perf_counter() - started)
+
+    # ================================================================== shard map
+    @property
+    def shard_map(self) -> ShardMapView:
+        """The newest shard map this client has (epoch 0 before the first fetch)."""
+        return self._map
+
+    def refresh_map(self, min_epoch: int = 0, timeout: float | None = None) -> ShardMapView:
+        """Fetch the published shard map (waiting for ``min_epoch`` if given). The client's
+        map only moves forward: an older answer leaves the newer map in place."""
+        msg = self.call("GetShardMap", self.stub.GetShardMap,
+                        mg.GetShardMapRequest(min_epoch=min_epoch), timeout, idempotent=True)
+        with self._map_lock:
+            if msg.epoch > self._map.epoch:
+                self._map = ShardMapView(msg)
+            return self._map
+
+    def view(self) -> ShardMapView:
+        """The client's map, fetched first if it has none yet."""
+        if self._map.epoch == 0:
+            self.refresh_map()
+        return self._map
+
+    # ================================================================== jobs
+    def create_job(self, consistency: str | Consistency = "async", staleness: int = 0,
+                   quota_bytes: int = 0, timeout: float | None = None) -> str:
+        """Create this job (idempotent with the same consistency). Returns its token (empty
+        when the cluster runs without authentication)."""
+        mode = consistency if isinstance(consistency, Consistency) else parse_consistency(consistency)
+        resp = self.call("CreateJob", self.stub.CreateJob, mg.CreateJobRequest(
+            job=self.job, consistency=consistency_to_proto(mode, staleness),
+            quota=mg.JobQuota(max_bytes=quota_bytes)), timeout, idempotent=True)
+        return resp.token
+
+    def end_job(self, timeout: float | None = None) -> None:
+        self.call("EndJob", self.stub.EndJob, mg.EndJobRequest(job=self.job), timeout, idempotent=True)
+
+    # ================================================================== tables
+    def create_table(self, spec: TableSpec, optimizer: OptimizerConfig | None = None,
+                     allow_non_finite: bool = False, timeout: float | None = None) -> TableView:
+        """Create a table (idempotent for an identical spec; AlreadyExists otherwise) and
+        wait for the shard map that places it."""
+        config = TableConfig(optimizer or OptimizerConfig(), allow_non_finite)
+        spec.validate()
+        config.validate()
+        resp = self.call("CreateTable", self.stub.CreateTable, mg.CreateTableRequest(
+            job=self.job, spec=spec_to_proto(spec), config=config_to_proto(config)), timeout, idempotent=True)
+        view = self.refresh_map(min_epoch=resp.epoch)
+        return view.table(self.job, spec.name)
+
+    def table(self, name: str) -> TableView:
+        """The table's spec, config and placement from the client's map (refreshed if
+        unknown; NotFound if the manager does not know it either)."""
+        try:
+            return self.view().table(self.job, name)
+        except NotFound:
+            return self.refresh_map().table(self.job, name)
+
+    def tables(self) -> list[TableView]:
+        """Every table of this job, by name, from a freshly fetched map."""
+        view = self.refresh_map()
+        return [t for (j, _), t in sorted(view.tables.items()) if j == self.job]
+
+    def update_config(self, name: str, timeout: float | None = None, **changes) -> TableConfig:
+        """Change optimizer hyperparameters (``lr=0.01``, ``momentum=...``) while training runs;
+        returns after every server installed the new config: the next push uses it."""
+        t = self.refresh_map().table(self.job, name)
+        allow = changes.pop("allow_non_finite", t.config.allow_non_finite)
+        optimizer = dataclasses.replace(t.config.optimizer, **changes)
+        config = TableConfig(optimizer, allow)
+        resp = self.call("UpdateTableConfig", self.stub.UpdateTableConfig, mg.UpdateTableConfigRequest(
+            job=self.job, table=name, config=config_to_proto(config)), timeout)
+        self.refresh_map()
+        return config_from_proto(resp)
+
+    def delete_table(self, name: str, timeout: float | None = None) -> None:
+        self.call("DeleteTable", self.stub.DeleteTable,
+                  mg.DeleteTableRequest(job=self.job, table=name), timeout, idempotent=True)
+
+    # ================================================================== operations
+    def checkpoint(self, directory: str = "", timeout: float | None = 600.0) -> mg.CheckpointResponse:
+        """Cut a consistent checkpoint of this job now (live workers join in)."""
+        return self.call("Checkpoint", self.stub.Checkpoint,
+                         mg.CheckpointRequest(job=self.job, directory=directory), timeout)
+
+    def restore(self, path: str = "", timeout: float | None = 600.0) -> mg.RestoreResponse:
+        """Recreate this job's tables from a checkpoint onto the current servers; returns
+        once the map that places them is the client's."""
+        resp = self.call("Restore", self.stub.Restore, mg.RestoreRequest(job=self.job, path=path), timeout)
+        self.refresh_map(min_epoch=resp.epoch)
+        return resp
+
+    def drain_server(self, name: str, timeout: float | None = None) -> mg.DrainServerResponse:
+        """Move every block off server ``name`` (in the background), then retire it."""
+        return self.call("DrainServer", self.stub.DrainServer, mg.DrainServerRequest(name=name), timeout,
+                         idempotent=True)
+
+    def cluster_status(self, timeout: float | None = None) -> mg.ClusterStatus:
+        return self.call("GetClusterStatus", self.stub.GetClusterStatus,
+                         mg.GetClusterStatusRequest(), timeout, idempotent=True)

@@ -1,0 +1,348 @@
+"""``PSClient``: the client library of a shardps cluster, for one job.
+
+    client = PSClient("127.0.0.1:7070", job="demo")
+    client.create_job()                                  # idempotent
+    client.create_dense("w", shape=(1000, 16), optimizer=sgd(lr=0.1))
+    w = client.pull_dense("w")                           # float32 array of shape (1000, 16)
+    client.push_dense("w", np.ones_like(w))              # applied by the servers' SGD
+
+Contract:
+* Blocking calls take ``timeout=`` (seconds; default ``PSClient.timeout``) and raise
+  ``shardps.errors.ShardpsError`` subclasses, never ``grpc.RpcError``. ``*_async`` variants
+  check their arguments at once, then return ``concurrent.futures.Future``; the blocking call
+  does the same work in the caller's thread.
+* Data calls fan out in parallel to the servers that own the touched blocks; a server that
+  answers FAILED_PRECONDITION (stale epoch) or UNAVAILABLE makes the client refresh its shard
+  map and re-send just that server's share, until the deadline. Pushes keep their sequence
+  number across retries, so a retried push is applied once: this needs a session (``join``).
+  A client that has not joined is not deduplicated, and a retry after an UNAVAILABLE push
+  (whose outcome is unknown) may apply it twice on some blocks.
+* ``clock=`` on data calls is this worker's number of completed steps (SYNC / BOUNDED jobs:
+  pulls wait as the consistency model requires, pushes report the step); default 0.
+* Sparse ids are int64 (any order, repeats allowed): pulls send each distinct id once, pushes
+  sum the rows of repeated ids before sending. Dense ranges are flat and half-open.
+* Thread-safe: one client may be shared by threads (each call is independent, and returns
+  its own results: ``PullResult`` / ``PushResult``).
+
+Layers: ``admin.Admin`` (manager calls, shard map), ``membership.GroupMember`` (join, leave,
+heartbeats, exactly-once numbers), ``data.DataPath`` (routing, retries, decoding) over a
+``transport.Transport`` (``GrpcTransport`` today). This class only wires them and checks
+arguments (``requests``).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent import futures
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from shardps.dtypes import WireDType
+from shardps.metrics import WorkerMetrics
+from shardps.protos.v1 import manager_pb2 as mg
+from shardps.protos.v1 import parameter_server_pb2 as ps
+from shardps.rpc import channels
+from shardps.rpc.codec import CHUNK_BYTES
+from shardps.rpc.stubs import ManagerStub, StubPool
+from shardps.shardmap import ShardMapView, TableView
+from shardps.tables import (Consistency, Initializer, OptimizerConfig, TableConfig, TableSpec, dense_table,
+                            sparse_table)
+from shardps.worker.client import requests as rq
+from shardps.worker.client.admin import Admin
+from shardps.worker.client.data import DataPath, PullResult, PushResult
+from shardps.worker.client.membership import GroupMember, Membership, Session
+from shardps.worker.client.transport import GrpcTransport, Transport
+
+
+class PSClient:
+    """Client of one job on a shardps cluster. See the module docstring for the contract.
+
+    ``transport``: how data calls reach a server (default: gRPC with the shared-memory fast
+    path, per ``shared_memory``); the client closes it."""
+
+    def __init__(self, manager: str, job: str, *, token: str = "", tls: channels.TlsConfig | None = None,
+                 timeout: float = 30.0, wire_dtype: str | WireDType = "float32",
+                 chunk_bytes: int = CHUNK_BYTES, threads: int = 16,
+                 metrics: WorkerMetrics | None = None, shared_memory: bool = True,
+                 transport: Transport | None = None):
+        self.manager_address = manager
+        self.job = job
+        self.metrics = metrics or WorkerMetrics()
+        metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._closed = threading.Event()    # ends the retries of calls in flight
+        self._channel = channels.channel(manager, tls)
+        self._manager = ManagerStub(self._channel)
+        self._admin = Admin(manager, job, self._manager, self.metrics, metadata=metadata,
+                            default_timeout=timeout, closed=self._closed)
+        self._session = Session()
+        self._member = GroupMember(self._admin, self._session)
+        self._calls = futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ps-call")
+        self._rpcs = futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ps-rpc")
+        self._transport = transport or GrpcTransport(
+            job, StubPool(tls=tls, metadata=metadata), self.metrics, metadata=metadata,
+            chunk_bytes=chunk_bytes, shared_memory=shared_memory)
+        self._data = DataPath(job, self._transport, self._admin, self._session, executor=self._rpcs,
+                              metrics=self.metrics, wire_dtype=WireDType.parse(wire_dtype),
+                              chunk_bytes=chunk_bytes, default_timeout=timeout)
+
+    def close(self) -> None:
+        """Stop heartbeats and retries, leave nothing running. Does not leave the group
+        (see ``leave``)."""
+        self._closed.set()
+        self._member.close()
+        self._calls.shutdown(wait=False, cancel_futures=True)
+        self._rpcs.shutdown(wait=False, cancel_futures=True)
+        self._transport.close()
+        self._channel.close()
+
+    def __enter__(self) -> "PSClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ================================================================== settings and state
+    @property
+    def timeout(self) -> float:
+        """Default seconds of a call without ``timeout=`` (settable: applies to later calls)."""
+        return self._data.default_timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        self._admin.default_timeout = self._data.default_timeout = seconds
+
+    @property
+    def wire_dtype(self) -> WireDType:
+        return self._data.wire_dtype
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self._data.chunk_bytes
+
+    @property
+    def membership(self) -> Membership | None:
+        """This client's place in the worker group (None before ``join`` / after ``leave``)."""
+        return self._session.membership
+
+    @property
+    def progress(self) -> dict:
+        """Training progress the heartbeats report: update ``step``, ``samples_per_second``,
+        ``loss`` in place."""
+        return self._member.progress
+
+    @property
+    def checkpoint_request(self) -> str:
+        """The id of an on-demand checkpoint the last heartbeat announced ("" when none)."""
+        return self._member.checkpoint_request
+
+    @property
+    def clock(self) -> int:
+        """The clock of the data call that completed last (any thread). Read-only: pass
+        ``clock=`` to each call."""
+        return self._data.last_clock
+
+    @property
+    def last_wait(self) -> float:
+        """``PullResult.waited_seconds`` of the pull that completed last (any thread)."""
+        return self._data.last_pull.waited_seconds
+
+    @property
+    def last_staleness(self) -> int:
+        """``PullResult.staleness`` of the pull that completed last (any thread)."""
+        return self._data.last_pull.staleness
+
+    @property
+    def shard_map(self) -> ShardMapView:
+        return self._admin.shard_map
+
+    def refresh_map(self, min_epoch: int = 0, timeout: float | None = None) -> ShardMapView:
+        """Fetch the published shard map (waiting for ``min_epoch`` if given)."""
+        return self._admin.refresh_map(min_epoch, timeout)
+
+    # ================================================================== jobs, groups, operations
+    def create_job(self, consistency: str | Consistency = "async", staleness: int = 0,
+                   quota_bytes: int = 0, timeout: float | None = None) -> str:
+        """Create this client's job (idempotent with the same consistency). Returns its token
+        (empty when the cluster runs without authentication)."""
+        return self._admin.create_job(consistency, staleness, quota_bytes, timeout)
+
+    def end_job(self, timeout: float | None = None) -> None:
+        self._admin.end_job(timeout)
+
+    def join(self, name: str = "", rank_hint: int = -1, previous_session: str = "",
+             heartbeat: bool = True, timeout: float | None = None) -> Membership:
+        """Join the job's worker group; starts a background heartbeat (about once a second)
+        that keeps the membership lease and reports ``self.progress``."""
+        return self._member.join(name, rank_hint, previous_session, heartbeat, timeout)
+
+    def leave(self, timeout: float | None = None) -> None:
+        """Leave the worker group (SYNC/BOUNDED groups stop waiting for this worker)."""
+        self._member.leave(timeout)
+
+    def heartbeat(self, timeout: float | None = None) -> mg.WorkerHeartbeatResponse:
+        return self._member.heartbeat(timeout)
+
+    def checkpoint_barrier(self, step: int, worker_state: bytes, checkpoint_id: str = "",
+                           timeout: float | None = 300.0) -> str:
+        """This worker's part of a checkpoint: blocks until every live worker arrived and the
+        checkpoint is written; returns its path (see ``GroupMember.checkpoint_barrier``)."""
+        return self._member.checkpoint_barrier(step, worker_state, checkpoint_id, timeout)
+
+    def worker_state(self, timeout: float | None = None) -> tuple[bytes, int]:
+        """This rank's local state from the checkpoint the job was restored from, and its step."""
+        return self._member.worker_state(timeout)
+
+    def checkpoint(self, directory: str = "", timeout: float | None = 600.0) -> mg.CheckpointResponse:
+        """Admin: cut a consistent checkpoint of this job now (live workers join in)."""
+        return self._admin.checkpoint(directory, timeout)
+
+    def restore(self, path: str = "", timeout: float | None = 600.0) -> mg.RestoreResponse:
+        """Admin: recreate this job's tables from a checkpoint onto the current servers."""
+        return self._admin.restore(path, timeout)
+
+    def drain_server(self, name: str, timeout: float | None = None) -> mg.DrainServerResponse:
+        """Admin: move every block off server ``name`` (in the background), then retire it."""
+        return self._admin.drain_server(name, timeout)
+
+    def cluster_status(self, timeout: float | None = None) -> mg.ClusterStatus:
+        return self._admin.cluster_status(timeout)
+
+    # ================================================================== tables
+    def create_table(self, spec: TableSpec, optimizer: OptimizerConfig | None = None,
+                     allow_non_finite: bool = False, timeout: float | None = None) -> TableView:
+        """Create a table (idempotent for an identical spec; AlreadyExists otherwise)."""
+        return self._admin.create_table(spec, optimizer, allow_non_finite, timeout)
+
+    def create_dense(self, name: str, shape, optimizer: OptimizerConfig | None = None,
+                     init: Initializer | None = None, block_size: int = 0, **kw) -> TableView:
+        return self.create_table(dense_table(name, shape, init, block_size), optimizer, **kw)
+
+    def create_sparse(self, name: str, dim: int, num_rows: int = 0, optimizer: OptimizerConfig | None = None,
+                      init: Initializer | None = None, num_blocks: int = 0, **kw) -> TableView:
+        return self.create_table(sparse_table(name, dim, num_rows, init, num_blocks), optimizer, **kw)
+
+    def table(self, name: str) -> TableView:
+        """The table's spec, config and placement from the client's map (refreshed if unknown)."""
+        return self._admin.table(name)
+
+    def tables(self) -> list[TableView]:
+        return self._admin.tables()
+
+    def update_config(self, name: str, timeout: float | None = None, **changes) -> TableConfig:
+        """Change optimizer hyperparameters (``lr=0.01``, ``momentum=...``) while training runs;
+        returns after every server installed the new config: the next push uses it."""
+        return self._admin.update_config(name, timeout, **changes)
+
+    def delete_table(self, name: str, timeout: float | None = None) -> None:
+        self._admin.delete_table(name, timeout)
+
+    # ================================================================== data: pulls
+    def pull_dense(self, table: str, start: int = 0, stop: int | None = None,
+                   timeout: float | None = None, clock: int | None = None) -> np.ndarray:
+        """Values of the flat range [start, stop) (default: the whole table, returned in the
+        table's shape; a sub-range is returned flat). float32."""
+        return self._pull_dense_call(table, start, stop, timeout, clock)()
+
+    def pull_dense_async(self, table: str, start: int = 0, stop: int | None = None,
+                         timeout: float | None = None, clock: int | None = None) -> futures.Future:
+        return self._calls.submit(self._pull_dense_call(table, start, stop, timeout, clock))
+
+    def _pull_dense_call(self, table, start, stop, timeout, clock):
+        whole = start == 0 and stop is None
+        return self._pull_call([rq.dense_pull(0, self.table(table), start, stop, whole)], timeout, clock, True)
+
+    def pull_rows(self, table: str, ids, timeout: float | None = None, clock: int | None = None) -> np.ndarray:
+        """Rows of ``ids`` (int64, any order, repeats allowed): float32 ``[len(ids), dim]``.
+        Each distinct id travels once; never-pushed rows come back at their initial value."""
+        return self._pull_call([rq.rows_pull(0, self.table(table), ids)], timeout, clock, True)()
+
+    def pull_rows_async(self, table: str, ids, timeout: float | None = None,
+                        clock: int | None = None) -> futures.Future:
+        return self._calls.submit(self._pull_call([rq.rows_pull(0, self.table(table), ids)], timeout, clock, True))
+
+    def pull_many(self, requests: Sequence[tuple], timeout: float | None = None,
+                  clock: int | None = None) -> PullResult:
+        """Pull several tables in one round: ``requests`` are ``(table,)`` (whole dense table),
+        ``(table, start, stop)`` or ``(table, ids)``. Returns values in request order (dense
+        whole tables in their shape; sparse rows ``[len(ids), dim]``) with the call's
+        versions, clock, waited seconds and staleness."""
+        return self._pull_many_call(requests, timeout, clock)()
+
+    def pull_many_async(self, requests: Sequence[tuple], timeout: float | None = None,
+                        clock: int | None = None) -> futures.Future:
+        return self._calls.submit(self._pull_many_call(requests, timeout, clock))
+
+    def _pull_many_call(self, requests, timeout, clock):
+        return self._pull_call([rq.many_pull(i, self.table(r[0]), r) for i, r in enumerate(requests)],
+                               timeout, clock, False)
+
+    def _pull_call(self, parts: list, timeout, clock, values_only: bool):
+        """A function running the pull of ``parts`` ((piece, output, finish) per item)."""
+        pieces = [p for p, _, _ in parts]
+
+        def run():
+            res = self._data.pull(pieces, [out for _, out, _ in parts], timeout, clock)
+            res.values = [finish(v) for (_, _, finish), v in zip(parts, res.values)]
+            return res.values[0] if values_only else res
+        return run
+
+    # ================================================================== data: pushes
+    def push_dense(self, table: str, grad, start: int = 0, timeout: float | None = None,
+                   clock: int | None = None) -> PushResult:
+        """Push a gradient for the flat range starting at ``start`` (``grad`` of any shape)."""
+        return self._push_call([rq.dense_push(0, self.table(table), grad, start)], timeout, clock)()
+
+    def push_dense_async(self, table: str, grad, start: int = 0, timeout: float | None = None,
+                         clock: int | None = None) -> futures.Future:
+        return self._calls.submit(self._push_call([rq.dense_push(0, self.table(table), grad, start)],
+                                                  timeout, clock))
+
+    def push_rows(self, table: str, ids, grads, timeout: float | None = None,
+                  clock: int | None = None) -> PushResult:
+        """Push gradient rows for ``ids`` (repeated ids are summed before sending)."""
+        return self._push_call([rq.rows_push(0, self.table(table), ids, grads, allow_empty=True)],
+                               timeout, clock)()
+
+    def push_rows_async(self, table: str, ids, grads, timeout: float | None = None,
+                        clock: int | None = None) -> futures.Future:
+        return self._calls.submit(self._push_call(
+            [rq.rows_push(0, self.table(table), ids, grads, allow_empty=True)], timeout, clock))
+
+    def push_many(self, requests: Sequence[tuple], timeout: float | None = None,
+                  clock: int | None = None, report_step: bool = False) -> PushResult:
+        """Push several tables as one push (one sequence number): ``(table, grad)`` (dense,
+        whole table), ``(table, grad, start)`` or ``(table, ids, grads)`` (sparse).
+        ``report_step``: also report step ``clock`` to every server (SYNC / BOUNDED groups)."""
+        return self._push_many_call(requests, timeout, clock, report_step)()
+
+    def push_many_async(self, requests: Sequence[tuple], timeout: float | None = None,
+                        clock: int | None = None, report_step: bool = False) -> futures.Future:
+        return self._calls.submit(self._push_many_call(requests, timeout, clock, report_step))
+
+    def _push_many_call(self, requests, timeout, clock, report_step):
+        pieces = [rq.many_push(i, self.table(r[0]), r) for i, r in enumerate(requests)]
+        return self._push_call(pieces, timeout, clock, report_step)
+
+    def _push_call(self, pieces, timeout, clock, report_step: bool = False, kind: int = ps.GRADIENT):
+        return lambda: self._data.push(pieces, kind, timeout, clock, report_step)
+
+    def initialize_dense(self, table: str, values, timeout: float | None = None) -> PushResult:
+        """Write the initial values of an ASSIGNED table (the first writer wins; later calls
+        are acknowledged and ignored). ``values`` covers the whole table."""
+        piece = rq.initial_values(self.table(table), values)
+        return self._push_call([piece], timeout, None, kind=ps.INITIALIZE)()
+
+    def report_step(self, clock: int, timeout: float | None = None) -> None:
+        """Tell every server this worker finished step ``clock`` without sending data."""
+        self._data.push([], ps.GRADIENT, timeout, clock, True)
+
+    def server_clock(self, timeout: float | None = None) -> int:
+        """The group's step as the servers see it (the largest applied / slowest clock)."""
+        return self._data.server_clock(timeout)
+
+    def state_dict(self, tables: Iterable[str] | None = None, timeout: float | None = None) -> dict:
+        """The job's tables as plain arrays: dense tables in their shape; sparse tables as
+        ``{name}.ids`` (int64, sorted) and ``{name}.rows`` (``[n, dim]``): every stored row."""
+        names = list(tables) if tables is not None else [t.name for t in self.tables()]
+        return self._data.export(names, timeout)

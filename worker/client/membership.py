@@ -1,0 +1,210 @@
+"""A client's place in its job's worker group: join, leave, the heartbeat thread, and the
+numbers that make pushes exactly-once.
+
+* ``Session`` holds the membership (session, incarnation, rank) and the push sequence
+  numbers: every push of a member carries ``(session, incarnation, sequence)`` and
+  ``acked_below`` (every sequence below it finished: the servers may forget them), so a
+  retried push is applied once. Pure state, no I/O.
+* ``GroupMember`` makes the manager calls of a member: join / leave / heartbeat (a daemon
+  thread, about once a second, that keeps the lease, reports ``progress`` and rejoins when
+  the lease was lost), and its part of checkpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+from shardps.errors import FailedPrecondition, NotFound, ShardpsError
+from shardps.protos.v1 import common_pb2 as pb
+from shardps.protos.v1 import manager_pb2 as mg
+from shardps.worker.client.admin import Admin
+
+log = logging.getLogger("shardps.client")
+
+
+@dataclass(frozen=True)
+class Membership:
+    """This client's place in its job's worker group."""
+
+    rank: int
+    session: str
+    incarnation: int
+    world_size: int
+    restored: bool = False
+
+
+class Session:
+    """The membership and the exactly-once sequence numbers of one client. Thread-safe.
+
+    Sequence numbers start at 1 for each membership; 0 means "not a member: not
+    deduplicated". A push takes its number once (``begin_push``) and keeps it across
+    retries; ``end_push`` marks it finished, successful or not."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._membership: Membership | None = None
+        self._next_seq = 1
+        self._in_flight: set[int] = set()
+
+    @property
+    def membership(self) -> Membership | None:
+        return self._membership
+
+    def start(self, membership: Membership) -> None:
+        """A new membership (join or rejoin): sequence numbers start again at 1."""
+        with self._lock:
+            self._membership = membership
+            self._next_seq, self._in_flight = 1, set()
+
+    def update(self, membership: Membership | None) -> None:
+        """The same session with a new rank or world size (or None: left the group)."""
+        with self._lock:
+            self._membership = membership
+
+    def begin_push(self) -> int:
+        """The sequence number of a new push (0 when not a member)."""
+        with self._lock:
+            seq = self._next_seq if self._membership is not None else 0
+            if seq:
+                self._next_seq += 1
+                self._in_flight.add(seq)
+            return seq
+
+    def end_push(self, seq: int) -> None:
+        if seq:
+            with self._lock:
+                self._in_flight.discard(seq)
+
+    def header(self, job: str, epoch: int, sequence: int, clock: int, wire_dtype: int) -> pb.RequestHeader:
+        """The request header of one attempt of a data call."""
+        m = self._membership
+        with self._lock:
+            acked_below = min(self._in_flight) if self._in_flight else self._next_seq
+        return pb.RequestHeader(job=job, epoch=epoch, session=m.session if m else "",
+                                incarnation=m.incarnation if m else 0, sequence=sequence,
+                                acked_below=acked_below if m else 0, clock=clock,
+                                wire_dtype=wire_dtype)
+
+
+def after_heartbeat(m: Membership, resp: mg.WorkerHeartbeatResponse) -> Membership:
+    """The membership a heartbeat reply leaves (rank and world size may change)."""
+    if resp.world_size != m.world_size or resp.rank != m.rank:
+        return Membership(resp.rank, m.session, m.incarnation, resp.world_size, m.restored)
+    return m
+
+
+class GroupMember:
+    """The worker-group calls of one client. Blocking calls take ``timeout=`` and raise
+    ``ShardpsError``; thread-safe, except that ``join`` and ``leave`` should not race each
+    other. ``progress`` (step, samples_per_second, loss) is reported by each heartbeat;
+    ``checkpoint_request`` is the id of an on-demand checkpoint the last heartbeat announced
+    (empty when none)."""
+
+    def __init__(self, admin: Admin, session: Session):
+        self.admin = admin
+        self.job = admin.job
+        self.session = session
+        self.progress = {"step": 0, "samples_per_second": 0.0, "loss": 0.0}
+        self.checkpoint_request = ""
+        self._heartbeat: threading.Thread | None = None
+        self._heartbeat_every = 1.0
+        self._stop = threading.Event()       # stops the heartbeat loop
+
+    @property
+    def membership(self) -> Membership | None:
+        return self.session.membership
+
+    def join(self, name: str = "", rank_hint: int = -1, previous_session: str = "",
+             heartbeat: bool = True, timeout: float | None = None) -> Membership:
+        """Join the job's worker group (waits for the shard map that lists this member);
+        starts the heartbeat thread unless ``heartbeat`` is False or it runs already."""
+        a = self.admin
+        resp = a.call("JoinWorkerGroup", a.stub.JoinWorkerGroup, mg.JoinWorkerGroupRequest(
+            job=self.job, name=name, rank_hint=rank_hint, previous_session=previous_session), timeout)
+        m = Membership(resp.rank, resp.session, resp.incarnation, len(resp.group.members), resp.restored)
+        self.session.start(m)
+        a.refresh_map(min_epoch=resp.epoch)
+        if heartbeat and self._heartbeat is None:
+            self._heartbeat_every = resp.heartbeat_seconds or 1.0
+            self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="ps-heartbeat",
+                                               daemon=True)
+            self._heartbeat.start()
+        return m
+
+    def leave(self, timeout: float | None = None) -> None:
+        """Stop heartbeats and leave the group (SYNC/BOUNDED groups stop waiting for this
+        worker). A client that is not a member only stops its heartbeats."""
+        m = self.membership
+        self._stop.set()
+        if m is not None:
+            a = self.admin
+            a.call("LeaveWorkerGroup", a.stub.LeaveWorkerGroup,
+                   mg.LeaveWorkerGroupRequest(job=self.job, session=m.session), timeout, idempotent=True)
+            self.session.update(None)
+
+    def heartbeat(self, timeout: float | None = None) -> mg.WorkerHeartbeatResponse:
+        """One heartbeat now (the thread sends them by itself). FailedPrecondition when not a
+        member; NotFound when the manager no longer knows this session (lease expired)."""
+        m = self.membership
+        if m is None:
+            raise FailedPrecondition("not a member of a worker group: call join() first")
+        a = self.admin
+        resp = a.call("WorkerHeartbeat", a.stub.WorkerHeartbeat, mg.WorkerHeartbeatRequest(
+            job=self.job, session=m.session, incarnation=m.incarnation,
+            step=int(self.progress["step"]), samples_per_second=float(self.progress["samples_per_second"]),
+            loss=float(self.progress["loss"])), timeout or 5.0, idempotent=True)
+        self.checkpoint_request = resp.checkpoint_id
+        updated = after_heartbeat(m, resp)
+        if updated is not m:
+            self.session.update(updated)
+        if resp.epoch > a.shard_map.epoch:
+            a.refresh_map()
+        return resp
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self._heartbeat_every):
+            try:
+                self.heartbeat()
+            except NotFound as exc:
+                log.error("worker membership lost (%s): rejoining", exc.message)
+                try:
+                    m = self.membership
+                    self.join(previous_session=m.session if m else "", heartbeat=False)
+                except ShardpsError as exc2:
+                    log.error("rejoin failed: %s", exc2.message)
+            except ShardpsError as exc:
+                log.debug("heartbeat failed: %s", exc.message)
+
+    def checkpoint_barrier(self, step: int, worker_state: bytes, checkpoint_id: str = "",
+                           timeout: float | None = 300.0) -> str:
+        """This worker's part of a checkpoint: blocks until every live worker arrived and the
+        checkpoint is written; returns its path. ``checkpoint_id``: ``step-<S>`` (periodic,
+        the default) or the id from ``checkpoint_request`` (on demand)."""
+        m = self.membership
+        if m is None:
+            raise FailedPrecondition("checkpoint_barrier needs a group member: call join() first")
+        a = self.admin
+        resp = a.call("CheckpointBarrier", a.stub.CheckpointBarrier, mg.CheckpointBarrierRequest(
+            job=self.job, session=m.session, step=step, worker_state=worker_state,
+            checkpoint_id=checkpoint_id or f"step-{step}"), timeout)
+        if checkpoint_id and checkpoint_id == self.checkpoint_request:
+            self.checkpoint_request = ""
+        return resp.path
+
+    def worker_state(self, timeout: float | None = None) -> tuple[bytes, int]:
+        """This rank's local state from the checkpoint the job was restored from, and its step."""
+        m = self.membership
+        if m is None:
+            raise FailedPrecondition("worker_state needs a group member: call join() first")
+        a = self.admin
+        resp = a.call("GetWorkerState", a.stub.GetWorkerState,
+                      mg.GetWorkerStateRequest(job=self.job, rank=m.rank), timeout, idempotent=True)
+        return resp.worker_state, resp.step
+
+    def close(self) -> None:
+        """Stop the heartbeat thread (waits up to 5 s for it). Does not leave the group."""
+        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=5)
