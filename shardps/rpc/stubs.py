@@ -61,6 +61,9 @@ class ParameterServerStub:
         self.DropTables = ch.unary_unary(p + "DropTables",
                                          request_serializer=ps.DropTablesRequest.SerializeToString,
                                          response_deserializer=ps.DropTablesResponse.FromString)
+        self.OpenDataPlane = ch.unary_unary(
+            p + "OpenDataPlane", request_serializer=ps.OpenDataPlaneRequest.SerializeToString,
+            response_deserializer=ps.OpenDataPlaneResponse.FromString)
         self.GetNodeStatus = ch.unary_unary(p + "GetNodeStatus",
                                             request_serializer=ps.GetNodeStatusRequest.SerializeToString,
                                             response_deserializer=ps.NodeStatus.FromString)

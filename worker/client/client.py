@@ -51,6 +51,7 @@ from shardps.tables import (Consistency, Initializer, OptimizerConfig, TableConf
 from shardps.worker.client import requests as rq
 from shardps.worker.client.admin import Admin
 from shardps.worker.client.data import DataPath, PullResult, PushResult
+from shardps.worker.client.dataplane import DataPlaneTransport
 from shardps.worker.client.membership import GroupMember, Membership, Session
 from shardps.worker.client.transport import GrpcTransport, Transport
 
@@ -58,14 +59,15 @@ from shardps.worker.client.transport import GrpcTransport, Transport
 class PSClient:
     """Client of one job on a shardps cluster. See the module docstring for the contract.
 
-    ``transport``: how data calls reach a server (default: gRPC with the shared-memory fast
-    path, per ``shared_memory``); the client closes it."""
+    ``transport``: how data calls reach a server (default: each server's socket data plane,
+    per ``data_plane``, else gRPC with the shared-memory fast path, per ``shared_memory``);
+    the client closes it."""
 
     def __init__(self, manager: str, job: str, *, token: str = "", tls: channels.TlsConfig | None = None,
                  timeout: float = 30.0, wire_dtype: str | WireDType = "float32",
                  chunk_bytes: int = CHUNK_BYTES, threads: int = 16,
                  metrics: WorkerMetrics | None = None, shared_memory: bool = True,
-                 transport: Transport | None = None):
+                 data_plane: bool = True, transport: Transport | None = None):
         self.manager_address = manager
         self.job = job
         self.metrics = metrics or WorkerMetrics()
@@ -79,9 +81,13 @@ class PSClient:
         self._member = GroupMember(self._admin, self._session)
         self._calls = futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ps-call")
         self._rpcs = futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ps-rpc")
-        self._transport = transport or GrpcTransport(
-            job, StubPool(tls=tls, metadata=metadata), self.metrics, metadata=metadata,
-            chunk_bytes=chunk_bytes, shared_memory=shared_memory)
+        if transport is None:
+            transport = GrpcTransport(job, StubPool(tls=tls, metadata=metadata), self.metrics,
+                                      metadata=metadata, chunk_bytes=chunk_bytes,
+                                      shared_memory=shared_memory)
+            if data_plane:          # servers' socket data plane where they offer one
+                transport = DataPlaneTransport(job, transport, tls=tls, metadata=metadata)
+        self._transport = transport
         self._data = DataPath(job, self._transport, self._admin, self._session, executor=self._rpcs,
                               metrics=self.metrics, wire_dtype=WireDType.parse(wire_dtype),
                               chunk_bytes=chunk_bytes, default_timeout=timeout)

@@ -1,0 +1,124 @@
+"""``Transport`` over the socket data plane (``shardps.rpc.dataplane``), gRPC where a server has
+none.
+
+Each server is asked once for its data-plane address (``OpenDataPlane``, job-scoped, over
+gRPC); then Push, Pull and Exchange go through a ``DataPlanePool`` (the same token in the
+connection's HELLO, the same TLS certificates). A server that answers UNIMPLEMENTED or an
+empty address is served by the ``GrpcTransport`` given as ``fallback`` from then on; a
+data-plane call that fails with ``Unavailable`` forgets the address (a restarted server
+listens on another port) and the data path's retry asks again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import grpc
+
+from shardps.errors import Unavailable
+from shardps.protos.v1 import parameter_server_pb2 as ps
+from shardps.rpc.dataplane import DataPlanePool, client_ssl_context
+from shardps.worker.client.transport import GrpcTransport, Payload
+
+log = logging.getLogger("shardps.client")
+_NONE = ""                      # cached: this server has no data plane
+
+
+class DataPlaneTransport:
+    """``Transport`` (see ``transport.py``) over the data plane. Thread-safe."""
+
+    def __init__(self, job: str, fallback: GrpcTransport, *, tls=None, metadata=(),
+                 connections_per_address: int = 4):
+        self.job = job
+        self.fallback = fallback
+        self.metadata = tuple(metadata)
+        self.pool = DataPlanePool(client_ssl_context(tls) if tls is not None else None,
+                                  server_hostname=getattr(tls, "server_name", None) or None,
+                                  connections_per_address=connections_per_address,
+                                  metadata=self.metadata)
+        self._lock = threading.Lock()
+        self._addresses: dict[str, str] = {}        # gRPC address -> data-plane address
+
+    # --- Transport ---
+    def push(self, server, address, header, payload, timeout):
+        dp = self._address(address, timeout)
+        if not dp:
+            return self.fallback.push(server, address, header, payload, timeout)
+        raw = self._call(dp, address, "Push", header.SerializeToString(), list(payload), timeout,
+                         None, server)
+        return ps.PushAck.FromString(raw)
+
+    def pull(self, server, address, request, reply_bytes, timeout, consume):
+        dp = self._address(address, timeout)
+        if not dp:
+            return self.fallback.pull(server, address, request, reply_bytes, timeout, consume)
+        ids, request.data = request.data, b""        # the ids travel raw, beside the header
+
+        def use(head: bytes, view: memoryview):
+            return consume(ps.PullHeader.FromString(head), Payload([view]))
+        return self._call(dp, address, "Pull", request.SerializeToString(), [ids] if ids else [],
+                          timeout, use, server)
+
+    def exchange(self, server, address, push: ps.PushHeader, payload, pull: ps.PullRequest,
+                 timeout, consume):
+        """Push then pull in one round trip; ``consume(ack, pull header, payload)``. Returns
+        None (the caller then sends a Push and a Pull) where the server has no data plane."""
+        dp = self._address(address, timeout)
+        if not dp:
+            return None
+        ids, pull.data = pull.data, b""
+        head = ps.ExchangeHeader(push=push, pull=pull).SerializeToString()
+
+        def use(raw: bytes, view: memoryview):
+            reply = ps.ExchangeReply.FromString(raw)
+            return consume(reply.ack, reply.pull, Payload([view]))
+        buffers = list(payload) + ([ids] if ids else [])
+        return self._call(dp, address, "Exchange", head, buffers, timeout, use, server)
+
+    def close(self) -> None:
+        self.pool.close()
+        self.fallback.close()
+
+    # --- internals ---
+    def _call(self, dp: str, address: str, method: str, head: bytes, buffers: list, timeout,
+              consume, server: str):
+        started = time.perf_counter()
+        code = "OK"
+        try:
+            if consume is None:
+                raw, _ = self.pool.call(dp, method, head, buffers, timeout=timeout)
+                return raw
+            return self.pool.call(dp, method, head, buffers, timeout=timeout, consume=consume)
+        except Unavailable:
+            code = "UNAVAILABLE"
+            with self._lock:
+                self._addresses.pop(address, None)      # ask again: it may have restarted
+            raise
+        except Exception as exc:
+            code = getattr(exc, "code", "UNKNOWN")
+            raise
+        finally:
+            self.fallback.observe(method, "dataplane", code, started)
+
+    def _address(self, address: str, timeout: float) -> str:
+        """The data-plane address of the server at gRPC ``address`` ("" where it has none)."""
+        with self._lock:
+            known = self._addresses.get(address)
+        if known is not None:
+            return known
+        try:
+            resp = self.fallback.pool.get(address).OpenDataPlane(
+                ps.OpenDataPlaneRequest(job=self.job), timeout=min(timeout, 5.0),
+                metadata=self.metadata)
+            found = resp.address
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.UNIMPLEMENTED:
+                return _NONE                # not now (starting, unreachable): gRPC this time
+            found = _NONE
+        with self._lock:
+            self._addresses[address] = found
+        if not found:
+            log.info("server at %s has no data plane: gRPC it is", address)
+        return found
