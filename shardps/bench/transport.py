@@ -15,15 +15,18 @@ channel and server options of ``shardps.rpc.channels``, as shardps uses gRPC tod
 CPU seconds (``time.process_time``, every thread) of client plus server per call
 (``..._client_cpu_us`` / ``..._server_cpu_us`` apart). Each figure is the median of
 ``transport_rounds`` rounds; a round runs every system in turn (the order rotates), so the
-systems see the same machine load. ``transport_ps_small_*`` (a 1-row pull through ``PSClient``)
-is a hook, ``_ps_small_call``, to fill once PSClient uses the data plane.
+systems see the same machine load. ``transport_ps_small_*``: a 1-row pull through ``PSClient`` against
+a one-server cluster (``transport_ps_grpc_small_*``: the same over gRPC).
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import time
+
+import numpy as np
 
 from shardps.bench.common import BenchError, Children, gbps, median
 from shardps.bench.config import MIB, BenchConfig
@@ -281,10 +284,51 @@ def _table(out: dict[str, float], cfg: BenchConfig) -> list[str]:
     return lines
 
 
+def _proc_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (``/proc/PID/stat``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _ps_small_call(cfg: BenchConfig, progress) -> dict[str, float]:
-    """HOOK (lead, when PSClient moves Push/Pull onto the data plane): time a 1-row
-    ``PSClient.pull_rows`` against a one-server cluster (client and server in separate
-    processes, as above) and return ``transport_ps_small_rtt_us`` and
-    ``transport_ps_small_cpu_us`` (client + server CPU per call). Until then nothing is
-    measured and no key is written."""
-    return {}
+    """A 1-row ``PSClient.pull_rows`` against a one-server ``LocalCluster`` (manager and
+    server in their own processes, the client here), over the data plane and, for
+    comparison, over gRPC (``data_plane=False``): p50 round trip and client + server CPU
+    per call, medians of ``transport_rounds`` interleaved rounds."""
+    from shardps.local import LocalCluster
+    from shardps.tables import sgd
+    from shardps.worker.client import PSClient
+
+    n = cfg.transport_small_calls
+    samples: dict[str, list[float]] = {}
+    with LocalCluster(servers=1) as cluster:
+        server_pid = next(iter(cluster.servers.values())).popen.pid
+        clients = {"ps": PSClient(cluster.manager_address, "transport-bench"),
+                   "ps_grpc": PSClient(cluster.manager_address, "transport-bench", data_plane=False)}
+        try:
+            clients["ps"].create_job()
+            clients["ps"].create_sparse("e", 16, optimizer=sgd(0.1))
+            one = np.array([7], dtype=np.int64)
+            for c in clients.values():                  # connections, map, data plane
+                for _ in range(20):
+                    c.pull_rows("e", one)
+            for r in range(cfg.transport_rounds):
+                for name in (("ps", "ps_grpc") if r % 2 == 0 else ("ps_grpc", "ps")):
+                    c, times = clients[name], []
+                    cpu0, server0 = time.process_time(), _proc_cpu_seconds(server_pid)
+                    for _ in range(n):
+                        t0 = time.perf_counter()
+                        c.pull_rows("e", one)
+                        times.append(time.perf_counter() - t0)
+                    cpu = (time.process_time() - cpu0 + _proc_cpu_seconds(server_pid) - server0) / n
+                    samples.setdefault(f"transport_{name}_small_rtt_us", []).append(median(times) * 1e6)
+                    samples.setdefault(f"transport_{name}_small_cpu_us", []).append(cpu * 1e6)
+        finally:
+            for c in clients.values():
+                c.close()
+    out = {k: median(v) for k, v in samples.items()}
+    progress(f"PSClient 1-row pull: data plane {out['transport_ps_small_rtt_us']:.0f} us p50, "
+             f"{out['transport_ps_small_cpu_us']:.0f} us CPU; gRPC {out['transport_ps_grpc_small_rtt_us']:.0f} "
+             f"us p50, {out['transport_ps_grpc_small_cpu_us']:.0f} us CPU")
+    return out
