@@ -209,7 +209,7 @@ class PSModel:
         names = list(self.dense)
         if self._prefetch is not None:
             future, wanted = self._prefetch
-            res, self._prefetch = future.result(), None
+            res, self._prefetch = future.result()[1], None       # (push, pull) of an exchange
             for (emb, ids), rows in zip(wanted, res.values[len(names):]):
                 emb._provide(ids, rows)
         else:
@@ -227,11 +227,12 @@ class PSModel:
         """Send the gradients of this step (dense parameters, and the rows each PSEmbedding
         used) as one push, step the local optimizer, zero the gradients, advance the clock.
 
-        With ``overlap``, the push is sent in the background (at most one in flight: the next
-        ``push`` waits for it and raises its error) and the next step's dense values are
-        prefetched at once, so communication overlaps the next step's compute; a pull may
-        then miss this worker's own last push (staleness 1, as in any asynchronous scheme;
-        SYNC and SSP pulls still wait as their model requires). Returns the acknowledgement
+        With ``overlap``, the push goes out in the background together with the next step's
+        pull (dense values and the embedding rows requested with ``request_prefetch``): one
+        round trip per server, the server applying the push before it reads. At most one is
+        in flight (the next ``push`` waits for it and raises its error), so communication
+        overlaps the next step's compute; other workers' pushes may still be in flight
+        (SYNC and SSP pulls wait as their model requires). Returns the acknowledgement
         without overlap, None with it."""
         started = time.perf_counter()
         requests: list[tuple] = []
@@ -246,17 +247,21 @@ class PSModel:
                 requests.append((emb.table, ids, grads))
         self.flush()
         prefetch = None
+        future = None
         if self.overlap:
-            # the next step's dense values and requested embedding rows, in one round, sent
-            # before this push so the servers read them without waiting behind its updates
+            # this push and the next step's dense values and requested embedding rows in one
+            # round trip per server (each server applies the push, then serves the pull)
             wanted = [(emb, emb._wanted) for emb in self.embeddings.values() if emb._wanted is not None]
             for emb, _ in wanted:
                 emb._wanted = None
             requests_next = [(n,) for n in self.dense] + [(emb.table, ids) for emb, ids in wanted]
             if requests_next:
                 self._set_clock(self.step + 1)
-                prefetch = (self.client.pull_many_async(requests_next, clock=self.step + 1), wanted)
-        future = self.client.push_many_async(requests, clock=self.step, report_step=self.report_steps)
+                future = self.client.exchange_async(requests, requests_next, clock=self.step,
+                                                    report_step=self.report_steps)
+                prefetch = (future, wanted)
+        if future is None:
+            future = self.client.push_many_async(requests, clock=self.step, report_step=self.report_steps)
         if self.local_optimizer is not None:
             self.local_optimizer.step()
             self.local_optimizer.zero_grad(set_to_none=True)

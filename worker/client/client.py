@@ -52,6 +52,7 @@ from shardps.worker.client import requests as rq
 from shardps.worker.client.admin import Admin
 from shardps.worker.client.data import DataPath, PullResult, PushResult
 from shardps.worker.client.dataplane import DataPlaneTransport
+from shardps.worker.client.export import export
 from shardps.worker.client.membership import GroupMember, Membership, Session
 from shardps.worker.client.transport import GrpcTransport, Transport
 
@@ -119,14 +120,6 @@ class PSClient:
         self._admin.default_timeout = self._data.default_timeout = seconds
 
     @property
-    def wire_dtype(self) -> WireDType:
-        return self._data.wire_dtype
-
-    @property
-    def chunk_bytes(self) -> int:
-        return self._data.chunk_bytes
-
-    @property
     def membership(self) -> Membership | None:
         """This client's place in the worker group (None before ``join`` / after ``leave``)."""
         return self._session.membership
@@ -147,11 +140,6 @@ class PSClient:
         """The clock of the data call that completed last (any thread). Read-only: pass
         ``clock=`` to each call."""
         return self._data.last_clock
-
-    @property
-    def last_wait(self) -> float:
-        """``PullResult.waited_seconds`` of the pull that completed last (any thread)."""
-        return self._data.last_pull.waited_seconds
 
     @property
     def last_staleness(self) -> int:
@@ -293,6 +281,21 @@ class PSClient:
             return res.values[0] if values_only else res
         return run
 
+    def exchange_async(self, push_requests: Sequence[tuple], pull_requests: Sequence[tuple], clock: int,
+                       timeout: float | None = None, report_step: bool = False) -> futures.Future:
+        """``push_many(push_requests, clock=clock, report_step=...)`` then ``pull_many(
+        pull_requests, clock=clock + 1)`` in one round trip per server (each server applies
+        the push, then serves the pull). The future's result: ``(PushResult, PullResult)``."""
+        pushes = [rq.many_push(i, self.table(r[0]), r) for i, r in enumerate(push_requests)]
+        pulls = [rq.many_pull(i, self.table(r[0]), r) for i, r in enumerate(pull_requests)]
+
+        def run():
+            pushed, pulled = self._data.exchange(pushes, [p for p, _, _ in pulls], [o for _, o, _ in pulls],
+                                                 timeout, clock, report_step)
+            pulled.values = [finish(v) for (_, _, finish), v in zip(pulls, pulled.values)]
+            return pushed, pulled
+        return self._calls.submit(run)
+
     # ================================================================== data: pushes
     def push_dense(self, table: str, grad, start: int = 0, timeout: float | None = None,
                    clock: int | None = None) -> PushResult:
@@ -351,4 +354,4 @@ class PSClient:
         """The job's tables as plain arrays: dense tables in their shape; sparse tables as
         ``{name}.ids`` (int64, sorted) and ``{name}.rows`` (``[n, dim]``): every stored row."""
         names = list(tables) if tables is not None else [t.name for t in self.tables()]
-        return self._data.export(names, timeout)
+        return export(self._data, names, timeout)

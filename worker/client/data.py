@@ -18,38 +18,26 @@ The transport is the plug-in point: ``DataPath(transport=...)`` takes any ``Tran
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
 
 import numpy as np
 
 from shardps import dtypes
 from shardps.dtypes import WireDType
-from shardps.errors import DeadlineExceeded, ShardpsError, StaleEpoch, Unavailable
+from shardps.errors import DeadlineExceeded, Unavailable
 from shardps.metrics import WorkerMetrics
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc.codec import CHUNK_BYTES, byte_view
 from shardps.shardmap import ShardMapView, TableView
 from shardps.tables import TableKind
+from shardps.worker.client.fanout import (RETRYABLE, Fanout, MapSource, Send, capture,
+                                          attempt_timeout)
 from shardps.worker.client.membership import Session
 from shardps.worker.client.transport import Payload, Transport
 from shardps.worker.routing import Piece, live_servers, route
-
-RETRYABLE = (StaleEpoch, Unavailable)
-# A single attempt of a data call may take this long plus size / ATTEMPT_BANDWIDTH before it
-# is abandoned and retried (a peer cut off by a partition never answers; the call's overall
-# deadline bounds the retries).
-ATTEMPT_SECONDS = 5.0
-ATTEMPT_BANDWIDTH = 20e6
-
-
-def attempt_timeout(deadline: float, nbytes: int) -> float:
-    return max(0.001, min(deadline - time.monotonic(), ATTEMPT_SECONDS + nbytes / ATTEMPT_BANDWIDTH))
-
 
 @dataclass
 class PushResult:
@@ -70,130 +58,6 @@ class PullResult:
     clock: int = 0                     # the clock the pull carried (this worker's completed steps)
     waited_seconds: float = 0.0        # longest a server held the pull for stragglers (SYNC/SSP)
     staleness: int = 0                 # clock - a server's min_clock, worst server (SYNC/SSP)
-
-
-class MapSource(Protocol):
-    """Where the data path gets its shard map (``admin.Admin``)."""
-
-    def view(self) -> ShardMapView: ...
-
-    def refresh_map(self, min_epoch: int = 0, timeout: float | None = None) -> ShardMapView: ...
-
-    def table(self, name: str) -> TableView: ...
-
-
-Send = Callable[[str, str, list, ShardMapView], None]     # (server, address, pieces, view)
-
-
-def _capture(fn, arg):
-    try:
-        return True, fn(arg)
-    except ShardpsError as exc:
-        return False, exc
-    except Exception as exc:          # a bug: surface it with its type
-        return False, exc
-
-
-class Fanout:
-    """Routing, parallel sends and re-routing of one call's pieces. Thread-safe (no state
-    of its own between calls); ``run`` blocks until every piece succeeded."""
-
-    def __init__(self, job: str, maps: MapSource, executor: futures.Executor, metrics: WorkerMetrics):
-        self.job = job
-        self.maps = maps
-        self.executor = executor
-        self.metrics = metrics
-
-    def run(self, pieces: list[Piece], deadline: float, send: Send, extra_servers=()) -> None:
-        """Route pieces, call ``send(server, address, pieces, view)`` per server in parallel,
-        and re-route what a server refused until it succeeds or the deadline passes.
-        ``extra_servers`` get a call with no pieces (step reports). Raises the first error
-        that is not retryable (or any error of an export pull: ``all_stored`` pieces), and
-        DeadlineExceeded when the deadline passed with pieces still refused."""
-        view = self.maps.view()
-        pending = route(view, self.job, pieces)
-        for s in extra_servers:
-            pending.setdefault(s, [])
-        delay = 0.02
-        attempt = 0
-        while True:
-            items = list(pending.items())
-            outcomes = self._send_all(items, view, send)
-            errors, retry, retry_servers = self._triage(items, outcomes, deadline, attempt)
-            if not errors:
-                return
-            attempt += 1
-            for e in errors.values():
-                self.metrics.retries.labels(type(e).__name__).inc()
-            time.sleep(min(delay, max(0.0, deadline - time.monotonic())) * (0.5 + random.random()))
-            delay = min(delay * 2, 0.5)
-            view, pending, waited = self._reroute(view, retry, deadline)
-            if waited:
-                retry_servers = []
-            alive = set(live_servers(view))
-            for s in retry_servers:
-                if s in alive:
-                    pending.setdefault(s, [])
-
-    def _send_all(self, items, view: ShardMapView, send: Send) -> list:
-        def one(item):
-            server, ps_ = item
-            return send(server, view.address(server), ps_, view)
-
-        if len(items) == 1:
-            return [_capture(one, items[0])]
-        return [f.result() for f in [self.executor.submit(_capture, one, it) for it in items]]
-
-    @staticmethod
-    def _triage(items, outcomes, deadline: float, attempt: int):
-        """(errors by server, pieces to re-send, servers to re-send an empty call to); raises
-        what cannot be retried."""
-        errors: dict[str, ShardpsError] = {}
-        retry: list[Piece] = []
-        retry_servers: list[str] = []
-        for (server, ps_), (ok, value) in zip(items, outcomes):
-            if ok:
-                continue
-            transient = isinstance(value, RETRYABLE + (DeadlineExceeded,))
-            if transient and not any(p.all_stored for p in ps_) and time.monotonic() < deadline:
-                errors[server] = value
-                retry.extend(ps_)
-                if not ps_:
-                    retry_servers.append(server)
-                continue
-            if transient and time.monotonic() >= deadline:
-                raise DeadlineExceeded(f"gave up at the deadline after {attempt + 1} attempts: "
-                                       f"{value.message}") from value
-            raise value
-        return errors, retry, retry_servers
-
-    def _reroute(self, view: ShardMapView, retry: list[Piece], deadline: float):
-        """(the map to retry with, its routing of ``retry``, whether it had to wait for a
-        block without a live replica)."""
-        # wait (briefly) for a newer map: after a failover it arrives as soon as the
-        # manager publishes it; otherwise retry with the map we have
-        try:
-            view = self.maps.refresh_map(min_epoch=view.epoch + 1,
-                                         timeout=max(0.05, min(1.0, deadline - time.monotonic())))
-        except (DeadlineExceeded, Unavailable):
-            view = self.maps.view()
-        try:
-            return view, route(view, self.job, retry), False
-        except Unavailable:
-            # a block has no live replica in this map yet: wait for the manager
-            if time.monotonic() >= deadline:
-                raise
-            pending: dict = {}
-            while not pending and time.monotonic() < deadline:
-                time.sleep(0.2)
-                try:
-                    view = self.maps.refresh_map(timeout=max(0.05, min(1.0, deadline - time.monotonic())))
-                    pending = route(view, self.job, retry)
-                except (DeadlineExceeded, Unavailable):
-                    continue
-            if not pending:
-                raise
-            return view, pending, True
 
 
 class DataPath:
@@ -247,36 +111,49 @@ class DataPath:
         completed steps (SYNC / BOUNDED pulls wait as the consistency model requires)."""
         deadline = self.deadline(timeout)
         result = PullResult(outputs, {}, clock=0 if clock is None else int(clock))
-        lock = threading.Lock()
         stored: dict[int, list] = {}
+        self.fanout.run(pieces, deadline, self._pull_sender(result, stored, deadline))
+        return self._finish_pull(result, stored)
+
+    def _pull_request(self, ps_: list[Piece], view: ShardMapView, clock: int):
+        """(request, its header, expected reply bytes or None) for ``ps_`` to one server."""
+        header = self._header(view, 0, clock)
+        request = ps.PullRequest(header=header, chunk_bytes=self.chunk_bytes)
+        ids = []
+        for p in ps_:
+            seg = request.segments.add(table=p.table)
+            if p.all_stored:
+                seg.rows.all_stored = True
+            elif p.dense:
+                seg.range.start, seg.range.stop = p.start, p.stop
+            else:
+                seg.rows.count = p.rows
+                ids.append(p.ids.astype("<i8", copy=False))
+        if ids:
+            request.data = b"".join(byte_view(a) for a in ids)
+        item = self.wire_dtype.itemsize
+        expected = None if any(p.all_stored for p in ps_) else sum(
+            (p.stop - p.start) * item if p.dense else p.rows * view.table(self.job, p.table).spec.dim * item
+            for p in ps_)
+        return request, header, expected
+
+    def _pull_sender(self, result: PullResult, stored: dict, deadline: float) -> Send:
+        lock = threading.Lock()
 
         def send(server: str, address: str, ps_: list[Piece], view: ShardMapView) -> None:
-            header = self._header(view, 0, result.clock)
-            request = ps.PullRequest(header=header, chunk_bytes=self.chunk_bytes)
-            ids = []
-            for p in ps_:
-                seg = request.segments.add(table=p.table)
-                if p.all_stored:
-                    seg.rows.all_stored = True
-                elif p.dense:
-                    seg.range.start, seg.range.stop = p.start, p.stop
-                else:
-                    seg.rows.count = p.rows
-                    ids.append(p.ids.astype("<i8", copy=False))
-            if ids:
-                request.data = b"".join(byte_view(a) for a in ids)
-            item = self.wire_dtype.itemsize
-            expected = None if any(p.all_stored for p in ps_) else sum(
-                (p.stop - p.start) * item if p.dense else p.rows * view.table(self.job, p.table).spec.dim * item
-                for p in ps_)
+            request, header, expected = self._pull_request(ps_, view, result.clock)
 
             def consume(head: ps.PullHeader, payload: Payload) -> None:
                 self._place(server, ps_, head, payload, header, result, stored, lock)
 
             self.transport.pull(server, address, request, expected,
                                 attempt_timeout(deadline, expected or 0), consume)
+        send.place = lambda server, ps_, head, payload, header: self._place(  # type: ignore[attr-defined]
+            server, ps_, head, payload, header, result, stored, lock)
+        return send
 
-        self.fanout.run(pieces, deadline, send)
+    def _finish_pull(self, result: PullResult, stored: dict) -> PullResult:
+        outputs = result.values
         for item, got in stored.items():
             ids = np.concatenate([g[0] for g in got]) if got else np.empty(0, np.int64)
             rows = np.concatenate([g[1] for g in got]) if got else np.empty(0, np.float32)
@@ -322,39 +199,6 @@ class DataPath:
                 self._versions[(v.table, v.block)] = v.version
             result.min_clock = max(result.min_clock, int(head.min_clock))
 
-    def export(self, tables: list[str], timeout: float | None) -> dict[str, np.ndarray]:
-        """``tables`` as plain arrays: a dense table in its shape under its name; a sparse
-        one as ``{name}.ids`` and ``{name}.rows`` (see ``pull_stored``)."""
-        out = {}
-        for name in tables:
-            t = self.maps.table(name)
-            if t.spec.kind is TableKind.DENSE:
-                values = np.empty(t.spec.numel, np.float32)
-                self.pull([Piece(0, name, True, 0, t.spec.numel)], [values], timeout)
-                out[name] = values.reshape(t.spec.shape)
-            else:
-                out[f"{name}.ids"], out[f"{name}.rows"] = self.pull_stored(name, timeout)
-        return out
-
-    def pull_stored(self, table: str, timeout: float | None) -> tuple[np.ndarray, np.ndarray]:
-        """Every stored row of a sparse table as (ids ascending, rows ``[n, dim]``); the
-        whole export restarts if the map changes under it."""
-        t = self.maps.table(table)
-        deadline = self.deadline(timeout)
-        while True:
-            try:
-                res = self.pull([Piece(0, table, False, all_stored=True)], [None],
-                                max(0.001, deadline - time.monotonic()))
-                break
-            except RETRYABLE:
-                if time.monotonic() >= deadline:
-                    raise
-                time.sleep(0.1)
-                self.maps.refresh_map()
-        ids, rows = res.values[0]
-        order = np.argsort(ids)
-        return ids[order], rows.reshape(-1, t.spec.dim)[order]
-
     def server_clock(self, timeout: float | None = None) -> int:
         """The group's step as the servers see it: the largest ``min_clock`` of an empty pull
         to every live server (sent once each, not retried)."""
@@ -375,43 +219,119 @@ class DataPath:
         send an empty push to every live server, reporting step ``clock``."""
         deadline = self.deadline(timeout)
         result = PushResult(clock=0 if clock is None else int(clock))
-        lock = threading.Lock()
         seq = self.session.begin_push()
-
-        def send(server: str, address: str, ps_: list[Piece], view: ShardMapView) -> None:
-            header = ps.PushHeader(header=self._header(view, seq, result.clock), kind=kind)
-            arrays = []
-            rows = sparse_bytes = 0
-            for p in ps_:
-                seg = header.segments.add(table=p.table)
-                self._add_base_versions(seg, p, view)
-                if p.dense:
-                    seg.range.start, seg.range.stop = p.start, p.stop
-                    arrays.append(dtypes.encode(p.values, self.wire_dtype))
-                else:
-                    seg.rows.count = p.rows
-                    rows += p.rows
-                    arrays.append(np.ascontiguousarray(p.ids, dtype="<i8"))
-                    arrays.append(dtypes.encode(p.values, self.wire_dtype))
-                    sparse_bytes += arrays[-1].nbytes + arrays[-2].nbytes
-            nbytes = header.payload_bytes = sum(a.nbytes for a in arrays)
-            ack = self.transport.push(server, address, header, arrays, attempt_timeout(deadline, nbytes))
-            self.metrics.bytes.labels("pushed").inc(nbytes)
-            self.metrics.rows.labels("pushed").inc(rows)
-            self.metrics.sparse_bytes.labels("pushed").inc(sparse_bytes)
-            with lock:
-                for v in ack.versions:
-                    result.versions[(v.table, v.block)] = v.version
-                result.duplicate_blocks += ack.duplicate_blocks
-
         try:
             extra = live_servers(self.maps.view()) if report_step else ()
-            self.fanout.run(pieces, deadline, send, extra_servers=extra)
+            self.fanout.run(pieces, deadline, self._push_sender(seq, kind, result, deadline),
+                            extra_servers=extra)
         finally:
             self.session.end_push(seq)
         with self._last_lock:
             self._last_clock = result.clock
         return result
+
+    def _push_request(self, ps_: list[Piece], view: ShardMapView, seq: int, kind: int, clock: int):
+        """(header with payload_bytes, payload arrays) of ``ps_`` to one server."""
+        header = ps.PushHeader(header=self._header(view, seq, clock), kind=kind)
+        arrays = []
+        rows = sparse_bytes = 0
+        for p in ps_:
+            seg = header.segments.add(table=p.table)
+            self._add_base_versions(seg, p, view)
+            if p.dense:
+                seg.range.start, seg.range.stop = p.start, p.stop
+                arrays.append(dtypes.encode(p.values, self.wire_dtype))
+            else:
+                seg.rows.count = p.rows
+                rows += p.rows
+                arrays.append(np.ascontiguousarray(p.ids, dtype="<i8"))
+                arrays.append(dtypes.encode(p.values, self.wire_dtype))
+                sparse_bytes += arrays[-1].nbytes + arrays[-2].nbytes
+        header.payload_bytes = sum(a.nbytes for a in arrays)
+        self.metrics.bytes.labels("pushed").inc(header.payload_bytes)
+        self.metrics.rows.labels("pushed").inc(rows)
+        self.metrics.sparse_bytes.labels("pushed").inc(sparse_bytes)
+        return header, arrays
+
+    def _push_sender(self, seq: int, kind: int, result: PushResult, deadline: float) -> Send:
+        lock = threading.Lock()
+
+        def acknowledged(ack: ps.PushAck) -> None:
+            with lock:
+                for v in ack.versions:
+                    result.versions[(v.table, v.block)] = v.version
+                result.duplicate_blocks += ack.duplicate_blocks
+
+        def send(server: str, address: str, ps_: list[Piece], view: ShardMapView) -> None:
+            header, arrays = self._push_request(ps_, view, seq, kind, result.clock)
+            acknowledged(self.transport.push(server, address, header, arrays,
+                                             attempt_timeout(deadline, header.payload_bytes)))
+        send.acknowledged = acknowledged        # type: ignore[attr-defined]
+        return send
+
+    # ================================================================== push + pull
+    def exchange(self, push_pieces: list[Piece], pull_pieces: list[Piece], outputs: list,
+                 timeout: float | None, clock: int, report_step: bool = False
+                 ) -> tuple[PushResult, PullResult]:
+        """Push this step's gradients (``clock``) and pull the next step's values (``clock +
+        1``) with one round trip per server where the transport offers ``exchange``: each
+        server applies the push, then serves the pull. A server whose exchange fails gets
+        its pieces again as a push (the same sequence number: applied once) followed by a
+        pull, re-routed until the deadline, as ``push`` and ``pull`` do."""
+        deadline = self.deadline(timeout)
+        presult = PushResult(clock=int(clock))
+        lresult = PullResult(outputs, {}, clock=int(clock) + 1)
+        stored: dict[int, list] = {}
+        seq = self.session.begin_push()
+        try:
+            push_send = self._push_sender(seq, ps.GRADIENT, presult, deadline)
+            pull_send = self._pull_sender(lresult, stored, deadline)
+            view = self.maps.view()
+            pushes, pulls = route(view, self.job, push_pieces), route(view, self.job, pull_pieces)
+            for s in (live_servers(view) if report_step else ()):
+                pushes.setdefault(s, [])
+            exchange = getattr(self.transport, "exchange", None)
+
+            def one(server: str) -> None:
+                pp, lp = pushes.get(server), pulls.get(server)
+                address = view.address(server)
+                if pp is not None and lp and exchange is not None:
+                    header, arrays = self._push_request(pp, view, seq, ps.GRADIENT, presult.clock)
+                    request, pheader, expected = self._pull_request(lp, view, lresult.clock)
+
+                    def consume(ack, head, payload):
+                        push_send.acknowledged(ack)
+                        pull_send.place(server, lp, head, payload, pheader)
+                        return True
+                    if exchange(server, address, header, arrays, request,
+                                attempt_timeout(deadline, header.payload_bytes + (expected or 0)),
+                                consume):
+                        return
+                if pp is not None:
+                    push_send(server, address, pp, view)
+                if lp:
+                    pull_send(server, address, lp, view)
+
+            servers = sorted(set(pushes) | set(pulls))
+            outcomes = [capture(one, s) for s in servers] if len(servers) == 1 else [
+                f.result() for f in [self.fanout.executor.submit(capture, one, s) for s in servers]]
+            retry_push, retry_pull, retry_servers = [], [], []
+            for server, (ok, err) in zip(servers, outcomes):
+                if ok:
+                    continue
+                if not isinstance(err, RETRYABLE + (DeadlineExceeded,)):
+                    raise err
+                retry_push.extend(pushes.get(server) or [])
+                retry_pull.extend(pulls.get(server) or [])
+                if server in pushes and not pushes[server]:
+                    retry_servers.append(server)
+            if retry_push or retry_servers:
+                self.fanout.run(retry_push, deadline, push_send, extra_servers=retry_servers)
+            if retry_pull:
+                self.fanout.run(retry_pull, deadline, pull_send)
+        finally:
+            self.session.end_push(seq)
+        return presult, self._finish_pull(lresult, stored)
 
     def _add_base_versions(self, seg, p: Piece, view: ShardMapView) -> None:
         """The versions at which this worker last pulled the blocks it now pushes: the servers
