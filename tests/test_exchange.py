@@ -1,0 +1,71 @@
+"""One round trip per server per step: Exchange (push, then pull) on the data plane, and the
+same results through gRPC where a server has no data plane (real servers on loopback)."""
+
+import numpy as np
+import pytest
+
+from shardps.tables import sgd
+
+SERVICE = "shardps.v1.ParameterServer"
+
+
+def _calls(client, method: str) -> float:
+    """Data calls the client completed with ``method`` (any transport, any status)."""
+    total = 0.0
+    for metric in client.metrics.registry.collect():
+        if metric.name != "grpc_client_handled":
+            continue
+        for s in metric.samples:
+            if s.name.endswith("_total") and s.labels.get("grpc_method") == method:
+                total += s.value
+    return total
+
+
+def _job(client):
+    client.create_job()
+    client.join(heartbeat=False)
+    client.create_dense("w", (400,), optimizer=sgd(1.0), block_size=100)
+    client.create_sparse("e", 4, optimizer=sgd(1.0), num_blocks=8)
+    return np.arange(0, 300, 3)
+
+
+@pytest.mark.parametrize("data_plane", [True, False], ids=["data-plane", "grpc-only-servers"])
+def test_an_exchange_pushes_then_pulls_one_call_per_server(make_cluster, client_factory, data_plane):
+    cluster = make_cluster(2, server_settings={} if data_plane else {"data_plane_port": -1})
+    c = client_factory(cluster.address)
+    ids = _job(c)
+    before = {m: _calls(c, m) for m in ("Exchange", "Push", "Pull")}
+    pushed, pulled = c.exchange_async([("w", np.ones(400)), ("e", ids, np.ones((ids.shape[0], 4)))],
+                                      [("w",), ("e", ids)], clock=0).result()
+    np.testing.assert_array_equal(pulled.values[0], -np.ones(400))       # the push, then the pull
+    np.testing.assert_array_equal(pulled.values[1], -np.ones((ids.shape[0], 4)))
+    assert pushed.versions and pulled.clock == 1 and pushed.clock == 0
+    servers = len(cluster.servers)
+    got = {m: _calls(c, m) - before[m] for m in before}
+    if data_plane:
+        assert got == {"Exchange": servers, "Push": 0, "Pull": 0}, got
+    else:
+        assert got == {"Exchange": 0, "Push": servers, "Pull": servers}, got
+
+
+def test_sync_steps_through_exchanges_equal_one_large_batch(make_cluster, client_factory):
+    """Two joined SYNC workers, three steps each through exchange: every step is the mean
+    of both workers' gradients, as one large batch would make it."""
+    cluster = make_cluster(2)
+    a = client_factory(cluster.address, job="bsp")
+    a.create_job("sync")
+    a.create_dense("w", (200,), optimizer=sgd(0.5), block_size=50)
+    b = client_factory(cluster.address, job="bsp")
+    a.join(heartbeat=False)
+    b.join(heartbeat=False)
+    a.refresh_map()
+    b.refresh_map()
+    expected = np.zeros(200, np.float32)
+    for step in range(3):
+        ga, gb = np.full(200, step + 1.0), np.full(200, 2.0 * (step + 1))
+        fa = a.exchange_async([("w", ga)], [("w",)], clock=step, report_step=True)
+        fb = b.exchange_async([("w", gb)], [("w",)], clock=step, report_step=True)
+        (_, ra), (_, rb) = fa.result(timeout=30), fb.result(timeout=30)
+        expected -= np.float32(0.5) * ((ga + gb) / 2).astype(np.float32)
+        np.testing.assert_allclose(ra.values[0], expected, rtol=1e-6)
+        np.testing.assert_allclose(rb.values[0], expected, rtol=1e-6)
