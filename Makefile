@@ -7,7 +7,7 @@ SHARDPS  := $(VENV)/bin/shardps
 STAMP    := $(VENV)/.shardps-installed
 PYTEST_ARGS ?=
 
-.PHONY: run test setup protos bench bench-quick soak chaos wheelhouse images secrets clean help
+.PHONY: run test test-fast setup protos bench bench-quick soak chaos wheelhouse images secrets clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -25,7 +25,12 @@ run: $(STAMP)  ## a local cluster (2 servers, 2 workers) trains digits-cnn; prin
 test: $(STAMP)  ## every test: units, RPC, multi-process, chaos, Prometheus, Docker
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-protos: $(STAMP)  ## regenerate the committed gRPC code after editing protos/v1/*.proto
+FAST := not slow and not docker and not chaos and not prometheus
+
+test-fast: $(STAMP)  ## units and in-process RPC tests only (< 1 min): no processes, nothing over ~2 s
+	$(PY) -m pytest -q -m "$(FAST)" $(PYTEST_ARGS)
+
+protos: $(STAMP)  ## regenerate the committed protobuf code after editing protos/v1/*.proto
 	$(PY) protos/generate.py
 
 bench: $(STAMP)  ## the full benchmark (writes bench/results/latest.json)

@@ -1,8 +1,13 @@
 """Generate the Python code for shardps's .proto files.
 
-The generated modules are committed (``protos/v1/*_pb2*.py``) so that a fresh clone works
-without grpcio-tools; ``tests/test_protos.py`` regenerates into a temporary folder and fails
-when a .proto and its committed code disagree. Run ``make protos`` after editing a .proto.
+The generated modules are committed (``protos/v1/*_pb2.py`` and ``*_pb2.pyi``) so that a
+fresh clone works without grpcio-tools; ``tests/test_protos.py`` regenerates into a temporary
+folder and fails when a .proto and its committed code disagree. Run ``make protos`` after
+editing a .proto.
+
+No gRPC stubs or servicers (``*_pb2_grpc.py``) are generated: the services bind their
+handlers generically by method name (``shardps.rpc.status.bind``) and the clients call
+methods by path, so only the message classes are needed.
 
 The .proto files import each other as ``shardps/protos/v1/<name>.proto`` (a virtual include
 path mapped onto this folder), so the generated imports read ``from shardps.protos.v1 import``.
@@ -25,7 +30,7 @@ def proto_files() -> list[Path]:
 
 
 def generate(out_dir: Path) -> list[Path]:
-    """Generate ``*_pb2.py``, ``*_pb2.pyi`` and ``*_pb2_grpc.py`` into ``out_dir/v1``.
+    """Generate ``*_pb2.py`` and ``*_pb2.pyi`` into ``out_dir/v1``.
 
     Returns the generated files. Raises RuntimeError with protoc's message on failure.
     """
@@ -40,7 +45,6 @@ def generate(out_dir: Path) -> list[Path]:
             f"-I{well_known}",
             f"--python_out={tmp}",
             f"--pyi_out={tmp}",
-            f"--grpc_python_out={tmp}",
         ] + [f"{VIRTUAL_ROOT}/v1/{p.name}" for p in proto_files()]
         if protoc.main(args) != 0:
             raise RuntimeError(f"protoc failed for {args}")

@@ -15,6 +15,7 @@ import sys
 import threading
 
 from shardps import __version__, logs
+from shardps.children import PARENT_ENV, die_with_parent
 from shardps.settings import (Common, FlagSet, ManagerProcessSettings, ServerProcessSettings, Serving,
                               add_common, add_serving, build)
 
@@ -241,7 +242,7 @@ def cmd_worker(args) -> int:
 
 def cmd_local(args) -> int:
     from shardps.local import run_local
-    return run_local(args)
+    return run_local(args, FLAGS["worker"])
 
 
 def cmd_health(args) -> int:
@@ -322,7 +323,6 @@ def cmd_restore(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from shardps.local import PARENT_ENV, die_with_parent
     die_with_parent(int(os.environ.get(PARENT_ENV, "0") or 0))
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:

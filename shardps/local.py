@@ -3,12 +3,12 @@
 ``LocalCluster`` starts a manager and N servers as real processes (port 0: each writes its
 bound address to a ready file), waits until every one answers SERVING on the gRPC health
 service, and stops them all on ``stop()``. Children die with their parent even if it is
-killed (PR_SET_PDEATHSIG), so no process is ever orphaned. Tests use the same class.
+killed (PR_SET_PDEATHSIG, ``shardps.children``), so no process is ever orphaned. Tests use
+the same class.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -23,32 +23,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shardps.children import child_env
+
 log = logging.getLogger("shardps.local")
-
-
-PARENT_ENV = "SHARDPS_PARENT_PID"
-
-
-def die_with_parent(parent_pid: int | None) -> None:
-    """Ask the kernel to SIGTERM this process when its parent dies (PR_SET_PDEATHSIG); exit
-    at once if the parent ``parent_pid`` is already gone. Called first thing by children that
-    ``LocalCluster`` starts (it sets SHARDPS_PARENT_PID). Done in the child, after exec: a
-    ``preexec_fn`` in the parent can deadlock a process that uses gRPC threads."""
-    if not parent_pid:
-        return
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
-    except OSError:
-        return
-    if os.getppid() != parent_pid:
-        os._exit(0)
-
-
-def child_env(env: dict | None = None) -> dict:
-    """An environment for a child that must not outlive this process."""
-    out = dict(os.environ if env is None else env)
-    out[PARENT_ENV] = str(os.getpid())
-    return out
 
 
 @dataclass
@@ -250,8 +227,9 @@ def tail(path: Path, lines: int = 30) -> str:
 _RESULT = re.compile(r"^shardps worker .*")
 
 
-def run_local(args) -> int:
-    """``shardps local``: see the module docstring."""
+def run_local(args, worker_flags: list[str]) -> int:
+    """``shardps local``: see the module docstring. ``worker_flags`` are the flags of
+    ``shardps worker`` (``shardps.cli.FLAGS["worker"]``): the workers get those of ``args``."""
     from shardps import logs
     logs.setup("local", "local", args.log_format)
     stop = threading.Event()
@@ -268,7 +246,7 @@ def run_local(args) -> int:
             while not stop.wait(0.5):
                 pass
             return 0
-        code = _train_locally(cluster, args, stop, started)
+        code = _train_locally(cluster, args, worker_flags, stop, started)
     except KeyboardInterrupt:
         code = 130
     finally:
@@ -277,13 +255,11 @@ def run_local(args) -> int:
     return code
 
 
-def _worker_args(args) -> list[str]:
-    from shardps.cli import FLAGS, build_parser
-    if "worker" not in FLAGS:
-        build_parser()
+def _worker_args(args, worker_flags: list[str]) -> list[str]:
+    """The flags of ``args`` that ``shardps worker`` accepts, as arguments for it."""
     skip = {"--manager", "--name", "--log-format", "--metrics-port", "--metrics-host", "--rank-hint"}
     out = []
-    for flag in FLAGS["worker"]:
+    for flag in worker_flags:
         if flag in skip or not flag.startswith("--"):
             continue
         attr = flag[2:].replace("-", "_")
@@ -295,8 +271,9 @@ def _worker_args(args) -> list[str]:
     return out
 
 
-def _train_locally(cluster: LocalCluster, args, stop: threading.Event, started: float) -> int:
-    wargs = _worker_args(args)
+def _train_locally(cluster: LocalCluster, args, worker_flags: list[str], stop: threading.Event,
+                   started: float) -> int:
+    wargs = _worker_args(args, worker_flags)
     procs = [cluster.start_worker(f"worker-{i}", wargs, stdout=subprocess.PIPE) for i in range(args.workers)]
     # show rank 0's progress: its stderr goes to the log file; relay its lines here
     relay = threading.Thread(target=_relay, args=(cluster.workers[0].log_path, stop), daemon=True)

@@ -130,7 +130,7 @@ class ManagerMetrics:
                                          buckets=LATENCY_BUCKETS, registry=r)
 
     def set_replication(self, health) -> None:
-        """Set the replication gauges from a ``ReplicationHealth`` (server/manager_state.py)."""
+        """Set the replication gauges from a ``ReplicationHealth`` (server/manager/records.py)."""
         self.under_replicated.set(health.under_replicated)
         self.unrestorable.set(health.unrestorable)
 

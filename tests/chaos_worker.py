@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     p.add_argument("--checkpoint-every", type=int, default=0,
                    help="join a checkpoint barrier every this many acknowledged pushes")
     args = p.parse_args(argv)
-    from shardps.local import PARENT_ENV, die_with_parent
+    from shardps.children import PARENT_ENV, die_with_parent
     die_with_parent(int(os.environ.get(PARENT_ENV, "0") or 0))
 
     previous = {}

@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shardps.local import LocalCluster, child_env
+from shardps.children import child_env
+from shardps.local import LocalCluster
 from shardps.worker.client import PSClient
 
 pytestmark = pytest.mark.chaos
@@ -216,7 +217,7 @@ def test_kill_every_server_restore_onto_another_count(chaos, tmp_path):
     """Checkpoint periodically, lose every server, restore onto 2 servers instead of 3:
     the tables are bit-identical to the checkpoint, and the job finishes exactly."""
     from shardps.rpc import channels
-    from shardps.server.checkpoints import latest, read_checkpoint
+    from shardps.server.manager.checkpoint_files import latest, read_checkpoint
     from shardps.server.node_service import ParameterServerStub, decode_snapshots
     from shardps.protos.v1 import parameter_server_pb2 as ps
     cluster, counters = chaos(servers=3, replication=2)

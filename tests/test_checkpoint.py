@@ -13,7 +13,7 @@ from torch import nn
 
 from shardps.errors import InvalidArgument
 from shardps.local import LocalCluster
-from shardps.server.checkpoints import read_checkpoint
+from shardps.server.manager.checkpoint_files import read_checkpoint
 from shardps.tables import sgd
 from shardps.worker import local_state
 from shardps.worker.client import PSClient
@@ -21,6 +21,7 @@ from shardps.worker.runtime import load_worker_state, worker_state_bytes
 from shardps.worker.torch_ps import PSModel
 
 
+@pytest.mark.slow          # processes (LocalCluster)
 def test_on_demand_checkpoint_while_two_workers_train(tmp_path):
     with LocalCluster(servers=2, work_dir=str(tmp_path / "cluster")) as cluster:
         workers = [cluster.start_worker(f"worker-{i}", ["--job", "demo", "--model", "digits-cnn", "--epochs", "12"])
@@ -153,7 +154,7 @@ def test_checkpoints_of_jobs_sharing_a_prefix_stay_apart(tmp_path):
     import json
     import shutil
     from shardps.protos.v1 import common_pb2 as pb
-    from shardps.server.checkpoints import latest, write_checkpoint
+    from shardps.server.manager.checkpoint_files import latest, write_checkpoint
     write = lambda job, cid: write_checkpoint(tmp_path, job, cid, 1, pb.Consistency(), [], {},  # noqa: E731
                                               {0: job.encode()})
     a_b = write("a-b", "c")

@@ -16,6 +16,7 @@ from shardps.cli import FLAGS, build_parser
 SHARDPS = [sys.executable, "-m", "shardps.cli"]
 
 
+@pytest.mark.slow          # a process (shardps --help)
 def test_help_explains_every_subcommand(capsys):
     out = subprocess.run(SHARDPS + ["--help"], capture_output=True, text=True, check=True).stdout
     assert "parameter server" in out
@@ -55,6 +56,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow          # processes (shardps local)
 def test_local_cluster_stops_cleanly_on_sigterm(tmp_path):
     proc = subprocess.Popen(SHARDPS + ["local", "--servers", "2", "--work-dir", str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -81,6 +83,7 @@ def test_local_cluster_stops_cleanly_on_sigterm(tmp_path):
             proc.wait()
 
 
+@pytest.mark.slow          # processes (shardps local), ~25 s
 def test_make_run_command_trains_digits_to_the_baseline(tmp_path):
     """`make run`'s command: 2 servers, 2 async workers, digits-cnn, baseline beside it."""
     started = time.monotonic()
@@ -96,6 +99,7 @@ def test_make_run_command_trains_digits_to_the_baseline(tmp_path):
     assert dist >= 0.97 and abs(dist - base) <= 0.01, (dist, base)
 
 
+@pytest.mark.slow          # a process (shardps status)
 def test_status_command_shows_servers(cluster):
     out = subprocess.run(SHARDPS + ["status", "--manager", cluster.address], capture_output=True,
                          text=True, timeout=60)
@@ -107,6 +111,7 @@ def test_status_command_shows_servers(cluster):
     assert {s["server"]["name"] for s in data["servers"]} == {"s0", "s1"}
 
 
+@pytest.mark.slow          # processes (shardps health)
 def test_health_command_exit_codes(cluster):
     ok = subprocess.run(SHARDPS + ["health", cluster.address], capture_output=True, text=True, timeout=30)
     assert ok.returncode == 0 and "SERVING" in ok.stdout

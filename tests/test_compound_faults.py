@@ -21,6 +21,7 @@ def _restored(cluster) -> bool:
     return full and settled(cluster)
 
 
+@pytest.mark.slow          # two lease expiries, ~2.5 s
 def test_a_second_failure_after_rereplication_leaves_pushes_flowing(make_cluster, client_factory):
     """R=2, 3 servers: kill one, wait until R is restored (its blocks were copied to the
     others), kill a second. The survivor must drop the dead copy destination and keep
@@ -109,6 +110,7 @@ def test_sync_push_without_a_session_is_refused(make_cluster, client_factory):
         assert not any(b.pending for b in s.node.blocks.values())
 
 
+@pytest.mark.slow          # ~15 s
 def test_restore_returns_only_when_every_block_is_readable(make_cluster, client_factory, tmp_path):
     """A restore publishes the recreated tables, then loads their blocks. A rebalance that
     ran in between copied empty blocks to a new server and listed them there, so reads

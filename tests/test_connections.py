@@ -64,6 +64,7 @@ finally:
 """
 
 
+@pytest.mark.slow          # a process, ~7 s
 def test_idle_clients_keep_their_connections(tmp_path):
     """A client idle for many keepalive periods is not sent GOAWAY "too_many_pings" (the
     server allows pings twice as often as clients send them), and its next call works."""
@@ -140,6 +141,7 @@ SLOW_CALLS = {
 }
 
 
+@pytest.mark.slow          # a manager process (LocalCluster)
 @pytest.mark.parametrize("what", sorted(SLOW_CALLS))
 def test_calls_wait_for_a_manager_that_is_slow_to_accept(manager_process, what):
     """The manager is paused for 1 s (SIGSTOP) when a client connects: the call waits for it
@@ -167,6 +169,7 @@ def _port_nobody_listens_on() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow          # ~6 s of deadlines
 def test_calls_to_an_absent_manager_fail_at_their_deadline_with_advice(client_factory):
     """Nobody listens: idempotent calls are retried until the deadline, then fail with
     UNAVAILABLE and advice; a non-idempotent call waits for a connection until the deadline."""

@@ -44,6 +44,7 @@ def run_workers(n, body):
         raise errors[0]
 
 
+@pytest.mark.slow          # ~7 s
 def test_sync_with_n_workers_equals_single_process_with_batch_n_times_b(make_cluster, client_factory):
     cluster = make_cluster(2)
     x, y = digits()
@@ -85,6 +86,7 @@ def test_sync_with_n_workers_equals_single_process_with_batch_n_times_b(make_clu
                                    err_msg=f"parameter {k} differs after {steps} steps")
 
 
+@pytest.mark.slow          # ~3 s
 def test_ssp_staleness_never_exceeds_t_with_a_slow_worker(make_cluster, client_factory):
     cluster = make_cluster(2)
     T = 2

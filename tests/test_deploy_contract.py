@@ -293,6 +293,7 @@ def test_prometheus_targets_are_metrics_ports():
     assert seen >= 5
 
 
+@pytest.mark.slow          # a process (check-jsonschema)
 def test_compose_files_match_the_compose_spec_schema():
     try:
         import check_jsonschema  # noqa: F401
@@ -348,6 +349,7 @@ def k8s_processes(docs: list[dict], label: str) -> list[Process]:
     return procs
 
 
+@pytest.mark.slow          # processes (kubectl kustomize)
 def test_kubernetes_processes_speak_the_cli():
     checked = 0
     for label, docs in rendered_sets().items():
@@ -357,6 +359,7 @@ def test_kubernetes_processes_speak_the_cli():
     assert checked >= 3 * len(rendered_sets())
 
 
+@pytest.mark.slow          # processes (kubectl kustomize)
 def test_kubernetes_services_and_addresses_match_the_pods():
     for label, docs in rendered_sets().items():
         templates = list(pod_templates(docs))

@@ -18,6 +18,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+# The manifests are rendered with `kubectl kustomize` (processes); validating them takes ~20 s.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = ("dev", "gpu", "tls")

@@ -1,9 +1,14 @@
-"""The manager's decisions with a fake clock: leases, promotion, ranks, persistence (pure)."""
+"""The manager's decisions with a fake clock: leases, promotion, ranks, persistence, checkpoint
+plans (pure); and that the runtime persists what the decisions change."""
 
 import pytest
 
 from shardps.errors import AlreadyExists, FailedPrecondition, NotFound
-from shardps.server.manager_state import ManagerSettings, ManagerState, ServerState
+from shardps.protos.v1 import common_pb2 as pb
+from shardps.server.manager.checkpoint_plan import plan_cut, plan_load
+from shardps.server.manager.records import ManagerSettings, ServerState
+from shardps.server.manager.state import ManagerState
+from shardps.server.manager.store import StateFile
 from shardps.tables import Consistency, TableConfig, dense_table, sgd, sparse_table
 
 
@@ -94,8 +99,8 @@ def test_persistence_round_trip(tmp_path):
     st = make()
     st.create_table("j", dense_table("w", (50,), block_size=10), TableConfig(sgd(0.3)))
     st.join("j", "a", -1, "", None, 0, now=0.0)
-    st.save(tmp_path / "state.json")
-    back = ManagerState.load(tmp_path / "state.json", st.settings, now=100.0)
+    StateFile(tmp_path / "state.json").save(st)
+    back = StateFile(tmp_path / "state.json").load(st.settings, now=100.0)
     assert back.shard_map() == st.shard_map()
     assert back.servers["s0"].last_heartbeat == 100.0
 
@@ -164,3 +169,55 @@ def test_a_table_needs_at_least_one_server():
     st.create_job("j", Consistency.ASYNC, 0)
     with pytest.raises(FailedPrecondition, match="no live server"):
         st.create_table("j", dense_table("w", (10,)), TableConfig())
+
+
+def test_a_cut_snapshots_every_block_once_from_its_primary_and_a_restore_loads_every_replica():
+    st = make(3, 2)
+    st.create_table("j", sparse_table("e", 4, num_blocks=12), TableConfig(sgd(0.1)))
+    st.create_table("j", dense_table("w", (50,), block_size=10), TableConfig(sgd(0.1)))
+    msg = st.shard_map()
+    plan = plan_cut(msg, "j")
+    assert not plan.unplaced and plan.epoch == st.epoch
+    assert [s.name for s in plan.hold] == ["s0", "s1", "s2"]
+    refs = [(r.table, r.block, index) for index, rs in plan.snapshots.items() for r in rs]
+    assert len(refs) == 12 + 5
+    for t in msg.tables:
+        for b, bp in enumerate(t.blocks):
+            assert (t.spec.name, b, bp.replicas[0]) in refs
+    snaps = {"e": [f"e{b}" for b in range(12)], "w": [f"w{b}" for b in range(5)]}
+    loads = plan_load(msg, "j", snaps)
+    assert sum(len(v) for v in loads.values()) == 2 * (12 + 5)
+    names = [s.name for s in msg.servers]
+    for t in st.tables.values():
+        for b, rec in enumerate(t.blocks):
+            assert all(f"{t.spec.name}{b}" in loads[names.index(n)] for n in rec.replicas)
+
+
+def test_a_cut_of_a_block_without_replica_says_which():
+    st = make(1, 1)
+    st.create_table("j", dense_table("w", (20,), block_size=10), TableConfig())
+    msg = pb.ShardMap()
+    msg.CopyFrom(st.shard_map())
+    del msg.tables[0].blocks[1].replicas[:]
+    assert plan_cut(msg, "j").unplaced == "block 1 of 'w' has no live replica: cannot checkpoint"
+
+
+def test_a_worker_that_fetched_its_restored_state_stays_fetched_after_a_manager_restart(tmp_path):
+    """GetWorkerState takes the rank off restore_pending; the runtime persists that although
+    the epoch does not move (a restarted manager must not tell the worker to restore again)."""
+    from shardps.server.manager.runtime import ManagerRuntime, RuntimeSettings
+    from shardps.tables import Consistency as C
+    path = tmp_path / "state.json"
+    rt = ManagerRuntime(ManagerSettings(), RuntimeSettings(state_path=str(path)))
+    try:
+        rt.change(lambda s: s.create_job("j", C.ASYNC, 0))
+        with rt.lock:       # as restore_job leaves it (which needs live servers)
+            job = rt.state.jobs["j"]
+            job.restored_path, job.restored_step, job.restore_pending = "/ck", 7, [0, 1]
+        epoch = rt.state.epoch
+        got = rt.change(lambda s: s.claim_restored_state("j", 0), wait_published=False)
+        assert got == ("/ck", 7) and rt.state.epoch == epoch and not rt.state.unsaved
+        back = StateFile(path).load(rt.settings, now=0.0)
+        assert back.jobs["j"].restore_pending == [1]
+    finally:
+        rt.stop()

@@ -13,6 +13,8 @@ from shardps.tables import adagrad, adam, sgd
 from shardps.worker.client import PSClient
 from shardps.worker.runtime import torch_optimizer
 
+pytestmark = pytest.mark.slow     # every test trains on a LocalCluster (processes)
+
 STEPS = 10
 DENSE_N = 10_000_000
 SPARSE_IDS = 100_000

@@ -16,6 +16,8 @@ def test_generated_code_matches_protos(tmp_path):
     assert fresh, "protoc produced nothing"
     stale = [f.name for f in fresh if not filecmp.cmp(f, committed / f.name, shallow=False)]
     assert not stale, f"generated code is stale for {stale}: run `make protos` and commit"
+    leftover = sorted({f.name for f in committed.glob("*_pb2*")} - {f.name for f in fresh})
+    assert not leftover, f"{leftover} are no longer generated (protos/generate.py): delete them"
 
 
 def test_reflection_lists_services(cluster):

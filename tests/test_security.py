@@ -161,6 +161,7 @@ def test_a_job_cannot_replace_another_jobs_checkpoint_nor_write_outside_the_root
     assert not (tmp_path / "anywhere").exists()
 
 
+@pytest.mark.slow          # ~10 s
 def test_admin_directories_must_lie_inside_the_checkpoint_root(secure, client_factory, tmp_path):
     from shardps.errors import FailedPrecondition, InvalidArgument
     root = tmp_path / "checkpoints"

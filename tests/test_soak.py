@@ -106,6 +106,7 @@ def wait_for(condition, load: Load, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.slow          # processes (LocalCluster), ~50 s
 @pytest.mark.timeout(900, method="thread")      # a stack dump instead of a silent hang
 def test_soak(request, tmp_path):
     seconds = request.config.getoption("--soak-seconds") or SHORT_SECONDS

@@ -42,7 +42,7 @@ def test_draining_servers_do_not_count_towards_r():
 
 
 def test_replication_gauges():
-    from shardps.server.manager_state import ReplicationHealth
+    from shardps.server.manager.records import ReplicationHealth
     m = ManagerMetrics(CollectorRegistry())
     m.set_replication(ReplicationHealth(target=2, servers=1, under_replicated=30, unrestorable=30))
     assert m.registry.get_sample_value("shardps_under_replicated_blocks") == 30

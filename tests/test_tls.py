@@ -21,6 +21,7 @@ def tls(certs, role):
     return TlsConfig.from_files(str(certs["client_cert"]), str(certs["client_key"]), str(certs["ca"]))
 
 
+@pytest.mark.slow          # ~6 s
 def test_mutual_tls_cluster_serves_only_clients_with_certificates(make_cluster, client_factory, certs):
     server_tls = tls(certs, "server")
     cluster = make_cluster(2, replication=2, serving_kw={"health_port": 0},

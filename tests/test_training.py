@@ -39,6 +39,7 @@ def test_membership_change_moves_positions_not_ranks():
     assert sorted(np.concatenate(after).tolist()) == list(range(n))
 
 
+@pytest.mark.slow          # ~2.5 s
 def test_batchnorm_statistics_stay_local(make_cluster, client_factory):
     """Two workers see differently scaled data: their BN running means differ, while every
     parameter on the servers is the same for both after a pull."""
@@ -101,6 +102,7 @@ def _start_cluster_with_workers(tmp_path, n_workers, extra):
     return cluster, procs
 
 
+@pytest.mark.slow          # processes (LocalCluster)
 def test_async_worker_killed_mid_run_the_other_reaches_the_target(tmp_path):
     cluster, procs = _start_cluster_with_workers(tmp_path, 2, ["--epochs", "30"])
     try:
@@ -125,6 +127,7 @@ def test_async_worker_killed_mid_run_the_other_reaches_the_target(tmp_path):
         cluster.stop()
 
 
+@pytest.mark.slow          # processes (LocalCluster)
 def test_ctr_async_two_workers_reaches_oracle_auc_and_pushes_only_touched_rows(tmp_path):
     cluster, procs = _start_cluster_with_workers(tmp_path, 0, [])
     try:
@@ -171,6 +174,7 @@ def test_learning_rate_schedule_updates_every_table(make_cluster, client_factory
     np.testing.assert_allclose(c.pull_dense("fc.bias"), before - 0.1, rtol=1e-6)   # the new lr, at once
 
 
+@pytest.mark.slow          # processes (LocalCluster)
 def test_mnist_cnn_trains_when_the_data_is_present(tmp_path):
     """mnist-cnn needs torchvision and MNIST on disk, which these machines cannot download."""
     from shardps.errors import FailedPrecondition
@@ -182,6 +186,7 @@ def test_mnist_cnn_trains_when_the_data_is_present(tmp_path):
     assert task.train[0].shape[1:] == (1, 28, 28)
 
 
+@pytest.mark.slow          # processes (shardps local)
 def test_json_logs_carry_the_context_and_the_worker_plots_its_curve(tmp_path):
     """`--log-format json`: one JSON object per line with role, node, job, rank and epoch;
     `--plot PATH` writes the loss/accuracy curve as a PNG."""

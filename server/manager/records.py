@@ -1,0 +1,134 @@
+"""The records the resource manager keeps, and its settings: plain dataclasses, no logic.
+
+``ManagerState`` (``state.py``) holds them; ``store.py`` persists the fields not marked "not
+persisted"; the shard map (``ManagerState.shard_map``) publishes most of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from shardps.server import optimizers
+from shardps.tables import Consistency, TableConfig, TableSpec
+
+
+class ServerState(Enum):
+    JOINING = 1
+    SERVING = 2
+    DRAINING = 3
+    DEAD = 4
+
+
+@dataclass
+class ServerRecord:
+    name: str
+    address: str
+    metrics_address: str = ""
+    incarnation: int = 1
+    boot_id: str = ""
+    state: ServerState = ServerState.JOINING
+    retired: bool = False       # drained: told to exit rather than to register again
+    # not persisted
+    last_heartbeat: float = 0.0
+    primary_blocks: int = 0
+    replica_blocks: int = 0
+    bytes: int = 0
+    installed_epoch: int = 0
+
+    @property
+    def live(self) -> bool:
+        return self.state is not ServerState.DEAD
+
+
+@dataclass
+class BlockRecord:
+    replicas: list[str]
+    since_epoch: int
+    fresh_epoch: int
+
+
+@dataclass
+class TableRecord:
+    job: str
+    spec: TableSpec
+    config: TableConfig
+    blocks: list[BlockRecord]
+
+
+@dataclass
+class MemberRecord:
+    rank: int
+    session: str
+    incarnation: int
+    name: str = ""
+    # not persisted
+    last_heartbeat: float = 0.0
+    step: int = 0
+    samples_per_second: float = 0.0
+    loss: float = 0.0
+
+
+@dataclass
+class JobRecord:
+    name: str
+    consistency: Consistency = Consistency.ASYNC
+    staleness: int = 0
+    quota_bytes: int = 0
+    token_id: str = ""
+    members: dict[str, MemberRecord] = field(default_factory=dict)     # by session
+    departed: dict[str, list[int]] = field(default_factory=dict)       # session -> [rank, incarnation]
+    membership_version: int = 0
+    restored_path: str = ""
+    restored_step: int = 0
+    restore_pending: list[int] = field(default_factory=list)   # ranks yet to fetch their state
+
+
+@dataclass(frozen=True)
+class Move:
+    """Copy ``table``'s ``block`` from ``source`` to each node of ``add``, then list ``target``."""
+
+    job: str
+    table: str
+    block: int
+    source: str
+    add: tuple[str, ...]
+    before: tuple[str, ...]
+    target: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ReplicationHealth:
+    """How far the placement is from R replicas of every block (``ManagerState.replication_health``)."""
+
+    target: int              # R, the replication factor
+    servers: int             # servers that may hold blocks (live, not draining)
+    under_replicated: int    # blocks with fewer than R replicas
+    unrestorable: int        # of those, blocks that cannot get R back: fewer than R servers
+
+    @property
+    def target_reachable(self) -> bool:
+        """Whether there are enough servers to hold R replicas of every block."""
+        return self.servers >= self.target
+
+
+@dataclass(frozen=True)
+class ManagerSettings:
+    replication: int = 1
+    server_lease_seconds: float = 3.0
+    server_heartbeat_seconds: float = 0.5
+    worker_lease_seconds: float = 10.0
+    worker_heartbeat_seconds: float = 1.0
+    move_batch_blocks: int = 256
+
+
+def dense_bytes(spec: TableSpec, config: TableConfig) -> int:
+    """Bytes a dense table occupies once materialised (values and optimizer state); 0 for sparse."""
+    if spec.kind.name != "DENSE":
+        return 0
+    return spec.numel * 4 * (1 + len(optimizers.state_names(config.optimizer)))
+
+
+def describe_spec(spec: TableSpec) -> str:
+    return (f"{spec.kind.name} shape={list(spec.shape)} init={spec.init.kind.name} "
+            f"block_size={spec.block_size} num_blocks={spec.num_blocks}")

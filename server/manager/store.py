@@ -1,0 +1,111 @@
+"""Where the manager's state is persisted: one JSON file today (``StateFile``).
+
+``to_dict`` / ``from_dict`` are the format (pure); ``StateFile`` does the file I/O. Fields
+marked "not persisted" in ``records.py`` (heartbeats, statistics) are not written: leases
+restart when the state is loaded.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from shardps.convert import config_from_proto, config_to_proto, spec_from_proto, spec_to_proto
+from shardps.protos.v1 import common_pb2 as pb
+from shardps.server.manager.records import (BlockRecord, JobRecord, ManagerSettings, MemberRecord,
+                                            ServerRecord, ServerState, TableRecord)
+from shardps.server.manager.state import ManagerState
+from shardps.tables import Consistency
+
+FORMAT = 1
+
+
+def to_dict(state: ManagerState) -> dict:
+    return {
+        "format": FORMAT,
+        "epoch": state.epoch,
+        "servers": [{"name": s.name, "address": s.address, "metrics_address": s.metrics_address,
+                     "incarnation": s.incarnation, "boot_id": s.boot_id, "state": s.state.name,
+                     "retired": s.retired}
+                    for s in state.servers.values()],
+        "jobs": [{"name": j.name, "consistency": j.consistency.name, "staleness": j.staleness,
+                  "quota_bytes": j.quota_bytes, "token_id": j.token_id,
+                  "membership_version": j.membership_version,
+                  "restored_path": j.restored_path, "restored_step": j.restored_step,
+                  "restore_pending": j.restore_pending,
+                  "departed": j.departed,
+                  "members": [{"rank": m.rank, "session": m.session,
+                               "incarnation": m.incarnation, "name": m.name}
+                              for m in j.members.values()]}
+                 for j in state.jobs.values()],
+        "tables": [{"job": t.job,
+                    "spec": _b64(spec_to_proto(t.spec)),
+                    "config": _b64(config_to_proto(t.config)),
+                    "blocks": [[b.replicas, b.since_epoch, b.fresh_epoch] for b in t.blocks]}
+                   for t in state.tables.values()],
+    }
+
+
+def from_dict(data: dict, settings: ManagerSettings, now: float) -> ManagerState:
+    """Rebuild persisted state. Leases restart at ``now``: every server and worker gets a
+    full lease to reach the restarted manager before it is declared dead."""
+    state = ManagerState(settings)
+    state.epoch = int(data["epoch"])
+    for s in data["servers"]:
+        state.servers[s["name"]] = ServerRecord(
+            s["name"], s["address"], s["metrics_address"], int(s["incarnation"]), s["boot_id"],
+            ServerState[s["state"]], retired=bool(s.get("retired")), last_heartbeat=now)
+    for j in data["jobs"]:
+        job = JobRecord(j["name"], Consistency[j["consistency"]], int(j["staleness"]),
+                        int(j["quota_bytes"]), j["token_id"],
+                        membership_version=int(j["membership_version"]),
+                        restored_path=j.get("restored_path", ""),
+                        restored_step=int(j.get("restored_step", 0)),
+                        restore_pending=list(j.get("restore_pending", [])),
+                        departed={k: list(v) for k, v in j.get("departed", {}).items()})
+        for m in j["members"]:
+            job.members[m["session"]] = MemberRecord(m["rank"], m["session"], m["incarnation"],
+                                                     m["name"], last_heartbeat=now)
+        state.jobs[job.name] = job
+    for t in data["tables"]:
+        spec = spec_from_proto(_unb64(pb.TableSpec, t["spec"]))
+        config = config_from_proto(_unb64(pb.TableConfig, t["config"]))
+        blocks = [BlockRecord(list(r), int(s), int(f)) for r, s, f in t["blocks"]]
+        state.tables[(t["job"], spec.name)] = TableRecord(t["job"], spec, config, blocks)
+    return state
+
+
+class StateFile:
+    """The state in one JSON file, replaced atomically on every save. Not thread-safe: the
+    runtime saves under its lock."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def exists(self) -> bool:
+        return self.path.exists()
+
+    def save(self, state: ManagerState) -> None:
+        """Write the state atomically (temporary file, fsync, rename)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".state-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(to_dict(state), f, separators=(",", ":"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+    def load(self, settings: ManagerSettings, now: float) -> ManagerState:
+        with open(self.path) as f:
+            return from_dict(json.load(f), settings, now)
+
+
+def _b64(msg) -> str:
+    return base64.b64encode(msg.SerializeToString()).decode()
+
+
+def _unb64(cls, text: str):
+    return cls.FromString(base64.b64decode(text))
