@@ -16,7 +16,8 @@ from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc import channels
 from shardps.rpc.codec import (CHUNK_BYTES, assemble, decode_chunk, encode_chunk, split_payload,
                                 write_into)
-from shardps.rpc.status import Method, bind, from_rpc_error, proto_method
+from shardps.rpc.status import Method, bind, proto_method
+from shardps.rpc.stubs import encode_snapshots
 from shardps.server.auth import JOB, check_job
 from shardps.server.node import BlockSnapshot, ServerNode
 
@@ -63,21 +64,6 @@ def collect_chunks(first, rest, header_cls, limit: int, what: str):
                               f"{declared} (truncated stream?)")
     payload = assemble(pieces, total) if pieces else memoryview(b"")
     return header, payload
-
-
-def encode_snapshots(snapshots, epoch: int, chunk_bytes: int = CHUNK_BYTES):
-    """BlockChunk messages for ``snapshots``: each block starts with a header chunk."""
-    for snap in snapshots:
-        first = True
-        for piece in split_payload(snap.arrays, chunk_bytes):
-            if first:
-                msg = ps.BlockChunk(header=snap.header, epoch=epoch).SerializeToString()
-                yield msg + encode_chunk(None, piece)
-                first = False
-            else:
-                yield encode_chunk(None, piece)
-        if first:
-            yield ps.BlockChunk(header=snap.header, epoch=epoch).SerializeToString()
 
 
 def decode_snapshots(chunks) -> tuple[int, list[BlockSnapshot]]:
@@ -381,106 +367,3 @@ def node_status(node: ServerNode, job: str | None = None) -> ps.NodeStatus:
         for session, done in sorted(clock.completed.items()):
             msg.clocks.add(job=j, rank=ranks.get(session, 0), clock=done)
     return msg
-
-
-class ParameterServerStub:
-    """Client-side callables of the ParameterServer service with shardps's codecs."""
-
-    def __init__(self, ch: grpc.Channel):
-        p = f"/{SERVICE}/"
-        self.Push = ch.stream_unary(p + "Push", request_serializer=_IDENTITY,
-                                    response_deserializer=ps.PushAck.FromString)
-        self.Pull = ch.unary_stream(p + "Pull", request_serializer=ps.PullRequest.SerializeToString,
-                                    response_deserializer=decode_chunk)
-        self.ProbeSharedMemory = ch.unary_unary(
-            p + "ProbeSharedMemory", request_serializer=ps.ProbeSharedMemoryRequest.SerializeToString,
-            response_deserializer=ps.ProbeSharedMemoryResponse.FromString)
-        self.Replicate = ch.stream_unary(p + "Replicate", request_serializer=_IDENTITY,
-                                         response_deserializer=ps.ReplicateAck.FromString)
-        self.InstallShardMap = ch.unary_unary(
-            p + "InstallShardMap", request_serializer=ps.InstallShardMapRequest.SerializeToString,
-            response_deserializer=ps.InstallShardMapResponse.FromString)
-        self.CopyBlocks = ch.unary_unary(p + "CopyBlocks",
-                                         request_serializer=ps.CopyBlocksRequest.SerializeToString,
-                                         response_deserializer=ps.CopyBlocksResponse.FromString)
-        self.LoadBlocks = ch.stream_unary(p + "LoadBlocks", request_serializer=_IDENTITY,
-                                          response_deserializer=ps.LoadBlocksResponse.FromString)
-        self.SnapshotBlocks = ch.unary_stream(
-            p + "SnapshotBlocks", request_serializer=ps.SnapshotBlocksRequest.SerializeToString,
-            response_deserializer=decode_chunk)
-        self.HoldJob = ch.unary_unary(p + "HoldJob", request_serializer=ps.HoldJobRequest.SerializeToString,
-                                      response_deserializer=ps.HoldJobResponse.FromString)
-        self.DropTables = ch.unary_unary(p + "DropTables",
-                                         request_serializer=ps.DropTablesRequest.SerializeToString,
-                                         response_deserializer=ps.DropTablesResponse.FromString)
-        self.GetNodeStatus = ch.unary_unary(p + "GetNodeStatus",
-                                            request_serializer=ps.GetNodeStatusRequest.SerializeToString,
-                                            response_deserializer=ps.NodeStatus.FromString)
-
-
-class StubPool:
-    """One channel and stub per address, created on first use. Thread-safe."""
-
-    def __init__(self, tls=None, metadata=()):
-        self._tls = tls
-        self._lock = threading.Lock()
-        self._stubs: dict[str, tuple[grpc.Channel, ParameterServerStub]] = {}
-        self.metadata = tuple(metadata)
-
-    def get(self, address: str) -> ParameterServerStub:
-        with self._lock:
-            entry = self._stubs.get(address)
-            if entry is None:
-                ch = channels.channel(address, self._tls)
-                entry = self._stubs[address] = (ch, ParameterServerStub(ch))
-            return entry[1]
-
-    def close(self) -> None:
-        with self._lock:
-            for ch, _ in self._stubs.values():
-                ch.close()
-            self._stubs.clear()
-
-
-class GrpcPeers:
-    """``Peers`` over gRPC: replicate and load blocks on other nodes, by name."""
-
-    def __init__(self, node_name: str, address_of, pool: StubPool, timeout: float = 5.0):
-        self.node_name = node_name
-        self.address_of = address_of
-        self.pool = pool
-        self.timeout = timeout
-
-    def _stub(self, node: str) -> ParameterServerStub:
-        try:
-            return self.pool.get(self.address_of(node))
-        except KeyError:
-            raise Unavailable(f"server {node!r} is not in the shard map") from None
-
-    def replicate(self, node, epoch, ops, arrays):
-        header = ps.ReplicateHeader(epoch=epoch, source=self.node_name, ops=ops,
-                                    payload_bytes=sum(a.nbytes for a in arrays)).SerializeToString()
-
-        def chunks():
-            head = header
-            for piece in split_payload(arrays):
-                yield encode_chunk(head, piece)
-                head = None
-            if head is not None:
-                yield encode_chunk(head, None)
-
-        nbytes = sum(a.nbytes for a in arrays)
-        try:
-            ack = self._stub(node).Replicate(chunks(), timeout=self.timeout + nbytes / 20e6,
-                                             metadata=self.pool.metadata)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err, f"replicate to {node}") from None
-        return [(r.job, r.table, r.block) for r in ack.out_of_sync]
-
-    def load_blocks(self, node, epoch, snapshots):
-        try:
-            self._stub(node).LoadBlocks(encode_snapshots(snapshots, epoch),
-                                        timeout=max(self.timeout, 30.0),
-                                        metadata=self.pool.metadata + (("x-shardps-source", self.node_name),))
-        except grpc.RpcError as err:
-            raise from_rpc_error(err, f"load blocks on {node}") from None

@@ -25,12 +25,15 @@ from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import manager_pb2 as mg
 from shardps.rpc import channels
 from shardps.rpc.status import from_rpc_error
-from shardps.server.manager_service import SERVICE as MANAGER_SERVICE
-from shardps.server.manager_service import ManagerRuntime, ResourceManagerService, RuntimeSettings
-from shardps.server.manager_state import ManagerSettings
+from shardps.server.manager.checkpoints import CheckpointCoordinator
+from shardps.server.manager.records import ManagerSettings
+from shardps.server.manager.runtime import ManagerRuntime, RuntimeSettings
+from shardps.server.manager.service import SERVICE as MANAGER_SERVICE
+from shardps.server.manager.service import ResourceManagerService
 from shardps.server.node import NodeLimits, ServerNode
 from shardps.server.node_service import SERVICE as NODE_SERVICE
-from shardps.server.node_service import GrpcPeers, ParameterServerService, StubPool
+from shardps.server.node_service import ParameterServerService
+from shardps.rpc.stubs import GrpcPeers, StubPool
 from shardps.settings import ManagerProcessSettings, ServerProcessSettings, Serving
 
 log = logging.getLogger("shardps.process")
@@ -113,7 +116,6 @@ class ManagerProcess:
                             worker_lease_seconds=settings.worker_lease_seconds),
             RuntimeSettings(state_path=state_path),
             metrics=self.metrics, pool=StubPool(tls=tls, metadata=metadata))
-        from shardps.server.manager_service import CheckpointCoordinator
         self.service = ResourceManagerService(
             self.runtime, CheckpointCoordinator(self.runtime, settings.checkpoint_dir),
             token_key=settings.serving.resolved_token_key())

@@ -218,7 +218,8 @@ def test_kill_every_server_restore_onto_another_count(chaos, tmp_path):
     the tables are bit-identical to the checkpoint, and the job finishes exactly."""
     from shardps.rpc import channels
     from shardps.server.manager.checkpoint_files import latest, read_checkpoint
-    from shardps.server.node_service import ParameterServerStub, decode_snapshots
+    from shardps.rpc.stubs import ParameterServerStub
+    from shardps.server.node_service import decode_snapshots
     from shardps.protos.v1 import parameter_server_pb2 as ps
     cluster, counters = chaos(servers=3, replication=2)
     for name in ("w0", "w1"):

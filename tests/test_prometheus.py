@@ -276,7 +276,7 @@ def provoke_stale_epoch_and_bad_request(cluster, on_new_server) -> dict:
     from shardps.protos.v1 import parameter_server_pb2 as ps
     from shardps.rpc import channels
     from shardps.rpc.codec import encode_chunk
-    from shardps.server.node_service import ParameterServerStub
+    from shardps.rpc.stubs import ParameterServerStub
     from shardps.tables import sgd
     from shardps.worker.client import PSClient
 

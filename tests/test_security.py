@@ -50,7 +50,7 @@ def test_jobs_are_isolated_by_their_tokens(secure, client_factory, caplog):
     from shardps.protos.v1 import parameter_server_pb2 as ps
     from shardps.rpc import channels
     from shardps.rpc.codec import encode_chunk
-    from shardps.server.node_service import ParameterServerStub
+    from shardps.rpc.stubs import ParameterServerStub
     view = a.shard_map
     primary = view.table("team-a", "w").replicas[0][0]
     header = ps.PushHeader(header=pb.RequestHeader(job="team-a", epoch=view.epoch),
@@ -97,7 +97,7 @@ def test_a_stalled_push_stream_is_cancelled(cluster):
     """A client that opens a push stream and never finishes it does not hold a server thread."""
     from shardps.rpc import channels
     from shardps.rpc.status import DEFAULT_WATCHDOG
-    from shardps.server.node_service import ParameterServerStub
+    from shardps.rpc.stubs import ParameterServerStub
     old = DEFAULT_WATCHDOG.idle_seconds
     DEFAULT_WATCHDOG.idle_seconds = 1.0
     release = threading.Event()
@@ -233,7 +233,7 @@ def test_names_that_break_their_rule_are_refused_before_anything_changes(secure)
 def test_node_status_shows_a_job_token_only_its_own_job(secure, client_factory):
     from shardps.protos.v1 import parameter_server_pb2 as ps
     from shardps.rpc import channels
-    from shardps.server.node_service import ParameterServerStub
+    from shardps.rpc.stubs import ParameterServerStub
     (a, _), (b, token_b) = _jobs(secure, client_factory, "team-a", "team-b")
     a.create_dense("secret-a", (4096,), optimizer=sgd(1.0), block_size=64)
     b.create_dense("w", (8,), optimizer=sgd(1.0))
@@ -260,7 +260,7 @@ def test_another_jobs_shared_memory_region_is_permission_denied(secure, client_f
     from shardps.rpc import channels
     from shardps.rpc.codec import encode_chunk
     from shardps.rpc.shm import ClientRegions, available
-    from shardps.server.node_service import ParameterServerStub
+    from shardps.rpc.stubs import ParameterServerStub
     if not available():
         pytest.skip("no writable /dev/shm")
     (a, token_a), (b, token_b) = _jobs(secure, client_factory, "team-a", "team-b")

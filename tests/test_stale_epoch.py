@@ -10,7 +10,7 @@ from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc import channels
 from shardps.rpc.codec import encode_chunk
-from shardps.server.node_service import ParameterServerStub
+from shardps.rpc.stubs import ParameterServerStub
 from shardps.tables import sgd
 
 

@@ -193,7 +193,7 @@ class CheckpointCoordinator:
 
     def _load(self, msg: pb.ShardMap, job: str, ck) -> None:
         """Send checkpoint ``ck``'s blocks of ``job`` to every replica ``msg`` lists."""
-        from shardps.server.node_service import encode_snapshots
+        from shardps.rpc.stubs import encode_snapshots
         for index, snaps in plan_load(msg, job, ck.blocks).items():
             server = msg.servers[index]
             try:

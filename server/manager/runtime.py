@@ -25,7 +25,7 @@ from shardps.rpc.status import from_rpc_error
 from shardps.server.manager.records import ManagerSettings, Move, ServerState
 from shardps.server.manager.state import ManagerState
 from shardps.server.manager.store import StateFile
-from shardps.server.node_service import StubPool
+from shardps.rpc.stubs import StubPool
 
 log = logging.getLogger("shardps.manager")
 
