@@ -1,0 +1,367 @@
+"""The push path: admission (holds, fencing, membership), exactly-once, quotas, optimizers.
+
+Contract of ``PushApplier.push`` (the .proto states the same):
+
+* Every request is validated whole before anything is applied: a rejected request changes
+  nothing.
+* Exactly-once per block: (session, incarnation, sequence) is remembered by every replica
+  (``Block.remember``); a push a block already applied is counted as a duplicate, not
+  applied again.
+* A push is acknowledged once it is applied on every listed backup and on every node the
+  block is being copied to (``replication.Forwarder``); a raised error means nothing was
+  acknowledged, and a retry is safe.
+* A job's quota (``quota_bytes``, shared by servers in proportion to the block replicas
+  they hold) refuses, with ResourceExhausted, a push that would store more; nothing of it
+  is stored.
+* SYNC jobs: gradients are accumulated per step (``steps.SyncSteps``), from members only,
+  for steps not yet applied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from shardps.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
+from shardps.metrics import NodeMetrics
+from shardps.protos.v1 import common_pb2 as pb
+from shardps.protos.v1 import parameter_server_pb2 as ps
+from shardps.rpc.codec import byte_view
+from shardps.server import optimizers
+from shardps.server.blocks import Block, BlockKey, DenseBlock, SparseBlock, Writer
+from shardps.server.node.decode import (NodeLimits, Part, Segment, check_header, parse_segments,
+                                        split)
+from shardps.server.node.table import BlockTable, EpochGate
+from shardps.shardmap import ShardMapView, TableView
+from shardps.tables import Consistency
+
+if TYPE_CHECKING:
+    from shardps.server.node.replication import Forwarder
+    from shardps.server.node.steps import SyncSteps
+
+GRADIENT, INITIALIZE = ps.GRADIENT, ps.INITIALIZE
+
+
+def logical_bytes(blk: Block, t: TableView) -> int:
+    """Bytes a block's stored parameters and optimizer state need (without growth slack)."""
+    per = 4 * (1 + len(optimizers.state_names(t.config.optimizer)))
+    if isinstance(blk, DenseBlock):
+        return blk.size * per if blk.values is not None else 0
+    return blk.count * (blk.dim * per + 12)
+
+
+def apply_gradient(blk: Block, t: TableView, arrays, op: ps.BlockOp) -> None:
+    """Apply a gradient op's arrays to ``blk`` with the table's optimizer (lock held)."""
+    if isinstance(blk, DenseBlock):
+        blk.apply_gradient(t.config, op.range.start, op.range.stop, arrays[0])
+    else:
+        blk.apply_gradient(t.config, arrays[0], arrays[1].reshape(-1, blk.dim))
+
+
+def forget_departed_writers(view: ShardMapView, held: list[tuple[BlockKey, Block]]) -> None:
+    """Drop exactly-once records of writers no longer in their job's group under ``view``
+    (they can never retry). Takes each block's lock; nothing held on entry."""
+    for job, g in view.groups.items():
+        writers = g.writers
+        for key, blk in held:
+            if key[0] == job:
+                with blk.lock:
+                    blk.forget_writers(writers)
+
+
+class JobHolds:
+    """Jobs whose new pushes are held (for a checkpoint). Thread-safe."""
+
+    def __init__(self, gate: EpochGate, clock=time.monotonic):
+        self._gate = gate
+        self._now = clock
+        self._holds: dict[str, float] = {}                     # job -> hold deadline
+        self._cond = threading.Condition()
+
+    def hold(self, job: str, hold: bool, seconds: float = 30.0) -> None:
+        """Hold (or release) new pushes of ``job``; a hold expires after ``seconds``. A hold
+        returns once pushes already inside finished (it takes the gate exclusive)."""
+        with self._cond:
+            if hold:
+                self._holds[job] = self._now() + seconds
+            else:
+                self._holds.pop(job, None)
+            self._cond.notify_all()
+        if hold:   # wait for pushes already inside to finish
+            with self._gate.exclusive():
+                pass
+
+    def wait_unheld(self, job: str, deadline: float | None) -> None:
+        """Block while ``job`` is held; Unavailable once ``deadline`` passes first."""
+        with self._cond:
+            while True:
+                until = self._holds.get(job)
+                now = self._now()
+                if until is None or until <= now:
+                    self._holds.pop(job, None)
+                    return
+                wait = until - now
+                if deadline is not None:
+                    if deadline <= now:
+                        raise Unavailable(f"job {job!r} is held for a checkpoint: retry")
+                    wait = min(wait, deadline - now)
+                self._cond.wait(timeout=wait)
+
+
+class PushApplier:
+    """Applies pushes to this node's blocks and, through the forwarder, to their backups.
+    Thread-safe: a push holds the gate shared and its blocks' locks (sorted by key)."""
+
+    def __init__(self, table: BlockTable, steps: "SyncSteps", forwarder: "Forwarder",
+                 holds: JobHolds, limits: NodeLimits, metrics: NodeMetrics, clock=time.monotonic):
+        self.table = table
+        self.steps = steps
+        self.forwarder = forwarder
+        self.holds = holds
+        self.limits = limits
+        self.metrics = metrics
+        self._now = clock
+
+    def push(self, header: pb.RequestHeader, kind: int, segments: Sequence[pb.Segment],
+             payload, deadline: float | None = None) -> ps.PushAck:
+        """Apply a push (gradients, or initial values) to this node's blocks and their backups.
+
+        Blocks while the job is held for a checkpoint and while backups apply the forwarded
+        operations. Raises InvalidArgument / NotFound / StaleEpoch / Unavailable /
+        ResourceExhausted / FailedPrecondition; a raised error means nothing was
+        acknowledged (a retry is safe). Nothing held on entry.
+        """
+        if kind not in (GRADIENT, INITIALIZE, ps.PUSH_KIND_UNSPECIFIED):
+            raise InvalidArgument(f"push kind {kind}: unknown (use GRADIENT or INITIALIZE)")
+        kind = kind or GRADIENT
+        self.holds.wait_unheld(header.job, deadline)
+        writer = Writer(header.session, int(header.incarnation), int(header.sequence),
+                        int(header.acked_below))
+        started = self._now()
+        check_header(header)
+        table = self.table
+        with table.gate.shared():
+            table.check_epoch(header)
+            self.check_writer(header)
+            parsed = parse_segments(table.view, table.name, self.limits, header, segments, payload,
+                                    with_values=True)
+            parts = split(table.name, table.view.epoch, header, parsed, True, table.loaded)
+            group = table.view.groups.get(header.job)
+            sync = group is not None and group.consistency is Consistency.SYNC and kind == GRADIENT
+            if sync and parts and not table.member(header):
+                raise FailedPrecondition(
+                    f"job {header.job!r} is SYNC: its pushes are applied as steps of its worker "
+                    f"group, and session {header.session!r} is not a member under epoch "
+                    f"{table.view.epoch}: join the group (PSClient.join) before pushing")
+            if sync and table.member(header):
+                clock = self.steps.clocks.get(header.job)
+                if clock is not None and header.clock > clock.applied_steps:
+                    # a SYNC worker pushes step t only after pulling step t, which waited for
+                    # step t - 1: a clock further ahead is not a real worker's
+                    raise FailedPrecondition(
+                        f"SYNC push for step {header.clock} while this server has applied "
+                        f"{clock.applied_steps} steps: a worker pushes step t after pulling it")
+            ack = self.apply_parts(parts, kind, writer, sync, int(header.clock), parsed)
+            if parts:
+                optimizer = parts[0].table.config.optimizer.kind.name
+                self.metrics.update_seconds.labels(optimizer).observe(self._now() - started)
+        nbytes = len(byte_view(payload)) if payload is not None else 0
+        self.metrics.request_bytes.labels("Push").observe(nbytes)
+        self.metrics.bytes.labels("in").inc(nbytes)
+        self.metrics.request_rows.labels("Push").observe(
+            sum(s.ids.shape[0] for s in parsed if s.ids is not None))
+        if header.session and kind == GRADIENT:
+            clock = self.steps.clocks.get(header.job)
+            if clock is not None:
+                clock.report(header.session, int(header.clock))
+                if sync:
+                    self.steps.apply_ready(header.job)
+        return ack
+
+    def check_writer(self, header: pb.RequestHeader) -> None:
+        """A session's pushes are accepted only from its current incarnation: an older one
+        gets FailedPrecondition (it is fenced). Gate held shared."""
+        if not header.session:
+            return
+        group = self.table.view.groups.get(header.job)
+        if group is None:
+            return
+        for m in group.members:
+            if m.session == header.session:
+                if m.incarnation != header.incarnation:
+                    raise FailedPrecondition(
+                        f"session {header.session} incarnation {header.incarnation} is fenced: "
+                        f"the group's current incarnation is {m.incarnation}")
+                return
+        # not (or no longer) a member under this map: accept; the block record still dedups
+
+    def apply_parts(self, parts: list[Part], kind: int, writer: Writer, sync: bool,
+                    step: int, parsed: list[Segment]) -> ps.PushAck:
+        """Check, apply and forward ``parts`` under their blocks' locks (gate shared). Every
+        precondition (INITIALIZE shape, initial values, SYNC step open, quota, owed resyncs)
+        is checked before the first block changes; a backup that misses the ops raises
+        Unavailable after they were applied here (see replication.Forwarder)."""
+        ack = ps.PushAck()
+        if not parts:
+            return ack
+        parts.sort(key=lambda p: p.key)
+        blocks = [self.table.blocks[p.key] for p in parts]
+        unique = sorted({id(b): b for b in blocks}.values(), key=lambda b: b.key)
+        base = {}
+        for s in parsed:
+            for b, v in s.base_versions.items():
+                base[(s.table.job, s.table.name, b)] = v
+        with contextlib.ExitStack() as stack:
+            for blk in unique:
+                stack.enter_context(blk.lock)
+            # pass 1: preconditions, before anything changes
+            for part, blk in zip(parts, blocks):
+                if blk.already_applied(writer):
+                    continue
+                if kind == INITIALIZE:
+                    if not isinstance(blk, DenseBlock):
+                        raise InvalidArgument(f"INITIALIZE is for dense tables; "
+                                              f"{part.table.name!r} is sparse")
+                    if (part.lo, part.hi) != (blk.start, blk.stop):
+                        raise InvalidArgument(
+                            f"INITIALIZE of table {part.table.name!r} must cover whole blocks: "
+                            f"block {part.key[2]} is [{blk.start}, {blk.stop}), got "
+                            f"[{part.lo}, {part.hi})")
+                elif isinstance(blk, DenseBlock) and not blk.initialized:
+                    raise FailedPrecondition(
+                        f"table {part.table.name!r} block {part.key[2]} has no initial values "
+                        f"yet: push INITIALIZE first")
+            if sync:
+                self.steps.check_step_open(parts[0].key[0], step, unique)
+            self.check_quota(parts, blocks, writer)
+            for blk in unique:
+                if self.table.needs_resync.get(blk.key):
+                    self.forwarder.resync_locked(blk)
+            # pass 2: apply, in block order
+            ops: list[tuple[BlockKey, ps.BlockOp, list[np.ndarray]]] = []
+            duplicates = 0
+            todo: list[tuple[Part, Block]] = []
+            for part, blk in zip(parts, blocks):
+                if blk.already_applied(writer):
+                    duplicates += 1
+                    continue
+                if part.key in base:
+                    self.metrics.updates_between.labels(part.key[0]).observe(
+                        max(0, blk.version - base[part.key]))
+                todo.append((part, blk))
+            i = 0
+            while i < len(todo):
+                part, blk = todo[i]
+                j = i + 1
+                if isinstance(blk, SparseBlock) and kind == GRADIENT and not sync:
+                    # every sparse block of one table in one vectorised update
+                    while j < len(todo) and todo[j][1].key[:2] == blk.key[:2] \
+                            and todo[j][1] is not todo[j - 1][1]:
+                        j += 1
+                    ops.extend(self.apply_sparse(todo[i:j], writer))
+                else:
+                    op, arrays = self.apply_one(blk, part, kind, writer, sync, step)
+                    ops.append((blk.key, op, arrays))
+                i = j
+            for blk in unique:
+                blk.remember(writer)
+            if duplicates:
+                self.metrics.duplicates.labels(parts[0].key[0]).inc(duplicates)
+            self.forwarder.forward_locked(ops, unique)
+            for blk in unique:
+                ack.versions.add(table=blk.key[1], block=blk.key[2], version=blk.version)
+            ack.duplicate_blocks = duplicates
+        return ack
+
+    def apply_sparse(self, group: list[tuple[Part, Block]], writer: Writer):
+        """Apply the parts of one sparse table (distinct blocks, unique ids) at once; returns
+        one op per block for the backups. Block locks are held."""
+        t = group[0][0].table
+        whole = group[0][0].whole
+        if whole is not None and whole[2] == len(group) and all(p.whole is whole for p, _ in group):
+            ids, grads = whole[0], whole[1]           # the whole segment: no re-assembly
+        else:
+            ids = np.concatenate([p.ids for p, _ in group])
+            grads = np.concatenate([p.values for p, _ in group])
+        shard = group[0][1].shard
+        with shard.lock:
+            shard.apply(t.config, ids, np.ascontiguousarray(grads, dtype=np.float32).reshape(-1, t.spec.dim))
+        out = []
+        wid = ps.WriterId(session=writer.session, incarnation=writer.incarnation,
+                          sequence=writer.sequence, acked_below=writer.acked_below)
+        for part, blk in group:
+            blk.version += 1
+            if not self.table.backups(blk.key):
+                continue                              # nothing to forward
+            op = ps.BlockOp(job=blk.key[0], table=blk.key[1], block=blk.key[2], kind=ps.APPLY, writer=wid,
+                            config_version=t.config.version, id_count=part.ids.shape[0],
+                            element_count=part.values.size, version=blk.version)
+            out.append((blk.key, op, [np.ascontiguousarray(part.ids, dtype=np.int64),
+                                      np.ascontiguousarray(part.values, dtype=np.float32)]))
+        return out
+
+    def check_quota(self, parts: list[Part], blocks: list[Block], writer: Writer) -> None:
+        """RESOURCE_EXHAUSTED when this push would store more of its job than the job's
+        quota allows on this server (the quota is shared by servers in proportion to the
+        block replicas they hold). Block locks are held."""
+        job = parts[0].key[0]
+        view = self.table.view
+        group = view.groups.get(job)
+        if group is None or not group.quota_bytes:
+            return
+        new = 0
+        for part, blk in zip(parts, blocks):
+            if blk.already_applied(writer):
+                continue
+            row_bytes = 4 * (1 + len(optimizers.state_names(part.table.config.optimizer)))
+            if isinstance(blk, DenseBlock):
+                if blk.values is None:
+                    new += blk.size * row_bytes
+            else:
+                new += int((blk.lookup(part.ids) < 0).sum()) * (blk.dim * row_bytes + 12)
+        if not new:
+            return
+        held = self.table.held(job)
+        total = sum(len(reps) for (j, _), t in view.tables.items() if j == job for reps in t.replicas)
+        share = group.quota_bytes * len(held) // max(1, total)
+        usage = sum(logical_bytes(b, view.tables[(k[0], k[1])]) for k, b in held
+                    if (k[0], k[1]) in view.tables)
+        if usage + new > share:
+            raise ResourceExhausted(
+                f"job {job!r} is over its storage quota (quota_bytes={group.quota_bytes}; this server "
+                f"holds {len(held)} of its {total} block replicas, a share of {share} bytes): it stores "
+                f"{usage} bytes and this push would add {new}: raise the quota or delete tables")
+
+    def apply_one(self, blk: Block, part: Part, kind: int, writer: Writer, sync: bool,
+                  step: int) -> tuple[ps.BlockOp, list[np.ndarray]]:
+        """Apply one part to its block (lock held); returns the op to forward to backups."""
+        t = part.table
+        op = ps.BlockOp(job=blk.key[0], table=blk.key[1], block=blk.key[2],
+                        writer=ps.WriterId(session=writer.session, incarnation=writer.incarnation,
+                                           sequence=writer.sequence, acked_below=writer.acked_below),
+                        config_version=t.config.version)
+        if isinstance(blk, DenseBlock):
+            op.range.start, op.range.stop = part.lo, part.hi
+            op.element_count = part.hi - part.lo
+            arrays = [np.ascontiguousarray(part.values, dtype=np.float32)]
+        else:
+            op.id_count = part.ids.shape[0]
+            op.element_count = part.values.size
+            arrays = [np.ascontiguousarray(part.ids, dtype=np.int64),
+                      np.ascontiguousarray(part.values, dtype=np.float32)]
+        if kind == INITIALIZE:
+            op.kind = ps.INITIAL
+            blk.initialize(part.lo, part.hi, arrays[0])
+        elif sync:
+            op.kind = ps.ACCUMULATE
+            op.step = step
+            self.steps.accumulate(blk, step, arrays, part.lo, part.hi)
+        else:
+            op.kind = ps.APPLY
+            apply_gradient(blk, t, arrays, op)
+        op.version = blk.version
+        return op, arrays

@@ -1,0 +1,262 @@
+"""Request decoding: a data request's header, segments and payload into plain values.
+
+Everything here is a pure function of (the request, the shard map view, the limits): no node
+state, no locks, no I/O. A request is validated whole before anything is stored, and every
+refusal names the bad value:
+
+* ``InvalidArgument``: malformed (no job, a selector of the wrong kind, a payload shorter or
+  longer than the segments describe, a non-finite value where the table refuses them);
+* ``ResourceExhausted``: over a ``NodeLimits`` bound (segments, rows);
+* ``NotFound``: a job or table the map does not have;
+* ``StaleEpoch`` / ``Unavailable`` (``check_owned``): a block this node does not serve, or
+  serves but has not loaded yet.
+
+Callers hold the node's gate shared (``table.EpochGate``) so the view cannot change under
+them; nothing here blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from shardps import dtypes
+from shardps.dtypes import WireDType
+from shardps.errors import InvalidArgument, NotFound, ResourceExhausted, StaleEpoch, Unavailable
+from shardps.protos.v1 import common_pb2 as pb
+from shardps.rpc.codec import byte_view
+from shardps.server.blocks import BlockKey
+from shardps.shardmap import ShardMapView, TableView
+from shardps.tables import (TableKind, check_ids, check_range, coalesce, dense_blocks_of_range,
+                            group_by_block, sparse_block_of)
+
+MAX_CLOCK = 1 << 40          # steps: far beyond any real run, far below int64 overflow
+
+
+@dataclass(frozen=True)
+class NodeLimits:
+    """Per-request limits; larger requests get RESOURCE_EXHAUSTED naming the limit."""
+
+    max_request_bytes: int = 1 << 30
+    max_response_bytes: int = 1 << 30
+    max_rows: int = 4_000_000
+    max_segments: int = 1024
+    forward_timeout: float = 1.5
+
+
+@dataclass
+class Part:
+    """One table segment's share of one block in a request."""
+
+    key: BlockKey
+    table: TableView
+    segment: int = 0
+    lo: int = 0                       # dense: flat range
+    hi: int = 0
+    ids: np.ndarray | None = None     # sparse: unique ids (push) or ids in request order (pull)
+    positions: np.ndarray | None = None   # where these rows are in the segment (its output, on pulls)
+    whole: tuple | None = None        # sparse push: (ids, values, parts) of the whole segment
+    _values: np.ndarray | None = None
+
+    @property
+    def values(self) -> np.ndarray | None:
+        """Push: float32, dense 1-d or sparse ``[n, dim]``. A sparse part's rows are gathered
+        from the segment's (``whole``) on first use: a push applied to the whole segment at
+        once never copies them unless a backup needs them."""
+        if self._values is None and self.whole is not None and self.whole[1] is not None:
+            self._values = self.whole[1][self.positions]
+        return self._values
+
+    @values.setter
+    def values(self, values: np.ndarray | None) -> None:
+        self._values = values
+
+
+@dataclass
+class Segment:
+    """One decoded request segment: a dense range or sparse ids (and values, on pushes)."""
+
+    table: TableView
+    dtype: WireDType
+    lo: int = 0
+    hi: int = 0
+    ids: np.ndarray | None = None
+    values: np.ndarray | None = None
+    base_versions: dict[int, int] = field(default_factory=dict)
+    all_stored: bool = False
+
+    @property
+    def dense(self) -> bool:
+        return self.table.spec.kind is TableKind.DENSE
+
+
+def all_finite(values: np.ndarray) -> bool:
+    """True if no NaN or Inf: one cheap reduction, the exact check only if the sum is not
+    finite (a NaN or Inf always makes the sum non-finite; a huge finite sum may too)."""
+    if np.isfinite(values.sum()):
+        return True
+    return bool(np.isfinite(values).all())
+
+
+def check_header(header: pb.RequestHeader) -> None:
+    """Bounds every header field can be checked against without the map."""
+    if not 0 <= header.clock < MAX_CLOCK:
+        raise InvalidArgument(f"header.clock={header.clock}: a worker's completed steps must "
+                              f"lie in [0, {MAX_CLOCK})")
+
+
+def table_of(view: ShardMapView, server: str, job: str, name: str) -> TableView:
+    """Table ``name`` of ``job`` under ``view``; NotFound (naming both) if the map lacks it."""
+    t = view.tables.get((job, name))
+    if t is None:
+        if job not in view.jobs():
+            raise NotFound(f"job {job!r} not found on server {server} (epoch {view.epoch}): "
+                           f"create the job first, or refresh the shard map")
+        raise NotFound(f"table {name!r} of job {job!r} not found (epoch {view.epoch}): "
+                       f"create it first, or refresh the shard map")
+    return t
+
+
+def parse_segments(view: ShardMapView, server: str, limits: NodeLimits, header: pb.RequestHeader,
+                   segments: Sequence[pb.Segment], payload, with_values: bool) -> list[Segment]:
+    """Decode and validate every segment against the payload. Nothing is stored."""
+    if not header.job:
+        raise InvalidArgument("request header has no job: set header.job")
+    if len(segments) > limits.max_segments:
+        raise ResourceExhausted(
+            f"request has {len(segments)} segments; the limit max_segments is "
+            f"{limits.max_segments}: split the request")
+    wire = dtypes.WireDType.parse(int(header.wire_dtype))
+    if wire not in dtypes.VALUE_DTYPES:
+        raise InvalidArgument(f"header.wire_dtype {wire.name} cannot carry values: use "
+                              f"FLOAT32, FLOAT16 or BFLOAT16")
+    view_payload = byte_view(payload) if payload is not None else memoryview(b"")
+    total = len(view_payload)
+    offset = 0
+    rows = 0
+    parsed = []
+    for i, seg in enumerate(segments):
+        t = table_of(view, server, header.job, seg.table)
+        spec = t.spec
+        which = seg.WhichOneof("selector")
+        s = Segment(t, wire, base_versions={bv.block: bv.version for bv in seg.base_versions})
+        if spec.kind is TableKind.DENSE:
+            if which != "range":
+                raise InvalidArgument(
+                    f"segment {i} for dense table {spec.name!r} must select a range, got {which}")
+            s.lo, s.hi = int(seg.range.start), int(seg.range.stop)
+            check_range(spec, s.lo, s.hi)
+            count = s.hi - s.lo
+            if with_values:
+                nbytes = count * wire.itemsize
+                if offset + nbytes > total:
+                    raise InvalidArgument(
+                        f"segment {i} ({spec.name!r} [{s.lo}, {s.hi})) needs {nbytes} bytes of "
+                        f"{wire.name} values, but the payload has {total - offset} left")
+                s.values = dtypes.decode(view_payload[offset:offset + nbytes], wire, count)
+                offset += nbytes
+        else:
+            if which != "rows":
+                raise InvalidArgument(
+                    f"segment {i} for sparse table {spec.name!r} must select rows, got {which}")
+            if seg.rows.all_stored:
+                if with_values or seg.rows.count:
+                    raise InvalidArgument(
+                        f"segment {i} ({spec.name!r}): all_stored is for pulls, with count 0")
+                s.all_stored = True
+                parsed.append(s)
+                continue
+            count = int(seg.rows.count)
+            rows += count
+            if rows > limits.max_rows:
+                raise ResourceExhausted(
+                    f"request has more than {limits.max_rows} rows (limit max_rows): "
+                    f"split the request")
+            nbytes = count * 8
+            if offset + nbytes > total:
+                raise InvalidArgument(
+                    f"segment {i} ({spec.name!r}) declares {count} ids ({nbytes} bytes) but the "
+                    f"payload has {total - offset} bytes left")
+            s.ids = np.frombuffer(view_payload[offset:offset + nbytes], dtype="<i8")
+            offset += nbytes
+            check_ids(spec, s.ids)
+            if with_values:
+                n_values = count * spec.dim
+                vbytes = n_values * wire.itemsize
+                if offset + vbytes > total:
+                    raise InvalidArgument(
+                        f"segment {i} ({spec.name!r}) needs {vbytes} bytes for {count} rows x "
+                        f"{spec.dim} {wire.name} values, but the payload has {total - offset} left")
+                s.values = dtypes.decode(view_payload[offset:offset + vbytes], wire,
+                                         n_values).reshape(count, spec.dim)
+                offset += vbytes
+        if with_values and not t.config.allow_non_finite and s.values is not None \
+                and s.values.size and not all_finite(s.values):
+            bad = int(np.flatnonzero(~np.isfinite(s.values.reshape(-1)))[0])
+            raise InvalidArgument(
+                f"segment {i} ({spec.name!r}) holds a non-finite value "
+                f"({s.values.reshape(-1)[bad]} at element {bad}): NaN/Inf gradients are "
+                f"rejected unless the table's config sets allow_non_finite")
+        parsed.append(s)
+    if offset != total:
+        raise InvalidArgument(
+            f"payload has {total} bytes but the segments describe {offset}: check the "
+            f"segment counts and header.wire_dtype")
+    return parsed
+
+
+def split(server: str, epoch: int, header: pb.RequestHeader, segments: list[Segment],
+          for_push: bool, loaded: Callable[[BlockKey], bool]) -> list[Part]:
+    """Cut segments into per-block parts and check that ``server`` serves every block
+    (``check_owned``; ``epoch`` is the server's, for the messages)."""
+    parts: list[Part] = []
+    for i, s in enumerate(segments):
+        t, spec = s.table, s.table.spec
+        if s.all_stored:     # every block of the table this node is primary of
+            for b in range(spec.block_count):
+                reps = t.replicas[b]
+                if reps and reps[0] == server:
+                    parts.append(Part((t.job, spec.name, b), t, i))
+            continue
+        if s.dense:
+            for b in dense_blocks_of_range(spec, s.lo, s.hi):
+                start, stop = spec.block_range(b)
+                lo, hi = max(start, s.lo), min(stop, s.hi)
+                part = Part((t.job, spec.name, b), t, i, lo, hi)
+                if s.values is not None:
+                    part.values = s.values[lo - s.lo:hi - s.lo]
+                parts.append(part)
+        else:
+            ids, values = s.ids, s.values
+            if for_push:
+                ids, values = coalesce(ids, values)
+            blocks_of = sparse_block_of(ids, spec.num_blocks)
+            groups = group_by_block(blocks_of)
+            whole = (ids, values, len(groups)) if for_push else None
+            parts.extend(Part((t.job, spec.name, b), t, i, ids=ids[pos], positions=pos, whole=whole)
+                         for b, pos in groups)
+    check_owned(server, epoch, header, parts, loaded)
+    return parts
+
+
+def check_owned(server: str, epoch: int, header: pb.RequestHeader, parts: list[Part],
+                loaded: Callable[[BlockKey], bool]) -> None:
+    """StaleEpoch unless ``server`` is each part's primary and the block did not move after
+    the request's epoch; Unavailable if ``loaded(key)`` says its state is not here yet."""
+    for part in parts:
+        t, b = part.table, part.key[2]
+        reps = t.replicas[b]
+        if not reps or reps[0] != server:
+            raise StaleEpoch(
+                f"block {b} of table {t.name!r} is served by {reps[0] if reps else 'nobody'}, "
+                f"not {server}, under epoch {epoch}: refresh the shard map and retry")
+        if int(t.since_epoch[b]) > header.epoch:
+            raise StaleEpoch(
+                f"block {b} of table {t.name!r} moved at epoch {int(t.since_epoch[b])}, after "
+                f"the request's epoch {header.epoch}: refresh the shard map and retry")
+        if not loaded(part.key):
+            raise Unavailable(
+                f"block {b} of table {t.name!r} is assigned to {server} but its state has "
+                f"not been loaded yet: retry shortly")

@@ -1,0 +1,207 @@
+"""``ServerNode``: one server node's logic, a facade over its layers.
+
+``shardps.server.node_service`` is the thin gRPC layer in front of it, and ``Peers`` (passed
+in, or set later as ``node.peers``) carries its calls to other servers. The layers, each a
+plain class with its contract in its docstring:
+
+* ``decode``: request bytes -> plain segments and per-block parts, validated whole;
+* ``table.BlockTable``: the blocks held under the installed shard map, fencing (``EpochGate``)
+  and the node's lock order;
+* ``apply.PushApplier``: the push path (holds, exactly-once, quotas, optimizers);
+* ``replication``: ``Forwarder`` (primary: forward, resync, copy, snapshot) and
+  ``BackupApplier`` (backup: apply forwarded ops, load whole blocks);
+* ``steps.SyncSteps``: job clocks and SYNC step application;
+* ``pull.PullReader``: the read path.
+
+Data path rules (the .proto states the same contract):
+
+* Only a block's primary serves it. A request is refused with ``StaleEpoch``
+  (FAILED_PRECONDITION) when, under this node's map, the block's primary is another node or
+  the block moved after the request's epoch; with ``Unavailable`` when the node's map is
+  older than the request's or the block's state has not been loaded here yet.
+* Every request is validated whole before anything is applied: a rejected request changes
+  nothing.
+* Push is exactly-once per block: (session, incarnation, sequence) is remembered by every
+  replica. A push is acknowledged once it is applied on every listed backup (and on every
+  node a block is being copied to). Primary-backup replication: the primary applies an
+  operation, then forwards it (in its order, holding the block's lock) to the backups, whose
+  copies are therefore identical; readers read the primary only, so a pull sees every
+  acknowledged push (linearizable per block).
+* A backup applies an operation only if its version follows on from its own; otherwise it
+  reports the block out of sync and the primary sends the whole block before acknowledging.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import numpy as np
+
+from shardps.metrics import NodeMetrics
+from shardps.protos.v1 import common_pb2 as pb
+from shardps.protos.v1 import parameter_server_pb2 as ps
+from shardps.server.blocks import BlockKey
+from shardps.server.node.apply import JobHolds, PushApplier, forget_departed_writers
+from shardps.server.node.decode import NodeLimits
+from shardps.server.node.pull import PullReader
+from shardps.server.node.replication import (BackupApplier, BlockSnapshot, Forwarder, NoPeers,
+                                             Peers)
+from shardps.server.node.steps import SyncSteps
+from shardps.server.node.table import BlockTable
+from shardps.shardmap import ShardMapView
+
+
+def _table_attr(name: str, doc: str) -> property:
+    return property(lambda self: getattr(self.table, name), doc=doc)
+
+
+class ServerNode:
+    """One server node's blocks and duties. Thread-safe; methods may block (see each)."""
+
+    def __init__(self, name: str, peers: Peers | None = None, limits: NodeLimits = NodeLimits(),
+                 metrics: NodeMetrics | None = None, clock=time.monotonic):
+        self.name = name
+        self.limits = limits
+        self.metrics = metrics or NodeMetrics()
+        self._now = clock
+        self.incarnation = 0
+        self.on_epoch = None          # optional callback(epoch) after each install (logging)
+        self.table = BlockTable(name)
+        self.forwarder = Forwarder(self.table, self.metrics, peers or NoPeers(), clock)
+        self.steps = SyncSteps(self.table, self.forwarder, clock)
+        self.backup = BackupApplier(self.table, self.steps)
+        self.holds = JobHolds(self.table.gate, clock)
+        self.pusher = PushApplier(self.table, self.steps, self.forwarder, self.holds, limits,
+                                  self.metrics, clock)
+        self.reader = PullReader(self.table, self.steps, limits, self.metrics, clock)
+
+    # ================================================================== state, read-only
+    view = _table_attr("view", "The installed shard map (a ShardMapView).")
+    my_index = _table_attr("my_index", "This node's index in the map's servers (-1: absent).")
+    blocks = _table_attr("blocks", "Blocks held: key -> Block (BlockTable.blocks).")
+    shards = _table_attr("shards", "Sparse tables' rows here: (job, table) -> SparseShard.")
+    staged = _table_attr("staged", "Copies received before a map lists them: key -> (block, source).")
+    missing = _table_attr("missing", "Blocks listed here whose state has not been loaded.")
+    extra = _table_attr("extra", "Copy destinations a primary forwards to: key -> nodes.")
+    needs_resync = _table_attr("needs_resync", "Backups owed a whole block: key -> nodes.")
+
+    @property
+    def clocks(self):
+        """Job clocks: job -> JobClock (SyncSteps.clocks)."""
+        return self.steps.clocks
+
+    @property
+    def peers(self) -> Peers:
+        """How this node reaches others; may be replaced (e.g. once the transport exists)."""
+        return self.forwarder.peers
+
+    @peers.setter
+    def peers(self, peers: Peers) -> None:
+        self.forwarder.peers = peers
+
+    @property
+    def epoch(self) -> int:
+        return self.table.view.epoch
+
+    def _is_primary(self, key: BlockKey) -> bool:
+        return self.table.is_primary(key)
+
+    # ================================================================== shard map
+    def reset(self, incarnation: int) -> None:
+        """Start incarnation ``incarnation``: a new one forgets every block and the map (it is
+        fenced until blocks are copied to it again); the same one keeps everything."""
+        if incarnation == self.incarnation:
+            return
+        with self.table.gate.exclusive():
+            with self.table.lock:
+                self.table.clear_locked()
+                self.steps.clear_locked()
+            self.incarnation = incarnation
+        self._update_usage_metrics()
+
+    def view_address(self, name: str) -> str:
+        """Address of server ``name`` under the installed map (KeyError if unknown)."""
+        return self.table.view.address(name)
+
+    def install_map(self, msg: pb.ShardMap) -> int:
+        """Install a newer shard map; older or equal epochs are ignored. Waits for in-flight
+        data requests under the old map to finish. Returns the installed epoch."""
+        if msg.epoch <= self.table.view.epoch:
+            return self.table.view.epoch
+        view = ShardMapView(msg)
+        with self.table.gate.exclusive():
+            if view.epoch <= self.table.view.epoch:
+                return self.table.view.epoch
+            held = self.table.install(view, self.steps.set_groups_locked)
+            forget_departed_writers(view, held)
+            self.metrics.epoch.set(view.epoch)
+            self._update_usage_metrics()
+            if self.on_epoch is not None:
+                self.on_epoch(view.epoch)
+        # work the new map may unlock: resync listed backups (one that cannot be reached
+        # stays marked, it does not fail the install), apply completed SYNC steps
+        self.forwarder.resync_marked()
+        self.steps.apply_all_ready()
+        return view.epoch
+
+    # ================================================================== data path
+    def push(self, header: pb.RequestHeader, kind: int, segments: Sequence[pb.Segment],
+             payload, deadline: float | None = None) -> ps.PushAck:
+        """See ``PushApplier.push``."""
+        return self.pusher.push(header, kind, segments, payload, deadline)
+
+    def pull(self, header: pb.RequestHeader, segments: Sequence[pb.Segment], ids_payload,
+             deadline: float | None = None, out_buffer=None) -> tuple[ps.PullHeader, list[np.ndarray]]:
+        """See ``PullReader.pull``."""
+        return self.reader.pull(header, segments, ids_payload, deadline, out_buffer)
+
+    def apply_replicated(self, epoch: int, source: str, ops: Sequence[ps.BlockOp],
+                         payload) -> tuple[int, list[BlockKey]]:
+        """See ``BackupApplier.apply_replicated``."""
+        return self.backup.apply_replicated(epoch, source, ops, payload)
+
+    # ================================================================== block transfer
+    def copy_blocks(self, epoch: int, refs: Sequence[tuple[str, str, int]], destination: str) -> tuple[int, int]:
+        """See ``Forwarder.copy_blocks``."""
+        return self.forwarder.copy_blocks(epoch, refs, destination)
+
+    def load_blocks(self, epoch: int, source: str, snapshots: Sequence[BlockSnapshot]) -> int:
+        """See ``BackupApplier.load_blocks``; then updates the usage gauges."""
+        loaded = self.backup.load_blocks(epoch, source, snapshots)
+        self._update_usage_metrics()
+        return loaded
+
+    def snapshot_blocks(self, refs: Sequence[tuple[str, str, int]] | None = None,
+                        job: str | None = None) -> list[BlockSnapshot]:
+        """See ``Forwarder.snapshot_blocks``."""
+        return self.forwarder.snapshot_blocks(refs, job)
+
+    # ================================================================== jobs
+    def hold_job(self, job: str, hold: bool, seconds: float = 30.0) -> None:
+        """Hold (or release) new pushes of ``job``; a hold expires after ``seconds``."""
+        self.holds.hold(job, hold, seconds)
+
+    def drop_tables(self, job: str, tables: Sequence[str] = ()) -> int:
+        """Drop the blocks of ``job`` (of ``tables`` only, if given); returns how many."""
+        dropped = self.table.drop(job, tables)
+        self._update_usage_metrics()
+        return dropped
+
+    # ================================================================== status
+    def usage(self) -> dict:
+        """See ``BlockTable.usage``."""
+        return self.table.usage()
+
+    def _update_usage_metrics(self) -> None:
+        self.publish_usage(self.usage())
+
+    def publish_usage(self, u: dict) -> None:
+        """Set the per-table and per-role gauges from ``usage()``."""
+        self.metrics.blocks.labels("primary").set(u["primary_blocks"])
+        self.metrics.blocks.labels("backup").set(u["replica_blocks"])
+        self.metrics.table_parameters.clear()
+        self.metrics.table_bytes.clear()
+        for (job, table), (_, params, b) in u["tables"].items():
+            self.metrics.table_parameters.labels(job, table).set(params)
+            self.metrics.table_bytes.labels(job, table).set(b)

@@ -1,0 +1,158 @@
+"""The read path: ``PullReader.pull`` reads values of this node's primary blocks.
+
+Contract: only a block's primary serves it (fencing as in decode.check_owned); a pull sees
+every acknowledged push (linearizable per block, since backups are never read). SYNC and
+BOUNDED jobs first wait for their consistency condition (``JobClock.wait_for_pull``),
+outside the gate, then read under it; a pull whose map changed while it waited is decoded
+again. The response is bounded by ``NodeLimits.max_response_bytes`` (ResourceExhausted).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from shardps import dtypes
+from shardps.dtypes import WireDType
+from shardps.errors import ResourceExhausted
+from shardps.metrics import NodeMetrics
+from shardps.protos.v1 import common_pb2 as pb
+from shardps.protos.v1 import parameter_server_pb2 as ps
+from shardps.server.blocks import BlockKey
+from shardps.server.node.decode import NodeLimits, Part, check_header, parse_segments, split
+from shardps.server.node.table import BlockTable
+from shardps.tables import Consistency
+
+if TYPE_CHECKING:
+    from shardps.server.node.steps import SyncSteps
+
+
+class PullReader:
+    """Serves pulls. Thread-safe: a pull holds the gate shared and its blocks' locks (a
+    sparse segment's blocks at once, sorted by key); nothing held on entry."""
+
+    def __init__(self, table: BlockTable, steps: "SyncSteps", limits: NodeLimits,
+                 metrics: NodeMetrics, clock=time.monotonic):
+        self.table = table
+        self.steps = steps
+        self.limits = limits
+        self.metrics = metrics
+        self._now = clock
+
+    def pull(self, header: pb.RequestHeader, segments: Sequence[pb.Segment], ids_payload,
+             deadline: float | None = None, out_buffer=None) -> tuple[ps.PullHeader, list[np.ndarray]]:
+        """Read values; returns the header and the wire-encoded arrays, in segment order.
+
+        ``out_buffer`` (a writable buffer, e.g. a shared-memory region): float32 values are
+        written straight into it (``header.in_shared_memory`` is then set and the returned
+        list is empty); other cases return the arrays as usual.
+
+        SYNC / BOUNDED groups: first waits (up to ``deadline``) for the consistency condition.
+        Raises InvalidArgument / NotFound / StaleEpoch / Unavailable / ResourceExhausted, and
+        DeadlineExceeded if the wait outlasts ``deadline``. Nothing held on entry.
+        """
+        header_out = ps.PullHeader()
+        table = self.table
+        check_header(header)
+        with table.gate.shared():          # a malformed pull is refused before it waits
+            table.check_epoch(header)
+            parsed = parse_segments(table.view, table.name, self.limits, header, segments,
+                                    ids_payload, with_values=False)
+            parsed_under = table.view
+        clock = self.steps.clocks.get(header.job)
+        if clock is not None and table.member(header):
+            waited = self._now()
+            staleness = clock.wait_for_pull(int(header.clock), deadline)
+            header_out.waited_seconds = self._now() - waited
+            if clock.mode is not Consistency.ASYNC:
+                self.metrics.staleness.labels(header.job).observe(staleness)
+            header_out.min_clock = clock.min_completed() if clock.mode is not Consistency.SYNC \
+                else clock.applied_steps
+        elif clock is not None:
+            header_out.min_clock = clock.applied_steps if clock.mode is Consistency.SYNC \
+                else clock.min_completed()
+        outputs: list[np.ndarray] = []
+        with table.gate.shared():
+            table.check_epoch(header)
+            if table.view is not parsed_under:      # a new map came in while the pull waited
+                parsed = parse_segments(table.view, table.name, self.limits, header, segments,
+                                        ids_payload, with_values=False)
+            out_bytes = sum(((s.hi - s.lo) if s.dense else s.ids.shape[0] * s.table.spec.dim)
+                            * s.dtype.itemsize for s in parsed if not s.all_stored)
+            if out_bytes > self.limits.max_response_bytes:
+                raise ResourceExhausted(
+                    f"pull would return {out_bytes} bytes; the limit max_response_bytes is "
+                    f"{self.limits.max_response_bytes}: pull smaller ranges")
+            parts = split(table.name, table.view.epoch, header, parsed, False, table.loaded)
+            in_place = (out_buffer is not None and out_bytes <= len(out_buffer)
+                        and all(not s.all_stored and s.dtype is WireDType.FLOAT32 for s in parsed))
+            values = []
+            pos = 0
+            for s in parsed:
+                if s.all_stored:
+                    values.append(None)
+                    continue
+                shape = (s.hi - s.lo,) if s.dense else (s.ids.shape[0], s.table.spec.dim)
+                if in_place:
+                    n = int(np.prod(shape))
+                    values.append(np.frombuffer(out_buffer, dtype="<f4", count=n, offset=pos).reshape(shape))
+                    pos += 4 * n
+                else:
+                    values.append(np.empty(shape, dtype=np.float32))
+            stored: dict[int, list] = {i: [] for i, s in enumerate(parsed) if s.all_stored}
+            versions: dict[BlockKey, int] = {}
+            sparse_parts: dict[int, list[Part]] = {}
+            for part in parts:
+                s, out = parsed[part.segment], values[part.segment]
+                if not s.dense and not s.all_stored:
+                    sparse_parts.setdefault(part.segment, []).append(part)
+                    continue
+                blk = table.blocks[part.key]
+                with blk.lock:
+                    if s.dense:
+                        blk.read(part.lo, part.hi, out=out[part.lo - s.lo:part.hi - s.lo])
+                    else:
+                        meta, arrays = blk.snapshot()
+                        stored[part.segment].append((arrays["ids"], arrays["values"]))
+                    versions[part.key] = blk.version
+            for seg_index, seg_parts in sparse_parts.items():
+                # one vectorised read of every block of the segment, consistent across them
+                blks = sorted({table.blocks[p.key].key: table.blocks[p.key] for p in seg_parts}.values(),
+                              key=lambda b: b.key)
+                with contextlib.ExitStack() as stack:
+                    for blk in blks:
+                        stack.enter_context(blk.lock)
+                    s = parsed[seg_index]
+                    shard = blks[0].shard
+                    with shard.lock:
+                        shard.read(s.ids, out=values[seg_index])
+                    for blk in blks:
+                        versions[blk.key] = blk.version
+            for i, (s, out) in enumerate(zip(parsed, values)):
+                if s.all_stored:
+                    got = stored[i]
+                    ids = np.concatenate([g[0] for g in got]) if got else np.empty(0, np.int64)
+                    rows = (np.concatenate([g[1] for g in got]) if got
+                            else np.empty((0, s.table.spec.dim), np.float32))
+                    outputs.append(ids.astype("<i8"))
+                    outputs.append(dtypes.encode(rows, s.dtype))
+                    header_out.segments.add(dtype=s.dtype.value, elements=rows.size, ids=ids.shape[0])
+                    continue
+                if not in_place:
+                    outputs.append(dtypes.encode(out, s.dtype))
+                header_out.segments.add(dtype=s.dtype.value, elements=out.size)
+            if in_place:
+                header_out.in_shared_memory = True
+                header_out.payload_bytes = out_bytes
+            for key, v in sorted(versions.items()):
+                header_out.versions.add(table=key[1], block=key[2], version=v)
+        nbytes = sum(a.nbytes for a in outputs) if outputs else int(header_out.payload_bytes)
+        header_out.payload_bytes = nbytes
+        self.metrics.request_bytes.labels("Pull").observe(nbytes)
+        self.metrics.bytes.labels("out").inc(nbytes)
+        self.metrics.request_rows.labels("Pull").observe(
+            sum(s.ids.shape[0] for s in parsed if s.ids is not None))
+        return header_out, outputs

@@ -1,0 +1,319 @@
+"""Primary-backup replication: a primary forwards its ops and whole blocks (``Forwarder``), a
+backup applies them (``BackupApplier``).
+
+Contract (the .proto states the same):
+
+* The primary applies an operation, then forwards it, in its order and holding the block's
+  lock, to every backup the map lists and every node the block is being copied to; it
+  acknowledges a push only once every one of them applied it. Backups' copies are therefore
+  identical to the primary's.
+* A backup applies an operation only if its version follows on from its own; otherwise it
+  reports the block out of sync and the primary sends the whole block before acknowledging.
+* A backup that cannot be reached is marked in ``BlockTable.needs_resync``; the primary keeps
+  the op and raises ``Unavailable`` (a retry is deduplicated), and sends the block whole
+  before it acknowledges anything else of that block.
+
+``Peers`` (passed in) carries the calls to other nodes; the gRPC one is in node_service.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, Sequence
+
+import numpy as np
+
+from shardps.errors import InvalidArgument, ShardpsError, StaleEpoch, Unavailable
+from shardps.metrics import NodeMetrics
+from shardps.protos.v1 import common_pb2 as pb
+from shardps.protos.v1 import parameter_server_pb2 as ps
+from shardps.rpc.codec import byte_view
+from shardps.server.blocks import Block, BlockKey, Writer, decode_metadata, encode_metadata
+from shardps.server.node.apply import apply_gradient
+from shardps.server.node.table import BlockTable
+from shardps.shardmap import ShardMapView
+
+if TYPE_CHECKING:
+    from shardps.server.node.steps import SyncSteps
+
+log = logging.getLogger("shardps.server")
+
+Op = tuple[BlockKey, ps.BlockOp, list[np.ndarray]]   # a block's op and its arrays, to forward
+
+
+@dataclass
+class BlockSnapshot:
+    """A block's full state: header (ref, version, array layout, JSON metadata) and arrays."""
+
+    header: ps.BlockStateHeader
+    arrays: list[np.ndarray]
+
+
+def snapshot_block(blk: Block) -> BlockSnapshot:
+    """``blk``'s whole state, every array as float32 or int64. Hold ``blk.lock``."""
+    meta, arrays = blk.snapshot()
+    header = ps.BlockStateHeader(
+        ref=ps.BlockRef(job=blk.key[0], table=blk.key[1], block=blk.key[2]),
+        version=blk.version, metadata=encode_metadata(meta),
+        initialized=bool(meta.get("initialized", True)))
+    out = []
+    for name, arr in arrays.items():
+        # every array travels as float32 or int64, whatever its storage type
+        arr = np.ascontiguousarray(arr, dtype="<i8" if arr.dtype.kind in "iu" else "<f4")
+        header.arrays.add(name=name, dtype=pb.INT64 if arr.dtype.kind == "i" else pb.FLOAT32,
+                          shape=list(arr.shape))
+        out.append(arr)
+    return BlockSnapshot(header, out)
+
+
+class Peers(Protocol):
+    """How a node reaches other nodes (the gRPC implementation is in node_service)."""
+
+    def replicate(self, node: str, epoch: int, ops: list[ps.BlockOp],
+                  arrays: list[np.ndarray]) -> list[BlockKey]:
+        """Forward ops; returns the blocks the backup reports out of sync. Raises on failure."""
+
+    def load_blocks(self, node: str, epoch: int, snapshots: list[BlockSnapshot]) -> None:
+        """Install whole blocks on ``node``. Raises on failure."""
+
+
+class NoPeers:
+    """Peers of a node that has none: every call raises Unavailable."""
+
+    def replicate(self, node, epoch, ops, arrays):
+        raise Unavailable(f"no transport to reach backup {node!r}")
+
+    def load_blocks(self, node, epoch, snapshots):
+        raise Unavailable(f"no transport to reach {node!r}")
+
+
+class Forwarder:
+    """The primary's side: forward ops, send whole blocks (resync, copy), snapshot blocks.
+
+    Thread-safe; methods named ``*_locked`` expect the locks of the blocks they are given
+    held. Every method may block on ``peers`` (up to its timeout) holding block locks.
+    ``peers`` may be replaced after construction (the node's ``peers`` attribute).
+    """
+
+    def __init__(self, table: BlockTable, metrics: NodeMetrics, peers: Peers,
+                 clock=time.monotonic):
+        self.table = table
+        self.metrics = metrics
+        self.peers = peers
+        self._now = clock
+
+    def forward_locked(self, ops: list[Op], blocks: list[Block]) -> None:
+        """Send ops to every backup (block locks held). Out-of-sync blocks are sent whole.
+        Raises Unavailable if a backup cannot be reached (the ops stay applied here; the
+        backup is marked for a full resync before this block acknowledges anything)."""
+        if not ops:
+            return
+        by_node: dict[str, list[Op]] = {}
+        for key, op, arrays in ops:
+            for node in self.table.backups(key):
+                by_node.setdefault(node, []).append((key, op, arrays))
+        if not by_node:
+            return
+        by_key = {b.key: b for b in blocks}
+        failures = []
+        for node, items in by_node.items():
+            started = self._now()
+            try:
+                stale = self.peers.replicate(node, self.table.view.epoch, [op for _, op, _ in items],
+                                             [a for _, _, arrays in items for a in arrays])
+                for key in stale:
+                    if key in by_key:
+                        self.send_whole(by_key[key], node)
+                self.metrics.replication_seconds.observe(self._now() - started)
+            except ShardpsError as exc:
+                for key, _, _ in items:
+                    self.table.needs_resync.setdefault(key, set()).add(node)
+                failures.append(f"{node}: {exc.message}")
+        if failures:
+            raise Unavailable(f"backup(s) did not apply the push: {'; '.join(failures)}; "
+                              f"retry (the push will not be applied twice)")
+
+    def resync_locked(self, blk: Block) -> None:
+        """Send the whole block to backups marked out of sync (lock held). Raises
+        Unavailable, leaving the rest marked, if one cannot be reached."""
+        nodes = self.table.needs_resync.get(blk.key, set())
+        targets = set(self.table.backups(blk.key)) if self.table.is_primary(blk.key) else set()
+        for node in sorted(nodes):
+            if node not in targets:
+                nodes.discard(node)
+                continue
+            try:
+                self.send_whole(blk, node)
+                nodes.discard(node)
+            except ShardpsError as exc:
+                raise Unavailable(f"backup {node} of block {blk.key} needs a full copy and "
+                                  f"cannot be reached ({exc.message}): retry") from exc
+        if not nodes:
+            self.table.needs_resync.pop(blk.key, None)
+
+    def resync_marked(self) -> None:
+        """Resync every marked block this node is primary of (after a map install). A backup
+        that cannot be reached now stays marked and is resynced before its block
+        acknowledges the next push; nothing is raised."""
+        for key in list(self.table.needs_resync):
+            block = self.table.blocks.get(key)
+            if block is not None and self.table.is_primary(key):
+                with block.lock:
+                    try:
+                        self.resync_locked(block)
+                    except Unavailable as exc:
+                        log.warning("resync after epoch %d deferred: %s", self.table.view.epoch,
+                                    exc.message)
+
+    def send_whole(self, blk: Block, node: str) -> None:
+        """Load ``blk`` whole on ``node`` (lock held). Raises what ``peers`` raises."""
+        self.peers.load_blocks(node, self.table.view.epoch, [snapshot_block(blk)])
+        self.metrics.resyncs.inc()
+
+    def copy_blocks(self, epoch: int, refs: Sequence[tuple[str, str, int]], destination: str) -> tuple[int, int]:
+        """Primary: send ``refs`` whole to ``destination`` and forward later ops to it too,
+        until a map lists it (or drops the move). Returns (blocks copied, bytes). Raises
+        StaleEpoch for a block this node is not primary of."""
+        copied = nbytes = 0
+        for key in refs:
+            key = tuple(key)
+            blk = self.table.blocks.get(key)
+            if blk is None or not self.table.is_primary(key):
+                raise StaleEpoch(f"{self.table.name} is not the primary of block {key} under epoch "
+                                 f"{self.table.view.epoch}: the manager's plan is stale")
+            with blk.lock:
+                snap = snapshot_block(blk)
+                self.peers.load_blocks(destination, self.table.view.epoch, [snap])
+                self.table.add_destination(key, destination)
+            copied += 1
+            nbytes += sum(a.nbytes for a in snap.arrays)
+        return copied, nbytes
+
+    def snapshot_blocks(self, refs: Sequence[tuple[str, str, int]] | None = None,
+                        job: str | None = None) -> list[BlockSnapshot]:
+        """Whole blocks this node is primary of: ``refs``, or all blocks of ``job``. Raises
+        StaleEpoch for a block this node is not primary of."""
+        if refs is None:
+            refs = sorted(k for k in self.table.blocks if k[0] == job and self.table.is_primary(k))
+        out = []
+        for key in refs:
+            key = tuple(key)
+            blk = self.table.blocks.get(key)
+            if blk is None or not self.table.is_primary(key):
+                raise StaleEpoch(f"{self.table.name} is not the primary of block {key} under epoch "
+                                 f"{self.table.view.epoch}")
+            with blk.lock:
+                out.append(snapshot_block(blk))
+        return out
+
+
+class BackupApplier:
+    """The backup's side: apply a primary's forwarded ops, load whole blocks.
+
+    Thread-safe; takes one block lock at a time, with nothing held on entry. No I/O.
+    """
+
+    def __init__(self, table: BlockTable, steps: "SyncSteps"):
+        self.table = table
+        self.steps = steps
+
+    def apply_replicated(self, epoch: int, source: str, ops: Sequence[ps.BlockOp],
+                         payload) -> tuple[int, list[BlockKey]]:
+        """Apply a primary's forwarded ops (in order). Returns (applied, out-of-sync keys).
+
+        Accepted only from the block's primary under this node's map (or from the node that
+        copied a staged block here), for blocks that did not move after ``epoch``: else
+        StaleEpoch. InvalidArgument if the payload does not match the ops.
+        """
+        buf = byte_view(payload) if payload is not None else memoryview(b"")
+        offset = 0
+        applied = 0
+        stale: list[BlockKey] = []
+        view = self.table.view
+        for op in ops:
+            key = (op.job, op.table, int(op.block))
+            arrays = []
+            if op.kind in (ps.APPLY, ps.ACCUMULATE, ps.INITIAL):
+                for count, dtype, size in ((op.id_count, "<i8", 8), (op.element_count, "<f4", 4)):
+                    if dtype == "<i8" and not count:
+                        continue
+                    n = int(count) * size
+                    if offset + n > len(buf):
+                        raise InvalidArgument(f"replicate payload has {len(buf)} bytes; op {key} needs "
+                                              f"{n} more after byte {offset}")
+                    arrays.append(np.frombuffer(buf[offset:offset + n], dtype=dtype))
+                    offset += n
+            blk = self.replica_block(view, key, source, epoch)
+            with blk.lock:
+                if op.version != blk.version + 1:
+                    stale.append(key)
+                    continue
+                writer = Writer(op.writer.session, op.writer.incarnation, op.writer.sequence,
+                                op.writer.acked_below)
+                t = view.tables.get((op.job, op.table))
+                if op.kind == ps.APPLY:
+                    if t is None or t.config.version != op.config_version:
+                        # our config is behind the primary's: take the whole block instead
+                        stale.append(key)
+                        continue
+                    apply_gradient(blk, t, arrays, op)
+                elif op.kind == ps.INITIAL:
+                    blk.initialize(op.range.start, op.range.stop, arrays[0])
+                elif op.kind == ps.ACCUMULATE:
+                    self.steps.accumulate(blk, int(op.step), arrays, op.range.start, op.range.stop)
+                elif op.kind == ps.APPLY_STEP:
+                    if t is None:
+                        stale.append(key)
+                        continue
+                    self.steps.apply_step_locked(blk, t, int(op.step), int(op.divisor))
+                else:
+                    raise InvalidArgument(f"unknown block op kind {op.kind}")
+                blk.remember(writer)
+                applied += 1
+        if offset != len(buf):
+            raise InvalidArgument(f"replicate payload has {len(buf)} bytes; ops describe {offset}")
+        return applied, stale
+
+    def replica_block(self, view: ShardMapView, key: BlockKey, source: str, epoch: int) -> Block:
+        """The block ``source`` may forward ``key``'s ops to here, else StaleEpoch."""
+        t = view.tables.get((key[0], key[1]))
+        blk, staged = self.table.lookup(key)
+        if blk is not None and t is not None:
+            reps = t.replicas[key[2]]
+            if reps and reps[0] == source and int(t.since_epoch[key[2]]) <= epoch:
+                return blk
+            if reps and reps[0] == self.table.name:
+                raise StaleEpoch(f"{self.table.name} is the primary of block {key} under epoch "
+                                 f"{view.epoch}; {source} (epoch {epoch}) is not")
+        if staged is not None and staged[1] == source:
+            return staged[0]
+        raise StaleEpoch(
+            f"{self.table.name} does not hold block {key} as a backup of {source} under epoch "
+            f"{view.epoch} (sender's epoch {epoch})")
+
+    def load_blocks(self, epoch: int, source: str, snapshots: Sequence[BlockSnapshot]) -> int:
+        """Install whole blocks sent by their primary (copy, resync) or by the manager
+        (restore, source ``"manager"``). Returns how many. Refused (StaleEpoch) for blocks
+        this node is primary of; Unavailable for a table its map does not have yet."""
+        loaded = 0
+        name = self.table.name
+        for snap in snapshots:
+            ref = snap.header.ref
+            key = (ref.job, ref.table, int(ref.block))
+            t = self.table.view.tables.get((key[0], key[1]))
+            if t is None or key[2] >= len(t.replicas):
+                raise Unavailable(f"{name} does not know table {key[1]!r} of job {key[0]!r} "
+                                  f"at epoch {self.table.view.epoch}: retry after the map is installed")
+            reps = t.replicas[key[2]]
+            if reps and reps[0] == name and source != "manager":
+                raise StaleEpoch(f"{name} is the primary of {key} under epoch {self.table.view.epoch}; "
+                                 f"it does not take copies from {source}")
+            meta = decode_metadata(snap.header.metadata)
+            arrays = {info.name: arr for info, arr in zip(snap.header.arrays, snap.arrays)}
+            blk = self.table.receive(key, t, source)
+            with blk.lock:
+                blk.load(meta, arrays)
+            loaded += 1
+        return loaded

@@ -1,0 +1,178 @@
+"""SYNC (BSP) steps on one node, on top of ``server.clocks.JobClock``.
+
+A SYNC job's pushes are not applied when they arrive: each block accumulates them per step
+(``accumulate``), and once every live worker of the job's group completed step ``t``,
+``apply_ready`` applies the step on every block this node is primary of as the mean over
+the live workers (the sum divided by their number) and forwards it to the backups.
+
+A push for a step that was already applied is refused (``check_step_open``), never kept:
+a push is either part of its step or refused.
+
+``SyncSteps`` owns the job clocks (``clocks``, one ``JobClock`` per group, for every
+consistency mode), one apply lock per job, and ``pending`` (the blocks with accumulated
+gradients, per job, guarded by ``BlockTable.lock``). Thread-safe; see table.py for the
+lock order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+
+import numpy as np
+
+from shardps.errors import FailedPrecondition, Unavailable
+from shardps.protos.v1 import parameter_server_pb2 as ps
+from shardps.server.blocks import Block, BlockKey, DenseBlock
+from shardps.server.clocks import JobClock
+from shardps.server.node.replication import Forwarder
+from shardps.server.node.table import BlockTable
+from shardps.shardmap import ShardMapView, TableView
+from shardps.tables import Consistency, coalesce
+
+log = logging.getLogger("shardps.server")
+
+
+class SyncSteps:
+    """Job clocks and SYNC step application of one node."""
+
+    def __init__(self, table: BlockTable, forwarder: Forwarder, clock=time.monotonic):
+        self.table = table
+        self.forwarder = forwarder
+        self._now = clock
+        self.clocks: dict[str, JobClock] = {}
+        self.apply_locks: dict[str, threading.Lock] = {}
+        self.pending: dict[str, set[BlockKey]] = {}           # blocks with pending steps
+
+    def clear_locked(self) -> None:
+        """Forget every clock (a new incarnation). ``table.lock`` held."""
+        for d in (self.clocks, self.pending, self.apply_locks):
+            d.clear()
+
+    def set_groups_locked(self, view: ShardMapView) -> None:
+        """Follow ``view``'s worker groups: a clock per group, members as listed. Called by
+        ``BlockTable.install`` under ``table.lock``."""
+        for job, g in view.groups.items():
+            clock = self.clocks.get(job)
+            if clock is None:
+                clock = self.clocks[job] = JobClock(g.consistency, g.staleness, self._now)
+                self.apply_locks[job] = threading.Lock()
+            clock.set_members({m.session for m in g.members}, g.consistency, g.staleness)
+        for job in [j for j in self.clocks if j not in view.groups]:
+            del self.clocks[job]
+
+    # ------------------------------------------------------------------ pushes
+    def check_step_open(self, job: str, step: int, blocks: list[Block]) -> None:
+        """SYNC: refuse a push for a step that was already applied here (block locks held):
+        FailedPrecondition.
+
+        The blocks are registered as pending *before* the check, so a step that closes after
+        the check still finds them (``apply_ready`` closes a step, then collects the pending
+        blocks, then takes their locks): a push is either part of its step or refused.
+        A refused push leaves at most a registration without data, which the next step drops.
+        """
+        with self.table.lock:
+            self.pending.setdefault(job, set()).update(b.key for b in blocks)
+        clock = self.clocks.get(job)
+        if clock is not None and step < clock.closed_below:
+            raise FailedPrecondition(
+                f"SYNC step {step} of job {job!r} was already applied on server {self.table.name} "
+                f"({clock.closed_below} steps applied) without this push; nothing was applied: "
+                f"push each step once, for the step after the last one pulled (PSClient keeps "
+                f"the step when a loop uses client.step() / next_step())")
+
+    def accumulate(self, blk: Block, step: int, arrays, lo: int, hi: int) -> None:
+        """SYNC: add a gradient to the block's pending sum of ``step`` (a copy is kept).
+        Block lock held."""
+        if isinstance(blk, DenseBlock):
+            blk.accumulate(step, (lo, hi, np.array(arrays[0], dtype=np.float32)))
+        else:
+            blk.accumulate(step, (np.array(arrays[0], dtype=np.int64),
+                                  np.array(arrays[1], dtype=np.float32).reshape(-1, blk.dim)))
+        blk.version += 1
+        with self.table.lock:
+            self.pending.setdefault(blk.key[0], set()).add(blk.key)
+
+    # ------------------------------------------------------------------ steps
+    def apply_all_ready(self) -> None:
+        """``apply_ready`` for every job (after a map install). Nothing held on entry."""
+        for job in list(self.clocks):
+            self.apply_ready(job)
+
+    def apply_ready(self, job: str) -> None:
+        """Apply every SYNC step all live workers completed (mean over live workers), and
+        forward each to the backups. A backup that misses a step is marked for a resync
+        (logged, not raised). Nothing held on entry; takes the job's apply lock, then the
+        gate shared, then the blocks' locks."""
+        clock = self.clocks.get(job)
+        lock = self.apply_locks.get(job)
+        if clock is None or lock is None or clock.mode is not Consistency.SYNC:
+            return
+        with lock:
+            ready = clock.steps_to_apply()
+            clock.close(ready.stop)      # before collecting: see check_step_open
+            with self.table.lock:
+                keys = list(self.pending.get(job, set()))
+            with_data = set()
+            for k in keys:
+                blk = self.table.blocks.get(k)
+                if blk is not None:
+                    with blk.lock:
+                        with_data.update(st for st in blk.pending if st in ready)
+                        if not blk.pending:
+                            with self.table.lock:
+                                self.pending.get(job, set()).discard(k)
+            with_data = sorted(with_data)
+            for step in with_data:      # steps nobody pushed data for need no work here
+                divisor = max(1, len(clock.live))
+                with self.table.gate.shared(), contextlib.ExitStack() as stack:
+                    with self.table.lock:
+                        keys = sorted(self.pending.get(job, set()))
+                    ops = []
+                    touched = []
+                    for key in keys:
+                        blk = self.table.blocks.get(key)
+                        if blk is None or not self.table.is_primary(key):
+                            continue
+                        stack.enter_context(blk.lock)
+                        touched.append(blk)
+                        if step not in blk.pending:
+                            continue
+                        t = self.table.view.tables[(key[0], key[1])]
+                        self.apply_step_locked(blk, t, step, divisor)
+                        ops.append((key, ps.BlockOp(job=key[0], table=key[1], block=key[2],
+                                                    kind=ps.APPLY_STEP, step=step, divisor=divisor,
+                                                    version=blk.version,
+                                                    config_version=t.config.version), []))
+                    try:
+                        self.forwarder.forward_locked(ops, touched)
+                    except Unavailable as exc:
+                        log.warning("step %d of job %s applied; a backup missed it (%s): it "
+                                    "will be resynced", step, job, exc.message)
+                clock.mark_applied(step)
+            if len(ready):
+                clock.skip_to(ready.stop)
+
+    def apply_step_locked(self, blk: Block, t: TableView, step: int, divisor: int) -> None:
+        """Apply ``blk``'s accumulated gradients of ``step`` divided by ``divisor`` (the live
+        workers). Block lock held; a primary and its backups call it alike."""
+        parts = blk.pending.pop(step, [])
+        if isinstance(blk, DenseBlock):
+            total = np.zeros(blk.size, dtype=np.float32)
+            for lo, hi, g in parts:
+                total[lo - blk.start:hi - blk.start] += g
+            total /= np.float32(divisor)
+            blk.apply_gradient(t.config, blk.start, blk.stop, total)
+        else:
+            if parts:
+                ids = np.concatenate([p[0] for p in parts])
+                grads = np.concatenate([p[1] for p in parts])
+                ids, grads = coalesce(ids, grads)
+                blk.apply_gradient(t.config, ids, grads / np.float32(divisor))
+            else:
+                blk.version += 1
+        if not blk.pending:
+            with self.table.lock:
+                self.pending.get(blk.key[0], set()).discard(blk.key)
