@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardps import kernels
 from shardps.errors import InvalidArgument
 from shardps.tables import Initializer, OptimizerConfig, assigned, dense_table, normal, sgd, sparse_table
 from shardps.worker.client import PSClient, PushResult
@@ -79,8 +80,8 @@ class PSEmbedding(nn.Module):
         """Deduplicate a coming batch once (its forward reuses it); returns its distinct ids.
         The batch is copied, so a caller may reuse its buffer."""
         flat = ids.detach().reshape(-1).to("cpu", copy=True).numpy()
-        unique, inverse = np.unique(flat, return_inverse=True)
-        self._planned = (flat, unique, inverse.astype(np.int64, copy=False))
+        unique, inverse = kernels.unique_inverse(flat)
+        self._planned = (flat, unique, inverse)
         return unique
 
     def prefetch(self, ids: torch.Tensor) -> None:
@@ -188,7 +189,7 @@ class PSModel:
         for name, p in self.dense.items():
             self.client.create_table(dense_table(name, tuple(p.shape), assigned(), self.block_size),
                                      self.table_optimizer(name), timeout=timeout)
-        for name, emb in self.embeddings.items():
+        for emb in self.embeddings.values():
             self.client.create_table(sparse_table(emb.table, emb.embedding_dim, emb.num_embeddings,
                                                   emb.init, emb.num_blocks),
                                      emb.optimizer or self.table_optimizer(emb.table), timeout=timeout)

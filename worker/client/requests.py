@@ -14,6 +14,7 @@ from typing import Callable
 
 import numpy as np
 
+from shardps import kernels
 from shardps.errors import InvalidArgument
 from shardps.shardmap import TableView
 from shardps.tables import TableKind, coalesce
@@ -34,7 +35,7 @@ def distinct(ids: np.ndarray) -> tuple[np.ndarray, Finish]:
     sorted again nor gathered afterwards."""
     if ids.shape[0] <= 1 or bool(np.all(ids[1:] > ids[:-1])):
         return ids, lambda rows: rows
-    unique, inverse = np.unique(ids, return_inverse=True)
+    unique, inverse = kernels.unique_inverse(ids)
     return unique, lambda rows: rows[inverse]
 
 
