@@ -32,6 +32,7 @@ from shardps.bench.report import add_derived, table
 
 PARTS = {
     "transport": "shardps.bench.transport",
+    "kernels": "shardps.bench.kernels",
     "dense": "shardps.bench.dense",
     "sparse": "shardps.bench.sparse",
     "e2e": "shardps.bench.e2e",

@@ -88,6 +88,7 @@ def run(cfg: BenchConfig, progress) -> dict[str, float]:
     out = _ceiling(cfg, progress)
     out.update(_call_costs(cfg, progress))
     out.update(_ps_small_call(cfg, progress))
+    out.update(_ps_step(cfg, progress))
     return out
 
 
@@ -331,4 +332,55 @@ def _ps_small_call(cfg: BenchConfig, progress) -> dict[str, float]:
     progress(f"PSClient 1-row pull: data plane {out['transport_ps_small_rtt_us']:.0f} us p50, "
              f"{out['transport_ps_small_cpu_us']:.0f} us CPU; gRPC {out['transport_ps_grpc_small_rtt_us']:.0f} "
              f"us p50, {out['transport_ps_grpc_small_cpu_us']:.0f} us CPU")
+    return out
+
+
+def _ps_step(cfg: BenchConfig, progress) -> dict[str, float]:
+    """A ctr-sized step against 2 server processes, one client: this step's push (the
+    distinct rows of a 13,312-id Zipf batch x 16, and a 27,000-parameter dense table) and
+    the next step's pull, as one ``exchange_async`` and as a ``push_many`` then a
+    ``pull_many``; medians over ``transport_rounds`` interleaved rounds of 20 steps."""
+    from shardps import kernels
+    from shardps.local import LocalCluster
+    from shardps.tables import adagrad, adam
+    from shardps.worker.client import PSClient
+
+    rng = np.random.default_rng(0)
+    dense_grad = np.ones(27_000, np.float32)
+
+    def batch() -> np.ndarray:
+        return kernels.unique_inverse((rng.zipf(1.2, 13_312) % 1_000_000).astype(np.int64))[0]
+
+    samples: dict[str, list[float]] = {}
+    with LocalCluster(servers=2) as cluster:
+        with PSClient(cluster.manager_address, "transport-step") as c:
+            c.create_job()
+            c.join(heartbeat=False)
+            c.create_sparse("emb", 16, num_rows=1_000_000, optimizer=adagrad(0.05))
+            c.create_dense("mlp", (27_000,), optimizer=adam(1e-3))
+
+            def exchange(u, v):
+                c.exchange_async([("mlp", dense_grad), ("emb", u, np.ones((len(u), 16), np.float32))],
+                                 [("mlp",), ("emb", v)], clock=0).result()
+
+            def push_then_pull(u, v):
+                c.push_many([("mlp", dense_grad), ("emb", u, np.ones((len(u), 16), np.float32))])
+                c.pull_many([("mlp",), ("emb", v)])
+
+            ways = {"transport_ps_step_exchange_ms": exchange, "transport_ps_step_push_pull_ms": push_then_pull}
+            for fn in ways.values():
+                for _ in range(5):
+                    fn(batch(), batch())
+            for r in range(cfg.transport_rounds):
+                for key, fn in (ways.items() if r % 2 == 0 else reversed(ways.items())):
+                    times = []
+                    for _ in range(20):
+                        u, v = batch(), batch()
+                        t0 = time.perf_counter()
+                        fn(u, v)
+                        times.append((time.perf_counter() - t0) * 1e3)
+                    samples.setdefault(key, []).append(median(times))
+    out = {k: median(v) for k, v in samples.items()}
+    progress(f"a ctr step against 2 servers: exchange {out['transport_ps_step_exchange_ms']:.2f} ms, "
+             f"push then pull {out['transport_ps_step_push_pull_ms']:.2f} ms")
     return out
