@@ -32,7 +32,7 @@ def run(cfg: BenchConfig, progress) -> dict[str, float]:
     from shardps.server.blocks import SparseShard
     from shardps.tables import TableConfig, adagrad, sparse_table
 
-    rows, dim, n = 1_000_000, 64, 10_000
+    rows, dim, n = (1_000_000, 64, 10_000) if cfg.name != "tiny" else (20_000, 64, 2_000)
     repeats = max(3, cfg.transport_rounds * 3)
     config = TableConfig(optimizer=adagrad(0.05))
     shard = SparseShard(sparse_table("bench", dim, rows))
