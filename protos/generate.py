@@ -34,8 +34,9 @@ def generate(out_dir: Path) -> list[Path]:
 
     Returns the generated files. Raises RuntimeError with protoc's message on failure.
     """
-    from grpc_tools import protoc  # dev dependency: only needed to regenerate
     import importlib.resources
+
+    from grpc_tools import protoc  # dev dependency: only needed to regenerate
 
     well_known = str(importlib.resources.files("grpc_tools") / "_proto")
     with tempfile.TemporaryDirectory() as tmp:

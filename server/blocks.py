@@ -13,42 +13,19 @@ Plain numpy; no grpc, no torch.
 from __future__ import annotations
 
 import json
-import mmap
 import threading
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from shardps import kernels
 from shardps.errors import FailedPrecondition, InvalidArgument
-from shardps.tables import (InitKind, TableConfig, TableKind, TableSpec,
-                            dense_initial_values, initial_values, sparse_block_of)
 from shardps.server import optimizers
+from shardps.server.storage import DIRECT_INDEX_MAX_ROWS, MAPPED_MIN_BYTES, SparseShard, storage, stored
+from shardps.tables import InitKind, TableConfig, TableKind, TableSpec, dense_initial_values
 
-MAPPED_MIN_BYTES = 64 << 10
-
-
-def storage(shape, dtype=np.float32) -> np.ndarray:
-    """An uninitialised array for long-lived state: stored values, optimizer state, indexes.
-
-    From 64 KiB up it gets its own anonymous memory mapping (pages become resident when
-    first written, and return to the system when the array is freed). Stored tables so never
-    share the allocator's heap with request temporaries: the heap, which glibc keeps for
-    reuse (keeping transient buffers cheap), does not grow with the tables, and deleting or
-    moving a table gives its memory back."""
-    dtype = np.dtype(dtype)
-    n = int(np.prod(shape, dtype=np.int64))
-    if n * dtype.itemsize < MAPPED_MIN_BYTES:
-        return np.empty(shape, dtype=dtype)
-    return np.frombuffer(mmap.mmap(-1, n * dtype.itemsize), dtype=dtype, count=n).reshape(shape)
-
-
-def stored(values: np.ndarray, dtype=np.float32) -> np.ndarray:
-    """A copy of ``values`` in ``storage``."""
-    values = np.asarray(values)
-    out = storage(values.shape, dtype)
-    np.copyto(out, values, casting="unsafe")
-    return out
+__all__ = ["DIRECT_INDEX_MAX_ROWS", "MAPPED_MIN_BYTES", "AnyBlock", "Block", "BlockKey", "DenseBlock", "SparseBlock",
+           "SparseShard", "Writer", "WriterRecord", "decode_metadata", "encode_metadata", "new_block", "storage",
+           "stored"]
 
 BlockKey = tuple[str, str, int]   # (job, table, block index)
 
@@ -244,244 +221,6 @@ class DenseBlock(Block):
                         for s, parts in meta.get("pending", {}).items()}
 
 
-class _Rows:
-    """A growable ``[slots, *shape]`` array. Capacity doubles (in ``storage``): the memory
-    beyond the rows written is never touched, so it is not resident (RSS tracks the rows
-    stored), and a gather or scatter is one vectorised numpy operation."""
-
-    def __init__(self, shape: tuple, dtype, fill=0):
-        self.shape, self.dtype, self.fill = shape, dtype, fill
-        self.data = np.empty((0,) + shape, dtype=dtype)
-        self.size = 0
-
-    def ensure(self, slots: int) -> None:
-        if slots <= self.data.shape[0]:
-            self.size = max(self.size, slots)
-            return
-        capacity = max(slots, 2 * self.data.shape[0], 1024)
-        grown = storage((capacity,) + self.shape, self.dtype)
-        grown[:self.size] = self.data[:self.size]
-        self.data = grown
-        self.size = slots
-
-    def take(self, slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """Rows at ``slots`` (each in [0, size)), into ``out`` if given (unbuffered)."""
-        if out is None:
-            return self.data[slots]
-        # mode="clip" writes straight into out; the default buffers a whole temporary copy
-        np.take(self.data, slots, axis=0, out=out, mode="clip")
-        return out
-
-    def put(self, slots: np.ndarray, values) -> None:
-        self.data[slots] = values
-
-
-class _DirectIndex:
-    """id -> slot for ids in [0, num_rows): one int32 per possible id (4 bytes a row)."""
-
-    def __init__(self, num_rows: int):
-        self.slot_of = storage(num_rows, np.int32)
-        self.slot_of.fill(-1)
-
-    def lookup(self, ids: np.ndarray) -> np.ndarray:
-        return self.slot_of[ids].astype(np.int64)
-
-    def add(self, ids: np.ndarray, slots: np.ndarray) -> None:
-        self.slot_of[ids] = slots
-
-    def remove(self, ids: np.ndarray) -> None:
-        self.slot_of[ids] = -1
-
-    def stored(self) -> tuple[np.ndarray, np.ndarray]:
-        ids = np.flatnonzero(self.slot_of >= 0).astype(np.int64)
-        return ids, self.slot_of[ids].astype(np.int64)
-
-
-class _SortedIndex:
-    """id -> slot for any int64 ids: sorted ids and their slots (12 bytes a row)."""
-
-    def __init__(self):
-        self.ids = np.empty(0, dtype=np.int64)
-        self.slots = np.empty(0, dtype=np.int32)
-
-    def lookup(self, ids: np.ndarray) -> np.ndarray:
-        n = self.ids.shape[0]
-        if n == 0:
-            return np.full(ids.shape[0], -1, dtype=np.int64)
-        pos = np.searchsorted(self.ids, ids)
-        np.minimum(pos, n - 1, out=pos)
-        return np.where(self.ids[pos] == ids, self.slots[pos], -1).astype(np.int64)
-
-    def add(self, ids: np.ndarray, slots: np.ndarray) -> None:
-        order = np.argsort(ids, kind="stable")
-        sorted_ids = ids[order]
-        # merge into fresh arrays in storage (as np.insert would, outside the heap)
-        dest = np.searchsorted(self.ids, sorted_ids) + np.arange(sorted_ids.shape[0])
-        n = self.ids.shape[0] + sorted_ids.shape[0]
-        old = storage(n, bool)        # a mapping of its own: this mask grows with every insert
-        old.fill(True)
-        old[dest] = False
-        merged_ids, merged_slots = storage(n, np.int64), storage(n, np.int32)
-        merged_ids[dest], merged_ids[old] = sorted_ids, self.ids
-        merged_slots[dest], merged_slots[old] = slots[order], self.slots
-        self.ids, self.slots = merged_ids, merged_slots
-
-    def remove(self, ids: np.ndarray) -> None:
-        keep = ~np.isin(self.ids, ids)
-        self.ids, self.slots = stored(self.ids[keep], np.int64), stored(self.slots[keep], np.int32)
-
-    def stored(self) -> tuple[np.ndarray, np.ndarray]:
-        return self.ids, self.slots.astype(np.int64)
-
-
-DIRECT_INDEX_MAX_ROWS = 1 << 24     # bounded tables up to 16M rows use a direct id -> slot map
-
-
-class SparseShard:
-    """Every row of one sparse table that this server holds, across all of its blocks.
-
-    Rows live in growable arrays (values, optimizer state, per-row step counts) with one
-    id -> slot index (a direct map for bounded tables, sorted ids otherwise), so that a
-    request touching many blocks is a handful of vectorised numpy operations, not a loop over
-    blocks. Blocks remain the unit of placement: a block's rows are those whose id hashes to
-    it. Slots of removed rows are reused. Not thread-safe: hold ``lock`` (after block locks).
-    """
-
-    def __init__(self, spec: TableSpec):
-        self.spec = spec
-        self.dim = spec.dim
-        self.lock = threading.Lock()
-        n = spec.num_rows
-        self.index = _DirectIndex(n) if 0 < n <= DIRECT_INDEX_MAX_ROWS else _SortedIndex()
-        self.rows = _Rows((self.dim,), np.float32)
-        self.state: dict[str, _Rows] = {}
-        self.row_steps: _Rows | None = None
-        self.used = 0                                   # slots handed out so far
-        self.free = np.empty(0, dtype=np.int64)         # slots of removed rows, reused first
-        self.block_counts = np.zeros(spec.num_blocks, dtype=np.int64)
-
-    def lookup(self, ids: np.ndarray) -> np.ndarray:
-        """Slot of each id, or -1 where the row is not stored."""
-        return self.index.lookup(ids)
-
-    def read(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """Rows of ``ids`` (any order, repeats allowed): stored or initial, ``[n, dim]``
-        (written into ``out`` if given)."""
-        slots = self.lookup(ids)
-        missing = slots < 0
-        if not missing.any():
-            return self.rows.take(slots, out)
-        if out is None:
-            out = np.empty((ids.shape[0], self.dim), dtype=np.float32)
-        present = ~missing
-        out[present] = self.rows.take(slots[present])
-        out[missing] = initial_values(self.spec.init, ids[missing], self.dim)
-        return out
-
-    def _ensure_state(self, config: TableConfig | None, names=()) -> None:
-        wanted = set(names)
-        if config is not None:
-            wanted |= set(optimizers.state_names(config.optimizer))
-        for name in wanted - set(self.state):
-            fill = config.optimizer.initial_accumulator_value if (config and name == "sum") else 0.0
-            self.state[name] = self._pages((self.dim,), np.float32, fill)
-        if config is not None and "sum" in self.state:     # rows inserted later start here
-            self.state["sum"].fill = config.optimizer.initial_accumulator_value
-        if config is not None and optimizers.needs_row_steps(config.optimizer):
-            self._ensure_row_steps()
-
-    def _pages(self, shape: tuple, dtype, fill) -> _Rows:
-        """New per-row arrays covering the slots handed out so far, at ``fill``."""
-        pages = _Rows(shape, dtype, fill)
-        pages.ensure(self.used)
-        if self.used:
-            pages.put(slice(0, self.used), fill)
-        return pages
-
-    def _ensure_row_steps(self) -> None:
-        if self.row_steps is None:
-            self.row_steps = self._pages((), np.int32, 0)
-
-    def _allocate(self, n: int) -> np.ndarray:
-        reuse = self.free[:n]
-        self.free = self.free[n:]
-        fresh = np.arange(self.used, self.used + (n - reuse.shape[0]), dtype=np.int64)
-        self.used += fresh.shape[0]
-        for pages in [self.rows, *self.state.values()] + ([self.row_steps] if self.row_steps else []):
-            pages.ensure(self.used)
-        return np.concatenate([reuse, fresh]) if reuse.shape[0] else fresh
-
-    def insert(self, new_ids: np.ndarray, config: TableConfig | None, values: np.ndarray | None = None,
-               state: dict[str, np.ndarray] | None = None, steps: np.ndarray | None = None) -> np.ndarray:
-        """Store rows for ``new_ids`` (unique, absent): initial values unless given. Returns
-        their slots."""
-        n = new_ids.shape[0]
-        if n == 0:
-            return np.empty(0, dtype=np.int64)
-        self._ensure_state(config, state or ())
-        if steps is not None:
-            self._ensure_row_steps()
-        slots = self._allocate(n)
-        self.rows.put(slots, initial_values(self.spec.init, new_ids, self.dim) if values is None else values)
-        for name, pages in self.state.items():
-            if state and name in state:
-                pages.put(slots, state[name])
-            else:
-                pages.put(slots, pages.fill)
-        if self.row_steps is not None:
-            self.row_steps.put(slots, 0 if steps is None else steps)
-        self.index.add(new_ids, slots)
-        blocks = sparse_block_of(new_ids, self.spec.num_blocks)
-        self.block_counts += np.bincount(blocks, minlength=self.block_counts.shape[0])
-        return slots
-
-    def apply(self, config: TableConfig, ids: np.ndarray, grad: np.ndarray) -> None:
-        """Apply ``grad`` ``[n, dim]`` to rows ``ids`` (unique), storing new rows first."""
-        self._ensure_state(config)
-        slots = self.lookup(ids)
-        missing = slots < 0
-        if missing.any():
-            slots[missing] = self.insert(ids[missing], config)
-        if kernels.AVAILABLE:       # one fused pass over the rows, in place
-            kernels.apply_rows(config.optimizer, self.rows.data, {k: v.data for k, v in self.state.items()},
-                               self.row_steps.data if self.row_steps is not None else None,
-                               slots, grad.reshape(-1, self.dim))
-            return
-        params = self.rows.take(slots)
-        state = {k: v.take(slots) for k, v in self.state.items()}
-        step = 1
-        if self.row_steps is not None:
-            steps = self.row_steps.take(slots) + 1
-            self.row_steps.put(slots, steps)
-            step = steps[:, None]
-        optimizers.apply(config.optimizer, params, grad, state, step)
-        self.rows.put(slots, params)
-        for k, v in state.items():
-            self.state[k].put(slots, v)
-
-    def block_rows(self, block: int) -> tuple[np.ndarray, np.ndarray]:
-        """(ids, slots) of ``block``'s stored rows, ordered by id (canonical for snapshots)."""
-        ids, slots = self.index.stored()
-        mine = sparse_block_of(ids, self.spec.num_blocks) == block
-        ids, slots = ids[mine], slots[mine]
-        order = np.argsort(ids, kind="stable")
-        return ids[order], slots[order]
-
-    def remove_block(self, block: int) -> None:
-        """Forget every row of ``block``; its slots are reused by later inserts."""
-        if self.block_counts[block] == 0:
-            return
-        ids, slots = self.block_rows(block)
-        self.index.remove(ids)
-        self.free = np.concatenate([self.free, slots])
-        self.block_counts[block] = 0
-
-    def row_bytes(self) -> int:
-        """Bytes one stored row takes: values, optimizer state, step count, index entry."""
-        per = self.dim * 4 * (1 + len(self.state)) + (4 if self.row_steps is not None else 0)
-        return per + (4 if isinstance(self.index, _DirectIndex) else 12)
-
-
 class SparseBlock(Block):
     """The rows of a sparse table whose ids hash to this block, stored in the server's
     ``SparseShard`` of that table (shared by the table's blocks on this server)."""
@@ -555,7 +294,11 @@ class SparseBlock(Block):
                         for s, n in meta.get("pending", {}).items()}
 
 
-def new_block(key: BlockKey, spec: TableSpec, shard: SparseShard | None = None) -> Block:
+# What a block table holds: a block of either kind (``isinstance`` tells which).
+AnyBlock = DenseBlock | SparseBlock
+
+
+def new_block(key: BlockKey, spec: TableSpec, shard: SparseShard | None = None) -> AnyBlock:
     """A new empty block; sparse blocks store their rows in ``shard`` (a private one if None)."""
     return DenseBlock(key, spec) if spec.kind is TableKind.DENSE else SparseBlock(key, spec, shard)
 

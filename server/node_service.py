@@ -4,18 +4,14 @@ encodes the answer; and ``GrpcPeers``, the node's calls to other nodes.
 
 from __future__ import annotations
 
-import threading
-
 import grpc
 import numpy as np
 
 from shardps import names
-from shardps.errors import InvalidArgument, ResourceExhausted, ShardpsError, Unavailable
+from shardps.errors import InvalidArgument, ResourceExhausted, ShardpsError
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
-from shardps.rpc import channels
-from shardps.rpc.codec import (CHUNK_BYTES, assemble, decode_chunk, encode_chunk, split_payload,
-                                write_into)
+from shardps.rpc.codec import CHUNK_BYTES, assemble, decode_chunk, encode_chunk, split_payload, write_into
 from shardps.rpc.status import Method, bind, proto_method
 from shardps.rpc.stubs import encode_snapshots
 from shardps.server.auth import JOB, check_job
@@ -30,7 +26,8 @@ _IDENTITY = bytes
 
 def _np_dtype(code: int) -> str:
     try:
-        return {pb.FLOAT32: "<f4", pb.INT64: "<i8", pb.FLOAT64: "<f8"}[code]
+        # (protobuf's stubs key this dict by pb.DType.ValueType; code is the same number)
+        return {pb.FLOAT32: "<f4", pb.INT64: "<i8", pb.FLOAT64: "<f8"}[code]  # type: ignore[index]
     except KeyError:
         raise InvalidArgument(f"block array dtype {code}: block state travels as FLOAT32, "
                               f"FLOAT64 or INT64") from None

@@ -176,7 +176,7 @@ def plan_placement(blocks: list[str], nodes: list[str], replication: int,
     heap = [(-load[n], n) for n in nodes]
     heapq.heapify(heap)
     for node in sorted(nodes):
-        skipped = []                                  # donors with nothing `node` may take
+        skipped: list[tuple[int, str]] = []           # donors with nothing `node` may take
         while load[node] < floor and heap:
             neg, donor = heap[0]
             if -neg != load[donor]:                   # stale entry: refresh it
@@ -185,12 +185,12 @@ def plan_placement(blocks: list[str], nodes: list[str], replication: int,
             if load[donor] <= load[node] + 1:
                 break
             # prefer a block whose ring preference includes `node`, else any it may take
-            b = next((b for b in holders[donor] if node not in placed[b] and node in prefs(b)), None)
-            b = b or next((b for b in holders[donor] if node not in placed[b]), None)
-            if b is None:
+            block = next((b for b in holders[donor] if node not in placed[b] and node in prefs(b)), None)
+            block = block or next((b for b in holders[donor] if node not in placed[b]), None)
+            if block is None:
                 skipped.append(heapq.heappop(heap))
                 continue
-            move(b, donor, node)
+            move(block, donor, node)
             heapq.heapreplace(heap, (-load[donor], donor))
         for item in skipped:                          # they may still give to the next nodes
             heapq.heappush(heap, item)

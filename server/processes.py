@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from prometheus_client import start_http_server
@@ -25,6 +26,7 @@ from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import manager_pb2 as mg
 from shardps.rpc import channels
 from shardps.rpc.status import from_rpc_error
+from shardps.rpc.stubs import GrpcPeers, StubPool
 from shardps.server.manager.checkpoints import CheckpointCoordinator
 from shardps.server.manager.records import ManagerSettings
 from shardps.server.manager.runtime import ManagerRuntime, RuntimeSettings
@@ -33,8 +35,10 @@ from shardps.server.manager.service import ResourceManagerService
 from shardps.server.node import NodeLimits, ServerNode
 from shardps.server.node_service import SERVICE as NODE_SERVICE
 from shardps.server.node_service import ParameterServerService
-from shardps.rpc.stubs import GrpcPeers, StubPool
 from shardps.settings import ManagerProcessSettings, ServerProcessSettings, Serving
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
 
 log = logging.getLogger("shardps.process")
 
@@ -48,7 +52,7 @@ def advertised(serving: Serving, port: int) -> str:
     return f"{host}:{port}"
 
 
-def _start_metrics(serving: Serving, registry) -> tuple[object | None, str]:
+def _start_metrics(serving: Serving, registry) -> tuple[WSGIServer | None, str]:
     if serving.metrics_port < 0:
         return None, ""
     server, _thread = start_http_server(serving.metrics_port, addr=serving.metrics_host, registry=registry)

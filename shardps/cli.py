@@ -16,8 +16,16 @@ import threading
 
 from shardps import __version__, logs
 from shardps.children import PARENT_ENV, die_with_parent
-from shardps.settings import (Common, FlagSet, ManagerProcessSettings, ServerProcessSettings, Serving,
-                              add_common, add_serving, build)
+from shardps.settings import (
+    Common,
+    FlagSet,
+    ManagerProcessSettings,
+    ServerProcessSettings,
+    Serving,
+    add_common,
+    add_serving,
+    build,
+)
 
 log = logging.getLogger("shardps.cli")
 
@@ -201,8 +209,8 @@ def cmd_manager(args) -> int:
     common = _common(args)
     logs.setup("manager", "manager", common.log_format, common.log_level)
     settings = build(ManagerProcessSettings, args, common=common, serving=build(Serving, args))
-    from shardps.server.processes import ManagerProcess
     from shardps.server import auth
+    from shardps.server.processes import ManagerProcess
     authn = auth.authenticator_for(settings.serving, role="manager")
     admin = settings.serving.resolved_admin_token()
     metadata = (("authorization", f"Bearer {admin}"),) if admin else ()
@@ -219,8 +227,8 @@ def cmd_server(args) -> int:
     ctx = logs.setup("server", name, common.log_format, common.log_level)
     settings = build(ServerProcessSettings, args, common=common, serving=build(Serving, args))
     settings = ServerProcessSettings(**{**settings.__dict__, "name": name})
-    from shardps.server.processes import ServerProcess
     from shardps.server import auth
+    from shardps.server.processes import ServerProcess
     authn = auth.authenticator_for(settings.serving, role="server")
     token = common.resolved_token() or settings.serving.resolved_admin_token()
     metadata = (("authorization", f"Bearer {token}"),) if token else ()
@@ -228,7 +236,11 @@ def cmd_server(args) -> int:
     proc.node.on_epoch = lambda e: ctx.set(epoch=e)
     proc.start(wait_registered=None)
     stop = threading.Event()
-    threading.Thread(target=lambda: (proc.retired.wait(), stop.set()), daemon=True).start()
+
+    def stop_when_retired() -> None:
+        proc.retired.wait()
+        stop.set()
+    threading.Thread(target=stop_when_retired, daemon=True).start()
     _wait_for_signal(stop)
     log.info("stopping")
     proc.stop()
@@ -247,6 +259,7 @@ def cmd_local(args) -> int:
 
 def cmd_health(args) -> int:
     import grpc
+
     from shardps.rpc.channels import check_health
     try:
         status = check_health(args.address, args.service, args.timeout, _tls(_common(args)))

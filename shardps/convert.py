@@ -9,8 +9,19 @@ from __future__ import annotations
 from shardps.dtypes import WireDType
 from shardps.errors import InvalidArgument
 from shardps.protos.v1 import common_pb2 as pb
-from shardps.tables import (Consistency, InitKind, Initializer, OptimizerConfig, OptimizerKind,
-                            TableConfig, TableKind, TableSpec)
+from shardps.tables import (
+    Consistency,
+    Initializer,
+    InitKind,
+    OptimizerConfig,
+    OptimizerKind,
+    TableConfig,
+    TableKind,
+    TableSpec,
+)
+
+# The ``# type: ignore[arg-type]`` below: protobuf's stubs type an enum field as its enum's
+# ValueType; our enums' ``.value`` is the same number as a plain int.
 
 
 def _enum(cls, value: int, field: str, default=None):
@@ -25,7 +36,7 @@ def _enum(cls, value: int, field: str, default=None):
 
 def optimizer_to_proto(cfg: OptimizerConfig) -> pb.OptimizerConfig:
     return pb.OptimizerConfig(
-        kind=cfg.kind.value, lr=cfg.lr, momentum=cfg.momentum, dampening=cfg.dampening,
+        kind=cfg.kind.value, lr=cfg.lr, momentum=cfg.momentum, dampening=cfg.dampening,  # type: ignore[arg-type]
         nesterov=cfg.nesterov, weight_decay=cfg.weight_decay, beta1=cfg.beta1, beta2=cfg.beta2,
         eps=cfg.effective_eps, initial_accumulator_value=cfg.initial_accumulator_value,
         lr_decay=cfg.lr_decay, exact_zero_hyperparameters=True)
@@ -56,7 +67,7 @@ def config_from_proto(msg: pb.TableConfig) -> TableConfig:
 
 
 def init_to_proto(init: Initializer) -> pb.Initializer:
-    return pb.Initializer(kind=init.kind.value, value=init.value, low=init.low, high=init.high,
+    return pb.Initializer(kind=init.kind.value, value=init.value, low=init.low, high=init.high,  # type: ignore[arg-type]
                           mean=init.mean, std=init.std, seed=init.seed)
 
 
@@ -67,7 +78,7 @@ def init_from_proto(msg: pb.Initializer) -> Initializer:
 
 
 def spec_to_proto(spec: TableSpec) -> pb.TableSpec:
-    return pb.TableSpec(name=spec.name, kind=spec.kind.value, shape=list(spec.shape),
+    return pb.TableSpec(name=spec.name, kind=spec.kind.value, shape=list(spec.shape),  # type: ignore[arg-type]
                         dtype=pb.FLOAT32, block_size=spec.block_size, num_blocks=spec.num_blocks,
                         init=init_to_proto(spec.init))
 
@@ -84,7 +95,7 @@ def spec_from_proto(msg: pb.TableSpec) -> TableSpec:
 
 
 def consistency_to_proto(mode: Consistency, staleness: int = 0) -> pb.Consistency:
-    return pb.Consistency(mode=mode.value, staleness=staleness)
+    return pb.Consistency(mode=mode.value, staleness=staleness)  # type: ignore[arg-type]
 
 
 def consistency_from_proto(msg: pb.Consistency) -> tuple[Consistency, int]:

@@ -20,6 +20,8 @@ with per-row learning-rate factors computed in float64 and rounded to float32 as
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 try:                                    # pragma: no cover - exercised where numba exists
@@ -28,14 +30,14 @@ try:                                    # pragma: no cover - exercised where num
 except ImportError:                     # pragma: no cover
     AVAILABLE = False
 
-    def njit(*args, **kwargs):          # the decorated functions are then never called
+    def njit(*args, **kwargs):  # type: ignore[no-redef]  # numba's stand-in; the functions are then never called
         return (lambda f: f) if not args or not callable(args[0]) else args[0]
 
 
 SGD, ADAGRAD, ADAM = 0, 1, 2
 # error_model="numpy": a division by zero gives inf/nan as numpy does; numba's default
 # ("python") checks every division, which keeps LLVM from vectorising the loops (3x slower)
-_JIT = dict(cache=True, nogil=True, fastmath=False, boundscheck=False, error_model="numpy")
+_JIT: dict[str, Any] = dict(cache=True, nogil=True, fastmath=False, boundscheck=False, error_model="numpy")
 
 
 # ====================================================================== optimizer updates

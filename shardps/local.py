@@ -22,6 +22,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from shardps.children import child_env
 
@@ -69,7 +70,7 @@ class LocalCluster:
         # per process name: the address to listen on, and a command prefix (e.g. to run it
         # in its own network namespace with `ip netns exec NS`)
         self.host_of = host_of or (lambda name: "127.0.0.1")
-        self.wrap = wrap or (lambda name: [])
+        self.wrap: Callable[[str], list[str]] = wrap or (lambda name: [])
         self.manager: Proc | None = None
         self.servers: dict[str, Proc] = {}
         self.workers: list[Proc] = []

@@ -43,7 +43,7 @@ class FlagSet:
             try:
                 default = conv(self.environ[env])
             except (ValueError, argparse.ArgumentTypeError) as exc:
-                raise SystemExit(f"shardps: environment variable {env}={self.environ[env]!r}: {exc}")
+                raise SystemExit(f"shardps: environment variable {env}={self.environ[env]!r}: {exc}") from None
         shown = "" if default in ("", None) else f" (default: {default})"
         if kind is bool:
             self.parser.add_argument(flag, type=_parse_bool, nargs="?", const=True, default=default,

@@ -10,7 +10,7 @@ from shardps.protos.v1 import manager_pb2 as mg
 _MODES = {pb.CONSISTENCY_MODE_UNSPECIFIED: "async", pb.ASYNC: "async", pb.SYNC: "sync", pb.BOUNDED: "ssp"}
 
 
-def _bytes(n: int) -> str:
+def _bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

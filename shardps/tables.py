@@ -334,7 +334,8 @@ def check_ids(spec: TableSpec, ids: np.ndarray) -> None:
 
 def _uniform01(seed: int, rows: np.ndarray, cols: np.ndarray, stream: int) -> np.ndarray:
     with np.errstate(over="ignore"):
-        key = splitmix64(np.asarray(rows).astype(np.int64).view(_U64) ^ splitmix64(np.array([seed ^ stream], dtype=_U64)))
+        key = splitmix64(np.asarray(rows).astype(np.int64).view(_U64)
+                         ^ splitmix64(np.array([seed ^ stream], dtype=_U64)))
         mixed = splitmix64(key[:, None] * _GOLDEN + cols.astype(_U64)[None, :])
     # the top 24 bits give an exact float32 in [0, 1)
     return (mixed >> _U64(40)).astype(np.float32) * np.float32(1.0 / (1 << 24))

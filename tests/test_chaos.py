@@ -34,7 +34,8 @@ class Counters:
 
     def start(self, name: str, steps: int, delay: float = 0.02, timeout: float = 120.0,
               extra: list[str] = ()) -> subprocess.Popen:
-        cmd = list(self.cluster.wrap(name)) + [sys.executable, str(HERE / "chaos_worker.py"), "--manager", self.cluster.manager_address,
+        cmd = list(self.cluster.wrap(name)) + [
+               sys.executable, str(HERE / "chaos_worker.py"), "--manager", self.cluster.manager_address,
                "--job", self.job, "--name", name, "--steps", str(steps), "--delay", str(delay),
                "--state-file", str(self.tmp / f"{name}.json"), "--log-file", str(self.tmp / f"{name}.log"),
                "--timeout", str(timeout), "--stop-file", str(self.tmp / "stop")] + list(extra)
@@ -63,7 +64,7 @@ class Counters:
                 code = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 proc.kill()
-                raise AssertionError(f"{name} did not finish")
+                raise AssertionError(f"{name} did not finish") from None
             assert code == 0, f"{name} exited {code}:\n{(self.tmp / f'{name}.out').read_text()[-3000:]}"
 
     def stop(self) -> None:
@@ -216,11 +217,11 @@ def test_kill_the_manager_keep_pushing_restart_it(chaos):
 def test_kill_every_server_restore_onto_another_count(chaos, tmp_path):
     """Checkpoint periodically, lose every server, restore onto 2 servers instead of 3:
     the tables are bit-identical to the checkpoint, and the job finishes exactly."""
-    from shardps.rpc import channels
-    from shardps.server.manager.checkpoint_files import latest, read_checkpoint
-    from shardps.rpc.stubs import ParameterServerStub
-    from shardps.server.node_service import decode_snapshots
     from shardps.protos.v1 import parameter_server_pb2 as ps
+    from shardps.rpc import channels
+    from shardps.rpc.stubs import ParameterServerStub
+    from shardps.server.manager.checkpoint_files import latest, read_checkpoint
+    from shardps.server.node_service import decode_snapshots
     cluster, counters = chaos(servers=3, replication=2)
     for name in ("w0", "w1"):
         counters.start(name, steps=120, extra=["--checkpoint-every", "20"])

@@ -153,6 +153,7 @@ def test_checkpoints_of_jobs_sharing_a_prefix_stay_apart(tmp_path):
     ``<root>/a-b-c``; ``latest`` finds each job's own, in either layout."""
     import json
     import shutil
+
     from shardps.protos.v1 import common_pb2 as pb
     from shardps.server.manager.checkpoint_files import latest, write_checkpoint
     write = lambda job, cid: write_checkpoint(tmp_path, job, cid, 1, pb.Consistency(), [], {},  # noqa: E731

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from shardps.errors import AlreadyExists, InvalidArgument, NotFound
-from shardps.tables import adagrad, normal, sgd, uniform
+from shardps.tables import normal, sgd, uniform
 
 
 def test_dense_push_pull_round_trip(cluster, client_factory):
@@ -138,7 +138,7 @@ def test_pull_results_carry_their_own_clock_wait_and_staleness(cluster, client_f
     a, b = one.result(timeout=30), four.result(timeout=30)
     assert (a.clock, a.staleness) == (1, 1) and (b.clock, b.staleness) == (4, 4)
     assert a.waited_seconds >= 0 and a.min_clock == b.min_clock == 0
-    res = c.pull_many([("w",)], clock=2)
+    c.pull_many([("w",)], clock=2)
     assert (c.clock, c.last_staleness) == (2, 2)
     assert c.push_dense("w", np.ones(8), clock=0).clock == 0
     with pytest.raises(AttributeError):

@@ -55,7 +55,7 @@ def test_sync_with_n_workers_equals_single_process_with_batch_n_times_b(make_clu
     models = []
     for i, c in enumerate(clients):
         c.join(name=f"w{i}", heartbeat=False)
-    for i, c in enumerate(clients):
+    for c in clients:
         m = PSModel(mlp(0), c, optimizer=sgd(lr), report_steps=True)
         m.create_tables()
         models.append(m)
@@ -107,7 +107,7 @@ def test_ssp_staleness_never_exceeds_t_with_a_slow_worker(make_cluster, client_f
 
     def worker(i):
         m, c = models[i], clients[i]
-        for t in range(steps[i]):
+        for _t in range(steps[i]):
             m.pull()
             seen[i].append(c.last_staleness)
             loss = F.cross_entropy(m(x[:32]), y[:32])

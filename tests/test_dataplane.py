@@ -10,12 +10,27 @@ import numpy as np
 import pytest
 
 from shardps.devcerts import make_dev_certs
-from shardps.errors import (DeadlineExceeded, Internal, InvalidArgument, NotFound, PermissionDenied,
-                            ResourceExhausted, StaleEpoch, Unauthenticated, Unavailable)
+from shardps.errors import (
+    DeadlineExceeded,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    StaleEpoch,
+    Unauthenticated,
+    Unavailable,
+)
 from shardps.rpc import frames
 from shardps.rpc.channels import TlsConfig
-from shardps.rpc.dataplane import (DataPlaneConnection, DataPlaneLimits, DataPlanePool, DataPlaneServer,
-                                   client_ssl_context, server_ssl_context)
+from shardps.rpc.dataplane import (
+    DataPlaneConnection,
+    DataPlaneLimits,
+    DataPlanePool,
+    DataPlaneServer,
+    client_ssl_context,
+    server_ssl_context,
+)
 
 ECHO = 100
 

@@ -52,7 +52,7 @@ def test_fuzz_admin_rpcs(make_cluster, client_factory, tmp_path):
         started = time.monotonic()
         for k in range(3):
             fuzz_rounds(lambda d, w_: run_admin(d, w_, tokens, tmp, checks), w, 800, seed=7000 + k)
-            for name, address in {"manager": cluster.address, **servers}.items():
+            for _name, address in {"manager": cluster.address, **servers}.items():
                 channels.check_health(address, timeout=DEADLINE)      # answers (status may vary)
         status = ManagerStub(manager).GetClusterStatus(mg.GetClusterStatusRequest(), timeout=DEADLINE,
                                                        metadata=admin_md)

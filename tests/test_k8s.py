@@ -175,7 +175,7 @@ def test_service_and_pod_monitors_select_metrics_ports(renders):
 
 # ---------------------------------------------------------------- what the manifests promise
 def test_manager_is_a_statefulset_of_one_with_its_state_on_a_volume(renders):
-    for name, docs in renders.items():
+    for _name, docs in renders.items():
         sts = find(docs, "StatefulSet", "shardps-manager")
         assert sts["spec"]["replicas"] == 1
         claims = {c["metadata"]["name"] for c in sts["spec"]["volumeClaimTemplates"]}
@@ -185,7 +185,7 @@ def test_manager_is_a_statefulset_of_one_with_its_state_on_a_volume(renders):
 
 
 def test_servers_roll_one_at_a_time_and_drain_before_stopping(renders):
-    for name, docs in renders.items():
+    for _name, docs in renders.items():
         sts = find(docs, "StatefulSet", "shardps-server")
         spec = sts["spec"]
         assert spec["serviceName"] == "shardps-server"
@@ -232,7 +232,8 @@ def test_probes_are_native_grpc_and_use_the_plaintext_port_under_tls(renders):
         if tls:
             for _, tmpl in pod_templates(docs):
                 for c in tmpl["spec"]["containers"]:
-                    assert {"SHARDPS_TLS_CERT", "SHARDPS_TLS_KEY", "SHARDPS_TLS_CA"} <= env_of(c).keys(), (name, c["name"])
+                    tls_env = {"SHARDPS_TLS_CERT", "SHARDPS_TLS_KEY", "SHARDPS_TLS_CA"}
+                    assert tls_env <= env_of(c).keys(), (name, c["name"])
 
 
 def test_gpu_workers_get_gpus_on_gpu_nodes(renders):

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 from shardps.convert import config_to_proto, consistency_to_proto, spec_to_proto
-from shardps.errors import (FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted,
-                            StaleEpoch, Unavailable)
+from shardps.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, StaleEpoch, Unavailable
 from shardps.metrics import NodeMetrics
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps

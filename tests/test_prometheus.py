@@ -353,17 +353,17 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path):
             rows = prom.query('shardps_worker_steps_total{training_job="demo"} > 5')
             return len(rows) == 2
         for p in proms:
-            wait_for(f"prometheus {p.name} sees both workers training", lambda: training(p), timeout=90)
+            wait_for(f"prometheus {p.name} sees both workers training", lambda p=p: training(p), timeout=90)
 
         seen = provoke_stale_epoch_and_bad_request(cluster, write_targets)
         print(f"stale-epoch refusal: {seen['stale_epoch']}\nrejected bad request: {seen['bad_request']}")
         for p in proms:                  # the k8s file also lists one pod without the annotation
-            wait_for(f"prometheus {p.name} scrapes all 6 processes", lambda: all_targets_up(p, 6), timeout=30)
+            wait_for(f"prometheus {p.name} scrapes all 6 processes", lambda p=p: all_targets_up(p, 6), timeout=30)
             dropped = p.targets()["droppedTargets"]
             if p.name == "kubernetes":
                 assert [t["discoveredLabels"]["__meta_kubernetes_pod_name"] for t in dropped] == ["not-annotated"]
             wait_for(f"prometheus {p.name} has the refusals",
-                     lambda: p.query('sum(shardps_server_refusals_total{reason="stale_epoch"}) >= 1')
+                     lambda p=p: p.query('sum(shardps_server_refusals_total{reason="stale_epoch"}) >= 1')
                      and p.query('sum(grpc_server_handled_total{grpc_code="INVALID_ARGUMENT"}) >= 1')
                      and p.query('sum(grpc_server_handled_total{grpc_code="FAILED_PRECONDITION"}) >= 1'),
                      timeout=30)

@@ -53,6 +53,7 @@ def test_chunk_codec_rejects_malformed(raw):
 
 def test_payloads_of_empty_and_strided_arrays():
     import numpy as np
+
     from shardps.rpc.codec import split_payload
     arrays = [np.empty((0, 4), np.float32), np.arange(12, dtype=np.float32).reshape(3, 4)[:, :2],
               np.arange(3, dtype=np.int64)]

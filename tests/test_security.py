@@ -57,11 +57,13 @@ def test_jobs_are_isolated_by_their_tokens(secure, client_factory, caplog):
                            segments=[pb.Segment(table="w", range=pb.Range(start=0, stop=8))], payload_bytes=32)
     with channels.channel(view.address(primary)) as ch:
         with pytest.raises(grpc.RpcError) as err:
-            ParameterServerStub(ch).Push(iter([encode_chunk(header.SerializeToString(), np.ones(8, np.float32).tobytes())]),
+            ParameterServerStub(ch).Push(iter([encode_chunk(header.SerializeToString(),
+                                                            np.ones(8, np.float32).tobytes())]),
                                          timeout=5, metadata=(("authorization", f"Bearer {token_b}"),))
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
         with pytest.raises(grpc.RpcError) as err:
-            ParameterServerStub(ch).Push(iter([encode_chunk(header.SerializeToString(), np.ones(8, np.float32).tobytes())]),
+            ParameterServerStub(ch).Push(iter([encode_chunk(header.SerializeToString(),
+                                                            np.ones(8, np.float32).tobytes())]),
                                          timeout=5)
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     np.testing.assert_array_equal(a.pull_dense("w"), -np.ones(8))
@@ -144,6 +146,7 @@ def _tree(root) -> dict:
 def test_a_job_cannot_replace_another_jobs_checkpoint_nor_write_outside_the_root(
         secure, client_factory, tmp_path):
     import os
+
     from shardps.errors import InvalidArgument
     root = tmp_path / "checkpoints"
     secure.manager.service.checkpoints.default_dir = str(root)
@@ -255,6 +258,7 @@ def test_node_status_shows_a_job_token_only_its_own_job(secure, client_factory):
 
 def test_another_jobs_shared_memory_region_is_permission_denied(secure, client_factory):
     import secrets
+
     from shardps.protos.v1 import common_pb2 as pb
     from shardps.protos.v1 import parameter_server_pb2 as ps
     from shardps.rpc import channels

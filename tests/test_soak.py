@@ -84,10 +84,10 @@ def worker(rank: int, address: str, load: Load) -> None:
             while not load.stop.is_set():
                 ids = rng.integers(0, ROWS, IDS_PER_STEP)
                 start = int(rng.integers(0, DENSE // SLICE)) * SLICE
-                for op, call in (("pull_rows", lambda: client.pull_rows("e", ids)),
-                                 ("push_rows", lambda: client.push_rows("e", ids, grads)),
-                                 ("pull_dense", lambda: client.pull_dense("w", start, start + SLICE)),
-                                 ("push_dense", lambda: client.push_dense("w", dense_grad, start))):
+                for op, call in (("pull_rows", lambda ids=ids: client.pull_rows("e", ids)),
+                                 ("push_rows", lambda ids=ids: client.push_rows("e", ids, grads)),
+                                 ("pull_dense", lambda start=start: client.pull_dense("w", start, start + SLICE)),
+                                 ("push_dense", lambda start=start: client.push_dense("w", dense_grad, start))):
                     began = time.perf_counter()
                     call()
                     load.record(op, time.perf_counter() - began)
@@ -123,7 +123,10 @@ def test_soak(request, tmp_path):
                 setup.push_dense("w", np.zeros(DENSE, np.float32))
             pids = {name: proc.info["pid"] for name, proc in cluster.servers.items()}
             metrics = [proc.info["metrics"] for proc in cluster.servers.values()]
-            served = lambda: sum(handled_rpcs(m) for m in metrics)
+
+            def served() -> int:
+                return sum(handled_rpcs(m) for m in metrics)
+
             threads = [threading.Thread(target=worker, args=(r, cluster.manager_address, load),
                                         name=f"soak-{r}", daemon=True) for r in range(WORKERS)]
             for t in threads:

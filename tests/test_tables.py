@@ -4,8 +4,17 @@ import numpy as np
 import pytest
 
 from shardps.errors import InvalidArgument
-from shardps.tables import (TableKind, coalesce, dense_table, group_by_block, initial_values,
-                            normal, sparse_block_of, sparse_table, uniform)
+from shardps.tables import (
+    TableKind,
+    coalesce,
+    dense_table,
+    group_by_block,
+    initial_values,
+    normal,
+    sparse_block_of,
+    sparse_table,
+    uniform,
+)
 
 
 def test_dense_layout_covers_the_tensor_in_blocks():

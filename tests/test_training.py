@@ -59,7 +59,7 @@ def test_batchnorm_statistics_stay_local(make_cluster, client_factory):
         m.create_tables()
         models.append(m)
     gen = torch.Generator().manual_seed(1)
-    for step in range(10):
+    for _step in range(10):
         for i, m in enumerate(models):
             x = torch.randn(32, 8, generator=gen) * (1 + 4 * i) + 3 * i
             y = torch.randint(0, 2, (32,), generator=gen)
@@ -152,8 +152,8 @@ def test_ctr_async_two_workers_reaches_oracle_auc_and_pushes_only_touched_rows(t
 
 
 def test_learning_rate_schedule_updates_every_table(make_cluster, client_factory):
-    from shardps.worker.torch_ps import PSEmbedding, PSLambdaLR
     from shardps.tables import adagrad
+    from shardps.worker.torch_ps import PSEmbedding, PSLambdaLR
     cluster = make_cluster(1)
     c = client_factory(cluster.address, job="sched")
     c.create_job()

@@ -4,8 +4,7 @@ Importing this package does not import torch: a client that only pushes and pull
 arrays needs no torch.
 """
 
-from shardps.tables import (adagrad, adam, constant, dense_table, normal, sgd, sparse_table,
-                            uniform, zeros)
+from shardps.tables import adagrad, adam, constant, dense_table, normal, sgd, sparse_table, uniform, zeros
 from shardps.worker.client import Membership, PSClient, PullResult, PushResult
 
 __all__ = ["PSClient", "Membership", "PullResult", "PushResult", "sgd", "adagrad", "adam",

@@ -15,7 +15,7 @@ import numpy as np
 from shardps.errors import Unavailable
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.shardmap import ShardMapView, TableView
-from shardps.tables import TableKind, group_by_block, sparse_block_of
+from shardps.tables import group_by_block, sparse_block_of
 
 
 @dataclass
@@ -86,6 +86,7 @@ def _route_dense(t: TableView, p: Piece):
 
 
 def _route_sparse(t: TableView, p: Piece):
+    assert p.ids is not None and p.positions is not None     # a sparse piece carries both
     if p.ids.shape[0] == 0:
         return
     blocks = sparse_block_of(p.ids, t.spec.num_blocks)

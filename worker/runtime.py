@@ -98,6 +98,7 @@ def worker_state_bytes(model, ps_model, epoch: int, batch: int) -> bytes:
     step, the data position (epoch, batch) and the random-generator state, in the format of
     ``shardps.worker.local_state`` (safetensors + JSON: reading it cannot run code)."""
     import torch
+
     from shardps.worker import local_state
     local = {k: v for k, v in model.state_dict().items() if k not in ps_model.dense}
     return local_state.encode({"step": ps_model.step, "epoch": epoch, "batch": batch,
@@ -108,6 +109,7 @@ def load_worker_state(raw: bytes, model, ps_model) -> tuple[int, int]:
     """Restore what ``worker_state_bytes`` saved; returns the data position (epoch, batch).
     InvalidArgument for anything else (a pickle above all: it is never loaded)."""
     import torch
+
     from shardps.errors import InvalidArgument
     from shardps.worker import local_state
     state = local_state.decode(raw)
@@ -128,9 +130,10 @@ def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=Fals
                   resume: tuple[int, int] | None = None) -> TrainResult:
     """The training loop of one worker. Reads the group's membership at each epoch start."""
     import torch
+
+    from shardps.tables import Consistency
     from shardps.worker.data import batches, position, shard_indices
     from shardps.worker.torch_ps import PSEmbedding
-    from shardps.tables import Consistency
 
     x, y = task.train
     n = x.shape[0]
@@ -162,7 +165,7 @@ def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=Fals
             wanted = task.lr_schedule(epoch, epochs)
             if wanted != factor:           # one worker updates the shared tables' configs
                 factor = wanted
-                ps_model.set_lr(lambda base: base * factor)
+                ps_model.set_lr(lambda base, factor=factor: base * factor)
                 log.info("epoch %d: learning rate factor %g", epoch, factor)
         view = client.refresh_map()
         g = view.groups.get(job)
@@ -191,7 +194,6 @@ def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=Fals
                 log.info("checkpoint at step %d: %s", ps_model.step, path)
                 if metrics is not None:
                     metrics.step_seconds.labels(job, "barrier_wait").observe(time.perf_counter() - tb)
-            t0 = time.perf_counter()
             pull0 = ps_model.timings["pull_wait"]
             barrier0 = ps_model.timings["barrier_wait"]
             ps_model.pull()
@@ -259,6 +261,7 @@ def train_single_process(args, task=None) -> TrainResult:
     torch.optim (the embedding as ``nn.Embedding(sparse=True)``)."""
     import torch
     from torch import nn
+
     from shardps.worker.data import batches, shard_indices
     from shardps.worker.torch_ps import PSEmbedding
     torch.set_num_threads(args.torch_threads)
@@ -306,6 +309,7 @@ def train_single_process(args, task=None) -> TrainResult:
 def torch_optimizer(cfg, params, sparse: bool = False):
     """torch.optim equivalent of a server-side OptimizerConfig."""
     import torch
+
     from shardps.tables import OptimizerKind
     if cfg.kind is OptimizerKind.SGD:
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, dampening=cfg.dampening,
@@ -323,6 +327,7 @@ def torch_optimizer(cfg, params, sparse: bool = False):
 def run_worker(args) -> int:
     """``shardps worker``: join, train, evaluate, print the final line."""
     import torch
+
     from shardps import logs
     from shardps.errors import PermissionDenied, ShardpsError
     from shardps.metrics import WorkerMetrics
@@ -403,7 +408,7 @@ def run_worker(args) -> int:
 
 
 def _wait_for_manager(client, timeout: float = 120.0) -> None:
-    from shardps.errors import Unavailable, DeadlineExceeded
+    from shardps.errors import DeadlineExceeded, Unavailable
     deadline = time.monotonic() + timeout
     while True:
         try:

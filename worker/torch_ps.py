@@ -87,6 +87,7 @@ class PSEmbedding(nn.Module):
     def prefetch(self, ids: torch.Tensor) -> None:
         """Start pulling the rows of ``ids`` (a coming batch) in the background."""
         unique = self._plan(ids)
+        assert self.client is not None and self.table is not None     # bound by PSModel
         self._prefetch = (unique, self.client.pull_rows_async(self.table, unique, clock=self.clock))
 
     def request_prefetch(self, ids: torch.Tensor) -> None:
@@ -102,6 +103,7 @@ class PSEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.client is None:
             raise InvalidArgument(f"PSEmbedding {self.table!r} is not bound: wrap the model in PSModel")
+        assert self.table is not None             # PSModel binds the table with the client
         flat = ids.reshape(-1)
         planned, self._planned = self._planned, None
         if planned is not None and np.array_equal(planned[0], flat.detach().cpu().numpy()):
@@ -190,6 +192,7 @@ class PSModel:
             self.client.create_table(dense_table(name, tuple(p.shape), assigned(), self.block_size),
                                      self.table_optimizer(name), timeout=timeout)
         for emb in self.embeddings.values():
+            assert emb.table is not None          # PSModel named every embedding's table
             self.client.create_table(sparse_table(emb.table, emb.embedding_dim, emb.num_embeddings,
                                                   emb.init, emb.num_blocks),
                                      emb.optimizer or self.table_optimizer(emb.table), timeout=timeout)
@@ -197,6 +200,7 @@ class PSModel:
             self.client.initialize_dense(name, p.detach().cpu().numpy(), timeout=timeout)
             self._base_lr[name] = self.table_optimizer(name).lr
         for emb in self.embeddings.values():
+            assert emb.table is not None
             self._base_lr[emb.table] = (emb.optimizer or self.table_optimizer(emb.table)).lr
         self.pull()
 
@@ -317,6 +321,7 @@ class PSModel:
         if emb.num_embeddings <= 0:
             raise InvalidArgument(f"PSEmbedding {emb.table!r} has no num_embeddings bound: export "
                                   f"it with client.state_dict() (ids + rows) instead")
+        assert emb.table is not None              # PSModel named every embedding's table
         out = np.empty((emb.num_embeddings, emb.embedding_dim), np.float32)
         for start in range(0, emb.num_embeddings, chunk):
             ids = np.arange(start, min(start + chunk, emb.num_embeddings), dtype=np.int64)

@@ -162,7 +162,7 @@ def latest(root: str | Path, job: str) -> Path | None:
     ``job`` (job "a" would otherwise find job "a-b"'s)."""
     names.check(names.JOB, job, "job")
     root = Path(root)
-    candidates = []
+    candidates: list[Path] = []
     if (root / job).is_dir():
         candidates += (d for d in (root / job).iterdir() if not d.name.startswith("."))
     if root.is_dir():

@@ -16,9 +16,16 @@ from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc.status import from_rpc_error
 from shardps.server.manager.checkpoint_files import latest, read_checkpoint, write_checkpoint
-from shardps.server.manager.checkpoint_plan import (CutPlan, PendingCheckpoint, barrier_checkpoint_id,
-                                                    live_servers, on_demand_checkpoint_id, plan_cut,
-                                                    plan_load, restore_tables)
+from shardps.server.manager.checkpoint_plan import (
+    CutPlan,
+    PendingCheckpoint,
+    barrier_checkpoint_id,
+    live_servers,
+    on_demand_checkpoint_id,
+    plan_cut,
+    plan_load,
+    restore_tables,
+)
 from shardps.server.manager.runtime import ManagerRuntime
 
 log = logging.getLogger("shardps.manager")

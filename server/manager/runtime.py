@@ -22,10 +22,10 @@ from shardps.metrics import ManagerMetrics
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc.status import from_rpc_error
+from shardps.rpc.stubs import StubPool
 from shardps.server.manager.records import ManagerSettings, Move, ServerState
 from shardps.server.manager.state import ManagerState
 from shardps.server.manager.store import StateFile
-from shardps.rpc.stubs import StubPool
 
 log = logging.getLogger("shardps.manager")
 
@@ -90,7 +90,7 @@ class ManagerRuntime:
             msg = self.state.shard_map() if changed else None
             if persist and self._store is not None:
                 self._store.save(self.state)
-        if changed:
+        if msg is not None:                 # the map changed
             self.publish(msg)
         elif wait_published and self._published.epoch < after:
             # read-your-writes: another caller's change is being installed; wait for it
@@ -248,8 +248,8 @@ class ManagerRuntime:
             for t in st.tables.values():
                 for b in t.blocks:
                     nblocks += 1
-                    for i, n in enumerate(b.replicas):
-                        (primaries if i == 0 else replicas)[n] = (primaries if i == 0 else replicas).get(n, 0) + 1
+                    for i, node in enumerate(b.replicas):
+                        (primaries if i == 0 else replicas)[node] = (primaries if i == 0 else replicas).get(node, 0) + 1
             for rec in st.servers.values():
                 m.server_up.labels(rec.name).set(1 if rec.live else 0)
                 m.heartbeat_age.labels(rec.name).set(max(0.0, now - rec.last_heartbeat))

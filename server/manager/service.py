@@ -266,7 +266,9 @@ def cluster_status(rt: ManagerRuntime) -> mg.ClusterStatus:
             rec = st.servers[name]
             msg.servers.add(
                 server=pb.ServerInfo(name=rec.name, address=rec.address, incarnation=rec.incarnation,
-                                     state=rec.state.value, metrics_address=rec.metrics_address),
+                                     # (protobuf's stubs want ServerState.ValueType: the same number)
+                                     state=rec.state.value,  # type: ignore[arg-type]
+                                     metrics_address=rec.metrics_address),
                 primary_blocks=primaries.get(name, 0), replica_blocks=replicas.get(name, 0),
                 bytes=rec.bytes, heartbeat_age_seconds=max(0.0, now - rec.last_heartbeat))
         for name in sorted(st.jobs):

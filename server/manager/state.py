@@ -16,15 +16,26 @@ from __future__ import annotations
 
 import logging
 import secrets
+from typing import Sequence
 
 from shardps.convert import config_to_proto, consistency_to_proto, spec_to_proto
 from shardps.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.server import optimizers
 from shardps.server.manager import groups, moves, servers
-from shardps.server.manager.records import (BlockRecord, JobRecord, ManagerSettings, MemberRecord, Move,
-                                            ReplicationHealth, ServerRecord, ServerState, TableRecord,
-                                            dense_bytes, describe_spec)
+from shardps.server.manager.records import (
+    BlockRecord,
+    JobRecord,
+    ManagerSettings,
+    MemberRecord,
+    Move,
+    ReplicationHealth,
+    ServerRecord,
+    ServerState,
+    TableRecord,
+    dense_bytes,
+    describe_spec,
+)
 from shardps.server.placement import block_name
 from shardps.tables import Consistency, TableConfig, TableSpec, validate_job_name
 
@@ -191,7 +202,7 @@ class ManagerState:
 
     def restore_job(self, job: str, consistency: Consistency, staleness: int,
                     tables: list[tuple[TableSpec, TableConfig]], path: str, step: int,
-                    ranks: list[int] = ()) -> list[TableRecord]:
+                    ranks: Sequence[int] = ()) -> list[TableRecord]:
         """Replace the job's tables by fresh ones with the checkpoint's specs and configs,
         placed on the current servers (their values are loaded next). Workers that join
         afterwards learn that the job was restored."""
@@ -258,10 +269,10 @@ class ManagerState:
             for b in t.blocks:
                 tp.blocks.add(replicas=[index[r] for r in b.replicas],
                               since_epoch=b.since_epoch, fresh_epoch=b.fresh_epoch)
-        for name, job in sorted(self.jobs.items()):
-            g = msg.groups.add(job=name, consistency=consistency_to_proto(job.consistency, job.staleness),
-                               membership_version=job.membership_version, quota_bytes=job.quota_bytes)
-            for m in sorted(job.members.values(), key=lambda m: m.rank):
+        for name, rec in sorted(self.jobs.items()):
+            g = msg.groups.add(job=name, consistency=consistency_to_proto(rec.consistency, rec.staleness),
+                               membership_version=rec.membership_version, quota_bytes=rec.quota_bytes)
+            for m in sorted(rec.members.values(), key=lambda m: m.rank):
                 g.members.add(rank=m.rank, session=m.session, incarnation=m.incarnation, name=m.name)
         self._map_cache = msg
         return msg

@@ -15,8 +15,15 @@ from pathlib import Path
 
 from shardps.convert import config_from_proto, config_to_proto, spec_from_proto, spec_to_proto
 from shardps.protos.v1 import common_pb2 as pb
-from shardps.server.manager.records import (BlockRecord, JobRecord, ManagerSettings, MemberRecord,
-                                            ServerRecord, ServerState, TableRecord)
+from shardps.server.manager.records import (
+    BlockRecord,
+    JobRecord,
+    ManagerSettings,
+    MemberRecord,
+    ServerRecord,
+    ServerState,
+    TableRecord,
+)
 from shardps.server.manager.state import ManagerState
 from shardps.tables import Consistency
 

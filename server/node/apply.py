@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Sequence, cast
 
 import numpy as np
 
@@ -32,9 +32,8 @@ from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc.codec import byte_view
 from shardps.server import optimizers
-from shardps.server.blocks import Block, BlockKey, DenseBlock, SparseBlock, Writer
-from shardps.server.node.decode import (NodeLimits, Part, Segment, check_header, parse_segments,
-                                        split)
+from shardps.server.blocks import AnyBlock, BlockKey, DenseBlock, SparseBlock, Writer
+from shardps.server.node.decode import NodeLimits, Part, Segment, check_header, parse_segments, split
 from shardps.server.node.table import BlockTable, EpochGate
 from shardps.shardmap import ShardMapView, TableView
 from shardps.tables import Consistency
@@ -46,7 +45,7 @@ if TYPE_CHECKING:
 GRADIENT, INITIALIZE = ps.GRADIENT, ps.INITIALIZE
 
 
-def logical_bytes(blk: Block, t: TableView) -> int:
+def logical_bytes(blk: AnyBlock, t: TableView) -> int:
     """Bytes a block's stored parameters and optimizer state need (without growth slack)."""
     per = 4 * (1 + len(optimizers.state_names(t.config.optimizer)))
     if isinstance(blk, DenseBlock):
@@ -54,7 +53,7 @@ def logical_bytes(blk: Block, t: TableView) -> int:
     return blk.count * (blk.dim * per + 12)
 
 
-def apply_gradient(blk: Block, t: TableView, arrays, op: ps.BlockOp) -> None:
+def apply_gradient(blk: AnyBlock, t: TableView, arrays, op: ps.BlockOp) -> None:
     """Apply a gradient op's arrays to ``blk`` with the table's optimizer (lock held)."""
     if isinstance(blk, DenseBlock):
         blk.apply_gradient(t.config, op.range.start, op.range.stop, arrays[0])
@@ -62,7 +61,7 @@ def apply_gradient(blk: Block, t: TableView, arrays, op: ps.BlockOp) -> None:
         blk.apply_gradient(t.config, arrays[0], arrays[1].reshape(-1, blk.dim))
 
 
-def forget_departed_writers(view: ShardMapView, held: list[tuple[BlockKey, Block]]) -> None:
+def forget_departed_writers(view: ShardMapView, held: list[tuple[BlockKey, AnyBlock]]) -> None:
     """Drop exactly-once records of writers no longer in their job's group under ``view``
     (they can never retry). Takes each block's lock; nothing held on entry."""
     for job, g in view.groups.items():
@@ -244,7 +243,7 @@ class PushApplier:
             # pass 2: apply, in block order
             ops: list[tuple[BlockKey, ps.BlockOp, list[np.ndarray]]] = []
             duplicates = 0
-            todo: list[tuple[Part, Block]] = []
+            todo: list[tuple[Part, AnyBlock]] = []
             for part, blk in zip(parts, blocks):
                 if blk.already_applied(writer):
                     duplicates += 1
@@ -277,7 +276,7 @@ class PushApplier:
             ack.duplicate_blocks = duplicates
         return ack
 
-    def apply_sparse(self, group: list[tuple[Part, Block]], writer: Writer):
+    def apply_sparse(self, group: list[tuple[Part, AnyBlock]], writer: Writer):
         """Apply the parts of one sparse table (distinct blocks, unique ids) at once; returns
         one op per block for the backups. Block locks are held."""
         t = group[0][0].table
@@ -287,7 +286,7 @@ class PushApplier:
         else:
             ids = np.concatenate([p.ids for p, _ in group])
             grads = np.concatenate([p.values for p, _ in group])
-        shard = group[0][1].shard
+        shard = cast(SparseBlock, group[0][1]).shard   # a group holds sparse blocks only
         with shard.lock:
             shard.apply(t.config, ids, np.ascontiguousarray(grads, dtype=np.float32).reshape(-1, t.spec.dim))
         out = []
@@ -297,6 +296,7 @@ class PushApplier:
             blk.version += 1
             if not self.table.backups(blk.key):
                 continue                              # nothing to forward
+            assert part.ids is not None and part.values is not None   # a sparse push part
             op = ps.BlockOp(job=blk.key[0], table=blk.key[1], block=blk.key[2], kind=ps.APPLY, writer=wid,
                             config_version=t.config.version, id_count=part.ids.shape[0],
                             element_count=part.values.size, version=blk.version)
@@ -304,7 +304,7 @@ class PushApplier:
                                       np.ascontiguousarray(part.values, dtype=np.float32)]))
         return out
 
-    def check_quota(self, parts: list[Part], blocks: list[Block], writer: Writer) -> None:
+    def check_quota(self, parts: list[Part], blocks: list[AnyBlock], writer: Writer) -> None:
         """RESOURCE_EXHAUSTED when this push would store more of its job than the job's
         quota allows on this server (the quota is shared by servers in proportion to the
         block replicas they hold). Block locks are held."""
@@ -322,6 +322,7 @@ class PushApplier:
                 if blk.values is None:
                     new += blk.size * row_bytes
             else:
+                assert part.ids is not None           # a sparse part carries its ids
                 new += int((blk.lookup(part.ids) < 0).sum()) * (blk.dim * row_bytes + 12)
         if not new:
             return
@@ -336,7 +337,7 @@ class PushApplier:
                 f"holds {len(held)} of its {total} block replicas, a share of {share} bytes): it stores "
                 f"{usage} bytes and this push would add {new}: raise the quota or delete tables")
 
-    def apply_one(self, blk: Block, part: Part, kind: int, writer: Writer, sync: bool,
+    def apply_one(self, blk: AnyBlock, part: Part, kind: int, writer: Writer, sync: bool,
                   step: int) -> tuple[ps.BlockOp, list[np.ndarray]]:
         """Apply one part to its block (lock held); returns the op to forward to backups."""
         t = part.table
@@ -349,13 +350,14 @@ class PushApplier:
             op.element_count = part.hi - part.lo
             arrays = [np.ascontiguousarray(part.values, dtype=np.float32)]
         else:
+            assert part.ids is not None and part.values is not None   # a sparse push part
             op.id_count = part.ids.shape[0]
             op.element_count = part.values.size
             arrays = [np.ascontiguousarray(part.ids, dtype=np.int64),
                       np.ascontiguousarray(part.values, dtype=np.float32)]
         if kind == INITIALIZE:
             op.kind = ps.INITIAL
-            blk.initialize(part.lo, part.hi, arrays[0])
+            cast(DenseBlock, blk).initialize(part.lo, part.hi, arrays[0])   # INITIALIZE: dense only
         elif sync:
             op.kind = ps.ACCUMULATE
             op.step = step

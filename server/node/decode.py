@@ -29,8 +29,15 @@ from shardps.protos.v1 import common_pb2 as pb
 from shardps.rpc.codec import byte_view
 from shardps.server.blocks import BlockKey
 from shardps.shardmap import ShardMapView, TableView
-from shardps.tables import (TableKind, check_ids, check_range, coalesce, dense_blocks_of_range,
-                            group_by_block, sparse_block_of)
+from shardps.tables import (
+    TableKind,
+    check_ids,
+    check_range,
+    coalesce,
+    dense_blocks_of_range,
+    group_by_block,
+    sparse_block_of,
+)
 
 MAX_CLOCK = 1 << 40          # steps: far beyond any real run, far below int64 overflow
 
@@ -230,7 +237,9 @@ def split(server: str, epoch: int, header: pb.RequestHeader, segments: list[Segm
                 parts.append(part)
         else:
             ids, values = s.ids, s.values
+            assert ids is not None                  # a sparse segment carries its ids
             if for_push:
+                assert values is not None           # and, on a push, their values
                 ids, values = coalesce(ids, values)
             blocks_of = sparse_block_of(ids, spec.num_blocks)
             groups = group_by_block(blocks_of)

@@ -34,7 +34,7 @@ Data path rules (the .proto states the same contract):
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -45,8 +45,7 @@ from shardps.server.blocks import BlockKey
 from shardps.server.node.apply import JobHolds, PushApplier, forget_departed_writers
 from shardps.server.node.decode import NodeLimits
 from shardps.server.node.pull import PullReader
-from shardps.server.node.replication import (BackupApplier, BlockSnapshot, Forwarder, NoPeers,
-                                             Peers)
+from shardps.server.node.replication import BackupApplier, BlockSnapshot, Forwarder, NoPeers, Peers
 from shardps.server.node.steps import SyncSteps
 from shardps.server.node.table import BlockTable
 from shardps.shardmap import ShardMapView
@@ -66,7 +65,7 @@ class ServerNode:
         self.metrics = metrics or NodeMetrics()
         self._now = clock
         self.incarnation = 0
-        self.on_epoch = None          # optional callback(epoch) after each install (logging)
+        self.on_epoch: Callable[[int], object] | None = None   # callback(epoch) after each install (logging)
         self.table = BlockTable(name)
         self.forwarder = Forwarder(self.table, self.metrics, peers or NoPeers(), clock)
         self.steps = SyncSteps(self.table, self.forwarder, clock)

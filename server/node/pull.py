@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Sequence, cast
 
 import numpy as np
 
@@ -21,7 +21,7 @@ from shardps.errors import ResourceExhausted
 from shardps.metrics import NodeMetrics
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
-from shardps.server.blocks import BlockKey
+from shardps.server.blocks import BlockKey, DenseBlock, SparseBlock
 from shardps.server.node.decode import NodeLimits, Part, check_header, parse_segments, split
 from shardps.server.node.table import BlockTable
 from shardps.tables import Consistency
@@ -80,7 +80,8 @@ class PullReader:
             if table.view is not parsed_under:      # a new map came in while the pull waited
                 parsed = parse_segments(table.view, table.name, self.limits, header, segments,
                                         ids_payload, with_values=False)
-            out_bytes = sum(((s.hi - s.lo) if s.dense else s.ids.shape[0] * s.table.spec.dim)
+            # (cast: a sparse segment carries its ids)
+            out_bytes = sum(((s.hi - s.lo) if s.dense else cast(np.ndarray, s.ids).shape[0] * s.table.spec.dim)
                             * s.dtype.itemsize for s in parsed if not s.all_stored)
             if out_bytes > self.limits.max_response_bytes:
                 raise ResourceExhausted(
@@ -89,13 +90,13 @@ class PullReader:
             parts = split(table.name, table.view.epoch, header, parsed, False, table.loaded)
             in_place = (out_buffer is not None and out_bytes <= len(out_buffer)
                         and all(not s.all_stored and s.dtype is WireDType.FLOAT32 for s in parsed))
-            values = []
+            values: list = []      # per segment: its rows, or None for an all_stored one
             pos = 0
             for s in parsed:
                 if s.all_stored:
                     values.append(None)
                     continue
-                shape = (s.hi - s.lo,) if s.dense else (s.ids.shape[0], s.table.spec.dim)
+                shape = (s.hi - s.lo,) if s.dense else (cast(np.ndarray, s.ids).shape[0], s.table.spec.dim)
                 if in_place:
                     n = int(np.prod(shape))
                     values.append(np.frombuffer(out_buffer, dtype="<f4", count=n, offset=pos).reshape(shape))
@@ -113,7 +114,7 @@ class PullReader:
                 blk = table.blocks[part.key]
                 with blk.lock:
                     if s.dense:
-                        blk.read(part.lo, part.hi, out=out[part.lo - s.lo:part.hi - s.lo])
+                        cast(DenseBlock, blk).read(part.lo, part.hi, out=out[part.lo - s.lo:part.hi - s.lo])
                     else:
                         meta, arrays = blk.snapshot()
                         stored[part.segment].append((arrays["ids"], arrays["values"]))
@@ -126,7 +127,8 @@ class PullReader:
                     for blk in blks:
                         stack.enter_context(blk.lock)
                     s = parsed[seg_index]
-                    shard = blks[0].shard
+                    shard = cast(SparseBlock, blks[0]).shard
+                    assert s.ids is not None            # a sparse segment carries its ids
                     with shard.lock:
                         shard.read(s.ids, out=values[seg_index])
                     for blk in blks:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence, cast
 
 import numpy as np
 
@@ -30,7 +30,7 @@ from shardps.metrics import NodeMetrics
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc.codec import byte_view
-from shardps.server.blocks import Block, BlockKey, Writer, decode_metadata, encode_metadata
+from shardps.server.blocks import AnyBlock, BlockKey, DenseBlock, Writer, decode_metadata, encode_metadata
 from shardps.server.node.apply import apply_gradient
 from shardps.server.node.table import BlockTable
 from shardps.shardmap import ShardMapView
@@ -51,7 +51,7 @@ class BlockSnapshot:
     arrays: list[np.ndarray]
 
 
-def snapshot_block(blk: Block) -> BlockSnapshot:
+def snapshot_block(blk: AnyBlock) -> BlockSnapshot:
     """``blk``'s whole state, every array as float32 or int64. Hold ``blk.lock``."""
     meta, arrays = blk.snapshot()
     header = ps.BlockStateHeader(
@@ -104,7 +104,7 @@ class Forwarder:
         self.peers = peers
         self._now = clock
 
-    def forward_locked(self, ops: list[Op], blocks: list[Block]) -> None:
+    def forward_locked(self, ops: list[Op], blocks: list[AnyBlock]) -> None:
         """Send ops to every backup (block locks held). Out-of-sync blocks are sent whole.
         Raises Unavailable if a backup cannot be reached (the ops stay applied here; the
         backup is marked for a full resync before this block acknowledges anything)."""
@@ -135,7 +135,7 @@ class Forwarder:
             raise Unavailable(f"backup(s) did not apply the push: {'; '.join(failures)}; "
                               f"retry (the push will not be applied twice)")
 
-    def resync_locked(self, blk: Block) -> None:
+    def resync_locked(self, blk: AnyBlock) -> None:
         """Send the whole block to backups marked out of sync (lock held). Raises
         Unavailable, leaving the rest marked, if one cannot be reached."""
         nodes = self.table.needs_resync.get(blk.key, set())
@@ -167,7 +167,7 @@ class Forwarder:
                         log.warning("resync after epoch %d deferred: %s", self.table.view.epoch,
                                     exc.message)
 
-    def send_whole(self, blk: Block, node: str) -> None:
+    def send_whole(self, blk: AnyBlock, node: str) -> None:
         """Load ``blk`` whole on ``node`` (lock held). Raises what ``peers`` raises."""
         self.peers.load_blocks(node, self.table.view.epoch, [snapshot_block(blk)])
         self.metrics.resyncs.inc()
@@ -177,8 +177,8 @@ class Forwarder:
         until a map lists it (or drops the move). Returns (blocks copied, bytes). Raises
         StaleEpoch for a block this node is not primary of."""
         copied = nbytes = 0
-        for key in refs:
-            key = tuple(key)
+        for ref in refs:
+            key = cast(BlockKey, tuple(ref))     # a list is accepted too
             blk = self.table.blocks.get(key)
             if blk is None or not self.table.is_primary(key):
                 raise StaleEpoch(f"{self.table.name} is not the primary of block {key} under epoch "
@@ -198,8 +198,8 @@ class Forwarder:
         if refs is None:
             refs = sorted(k for k in self.table.blocks if k[0] == job and self.table.is_primary(k))
         out = []
-        for key in refs:
-            key = tuple(key)
+        for ref in refs:
+            key = cast(BlockKey, tuple(ref))     # a list is accepted too
             blk = self.table.blocks.get(key)
             if blk is None or not self.table.is_primary(key):
                 raise StaleEpoch(f"{self.table.name} is not the primary of block {key} under epoch "
@@ -259,8 +259,8 @@ class BackupApplier:
                         stale.append(key)
                         continue
                     apply_gradient(blk, t, arrays, op)
-                elif op.kind == ps.INITIAL:
-                    blk.initialize(op.range.start, op.range.stop, arrays[0])
+                elif op.kind == ps.INITIAL:                 # dense blocks only
+                    cast(DenseBlock, blk).initialize(op.range.start, op.range.stop, arrays[0])
                 elif op.kind == ps.ACCUMULATE:
                     self.steps.accumulate(blk, int(op.step), arrays, op.range.start, op.range.stop)
                 elif op.kind == ps.APPLY_STEP:
@@ -276,7 +276,7 @@ class BackupApplier:
             raise InvalidArgument(f"replicate payload has {len(buf)} bytes; ops describe {offset}")
         return applied, stale
 
-    def replica_block(self, view: ShardMapView, key: BlockKey, source: str, epoch: int) -> Block:
+    def replica_block(self, view: ShardMapView, key: BlockKey, source: str, epoch: int) -> AnyBlock:
         """The block ``source`` may forward ``key``'s ops to here, else StaleEpoch."""
         t = view.tables.get((key[0], key[1]))
         blk, staged = self.table.lookup(key)

@@ -25,9 +25,9 @@ import numpy as np
 
 from shardps.errors import FailedPrecondition, Unavailable
 from shardps.protos.v1 import parameter_server_pb2 as ps
-from shardps.server.blocks import Block, BlockKey, DenseBlock
+from shardps.server.blocks import AnyBlock, BlockKey, DenseBlock
 from shardps.server.clocks import JobClock
-from shardps.server.node.replication import Forwarder
+from shardps.server.node.replication import Forwarder, Op
 from shardps.server.node.table import BlockTable
 from shardps.shardmap import ShardMapView, TableView
 from shardps.tables import Consistency, coalesce
@@ -64,7 +64,7 @@ class SyncSteps:
             del self.clocks[job]
 
     # ------------------------------------------------------------------ pushes
-    def check_step_open(self, job: str, step: int, blocks: list[Block]) -> None:
+    def check_step_open(self, job: str, step: int, blocks: list[AnyBlock]) -> None:
         """SYNC: refuse a push for a step that was already applied here (block locks held):
         FailedPrecondition.
 
@@ -83,7 +83,7 @@ class SyncSteps:
                 f"push each step once, for the step after the last one pulled (PSClient keeps "
                 f"the step when a loop uses client.step() / next_step())")
 
-    def accumulate(self, blk: Block, step: int, arrays, lo: int, hi: int) -> None:
+    def accumulate(self, blk: AnyBlock, step: int, arrays, lo: int, hi: int) -> None:
         """SYNC: add a gradient to the block's pending sum of ``step`` (a copy is kept).
         Block lock held."""
         if isinstance(blk, DenseBlock):
@@ -115,7 +115,7 @@ class SyncSteps:
             clock.close(ready.stop)      # before collecting: see check_step_open
             with self.table.lock:
                 keys = list(self.pending.get(job, set()))
-            with_data = set()
+            with_data: set[int] = set()
             for k in keys:
                 blk = self.table.blocks.get(k)
                 if blk is not None:
@@ -124,14 +124,13 @@ class SyncSteps:
                         if not blk.pending:
                             with self.table.lock:
                                 self.pending.get(job, set()).discard(k)
-            with_data = sorted(with_data)
-            for step in with_data:      # steps nobody pushed data for need no work here
+            for step in sorted(with_data):      # steps nobody pushed data for need no work here
                 divisor = max(1, len(clock.live))
                 with self.table.gate.shared(), contextlib.ExitStack() as stack:
                     with self.table.lock:
                         keys = sorted(self.pending.get(job, set()))
-                    ops = []
-                    touched = []
+                    ops: list[Op] = []
+                    touched: list[AnyBlock] = []
                     for key in keys:
                         blk = self.table.blocks.get(key)
                         if blk is None or not self.table.is_primary(key):
@@ -155,7 +154,7 @@ class SyncSteps:
             if len(ready):
                 clock.skip_to(ready.stop)
 
-    def apply_step_locked(self, blk: Block, t: TableView, step: int, divisor: int) -> None:
+    def apply_step_locked(self, blk: AnyBlock, t: TableView, step: int, divisor: int) -> None:
         """Apply ``blk``'s accumulated gradients of ``step`` divided by ``divisor`` (the live
         workers). Block lock held; a primary and its backups call it alike."""
         parts = blk.pending.pop(step, [])

@@ -39,7 +39,7 @@ import threading
 
 from shardps.errors import Unavailable
 from shardps.protos.v1 import common_pb2 as pb
-from shardps.server.blocks import Block, BlockKey, DenseBlock, SparseBlock, SparseShard, new_block
+from shardps.server.blocks import AnyBlock, BlockKey, DenseBlock, SparseBlock, SparseShard, new_block
 from shardps.shardmap import ShardMapView, TableView
 from shardps.tables import TableKind
 
@@ -96,9 +96,9 @@ class BlockTable:
         self.lock = threading.Lock()          # guards the dicts below
         self.view = ShardMapView()
         self.my_index = -1
-        self.blocks: dict[BlockKey, Block] = {}
+        self.blocks: dict[BlockKey, AnyBlock] = {}
         self.shards: dict[tuple[str, str], SparseShard] = {}  # a sparse table's rows on this node
-        self.staged: dict[BlockKey, tuple[Block, str]] = {}   # copies received, not yet listed
+        self.staged: dict[BlockKey, tuple[AnyBlock, str]] = {}   # copies received, not yet listed
         self.missing: set[BlockKey] = set()                    # listed here, state not loaded
         self.extra: dict[BlockKey, set[str]] = {}              # copy destinations to forward to
         self.needs_resync: dict[BlockKey, set[str]] = {}
@@ -112,7 +112,7 @@ class BlockTable:
         self.my_index = -1
 
     # ------------------------------------------------------------------ map install
-    def install(self, view: ShardMapView, under_lock=None) -> list[tuple[BlockKey, Block]]:
+    def install(self, view: ShardMapView, under_lock=None) -> list[tuple[BlockKey, AnyBlock]]:
         """Take up ``view``: keep listed blocks, create fresh ones, take staged copies, mark
         the rest missing; drop what is no longer listed (its sparse rows are freed), and
         forget copy destinations that are listed or dead. ``under_lock(view)``, if given, runs
@@ -120,7 +120,7 @@ class BlockTable:
         Returns the blocks held under the new map."""
         me = self.name
         listed: set[BlockKey] = set()
-        dropped: list[Block] = []
+        dropped: list[AnyBlock] = []
         with self.lock:
             for (job, tname), t in view.tables.items():
                 for b, reps in enumerate(t.replicas):
@@ -144,8 +144,8 @@ class BlockTable:
                     self.missing.discard(key)
             for key in [k for k in self.blocks if k not in listed]:
                 dropped.append(self.blocks.pop(key))
-            for key in [k for k in self.shards if k not in view.tables]:
-                del self.shards[key]
+            for table_key in [k for k in self.shards if k not in view.tables]:
+                del self.shards[table_key]
             self.missing &= listed
             for d in (self.extra, self.needs_resync):
                 for key in [k for k in d if k not in listed]:
@@ -182,7 +182,7 @@ class BlockTable:
             else:
                 del self.needs_resync[key]
 
-    def new_block_locked(self, key: BlockKey, spec) -> Block:
+    def new_block_locked(self, key: BlockKey, spec) -> AnyBlock:
         """A new empty block; a sparse one stores its rows in the table's shard here. Call
         with ``lock`` held."""
         if spec.kind is TableKind.SPARSE:
@@ -193,7 +193,7 @@ class BlockTable:
         return new_block(key, spec)
 
     @staticmethod
-    def release(blocks: list[Block]) -> None:
+    def release(blocks: list[AnyBlock]) -> None:
         """Free the rows of sparse blocks this node no longer holds. Takes each block's lock,
         so callers pop blocks under ``lock`` and release them after (see the lock order)."""
         for blk in blocks:
@@ -202,7 +202,7 @@ class BlockTable:
                     blk.release()
 
     # ------------------------------------------------------------------ block changes
-    def receive(self, key: BlockKey, t: TableView, source: str) -> Block:
+    def receive(self, key: BlockKey, t: TableView, source: str) -> AnyBlock:
         """The block a whole copy of ``key`` from ``source`` is loaded into: the held one (no
         longer missing) if the map lists this node, else a staged one."""
         with self.lock:
@@ -232,12 +232,12 @@ class BlockTable:
         return len(keys)
 
     # ------------------------------------------------------------------ queries
-    def lookup(self, key: BlockKey) -> tuple[Block | None, tuple[Block, str] | None]:
+    def lookup(self, key: BlockKey) -> tuple[AnyBlock | None, tuple[AnyBlock, str] | None]:
         """(held block, (staged block, source)) of ``key``; either may be None."""
         with self.lock:
             return self.blocks.get(key), self.staged.get(key)
 
-    def held(self, job: str) -> list[tuple[BlockKey, Block]]:
+    def held(self, job: str) -> list[tuple[BlockKey, AnyBlock]]:
         """The blocks of ``job`` held here."""
         with self.lock:
             return [(k, b) for k, b in self.blocks.items() if k[0] == job]

@@ -19,6 +19,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Sequence
 
 PROXY_VARIABLES = ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "grpc_proxy", "all_proxy",
                    "ALL_PROXY")
@@ -109,7 +110,7 @@ class Children:
         self.grace = grace
         self.procs: list = []
 
-    def spawn(self, target, *args) -> mp.Process:
+    def spawn(self, target, *args) -> mp.process.BaseProcess:
         p = self.ctx.Process(target=_child_main, args=(target, args), daemon=True)
         p.start()
         self.procs.append(p)
@@ -162,7 +163,7 @@ def _wait(p, timeout: float) -> None:
             pass
 
 
-def wait_all(procs: list, timeout: float, what: str, logs: list[Path] = ()) -> None:
+def wait_all(procs: list, timeout: float, what: str, logs: Sequence[Path] = ()) -> None:
     """Wait for processes to exit 0; raise BenchError (with log tails) on failure or timeout."""
     deadline = time.monotonic() + timeout
     for i, p in enumerate(procs):

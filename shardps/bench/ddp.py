@@ -37,6 +37,7 @@ def _train(rank: int, world: int, port: int, opts: dict) -> dict:
     import torch.distributed as dist
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
+
     from shardps.worker.data import batches, shard_indices
     from shardps.worker.models.ctr import DIM, build_ctr
     from shardps.worker.runtime import torch_optimizer
@@ -107,7 +108,7 @@ def run_ddp(rows: int, sparse: bool, train_samples: int, world: int = 2, seed: i
             except queue_mod.Empty:
                 dead = [p for p in children.procs if not p.is_alive() and p.exitcode not in (0, None)]
                 if dead:
-                    raise BenchError(f"a DDP rank exited with {dead[0].exitcode} before reporting")
+                    raise BenchError(f"a DDP rank exited with {dead[0].exitcode} before reporting") from None
                 continue
             if "error" in res:
                 raise BenchError(f"DDP rank {rank}: {res['error']}")

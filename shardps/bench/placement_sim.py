@@ -75,6 +75,7 @@ def profile(servers: int, blocks_per_server: int = 1000, top: int = 15) -> str:
     import cProfile
     import io
     import pstats
+
     from shardps.server.placement import plan_placement
 
     blocks = blocks_for(servers, blocks_per_server)

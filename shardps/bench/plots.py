@@ -93,11 +93,11 @@ def _e2e(results, plt, path):
     if "e2e_ps_async_samples_per_s" not in results:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    _bars(axes[0], [l for l, _, _ in E2E], [_v(results, f"e2e_{k}_samples_per_s") for _, k, _ in E2E],
+    _bars(axes[0], [label for label, _, _ in E2E], [_v(results, f"e2e_{k}_samples_per_s") for _, k, _ in E2E],
           [c for _, _, c in E2E], fmt="{:,.0f}")
     axes[0].set_ylabel("samples/s (all workers)")
     axes[0].set_title("ctr, 1M x 16 embedding, 2 workers / 2 servers")
-    _bars(axes[1], [l for l, _, _ in E2E], [_v(results, f"e2e_{k}_auc") for _, k, _ in E2E],
+    _bars(axes[1], [label for label, _, _ in E2E], [_v(results, f"e2e_{k}_auc") for _, k, _ in E2E],
           [c for _, _, c in E2E], fmt="{:.4f}")
     aucs = [_v(results, f"e2e_{k}_auc") for _, k, _ in E2E]
     finite = [a for a in aucs if math.isfinite(a)]

@@ -47,7 +47,7 @@ def summarize(results: list[dict]) -> dict:
     wall = max(r["wall_seconds"] for r in results)
     aucs = [r["metrics"]["test_auc"] for r in results if "test_auc" in r.get("metrics", {})]
     steps = sum(r["steps"] for r in results)
-    timings = {}
+    timings: dict[str, float] = {}
     for r in results:
         for k, v in r.get("timings", {}).items():
             timings[k] = timings.get(k, 0.0) + v

@@ -140,7 +140,8 @@ def markdown_results(results: dict, meta: dict) -> str:
            "|---|---|---|---|---|---|---|---|"]
     for mib in meta.get("config", {}).get("dense_sizes_mib", (16, 64)):
         for op in ("push", "pull"):
-            keys = (f"ps_dense_{op}_gbps_{mib}mib_1s", f"ps_dense_{op}_gbps_{mib}mib_2s", f"rpc_dense_{op}_gbps_{mib}mib",
+            keys = (f"ps_dense_{op}_gbps_{mib}mib_1s", f"ps_dense_{op}_gbps_{mib}mib_2s",
+                    f"rpc_dense_{op}_gbps_{mib}mib",
                     f"ps_tcp_dense_{op}_gbps_{mib}mib_1s", f"ps_tcp_dense_{op}_gbps_{mib}mib_2s",
                     f"rpc_tcp_dense_{op}_gbps_{mib}mib")
             out.append(f"| {mib} MiB | {op} | " + " | ".join(f(k) for k in keys) + " |")
@@ -157,8 +158,10 @@ def markdown_results(results: dict, meta: dict) -> str:
     out += ["", f"Bytes per step: shardps {f('ps_sparse_step_bytes')} (ids and rows, both ways); DDP with a "
             f"sparse gradient {f('ddp_sparse_step_bytes')} sent per rank; dense DDP all-reduces "
             f"{f('ddp_dense_step_bytes')} ({f('ratio_sparse_step_bytes_ddp_dense_over_ps')} x shardps). "
-            f"Filling the table: {f('ps_sparse_populate_s_1s')} s on 1 server, {f('ps_sparse_populate_s_2s')} s on 2.",
-            "", "### End to end: ctr", "", "| system | samples/s | test AUC | worker peak RSS (MB) |", "|---|---|---|---|"]
+            f"Filling the table: {f('ps_sparse_populate_s_1s')} s on 1 server, "
+            f"{f('ps_sparse_populate_s_2s')} s on 2.",
+            "", "### End to end: ctr", "", "| system | samples/s | test AUC | worker peak RSS (MB) |",
+            "|---|---|---|---|"]
     for label, p in (("shardps async (2 workers, 2 servers)", "ps_async"), ("shardps sync", "ps_sync"),
                      ("DDP gloo, dense embedding", "ddp"), ("DDP gloo, sparse embedding", "ddp_sparse"),
                      ("single process, sparse embedding", "single")):
@@ -174,11 +177,12 @@ def markdown_results(results: dict, meta: dict) -> str:
             f"{f('server_table_bytes_per_param_adam')} | <= 13 |",
             f"| sparse d=16, SGD (B/row) | {f('server_bytes_per_sparse_row_sgd16')} | "
             f"{f('server_table_bytes_per_sparse_row_sgd16')} | <= 80 |", "",
-            "| worker, ctr table 1M -> 10M rows | peak RSS at 1M (MB) | at 10M (MB) | growth (MB) |", "|---|---|---|---|",
+            "| worker, ctr table 1M -> 10M rows | peak RSS at 1M (MB) | at 10M (MB) | growth (MB) |",
+            "|---|---|---|---|",
             f"| shardps worker | {f('worker_peak_rss_mb_ps_small', 1)} | {f('worker_peak_rss_mb_ps_big', 1)} | "
             f"{f('worker_rss_growth_mb_ps')} |",
-            f"| DDP, sparse embedding | {f('worker_peak_rss_mb_ddp_small', 1)} | {f('worker_peak_rss_mb_ddp_big', 1)} | "
-            f"{f('worker_rss_growth_mb_ddp', 1)} |", "",
+            f"| DDP, sparse embedding | {f('worker_peak_rss_mb_ddp_small', 1)} | "
+            f"{f('worker_peak_rss_mb_ddp_big', 1)} | {f('worker_rss_growth_mb_ddp', 1)} |", "",
             "### Cost curves", "", "| servers | workers | samples/s | payload bytes per step |", "|---|---|---|---|"]
     for s, w in ((1, 2), (2, 1), (2, 2), (2, 4), (4, 2)):
         out.append(f"| {s} | {w} | {f(f'curve_s{s}_w{w}_samples_per_s', 1)} | {f(f'curve_s{s}_w{w}_bytes_per_step')} |")

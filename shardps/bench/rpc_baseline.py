@@ -19,6 +19,7 @@ measures both.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from shardps.bench.common import BenchError, Children, free_port
 
@@ -137,7 +138,7 @@ class RpcBaseline:
         self.channels = channels
         self.timeout = timeout
         self._children = Children()
-        self._conn = None
+        self._conn: Any = None       # the trainer's end of a multiprocessing Pipe, once started
 
     def start(self) -> "RpcBaseline":
         try:

@@ -170,7 +170,7 @@ def _caller(system: str, port: int):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         reply = memoryview(bytearray(4 + len(REPLY)))
 
-        def call(payload):
+        def raw_call(payload):
             parts = [memoryview(_LEN.pack(len(payload))), memoryview(payload)]
             while parts:                    # sendmsg: no copy of the payload into a frame
                 sent = sock.sendmsg(parts)
@@ -180,22 +180,22 @@ def _caller(system: str, port: int):
                     else:
                         parts[0], sent = parts[0][sent:], 0
             _recv_exact(sock, reply)
-        return call
+        return raw_call
     if system == "grpc":
         from shardps.rpc import channels
         stub = channels.channel(f"127.0.0.1:{port}").unary_unary(_GRPC_METHOD)
 
-        def call(payload):
+        def grpc_call(payload):
             if len(stub(payload, timeout=60)) != len(REPLY):
                 raise BenchError("gRPC: wrong reply")
-        return call
+        return grpc_call
     from shardps.rpc.dataplane import DataPlaneConnection
     conn = DataPlaneConnection(f"127.0.0.1:{port}")
 
-    def call(payload):
+    def dataplane_call(payload):
         if len(conn.call(_DATAPLANE_METHOD, b"", [payload], timeout=60)[1]) != len(REPLY):
             raise BenchError("data plane: wrong reply")
-    return call
+    return dataplane_call
 
 
 def _call_client(system: str, port: int, pipe) -> None:

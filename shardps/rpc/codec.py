@@ -79,8 +79,8 @@ def decode_chunk(raw: bytes) -> Chunk:
             elif field == 2:
                 data = value
         elif wire == 0:
-            value, pos = _read_varint(buf, pos, n)
-            extra[field] = value
+            number, pos = _read_varint(buf, pos, n)
+            extra[field] = number
         elif wire == 1:
             pos += 8
         elif wire == 5:
@@ -113,7 +113,8 @@ def byte_view(obj) -> memoryview:
     if isinstance(obj, np.ndarray):
         if obj.size == 0:
             return memoryview(b"")
-        return memoryview(np.ascontiguousarray(obj).reshape(-1).view(np.uint8))
+        # numpy's stubs do not declare ndarray a Buffer, which it is
+        return memoryview(np.ascontiguousarray(obj).reshape(-1).view(np.uint8))  # type: ignore[arg-type]
     view = memoryview(obj)
     return view.cast("B") if view.nbytes else memoryview(b"")
 

@@ -22,7 +22,6 @@ from tests.fuzz.strategies import blob, coin, mutate, one_of, randint, seeded
 from tests.fuzz.wire import OK, PS, PS_METHODS, RM, RM_REQUESTS
 from tests.fuzz.world import World
 
-
 ADMIN = "fuzz-admin-token-0123456789"
 TOKEN_KEY = "fuzz-token-key"
 VICTIM, OTHER = DATA_JOB, "other"      # the victim job holds the data tables

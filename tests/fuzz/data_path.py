@@ -9,9 +9,21 @@ from hypothesis import strategies as st
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from tests.fuzz.encoder import ITEMSIZE, encode_values, parses, push_chunks
-from tests.fuzz.reference import PUSHED_JOBS, UNKNOWN_TABLE, DATA_JOB, Verdict, check_pull_response
-from tests.fuzz.strategies import (CLOCK_EDGE, INT64_EDGE, MAX_DENSE_VALUES, WIRE, WIRE_BAD, blob,
-                                   draw_values, knob, one_of, pick, randint, seeded)
+from tests.fuzz.reference import DATA_JOB, PUSHED_JOBS, UNKNOWN_TABLE, Verdict, check_pull_response
+from tests.fuzz.strategies import (
+    CLOCK_EDGE,
+    INT64_EDGE,
+    MAX_DENSE_VALUES,
+    WIRE,
+    WIRE_BAD,
+    blob,
+    draw_values,
+    knob,
+    one_of,
+    pick,
+    randint,
+    seeded,
+)
 from tests.fuzz.wire import DEADLINE, EXHAUSTED, FAILED, INVALID, OK, PS, UNAVAILABLE
 from tests.fuzz.world import World
 
@@ -193,7 +205,8 @@ def run_push(data, w: World) -> None:
     out, verdicts, stable = w.judged(
         lambda: w.ref.judge_push(server, h, payload) if parsable else Verdict(),
         lambda v: w.wire.call(w.channels[server], PS, "Push", chunks, kind="stream_unary"))
-    described = f"Push to {server}: stream={stream} header={h} payload={len(payload)}B -> {out.code} {out.details[:200]}"
+    described = (f"Push to {server}: stream={stream} header={h} payload={len(payload)}B -> "
+                 f"{out.code} {out.details[:200]}")
     accepting = [v for v in verdicts if v.ok and not codes]
     if stream == "raw-chunk" and w.wire.known_bug("Push", out) is not None:
         applied = [v for v in verdicts if v.ok and not codes - {INVALID}]

@@ -85,7 +85,8 @@ def internal_request(data, w: World, method: str, tables: dict, real_refs: bool)
         return ps.CopyBlocksRequest(epoch=one_of(w, u64), blocks=[ref() for _ in range(randint(w, 0, 3))],
                                     destination=one_of(w, names)).SerializeToString()
     if method == "SnapshotBlocks":
-        return ps.SnapshotBlocksRequest(epoch=one_of(w, u64), blocks=[ref() for _ in range(randint(w, 0, 3))]).SerializeToString()
+        return ps.SnapshotBlocksRequest(epoch=one_of(w, u64),
+                                        blocks=[ref() for _ in range(randint(w, 0, 3))]).SerializeToString()
     if method == "HoldJob":
         return ps.HoldJobRequest(job=one_of(w, jobs), hold=coin(w),
                                  hold_seconds=one_of(w, [0.0, 0.05, -1.0, 0.2])).SerializeToString()

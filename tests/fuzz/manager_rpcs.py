@@ -9,8 +9,16 @@ from hypothesis import strategies as st
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import manager_pb2 as mg
 from tests.fuzz.encoder import parses
-from tests.fuzz.reference import (BAD_NAMES, DATA_JOB, MEMBER_NAME, PUSHED_JOBS, SCRATCH_JOBS,
-                                  SCRATCH_TABLES, UNKNOWN_JOB, UNKNOWN_TABLE)
+from tests.fuzz.reference import (
+    BAD_NAMES,
+    DATA_JOB,
+    MEMBER_NAME,
+    PUSHED_JOBS,
+    SCRATCH_JOBS,
+    SCRATCH_TABLES,
+    UNKNOWN_JOB,
+    UNKNOWN_TABLE,
+)
 from tests.fuzz.strategies import INT64_EDGE, blob, coin, mutate, one_of, randint, seeded, some
 from tests.fuzz.wire import DEADLINE, OK, RM, RM_REQUESTS, Outcome
 from tests.fuzz.world import World

@@ -17,7 +17,6 @@ from shardps.protos.v1 import parameter_server_pb2 as ps
 from tests.fuzz.encoder import ITEMSIZE, narrow_expected, splitmix64, widen
 from tests.fuzz.wire import EXHAUSTED, FAILED, INVALID, NOT_FOUND, SHM_REFUSED, UNAVAILABLE
 
-
 DATA_JOB = "fuzz"
 MEMBER_NAME = "fuzz-member-5b1e"          # never produced by the generators
 UNKNOWN_TABLE = "zz"                      # never created anywhere
@@ -151,7 +150,7 @@ class Reference:
 
     def block_contents(self, v: Verdict) -> dict:
         out = {}
-        for (t, b, kind, lo, hi, seg) in v.plan:
+        for (t, b, _kind, _lo, _hi, seg) in v.plan:
             if t.dense:
                 a, z = t.block_range(b)
                 out[(t.name, b)] = t.values[a:z].copy()
@@ -188,7 +187,7 @@ class Reference:
             return v
         tracked = bool(hdr.session) and hdr.sequence > 0
         mine = tracked and (hdr.session, hdr.incarnation) == self.member
-        for (t, b, lo, hi, seg) in parts:
+        for (t, b, lo, hi, _seg) in parts:
             if mine and self.records[(t.name, b)].seen(hdr.sequence):
                 continue
             if kind == ps.INITIALIZE:
@@ -251,7 +250,7 @@ class Reference:
         parts = self._parts(v, server, hdr, segments, pull=True)
         if parts is None:
             return v
-        for (t, b, lo, hi, seg) in parts:
+        for (t, b, _lo, _hi, _seg) in parts:
             if t.dense and t.assigned and b not in t.initialized:
                 # the proto says such pulls wait (until the deadline); the code refuses them
                 v.bad({FAILED, "DEADLINE_EXCEEDED"}, "pull of a block not initialized yet")

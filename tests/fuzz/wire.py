@@ -14,7 +14,6 @@ from shardps.protos.v1 import manager_pb2 as mg
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc import channels
 
-
 PS, RM = "shardps.v1.ParameterServer", "shardps.v1.ResourceManager"
 DEADLINE = 5.0          # every call carries one
 SLACK = 1.5             # a call may return this much after its deadline (scheduling), no more

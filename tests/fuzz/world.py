@@ -104,9 +104,11 @@ class World:
             header = pb.RequestHeader(job=DATA_JOB, epoch=self.epoch())
             if t.dense:
                 lo, hi = t.block_range(b)
-                req = ps.PullRequest(header=header, segments=[pb.Segment(table=name, range=pb.Range(start=lo, stop=hi))])
+                req = ps.PullRequest(header=header,
+                                     segments=[pb.Segment(table=name, range=pb.Range(start=lo, stop=hi))])
             else:
-                req = ps.PullRequest(header=header, segments=[pb.Segment(table=name, rows=pb.RowSelection(count=len(ids)))],
+                req = ps.PullRequest(header=header,
+                                     segments=[pb.Segment(table=name, rows=pb.RowSelection(count=len(ids)))],
                                      data=np.array(ids, "<i8").tobytes())
             stream = self.channels[server].unary_stream(f"/{PS}/Pull")(req.SerializeToString(), timeout=DEADLINE)
             msgs = [ps.PullChunk.FromString(c) for c in stream]
@@ -199,7 +201,7 @@ def fuzz_rounds(run, w: World, examples: int, seed: int) -> None:
 def full_check(w: World, attempts: int = 10) -> None:
     """Every block of every data table, read from its primary, equals the reference; sparse
     tables hold exactly the rows the reference holds. Starts over if a block moves meanwhile."""
-    for attempt in range(attempts):
+    for _attempt in range(attempts):
         w.settle()
         epoch = w.epoch()
         moved = False

@@ -46,8 +46,7 @@ from shardps.rpc import channels
 from shardps.rpc.codec import CHUNK_BYTES
 from shardps.rpc.stubs import ManagerStub, StubPool
 from shardps.shardmap import ShardMapView, TableView
-from shardps.tables import (Consistency, Initializer, OptimizerConfig, TableConfig, TableSpec, dense_table,
-                            sparse_table)
+from shardps.tables import Consistency, Initializer, OptimizerConfig, TableConfig, TableSpec, dense_table, sparse_table
 from shardps.worker.client import requests as rq
 from shardps.worker.client.admin import Admin
 from shardps.worker.client.data import DataPath, PullResult, PushResult

@@ -31,13 +31,12 @@ from shardps.errors import DeadlineExceeded, Unavailable
 from shardps.metrics import WorkerMetrics
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc.codec import CHUNK_BYTES, byte_view
-from shardps.shardmap import ShardMapView, TableView
-from shardps.tables import TableKind
-from shardps.worker.client.fanout import (RETRYABLE, Fanout, MapSource, Send, capture,
-                                          attempt_timeout)
+from shardps.shardmap import ShardMapView
+from shardps.worker.client.fanout import RETRYABLE, Fanout, MapSource, Send, attempt_timeout, capture
 from shardps.worker.client.membership import Session
 from shardps.worker.client.transport import Payload, Transport
 from shardps.worker.routing import Piece, live_servers, route
+
 
 @dataclass
 class PushResult:
@@ -127,6 +126,7 @@ class DataPath:
             elif p.dense:
                 seg.range.start, seg.range.stop = p.start, p.stop
             else:
+                assert p.ids is not None          # a sparse piece carries its ids
                 seg.rows.count = p.rows
                 ids.append(p.ids.astype("<i8", copy=False))
         if ids:
@@ -232,12 +232,14 @@ class DataPath:
 
     def _push_request(self, ps_: list[Piece], view: ShardMapView, seq: int, kind: int, clock: int):
         """(header with payload_bytes, payload arrays) of ``ps_`` to one server."""
-        header = ps.PushHeader(header=self._header(view, seq, clock), kind=kind)
+        # (protobuf's stubs want the enum's ValueType for kind=; ours is the same number)
+        header = ps.PushHeader(header=self._header(view, seq, clock), kind=kind)  # type: ignore[arg-type]
         arrays = []
         rows = sparse_bytes = 0
         for p in ps_:
             seg = header.segments.add(table=p.table)
             self._add_base_versions(seg, p, view)
+            assert p.values is not None           # a push piece carries its values
             if p.dense:
                 seg.range.start, seg.range.stop = p.start, p.stop
                 arrays.append(dtypes.encode(p.values, self.wire_dtype))

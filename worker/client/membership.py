@@ -85,7 +85,7 @@ class Session:
         return pb.RequestHeader(job=job, epoch=epoch, session=m.session if m else "",
                                 incarnation=m.incarnation if m else 0, sequence=sequence,
                                 acked_below=acked_below if m else 0, clock=clock,
-                                wire_dtype=wire_dtype)
+                                wire_dtype=wire_dtype)  # type: ignore[arg-type]  # an enum number
 
 
 def after_heartbeat(m: Membership, resp: mg.WorkerHeartbeatResponse) -> Membership:

@@ -101,7 +101,7 @@ def make_evaluate(oracle: float):
 def build_ctr(seed: int = 0, rows: int = 1_000_000, train_samples: int = 400_000,
               test_samples: int = 50_000, embedding: nn.Module | None = None, **_) -> Task:
     torch.manual_seed(seed)
-    ids, clicks, _ = generate(train_samples, rows, seed=1000)
+    ids, clicks, _prob = generate(train_samples, rows, seed=1000)
     ids_te, clicks_te, prob_te = generate(test_samples, rows, seed=2000)
     oracle = auc(prob_te, clicks_te)
     model = CTRModel(rows, embedding)
