@@ -4,15 +4,18 @@ encodes the answer; and ``GrpcPeers``, the node's calls to other nodes.
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from shardps import names
 from shardps.errors import InvalidArgument, ResourceExhausted, ShardpsError
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc.codec import CHUNK_BYTES, assemble, decode_chunk, encode_chunk, split_payload, write_into
-from shardps.rpc.status import Method, bind, proto_method
+from shardps.rpc.status import Method, bind, grpc_code, proto_method
 from shardps.rpc.stubs import encode_snapshots
 from shardps.server.auth import JOB, check_job
 from shardps.server.node import BlockSnapshot, ServerNode
@@ -217,7 +220,29 @@ class ParameterServerService:
     def data_plane(self, method, header: bytes, payload: memoryview, call):
         """``DataPlaneServer`` handler: the same messages and checks as the gRPC methods
         (names, the principal's job, the node's validation), the bulk bytes raw beside the
-        header. Returns (reply header, payload buffers)."""
+        header. Returns (reply header, payload buffers). Counted in the ``grpc_server_*``
+        metrics with ``grpc_type="dataplane"``, so dashboards see every data call."""
+        g = self.node.metrics.grpc
+        labels = (SERVICE, str(method), "dataplane")
+        g.started.labels(*labels).inc()
+        started = time.perf_counter()
+        code = "OK"
+        try:
+            return self._data_plane(method, header, payload, call)
+        except ShardpsError as exc:
+            code = grpc_code(exc).name
+            raise
+        except DecodeError:
+            code = "INVALID_ARGUMENT"
+            raise
+        except Exception:
+            code = "INTERNAL"
+            raise
+        finally:
+            g.handled.labels(*labels, code).inc()
+            g.handling.labels(*labels).observe(time.perf_counter() - started)
+
+    def _data_plane(self, method, header: bytes, payload: memoryview, call):
         try:
             if method == "Push":
                 return self._dp_push(ps.PushHeader.FromString(header), payload, call).SerializeToString(), None
