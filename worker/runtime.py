@@ -374,11 +374,7 @@ def run_worker(args) -> int:
         task = build_task(args)
         world = max(1, membership.world_size)
         opt, per_table = _lr_scaled(task, args, world)
-        from shardps.tables import Consistency
-        group = client.shard_map.groups.get(args.job)
-        report = group is not None and group.consistency is not Consistency.ASYNC
-        ps_model = PSModel(task.model, client, optimizer=opt, optimizers=per_table, report_steps=report,
-                           overlap=args.overlap)
+        ps_model = PSModel(task.model, client, optimizer=opt, optimizers=per_table, overlap=args.overlap)
         ps_model.create_tables()
         resume = None
         if membership.restored:

@@ -146,7 +146,7 @@ class PSModel:
     def __init__(self, module: nn.Module, client: PSClient, optimizer: OptimizerConfig | None = None,
                  optimizers: dict[str, OptimizerConfig] | None = None, local: Sequence[str] = (),
                  local_optimizer: torch.optim.Optimizer | None = None, block_size: int = 0,
-                 report_steps: bool = False, overlap: bool = False):
+                 report_steps: bool | None = None, overlap: bool = False):
         self.module = module
         self.client = client
         self.optimizer = optimizer or sgd(0.01)
@@ -154,7 +154,7 @@ class PSModel:
         self.local = tuple(local)
         self.local_optimizer = local_optimizer
         self.block_size = block_size
-        self.report_steps = report_steps
+        self._report_steps = report_steps
         self.embeddings: dict[str, PSEmbedding] = {}
         for name, mod in module.named_modules():
             if isinstance(mod, PSEmbedding):
@@ -282,6 +282,19 @@ class PSModel:
             result = future.result()
         self.timings["push_wait"] += time.perf_counter() - started
         return result
+
+    @property
+    def report_steps(self) -> bool:
+        """Whether each push also reports its step to every server: SYNC and SSP servers
+        wait for every worker's report, including servers this step sent nothing to. The
+        default (``report_steps=None``) follows the job's consistency mode."""
+        if self._report_steps is None:
+            from shardps.tables import Consistency
+            group = self.client.shard_map.groups.get(self.client.job)
+            if group is None:
+                group = self.client.refresh_map().groups.get(self.client.job)
+            self._report_steps = group is not None and group.consistency is not Consistency.ASYNC
+        return self._report_steps
 
     def _set_clock(self, clock: int) -> None:
         """The clock the embeddings' pulls carry from now on (the dense pulls name theirs)."""
