@@ -382,7 +382,7 @@ def run_worker(args) -> int:
             resume = load_worker_state(raw, task.model, ps_model)
             log.info("resuming from the restored checkpoint at step %d (epoch %d, batch %d)",
                      ps_model.step, *resume)
-        elif report:
+        elif ps_model.report_steps:
             ps_model.step = client.server_clock()
         show = membership.rank == 0 and sys.stderr.isatty()
         result = train_with_ps(task, ps_model, client, args, metrics, show_progress=show, resume=resume)
