@@ -30,11 +30,15 @@ class JobClock:
         self.cond = threading.Condition()
         self.completed: dict[str, int] = {}   # session -> completed steps
         self.live: set[str] = set()
+        self.ranks: dict[str, int] = {}        # session -> rank, to name workers in messages
         self.applied_steps = 0                # SYNC: steps applied on this server
         self.closed_below = 0                 # SYNC: steps below this take no more pushes
 
-    def set_members(self, sessions: set[str], mode: Consistency, staleness: int) -> None:
+    def set_members(self, sessions: set[str], mode: Consistency, staleness: int,
+                    ranks: dict[str, int] | None = None) -> None:
+        """The group's live sessions (``ranks``: session -> rank, for messages)."""
         with self.cond:
+            self.ranks = dict(ranks or {})
             self.mode, self.staleness = mode, staleness
             start = self._min_locked() if self.live else self.applied_steps
             if mode is Consistency.SYNC:
@@ -56,6 +60,16 @@ class JobClock:
 
     def _min_locked(self) -> int:
         return min((self.completed.get(s, 0) for s in self.live), default=self.applied_steps)
+
+    def _behind(self, clock: int) -> str:
+        """The live workers holding a pull at ``clock`` back, with their completed steps."""
+        need = clock if self.mode is Consistency.SYNC else clock - self.staleness
+        behind = sorted((self.ranks.get(s, -1), done) for s in self.live
+                        if (done := self.completed.get(s, 0)) < need)
+        if not behind:
+            return "the step to be applied"
+        return ", ".join(f"rank {r} ({done} steps completed)" if r >= 0 else f"a worker ({done} steps completed)"
+                         for r, done in behind)
 
     def min_completed(self) -> int:
         with self.cond:
@@ -104,6 +118,6 @@ class JobClock:
                             if self.mode is Consistency.BOUNDED
                             else f"step {clock - 1} not applied yet ({self.applied_steps} applied)")
                     raise DeadlineExceeded(
-                        f"pull at clock {clock} waited for the slowest worker (clock {low}) "
-                        f"until the deadline: {what}; is a worker stuck?")
+                        f"pull at clock {clock} waited until the deadline for {self._behind(clock)}: "
+                        f"{what}; is a worker stuck, or not reporting its steps to this server?")
                 self.cond.wait(timeout=min(remaining, 1.0) if remaining is not None else 1.0)

@@ -59,7 +59,8 @@ class SyncSteps:
             if clock is None:
                 clock = self.clocks[job] = JobClock(g.consistency, g.staleness, self._now)
                 self.apply_locks[job] = threading.Lock()
-            clock.set_members({m.session for m in g.members}, g.consistency, g.staleness)
+            clock.set_members({m.session for m in g.members}, g.consistency, g.staleness,
+                              {m.session: m.rank for m in g.members})
         for job in [j for j in self.clocks if j not in view.groups]:
             del self.clocks[job]
 

@@ -1,0 +1,29 @@
+"""Worker clocks (SYNC / SSP) on a fake clock: what a wait that times out says."""
+
+import pytest
+
+from shardps.errors import DeadlineExceeded
+from shardps.server.clocks import JobClock
+from shardps.tables import Consistency
+
+
+class FakeTime:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.mark.parametrize("mode, staleness, pull_clock", [(Consistency.SYNC, 0, 1), (Consistency.BOUNDED, 1, 2)])
+def test_a_wait_that_times_out_names_the_ranks_and_steps_it_waited_for(mode, staleness, pull_clock):
+    now = FakeTime()
+    clock = JobClock(mode, staleness, now)
+    clock.set_members({"a", "b", "c"}, mode, staleness, {"a": 0, "b": 1, "c": 2})
+    clock.report("a", 0)                       # rank 0 completed step 0; ranks 1 and 2 did not
+    clock.report("c", 0)
+    clock.report("a", 1)
+    with pytest.raises(DeadlineExceeded) as err:
+        clock.wait_for_pull(pull_clock, deadline=now.now)      # already due: no waiting
+    assert "rank 1 (0 steps completed)" in err.value.message, err.value.message
+    assert "rank 0" not in err.value.message
