@@ -88,6 +88,8 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
                  "wait until all report SERVING, print the manager address; Ctrl-C or SIGTERM stops\n"
                  "everything.", environ)
     fs.add("--servers", 2, "server nodes")
+    fs.add("--port", 7070, "the manager's port on 127.0.0.1, where the README's examples connect "
+           "(0: any free port)")
     fs.add("--workers", 0, "workers training --model (0: cluster only, runs until stopped)")
     fs.add("--replication", 1, "copies of every block")
     fs.add("--log-format", "human", "log lines: human or json", choices=["human", "json"])

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from shardps.children import child_env
+from shardps.errors import ShardpsError
 
 log = logging.getLogger("shardps.local")
 
@@ -53,7 +54,8 @@ class LocalCluster:
     def __init__(self, servers: int = 2, replication: int = 1, work_dir: str | None = None,
                  log_format: str = "human", server_lease_seconds: float | None = None,
                  manager_args: tuple = (), server_args: tuple = (), env: dict | None = None,
-                 python: str = sys.executable, stream_logs: bool = False, host_of=None, wrap=None):
+                 python: str = sys.executable, stream_logs: bool = False, host_of=None, wrap=None,
+                 manager_port: int = 0):
         self.n_servers = servers
         self.replication = replication
         self._own_dir = work_dir is None
@@ -71,6 +73,7 @@ class LocalCluster:
         # in its own network namespace with `ip netns exec NS`)
         self.host_of = host_of or (lambda name: "127.0.0.1")
         self.wrap: Callable[[str], list[str]] = wrap or (lambda name: [])
+        self.manager_port = manager_port         # 0: any free port
         self.manager: Proc | None = None
         self.servers: dict[str, Proc] = {}
         self.workers: list[Proc] = []
@@ -121,7 +124,9 @@ class LocalCluster:
 
     def start_manager(self, timeout: float = 60.0) -> Proc:
         host = self.host_of("manager")
-        args = ["--listen", f"{host}:0", "--metrics-port", "0", "--metrics-host", host,
+        if self.manager_port and not (self.manager and self.manager.info.get("address")):
+            _check_free(host, self.manager_port)
+        args = ["--listen", f"{host}:{self.manager_port}", "--metrics-port", "0", "--metrics-host", host,
                 "--state-dir", str(self.work_dir / "manager-state"), "--replication", str(self.replication),
                 "--checkpoint-dir", str(self.work_dir / "checkpoints"), "--log-format", self.log_format]
         if self.lease is not None:
@@ -228,6 +233,22 @@ def tail(path: Path, lines: int = 30) -> str:
 _RESULT = re.compile(r"^shardps worker .*")
 
 
+def _check_free(host: str, port: int) -> None:
+    """Raise FailedPrecondition naming the port when something already listens on it."""
+    import socket
+
+    from shardps.errors import FailedPrecondition
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise FailedPrecondition(
+                f"the manager's port {host}:{port} is taken ({exc.strerror}): is another "
+                f"`shardps local` running? Stop it, or pass --port N (--port 0: any free port; "
+                f"clients then need --manager / SHARDPS_MANAGER)") from None
+
+
 def run_local(args, worker_flags: list[str]) -> int:
     """``shardps local``: see the module docstring. ``worker_flags`` are the flags of
     ``shardps worker`` (``shardps.cli.FLAGS["worker"]``): the workers get those of ``args``."""
@@ -237,10 +258,15 @@ def run_local(args, worker_flags: list[str]) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     started = time.perf_counter()
-    cluster = LocalCluster(args.servers, args.replication, args.work_dir or None, args.log_format)
+    cluster = LocalCluster(args.servers, args.replication, args.work_dir or None, args.log_format,
+                           manager_port=args.port)
     code = 0
     try:
-        cluster.start()
+        try:
+            cluster.start()
+        except ShardpsError as exc:
+            print(f"shardps local: {exc.message}", file=sys.stderr, flush=True)
+            return 2
         print(f"shardps local: manager at {cluster.manager_address}; {args.servers} servers "
               f"SERVING; logs in {cluster.work_dir}", flush=True)
         if args.workers <= 0:

@@ -58,7 +58,7 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.slow          # processes (shardps local)
 def test_local_cluster_stops_cleanly_on_sigterm(tmp_path):
-    proc = subprocess.Popen(SHARDPS + ["local", "--servers", "2", "--work-dir", str(tmp_path)],
+    proc = subprocess.Popen(SHARDPS + ["local", "--servers", "2", "--port", "0", "--work-dir", str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         line = proc.stdout.readline()
@@ -87,7 +87,7 @@ def test_local_cluster_stops_cleanly_on_sigterm(tmp_path):
 def test_make_run_command_trains_digits_to_the_baseline(tmp_path):
     """`make run`'s command: 2 servers, 2 async workers, digits-cnn, baseline beside it."""
     started = time.monotonic()
-    out = subprocess.run(SHARDPS + ["local", "--servers", "2", "--workers", "2", "--model", "digits-cnn",
+    out = subprocess.run(SHARDPS + ["local", "--servers", "2", "--port", "0", "--workers", "2", "--model", "digits-cnn",
                                     "--mode", "async", "--baseline", "--work-dir", str(tmp_path)],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -118,3 +118,33 @@ def test_health_command_exit_codes(cluster):
     bad = subprocess.run(SHARDPS + ["health", "127.0.0.1:1", "--timeout", "1"], capture_output=True,
                          text=True, timeout=30)
     assert bad.returncode == 2 and "unreachable" in bad.stderr
+
+
+@pytest.mark.slow          # processes (shardps local)
+def test_local_listens_where_the_readme_connects_and_says_when_that_port_is_taken(tmp_path):
+    """`shardps local --port N` puts the manager on 127.0.0.1:N (default 7070, the
+    README's address); a taken port is a clear error naming it, not a random other port."""
+    import socket
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen(SHARDPS + ["local", "--servers", "1", "--port", str(port), "--work-dir",
+                                       str(tmp_path / "a")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        line = proc.stdout.readline()
+        deadline = time.monotonic() + 60
+        while "manager at" not in line and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+        assert f"manager at 127.0.0.1:{port};" in line, line
+        taken = subprocess.run(SHARDPS + ["local", "--servers", "1", "--port", str(port), "--work-dir",
+                                          str(tmp_path / "b")], capture_output=True, text=True, timeout=60)
+        assert taken.returncode == 2
+        assert f"127.0.0.1:{port} is taken" in taken.stderr and "--port" in taken.stderr, taken.stderr
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
