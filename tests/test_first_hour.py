@@ -49,3 +49,57 @@ def test_psmodel_with_its_defaults_trains_in_every_mode(make_cluster, client_fac
         model.push()
     assert model.step == 6
     assert np.isfinite(client.pull_dense("head.weight")).all()
+
+
+def test_a_sync_job_driven_by_the_raw_client_equals_one_large_batch(make_cluster, client_factory):
+    """Three workers, the README's SYNC loop (join, wait_for_workers, `with client.step():`
+    pull then push): every step applies the mean of the three gradients, as one large batch."""
+    import threading
+    cluster = make_cluster(2)
+    workers, steps, batch, dim, lr = 3, 5, 8, 20, np.float32(0.1)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((steps, workers, batch, dim)).astype(np.float32)
+    y = rng.standard_normal((steps, workers, batch)).astype(np.float32)
+
+    def grad(w, xb, yb):
+        return (xb.T @ (xb @ w - yb) / np.float32(batch)).astype(np.float32)
+
+    first = client_factory(cluster.address, job="linreg")
+    first.create_job("sync")
+    first.create_dense("w", (dim,), optimizer=sgd(float(lr)), block_size=8)   # blocks on both servers
+    clients = [first] + [client_factory(cluster.address, job="linreg") for _ in range(workers - 1)]
+    errors = []
+
+    def train(rank: int, client) -> None:
+        try:
+            client.join(rank_hint=rank)
+            client.wait_for_workers(workers, timeout=30)
+            for t in range(steps):
+                with client.step():
+                    w = client.pull_dense("w")
+                    client.push_dense("w", grad(w, x[t, rank], y[t, rank]))
+        except Exception as exc:          # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=train, args=(r, c)) for r, c in enumerate(clients)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    assert not errors, errors
+    expected = np.zeros(dim, np.float32)
+    for t in range(steps):
+        expected -= lr * np.mean([grad(expected, x[t, r], y[t, r]) for r in range(workers)], axis=0)
+    np.testing.assert_allclose(first.pull_dense("w"), expected, rtol=1e-5, atol=1e-6)
+    assert all(c.current_step == steps for c in clients)
+
+
+def test_wait_for_workers_names_how_many_joined(make_cluster, client_factory):
+    from shardps.errors import DeadlineExceeded
+    cluster = make_cluster(1)
+    c = client_factory(cluster.address, job="group")
+    c.create_job()
+    c.join(heartbeat=False)
+    assert c.wait_for_workers(1, timeout=5) == 1
+    with pytest.raises(DeadlineExceeded, match="1 of 2 workers"):
+        c.wait_for_workers(2, timeout=0.3)

@@ -15,14 +15,14 @@ import time
 import grpc
 
 from shardps.convert import config_from_proto, config_to_proto, consistency_to_proto, spec_to_proto
-from shardps.errors import InvalidArgument, NotFound
+from shardps.errors import DeadlineExceeded, InvalidArgument, NotFound
 from shardps.metrics import WorkerMetrics
 from shardps.protos.v1 import manager_pb2 as mg
 from shardps.rpc import channels
 from shardps.rpc.status import from_rpc_error
 from shardps.rpc.stubs import MANAGER, ManagerStub
 from shardps.shardmap import ShardMapView, TableView
-from shardps.tables import Consistency, OptimizerConfig, TableConfig, TableSpec
+from shardps.tables import Consistency, Initializer, OptimizerConfig, TableConfig, TableSpec, dense_table, sparse_table
 
 _MODES = {"async": Consistency.ASYNC, "asp": Consistency.ASYNC, "sync": Consistency.SYNC,
           "bsp": Consistency.SYNC, "ssp": Consistency.BOUNDED, "bounded": Consistency.BOUNDED}
@@ -193,3 +193,51 @@ class Admin:
     def cluster_status(self, timeout: float | None = None) -> mg.ClusterStatus:
         return self.call("GetClusterStatus", self.stub.GetClusterStatus,
                          mg.GetClusterStatusRequest(), timeout, idempotent=True)
+
+    def wait_for_workers(self, count: int, timeout: float | None = None) -> int:
+        """Poll the shard map until the job's group has ``count`` members (see PSClient)."""
+        deadline = time.monotonic() + (self.default_timeout if timeout is None else timeout)
+        while True:
+            group = self.refresh_map().groups.get(self.job)
+            joined = len(group.members) if group is not None else 0
+            if joined >= count:
+                return joined
+            if time.monotonic() >= deadline:
+                raise DeadlineExceeded(f"{joined} of {count} workers of job {self.job!r} joined before "
+                                       f"the deadline: start the others, or wait longer (timeout=)")
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+
+
+class TableCalls:
+    """The table calls of ``PSClient`` (a mixin: they delegate to its ``_admin``)."""
+
+    _admin: Admin
+
+    def create_table(self, spec: TableSpec, optimizer: OptimizerConfig | None = None,
+                     allow_non_finite: bool = False, timeout: float | None = None) -> TableView:
+        """Create a table (idempotent for an identical spec; AlreadyExists otherwise)."""
+        return self._admin.create_table(spec, optimizer, allow_non_finite, timeout)
+
+    def create_dense(self, name: str, shape, optimizer: OptimizerConfig | None = None,
+                     init: Initializer | None = None, block_size: int = 0, **kw) -> TableView:
+        return self.create_table(dense_table(name, shape, init, block_size), optimizer, **kw)
+
+    def create_sparse(self, name: str, dim: int, num_rows: int = 0, optimizer: OptimizerConfig | None = None,
+                      init: Initializer | None = None, num_blocks: int = 0, **kw) -> TableView:
+        return self.create_table(sparse_table(name, dim, num_rows, init, num_blocks), optimizer, **kw)
+
+    def table(self, name: str) -> TableView:
+        """The table's spec, config and placement from the client's map (refreshed if unknown)."""
+        return self._admin.table(name)
+
+    def tables(self) -> list[TableView]:
+        return self._admin.tables()
+
+    def update_config(self, name: str, timeout: float | None = None, **changes) -> TableConfig:
+        """Change optimizer hyperparameters (``lr=0.01``, ``momentum=...``) while training runs;
+        returns after every server installed the new config: the next push uses it."""
+        return self._admin.update_config(name, timeout, **changes)
+
+    def delete_table(self, name: str, timeout: float | None = None) -> None:
+        self._admin.delete_table(name, timeout)
+

@@ -32,6 +32,7 @@ arguments (``requests``).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from concurrent import futures
 from typing import Iterable, Sequence
@@ -45,10 +46,10 @@ from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc import channels
 from shardps.rpc.codec import CHUNK_BYTES
 from shardps.rpc.stubs import ManagerStub, StubPool
-from shardps.shardmap import ShardMapView, TableView
-from shardps.tables import Consistency, Initializer, OptimizerConfig, TableConfig, TableSpec, dense_table, sparse_table
+from shardps.shardmap import ShardMapView
+from shardps.tables import Consistency
 from shardps.worker.client import requests as rq
-from shardps.worker.client.admin import Admin
+from shardps.worker.client.admin import Admin, TableCalls
 from shardps.worker.client.data import DataPath, PullResult, PushResult
 from shardps.worker.client.dataplane import DataPlaneTransport
 from shardps.worker.client.export import export
@@ -56,7 +57,7 @@ from shardps.worker.client.membership import GroupMember, Membership, Session
 from shardps.worker.client.transport import GrpcTransport, Transport
 
 
-class PSClient:
+class PSClient(TableCalls):
     """Client of one job on a shardps cluster. See the module docstring for the contract.
 
     ``transport``: how data calls reach a server (default: each server's socket data plane,
@@ -201,35 +202,6 @@ class PSClient:
     def cluster_status(self, timeout: float | None = None) -> mg.ClusterStatus:
         return self._admin.cluster_status(timeout)
 
-    # ================================================================== tables
-    def create_table(self, spec: TableSpec, optimizer: OptimizerConfig | None = None,
-                     allow_non_finite: bool = False, timeout: float | None = None) -> TableView:
-        """Create a table (idempotent for an identical spec; AlreadyExists otherwise)."""
-        return self._admin.create_table(spec, optimizer, allow_non_finite, timeout)
-
-    def create_dense(self, name: str, shape, optimizer: OptimizerConfig | None = None,
-                     init: Initializer | None = None, block_size: int = 0, **kw) -> TableView:
-        return self.create_table(dense_table(name, shape, init, block_size), optimizer, **kw)
-
-    def create_sparse(self, name: str, dim: int, num_rows: int = 0, optimizer: OptimizerConfig | None = None,
-                      init: Initializer | None = None, num_blocks: int = 0, **kw) -> TableView:
-        return self.create_table(sparse_table(name, dim, num_rows, init, num_blocks), optimizer, **kw)
-
-    def table(self, name: str) -> TableView:
-        """The table's spec, config and placement from the client's map (refreshed if unknown)."""
-        return self._admin.table(name)
-
-    def tables(self) -> list[TableView]:
-        return self._admin.tables()
-
-    def update_config(self, name: str, timeout: float | None = None, **changes) -> TableConfig:
-        """Change optimizer hyperparameters (``lr=0.01``, ``momentum=...``) while training runs;
-        returns after every server installed the new config: the next push uses it."""
-        return self._admin.update_config(name, timeout, **changes)
-
-    def delete_table(self, name: str, timeout: float | None = None) -> None:
-        self._admin.delete_table(name, timeout)
-
     # ================================================================== data: pulls
     def pull_dense(self, table: str, start: int = 0, stop: int | None = None,
                    timeout: float | None = None, clock: int | None = None) -> np.ndarray:
@@ -340,6 +312,38 @@ class PSClient:
         are acknowledged and ignored). ``values`` covers the whole table."""
         piece = rq.initial_values(self.table(table), values)
         return self._push_call([piece], timeout, None, kind=ps.INITIALIZE)()
+
+    # ================================================================== steps
+    @property
+    def current_step(self) -> int:
+        """This worker's current step: the clock that pulls and pushes carry when they name
+        none (``clock=``). Advanced by ``next_step`` (or leaving ``with client.step():``)."""
+        return self._data.step
+
+    def next_step(self, timeout: float | None = None) -> int:
+        """End the current step: in SYNC and SSP jobs, report it to every server (SYNC
+        applies a step once every worker reported it; a server this step pushed nothing to
+        learns it here); then advance. Returns the new step. Not thread-safe with calls of
+        the same step still running."""
+        group = self.shard_map.groups.get(self.job) or self.refresh_map().groups.get(self.job)
+        if group is not None and group.consistency is not Consistency.ASYNC:
+            self.report_step(self._data.step, timeout)
+        self._data.step += 1
+        return self._data.step
+
+    @contextlib.contextmanager
+    def step(self, timeout: float | None = None):
+        """``with client.step(): pull ...; push ...`` is one step (the block gets its number):
+        ``next_step`` on leaving (not when the block raised)."""
+        yield self._data.step
+        self.next_step(timeout)
+
+    def wait_for_workers(self, count: int, timeout: float | None = None) -> int:
+        """Block until the job's worker group has at least ``count`` members; returns how many
+        joined. Raises DeadlineExceeded naming how many had joined. (In SYNC, a worker that
+        joins late starts at the group's current step; earlier steps averaged over the
+        workers present then.)"""
+        return self._admin.wait_for_workers(count, timeout)
 
     def report_step(self, clock: int, timeout: float | None = None) -> None:
         """Tell every server this worker finished step ``clock`` without sending data."""

@@ -83,6 +83,7 @@ class DataPath:
         self._last_lock = threading.Lock()
         self._last_pull = PullResult([], {})
         self._last_clock = 0
+        self.step = 0       # the clock of calls that name none (PSClient.next_step advances it)
 
     def deadline(self, timeout: float | None) -> float:
         return time.monotonic() + (self.default_timeout if timeout is None else timeout)
@@ -109,7 +110,7 @@ class DataPath:
         becomes ``(ids, rows)``) with the values of ``pieces``. ``clock``: this worker's
         completed steps (SYNC / BOUNDED pulls wait as the consistency model requires)."""
         deadline = self.deadline(timeout)
-        result = PullResult(outputs, {}, clock=0 if clock is None else int(clock))
+        result = PullResult(outputs, {}, clock=self.step if clock is None else int(clock))
         stored: dict[int, list] = {}
         self.fanout.run(pieces, deadline, self._pull_sender(result, stored, deadline))
         return self._finish_pull(result, stored)
@@ -218,7 +219,7 @@ class DataPath:
         ``ps.INITIALIZE``): one sequence number, kept across retries. ``report_step``: also
         send an empty push to every live server, reporting step ``clock``."""
         deadline = self.deadline(timeout)
-        result = PushResult(clock=0 if clock is None else int(clock))
+        result = PushResult(clock=self.step if clock is None else int(clock))
         seq = self.session.begin_push()
         try:
             extra = live_servers(self.maps.view()) if report_step else ()
