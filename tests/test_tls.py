@@ -33,6 +33,8 @@ def test_mutual_tls_cluster_serves_only_clients_with_certificates(make_cluster, 
     c.push_dense("w", np.ones(1000))                    # primary -> backup over mTLS too
     c.push_rows("e", [1, 2], np.ones((2, 8)))
     np.testing.assert_array_equal(c.pull_dense("w"), -np.ones(1000))
+    # the data calls went over the servers' data plane, under the same certificates
+    assert sum(s.data_plane.connections for s in cluster.servers.values()) > 0
     # no client certificate, or no TLS at all: refused at the handshake
     no_cert = TlsConfig.from_files(ca=str(certs["ca"]))
     with pytest.raises(Unavailable):

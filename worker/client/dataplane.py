@@ -35,7 +35,7 @@ class DataPlaneTransport:
         self.fallback = fallback
         self.metadata = tuple(metadata)
         self.pool = DataPlanePool(client_ssl_context(tls) if tls is not None else None,
-                                  server_hostname=getattr(tls, "server_name", None) or None,
+                                  server_hostname=getattr(tls, "server_name_override", "") or None,
                                   connections_per_address=connections_per_address,
                                   metadata=self.metadata)
         self._lock = threading.Lock()
