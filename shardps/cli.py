@@ -79,6 +79,8 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
     fs.add("--manager", "127.0.0.1:7070", "resource manager address")
     fs.add("--max-request-bytes", 1 << 30, "largest accepted request payload")
     fs.add("--max-rows", 4_000_000, "most sparse rows in one request")
+    fs.add("--data-plane-port", 0, "port of the socket data plane that carries pushes and pulls "
+           "beside gRPC (0: any free port, advertised to clients; -1: none, gRPC only)")
     fs.add("--forward-timeout", 1.5, "seconds a primary waits for a backup to apply a push "
            "(plus 1 s per 20 MB); keep it below the manager's server lease")
     p.set_defaults(func=cmd_server)
