@@ -20,11 +20,11 @@ import numpy as np
 
 from shardps.errors import FailedPrecondition, InvalidArgument
 from shardps.server import optimizers
-from shardps.server.storage import DIRECT_INDEX_MAX_ROWS, MAPPED_MIN_BYTES, SparseShard, storage, stored
+from shardps.server.storage import DIRECT_INDEX_MAX_ROWS, MAPPED_MIN_BYTES, SparseRows, storage, stored
 from shardps.tables import InitKind, TableConfig, TableKind, TableSpec, dense_initial_values
 
 __all__ = ["DIRECT_INDEX_MAX_ROWS", "MAPPED_MIN_BYTES", "AnyBlock", "Block", "BlockKey", "DenseBlock", "SparseBlock",
-           "SparseShard", "Writer", "WriterRecord", "decode_metadata", "encode_metadata", "new_block", "storage",
+           "SparseRows", "Writer", "WriterRecord", "decode_metadata", "encode_metadata", "new_block", "storage",
            "stored"]
 
 BlockKey = tuple[str, str, int]   # (job, table, block index)
@@ -223,45 +223,45 @@ class DenseBlock(Block):
 
 class SparseBlock(Block):
     """The rows of a sparse table whose ids hash to this block, stored in the server's
-    ``SparseShard`` of that table (shared by the table's blocks on this server)."""
+    ``SparseRows`` of that table (shared by the table's blocks on this server)."""
 
     kind = TableKind.SPARSE
 
-    def __init__(self, key: BlockKey, spec: TableSpec, shard: SparseShard | None = None):
+    def __init__(self, key: BlockKey, spec: TableSpec, table_rows: SparseRows | None = None):
         super().__init__(key, spec)
         self.dim = spec.dim
-        self.shard = shard if shard is not None else SparseShard(spec)
+        self.table_rows = table_rows if table_rows is not None else SparseRows(spec)
 
     @property
     def count(self) -> int:
-        return int(self.shard.block_counts[self.key[2]])
+        return int(self.table_rows.block_counts[self.key[2]])
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
-        with self.shard.lock:
-            return self.shard.lookup(ids)
+        with self.table_rows.lock:
+            return self.table_rows.lookup(ids)
 
     def read(self, ids: np.ndarray) -> np.ndarray:
         """Rows of ``ids`` (any order, repeats allowed), float32 ``[n, dim]``: stored or initial."""
-        with self.shard.lock:
-            return self.shard.read(ids)
+        with self.table_rows.lock:
+            return self.table_rows.read(ids)
 
     def apply_gradient(self, config: TableConfig, ids: np.ndarray, grad: np.ndarray) -> None:
         """Apply ``grad`` ``[n, dim]`` to rows ``ids`` (unique, all of this block)."""
-        with self.shard.lock:
-            self.shard.apply(config, ids, grad)
+        with self.table_rows.lock:
+            self.table_rows.apply(config, ids, grad)
         self.version += 1
 
     def release(self) -> None:
         """This server no longer holds the block: drop its rows."""
-        with self.shard.lock:
-            self.shard.remove_block(self.key[2])
+        with self.table_rows.lock:
+            self.table_rows.remove_block(self.key[2])
 
     def nbytes(self) -> int:
-        return self.count * self.shard.row_bytes()
+        return self.count * self.table_rows.row_bytes()
 
     def snapshot(self) -> tuple[dict, dict[str, np.ndarray]]:
         meta = self._metadata()
-        sh = self.shard
+        sh = self.table_rows
         with sh.lock:
             ids, slots = sh.block_rows(self.key[2])
             meta.update(count=int(slots.shape[0]),
@@ -285,9 +285,9 @@ class SparseBlock(Block):
         state = {k[len("state."):]: np.asarray(v, dtype=np.float32).reshape(count, self.dim)
                  for k, v in arrays.items() if k.startswith("state.")}
         steps = (np.asarray(arrays["row_steps"]).astype(np.int32) if "row_steps" in arrays else None)
-        with self.shard.lock:
-            self.shard.remove_block(self.key[2])
-            self.shard.insert(ids, None, values, state, steps)
+        with self.table_rows.lock:
+            self.table_rows.remove_block(self.key[2])
+            self.table_rows.insert(ids, None, values, state, steps)
         self.pending = {int(s): [(arrays[f"pending.{s}.{i}.ids"],
                                   arrays[f"pending.{s}.{i}.grad"].reshape(-1, self.dim))
                                  for i in range(n)]
@@ -298,9 +298,9 @@ class SparseBlock(Block):
 AnyBlock = DenseBlock | SparseBlock
 
 
-def new_block(key: BlockKey, spec: TableSpec, shard: SparseShard | None = None) -> AnyBlock:
-    """A new empty block; sparse blocks store their rows in ``shard`` (a private one if None)."""
-    return DenseBlock(key, spec) if spec.kind is TableKind.DENSE else SparseBlock(key, spec, shard)
+def new_block(key: BlockKey, spec: TableSpec, table_rows: SparseRows | None = None) -> AnyBlock:
+    """A new empty block; sparse blocks store their rows in ``table_rows`` (a private one if None)."""
+    return DenseBlock(key, spec) if spec.kind is TableKind.DENSE else SparseBlock(key, spec, table_rows)
 
 
 def encode_metadata(meta: dict) -> bytes:

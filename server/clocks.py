@@ -1,10 +1,10 @@
-"""Worker clocks of one job on one server: the state behind SYNC (BSP) and BOUNDED (SSP).
+"""Worker clocks of one job on one server: the state behind SYNC (BSP) and SSP (BOUNDED in the proto).
 
 A worker's clock is its number of completed steps. During step ``t`` it pulls with clock
 ``t``, then pushes its gradients for step ``t`` (reporting the step to every server, with an
 empty push where it has nothing to send); the server then counts ``t + 1`` completed steps.
 
-* BOUNDED(T): a pull with clock ``c`` waits while ``c - min(completed of live workers) > T``.
+* SSP(T): a pull with clock ``c`` waits while ``c - min(completed of live workers) > T``.
 * SYNC: step ``t`` is applied once every live worker completed it; a pull with clock ``c``
   waits until ``c`` steps have been applied here.
 

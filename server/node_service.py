@@ -371,7 +371,7 @@ def node_status(node: ServerNode, job: str | None = None) -> ps.NodeStatus:
     block and byte totals of that job alone (what a job token may see)."""
     u = node.usage()
     msg = ps.NodeStatus(name=node.name, incarnation=node.incarnation, epoch=node.epoch,
-                        primary_blocks=u["primary_blocks"], replica_blocks=u["replica_blocks"],
+                        primary_blocks=u["primary_blocks"], replica_blocks=u["backup_blocks"],
                         bytes=u["bytes"])
     if job is not None:
         keys = [k for k in list(node.blocks) if k[0] == job]

@@ -278,7 +278,7 @@ class ServerProcess:
             self.node.publish_usage(u)
         resp = self._heartbeat(mg.ServerHeartbeatRequest(
             name=self.node.name, incarnation=self.node.incarnation, epoch=self.node.epoch,
-            primary_blocks=u["primary_blocks"], replica_blocks=u["replica_blocks"], bytes=u["bytes"]),
+            primary_blocks=u["primary_blocks"], replica_blocks=u["backup_blocks"], bytes=u["bytes"]),
             timeout=5.0, metadata=self._metadata)
         if resp.retired:
             if not self.retired.is_set():

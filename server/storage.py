@@ -1,5 +1,5 @@
 """Where a server stores rows: ``storage`` (long-lived arrays, memory-mapped from 64 KiB) and
-``SparseShard`` (every row of one sparse table this server holds, across its blocks, with
+``SparseRows`` (every row of one sparse table this server holds, across its blocks, with
 its id -> slot index). ``server.blocks`` builds the blocks on top; see it for the model.
 
 Plain numpy; no grpc, no torch.
@@ -135,7 +135,7 @@ class _SortedIndex:
 DIRECT_INDEX_MAX_ROWS = 1 << 24     # bounded tables up to 16M rows use a direct id -> slot map
 
 
-class SparseShard:
+class SparseRows:
     """Every row of one sparse table that this server holds, across all of its blocks.
 
     Rows live in growable arrays (values, optimizer state, per-row step counts) with one

@@ -35,6 +35,11 @@ class TableView:
 
 @dataclass(frozen=True)
 class Member:
+    """A worker-group member as the shard map publishes it: a read-only view. On the wire it
+    is the proto's ``WorkerMember``; the manager keeps it (with its lease and progress) as
+    ``shardps.server.manager.records.MemberRecord``; a client's own view is
+    ``shardps.worker.Membership``."""
+
     rank: int
     session: str
     incarnation: int

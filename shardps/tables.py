@@ -50,11 +50,41 @@ class InitKind(Enum):
 
 
 class Consistency(Enum):
-    """Consistency model of a worker group: ASYNC (ASP), SYNC (BSP), BOUNDED (SSP)."""
+    """Consistency model of a worker group: ASYNC (ASP), SYNC (BSP) or SSP (bounded
+    staleness T; BOUNDED in the proto enum, and the member's name here, ``Consistency.SSP``
+    being the same member).
+
+    ``str()`` gives ``"async"``, ``"sync"`` or ``"ssp"``, the names ``create_job`` and the
+    CLI take. ``Consistency.parse(text)`` accepts those, ``asp``, ``bsp`` and ``bounded``, in
+    any case, and raises ``InvalidArgument`` naming anything else; ``Consistency(text)``
+    accepts the same (and raises ValueError, as every Enum)."""
 
     ASYNC = 1
     SYNC = 2
     BOUNDED = 3
+    SSP = 3          # an alias: Consistency.SSP is Consistency.BOUNDED
+
+    def __str__(self) -> str:
+        return _MODE_NAMES[self]
+
+    @classmethod
+    def parse(cls, text: str | Consistency) -> Consistency:
+        """A mode from its name (see the class); a ``Consistency`` is returned as it is."""
+        if isinstance(text, Consistency):
+            return text
+        mode = _MODES.get(str(text).lower())
+        if mode is None:
+            raise InvalidArgument(f"consistency {text!r}: use async, sync or ssp")
+        return mode
+
+    @classmethod
+    def _missing_(cls, value: object) -> Consistency | None:
+        return _MODES.get(value.lower()) if isinstance(value, str) else None
+
+
+_MODES = {"async": Consistency.ASYNC, "asp": Consistency.ASYNC, "sync": Consistency.SYNC,
+          "bsp": Consistency.SYNC, "ssp": Consistency.BOUNDED, "bounded": Consistency.BOUNDED}
+_MODE_NAMES = {Consistency.ASYNC: "async", Consistency.SYNC: "sync", Consistency.BOUNDED: "ssp"}
 
 
 @dataclass(frozen=True)

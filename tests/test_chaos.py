@@ -19,7 +19,9 @@ import pytest
 
 from shardps.children import child_env
 from shardps.local import LocalCluster
+from shardps.protos.v1 import common_pb2 as pb
 from shardps.worker.client import PSClient
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.chaos
 HERE = Path(__file__).resolve().parent
@@ -140,7 +142,18 @@ def test_kill_one_of_three_servers_mid_training(chaos, tmp_path):
     with PSClient(cluster.manager_address, "demo") as c:
         st = c.cluster_status()
     states = {s.server.name: s.server.state for s in st.servers}
-    assert states["s1"] == 4 and st.under_replicated_blocks == 0, states   # DEAD, R restored
+    assert states["s1"] == pb.DEAD and st.under_replicated_blocks == 0, states   # R restored
+
+
+def epoch_stable(client):
+    """A ``wait_for`` condition: true once two polls in a row see the same shard-map epoch,
+    i.e. the manager committed no move (nor any other change) in between."""
+    seen: list[int] = []
+
+    def check() -> bool:
+        seen.append(client.refresh_map().epoch)
+        return len(seen) >= 2 and seen[-1] == seen[-2]
+    return check
 
 
 def test_add_a_fourth_server_then_drain_one(chaos, tmp_path):
@@ -159,7 +172,8 @@ def test_add_a_fourth_server_then_drain_one(chaos, tmp_path):
                 break
             assert time.monotonic() < deadline, "s3 never received blocks"
             time.sleep(0.1)
-        time.sleep(1.0)      # let the rebalance settle
+        wait_for("the rebalance to settle (the same shard-map epoch twice in a row)",
+                 epoch_stable(c), timeout=60, interval=1.0)
         after = {b: list(r) for b, r in enumerate(c.refresh_map().table("chaos", "counters").replicas)}
         moved = sum(len(set(after[b]) - set(before[b])) for b in before) / sum(len(r) for r in before.values())
         print(f"join: {moved:.3f} of replicas moved (ideal 1/N = {1 / 4:.3f})")
@@ -171,7 +185,7 @@ def test_add_a_fourth_server_then_drain_one(chaos, tmp_path):
         while True:
             st = c.cluster_status()
             s0 = next(s for s in st.servers if s.server.name == "s0")
-            if s0.server.state == 4 and s0.primary_blocks + s0.replica_blocks == 0:
+            if s0.server.state == pb.DEAD and s0.primary_blocks + s0.replica_blocks == 0:
                 break
             assert time.monotonic() < deadline, "s0 was not drained"
             time.sleep(0.1)
@@ -240,7 +254,7 @@ def test_kill_every_server_restore_onto_another_count(chaos, tmp_path):
         cluster.start_server(name)
     with PSClient(cluster.manager_address, "chaos", timeout=60) as c:
         deadline = time.monotonic() + 60
-        while sum(1 for s in c.cluster_status().servers if s.server.state == 2) != 2:
+        while sum(1 for s in c.cluster_status().servers if s.server.state == pb.SERVING) != 2:
             assert time.monotonic() < deadline, "old servers not declared dead / new ones not serving"
             time.sleep(0.2)
         out = subprocess.run([sys.executable, "-m", "shardps.cli", "restore", "chaos", "--manager",
@@ -295,7 +309,7 @@ def test_partitioned_server_is_failed_over_and_rejoins_without_split_brain(tmp_p
         w1_at_cut = counters.state("w1")["acked"]
         with PSClient(cluster.manager_address, "chaos", timeout=30) as c:
             deadline = time.monotonic() + 60
-            while next(s for s in c.cluster_status().servers if s.server.name == "s1").server.state != 4:
+            while next(s for s in c.cluster_status().servers if s.server.name == "s1").server.state != pb.DEAD:
                 assert time.monotonic() < deadline, "the partitioned server was never declared dead"
                 time.sleep(0.2)
             detected = time.time() - cut
@@ -308,7 +322,7 @@ def test_partitioned_server_is_failed_over_and_rejoins_without_split_brain(tmp_p
             deadline = time.monotonic() + 90
             while True:
                 s1 = next(s for s in c.cluster_status().servers if s.server.name == "s1")
-                if s1.server.incarnation >= 2 and s1.server.state == 2:
+                if s1.server.incarnation >= 2 and s1.server.state == pb.SERVING:
                     break
                 assert time.monotonic() < deadline, f"s1 did not rejoin: {s1}"
                 time.sleep(0.2)

@@ -24,7 +24,10 @@ from shardps.worker.torch_ps import PSModel
 @pytest.mark.slow          # processes (LocalCluster)
 def test_on_demand_checkpoint_while_two_workers_train(tmp_path):
     with LocalCluster(servers=2, work_dir=str(tmp_path / "cluster")) as cluster:
-        workers = [cluster.start_worker(f"worker-{i}", ["--job", "demo", "--model", "digits-cnn", "--epochs", "12"])
+        # paced (about 20 s of training) so that both are still training when the on-demand
+        # request comes: a worker that finished has left the group and is not in the cut
+        workers = [cluster.start_worker(f"worker-{i}", ["--job", "demo", "--model", "digits-cnn", "--epochs", "12",
+                                                        "--step-delay", "0.06"])
                    for i in range(2)]
         with PSClient(cluster.manager_address, "demo") as c:
             deadline = time.monotonic() + 120

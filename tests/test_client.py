@@ -188,4 +188,4 @@ def test_a_transport_plugs_in_and_refusals_are_rerouted(cluster, client_factory)
     np.testing.assert_allclose(c.pull_dense("w"), -np.ones(4096))
     for kind in ("push", "pull"):       # each server: refused once, then served
         assert sorted(s for k, s in flaky.calls if k == kind) == sorted(list(servers) * 2), flaky.calls
-    assert c.metrics.retries.labels("StaleEpoch")._value.get() == 4
+    assert c.metrics.registry.get_sample_value("shardps_client_retries_total", {"reason": "StaleEpoch"}) == 4

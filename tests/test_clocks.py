@@ -27,3 +27,16 @@ def test_a_wait_that_times_out_names_the_ranks_and_steps_it_waited_for(mode, sta
         clock.wait_for_pull(pull_clock, deadline=now.now)      # already due: no waiting
     assert "rank 1 (0 steps completed)" in err.value.message, err.value.message
     assert "rank 0" not in err.value.message
+
+
+def test_ssp_is_named_ssp_and_every_old_spelling_is_still_accepted():
+    from shardps.errors import InvalidArgument
+    from shardps.worker.client import parse_consistency
+    assert Consistency.SSP is Consistency.BOUNDED and str(Consistency.SSP) == "ssp"
+    assert [str(m) for m in Consistency] == ["async", "sync", "ssp"]
+    for text, mode in [("ssp", Consistency.SSP), ("BOUNDED", Consistency.SSP), ("Sync", Consistency.SYNC),
+                       ("bsp", Consistency.SYNC), ("asp", Consistency.ASYNC), ("async", Consistency.ASYNC)]:
+        assert Consistency.parse(text) is mode and Consistency(text) is mode and parse_consistency(text) is mode
+    assert Consistency["BOUNDED"] is Consistency.SSP and Consistency(3) is Consistency.SSP   # state files, protos
+    with pytest.raises(InvalidArgument, match="'lazy': use async, sync or ssp"):
+        Consistency.parse("lazy")

@@ -38,7 +38,9 @@ from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 WHEELHOUSE = ROOT / "wheelhouse"
-SERVER_IMAGE_LIMIT = 300_000_000            # bytes, as `docker images` counts MB
+# bytes, as `docker images` counts MB: 243 MB before numba + llvmlite (about 200 MB installed),
+# which compile the servers' row updates (shardps.kernels, 3-5x the numpy loop)
+SERVER_IMAGE_LIMIT = 480_000_000
 MIN_ACCURACY = 0.95
 SERVERS = ("s0", "s1", "s2")
 FINAL_LINE = re.compile(r"shardps worker rank=(\d+) steps=(\d+) test_accuracy=([0-9.]+)")

@@ -91,7 +91,7 @@ def test_ranks_rejoin_and_leases():
     assert st.expire(now=7.0) == ["worker:j/1"]
     c = st.join("j", "c", -1, "", None, 0, now=7.0)
     assert c.rank == 1
-    with pytest.raises(FailedPrecondition, match="ASYNC"):
+    with pytest.raises(FailedPrecondition, match="runs async .staleness 0.; this worker asked for sync"):
         st.join("j", "d", -1, "", Consistency.SYNC, 0, now=7.0)
 
 

@@ -41,7 +41,7 @@ def test_stale_epoch_refused_then_retry_succeeds(make_cluster, client_factory):
     assert c.shard_map.epoch == old_epoch
     c.push_dense("w", np.ones(6400))
     assert c.shard_map.epoch > old_epoch
-    retries = c.metrics.retries.labels("StaleEpoch")._value.get()
+    retries = c.metrics.registry.get_sample_value("shardps_client_retries_total", {"reason": "StaleEpoch"})
     assert retries >= 1, "the client never saw a stale-epoch refusal"
     np.testing.assert_allclose(c.pull_dense("w"), -np.ones(6400))
 

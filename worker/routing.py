@@ -101,6 +101,6 @@ def _route_sparse(t: TableView, p: Piece):
 
 
 def live_servers(view: ShardMapView) -> list[str]:
-    """Servers a step report must reach (SYNC / BOUNDED): every server not declared dead, so
+    """Servers a step report must reach (SYNC / SSP): every server not declared dead, so
     that each keeps the group's clocks even before it holds any of the job's blocks."""
     return [s.name for s in view.servers if s.state != pb.DEAD]

@@ -140,7 +140,7 @@ class PSModel:
     """Binds a module's parameters to shardps tables; see the module docstring.
 
     Not thread-safe (one training loop drives it). ``pull``/``push`` block; with a SYNC or
-    BOUNDED job, ``pull`` waits as the consistency model requires.
+    SSP job, ``pull`` waits as the consistency model requires.
     """
 
     def __init__(self, module: nn.Module, client: PSClient, optimizer: OptimizerConfig | None = None,

@@ -64,7 +64,7 @@ RUN set -eu; \
     install -d -o shardps -g shardps /var/lib/shardps/state /checkpoints
 
 # One flat layer: the files deleted above (the wheels among them) leave the image instead of
-# hiding in a lower layer; this keeps the server image well under 300 MB.
+# hiding in a lower layer (442 MB, of which numba and llvmlite are about 200 MB).
 FROM scratch
 COPY --from=runtime / /
 ENV PATH=/opt/shardps/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \

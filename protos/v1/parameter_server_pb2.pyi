@@ -53,14 +53,12 @@ class PushChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PushAck(_message.Message):
-    __slots__ = ("versions", "duplicate_blocks", "held_steps")
+    __slots__ = ("versions", "duplicate_blocks")
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    HELD_STEPS_FIELD_NUMBER: _ClassVar[int]
     versions: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockVersion]
     duplicate_blocks: int
-    held_steps: int
-    def __init__(self, versions: _Optional[_Iterable[_Union[_common_pb2.BlockVersion, _Mapping]]] = ..., duplicate_blocks: _Optional[int] = ..., held_steps: _Optional[int] = ...) -> None: ...
+    def __init__(self, versions: _Optional[_Iterable[_Union[_common_pb2.BlockVersion, _Mapping]]] = ..., duplicate_blocks: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("header", "segments", "data", "reply_shared_memory", "chunk_bytes")

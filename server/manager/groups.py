@@ -26,8 +26,8 @@ def join(st: ManagerState, job_name: str, name: str, rank_hint: int, previous_se
     if consistency is not None and (consistency, staleness if consistency is Consistency.BOUNDED
                                     else job.staleness) != (job.consistency, job.staleness):
         raise FailedPrecondition(
-            f"job {job_name!r} runs {job.consistency.name}(staleness {job.staleness}); "
-            f"this worker asked for {consistency.name}(staleness {staleness})")
+            f"job {job_name!r} runs {job.consistency} (staleness {job.staleness}); "
+            f"this worker asked for {consistency} (staleness {staleness})")
     taken = {m.rank: m for m in job.members.values()}
     replaced = None
     if previous_session and previous_session in job.members:

@@ -32,7 +32,7 @@ class ServerRecord:
     # not persisted
     last_heartbeat: float = 0.0
     primary_blocks: int = 0
-    replica_blocks: int = 0
+    backup_blocks: int = 0      # blocks held, not as primary (ServerHeartbeat.replica_blocks)
     bytes: int = 0
     installed_epoch: int = 0
 
@@ -58,6 +58,10 @@ class TableRecord:
 
 @dataclass
 class MemberRecord:
+    """The manager's record of a worker-group member: persisted (rank, session, incarnation,
+    name) plus its lease and progress. Published in the shard map as the proto's
+    ``WorkerMember``, which servers and clients read as ``shardps.shardmap.Member``."""
+
     rank: int
     session: str
     incarnation: int

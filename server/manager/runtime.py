@@ -243,18 +243,18 @@ class ManagerRuntime:
             for state, n in counts.items():
                 m.servers.labels(state.name).set(n)
             primaries: dict[str, int] = {}
-            replicas: dict[str, int] = {}
+            backups: dict[str, int] = {}
             nblocks = 0
             for t in st.tables.values():
                 for b in t.blocks:
                     nblocks += 1
                     for i, node in enumerate(b.replicas):
-                        (primaries if i == 0 else replicas)[node] = (primaries if i == 0 else replicas).get(node, 0) + 1
+                        (primaries if i == 0 else backups)[node] = (primaries if i == 0 else backups).get(node, 0) + 1
             for rec in st.servers.values():
                 m.server_up.labels(rec.name).set(1 if rec.live else 0)
                 m.heartbeat_age.labels(rec.name).set(max(0.0, now - rec.last_heartbeat))
                 m.server_blocks.labels(rec.name, "primary").set(primaries.get(rec.name, 0))
-                m.server_blocks.labels(rec.name, "backup").set(replicas.get(rec.name, 0))
+                m.server_blocks.labels(rec.name, "backup").set(backups.get(rec.name, 0))
                 m.server_bytes.labels(rec.name).set(rec.bytes)
             m.blocks.set(nblocks)
             m.set_replication(st.replication_health())

@@ -61,7 +61,7 @@ def server_heartbeat(st: ManagerState, name: str, incarnation: int, epoch: int, 
             f"{rec.incarnation}, state {rec.state.name}): drop state and register again")
     rec.last_heartbeat = now
     rec.installed_epoch = epoch
-    for k in ("primary_blocks", "replica_blocks", "bytes"):
+    for k in ("primary_blocks", "backup_blocks", "bytes"):
         setattr(rec, k, int(stats.get(k, getattr(rec, k))))
     if rec.state is ServerState.JOINING and epoch > 0:
         rec.state = ServerState.SERVING     # it has installed a map: it serves

@@ -77,7 +77,7 @@ class ResourceManagerService:
 
     def server_heartbeat(self, req, call) -> mg.ServerHeartbeatResponse:
         names.check(names.SERVER, req.name, "name")
-        stats = {"primary_blocks": req.primary_blocks, "replica_blocks": req.replica_blocks,
+        stats = {"primary_blocks": req.primary_blocks, "backup_blocks": req.replica_blocks,
                  "bytes": req.bytes}
         now = self.rt.now()
         self.rt.change(lambda s: s.server_heartbeat(req.name, req.incarnation, req.epoch, stats, now))
@@ -255,12 +255,12 @@ def cluster_status(rt: ManagerRuntime) -> mg.ClusterStatus:
         msg = mg.ClusterStatus(epoch=rt.published.epoch, replication=st.settings.replication,
                                under_replicated_blocks=st.under_replicated())
         primaries: dict[str, int] = {}
-        replicas: dict[str, int] = {}
+        backups: dict[str, int] = {}
         for t in st.tables.values():
             for b in t.blocks:
                 msg.blocks += 1
                 for i, n in enumerate(b.replicas):
-                    d = primaries if i == 0 else replicas
+                    d = primaries if i == 0 else backups
                     d[n] = d.get(n, 0) + 1
         for name in sorted(st.servers):
             rec = st.servers[name]
@@ -269,7 +269,7 @@ def cluster_status(rt: ManagerRuntime) -> mg.ClusterStatus:
                                      # (protobuf's stubs want ServerState.ValueType: the same number)
                                      state=rec.state.value,  # type: ignore[arg-type]
                                      metrics_address=rec.metrics_address),
-                primary_blocks=primaries.get(name, 0), replica_blocks=replicas.get(name, 0),
+                primary_blocks=primaries.get(name, 0), replica_blocks=backups.get(name, 0),
                 bytes=rec.bytes, heartbeat_age_seconds=max(0.0, now - rec.last_heartbeat))
         for name in sorted(st.jobs):
             job = st.jobs[name]

@@ -99,8 +99,8 @@ class ManagerState:
         if job is not None:
             if (job.consistency, job.staleness) != (consistency, staleness):
                 raise AlreadyExists(
-                    f"job {name!r} exists with consistency {job.consistency.name}"
-                    f"(staleness {job.staleness}), not {consistency.name}(staleness {staleness})")
+                    f"job {name!r} exists with consistency {job.consistency}"
+                    f" (staleness {job.staleness}), not {consistency} (staleness {staleness})")
             return job, False
         job = JobRecord(name, consistency, staleness, quota_bytes, token_id=secrets.token_hex(8))
         self.jobs[name] = job

@@ -286,9 +286,9 @@ class PushApplier:
         else:
             ids = np.concatenate([p.ids for p, _ in group])
             grads = np.concatenate([p.values for p, _ in group])
-        shard = cast(SparseBlock, group[0][1]).shard   # a group holds sparse blocks only
-        with shard.lock:
-            shard.apply(t.config, ids, np.ascontiguousarray(grads, dtype=np.float32).reshape(-1, t.spec.dim))
+        rows = cast(SparseBlock, group[0][1]).table_rows   # a group holds sparse blocks only
+        with rows.lock:
+            rows.apply(t.config, ids, np.ascontiguousarray(grads, dtype=np.float32).reshape(-1, t.spec.dim))
         out = []
         wid = ps.WriterId(session=writer.session, incarnation=writer.incarnation,
                           sequence=writer.sequence, acked_below=writer.acked_below)

@@ -79,7 +79,7 @@ class ServerNode:
     view = _table_attr("view", "The installed shard map (a ShardMapView).")
     my_index = _table_attr("my_index", "This node's index in the map's servers (-1: absent).")
     blocks = _table_attr("blocks", "Blocks held: key -> Block (BlockTable.blocks).")
-    shards = _table_attr("shards", "Sparse tables' rows here: (job, table) -> SparseShard.")
+    sparse_rows = _table_attr("sparse_rows", "Sparse tables' rows here: (job, table) -> SparseRows.")
     staged = _table_attr("staged", "Copies received before a map lists them: key -> (block, source).")
     missing = _table_attr("missing", "Blocks listed here whose state has not been loaded.")
     extra = _table_attr("extra", "Copy destinations a primary forwards to: key -> nodes.")
@@ -198,7 +198,7 @@ class ServerNode:
     def publish_usage(self, u: dict) -> None:
         """Set the per-table and per-role gauges from ``usage()``."""
         self.metrics.blocks.labels("primary").set(u["primary_blocks"])
-        self.metrics.blocks.labels("backup").set(u["replica_blocks"])
+        self.metrics.blocks.labels("backup").set(u["backup_blocks"])
         self.metrics.table_parameters.clear()
         self.metrics.table_bytes.clear()
         for (job, table), (_, params, b) in u["tables"].items():

@@ -2,7 +2,7 @@
 
 Contract: only a block's primary serves it (fencing as in decode.check_owned); a pull sees
 every acknowledged push (linearizable per block, since backups are never read). SYNC and
-BOUNDED jobs first wait for their consistency condition (``JobClock.wait_for_pull``),
+SSP jobs first wait for their consistency condition (``JobClock.wait_for_pull``),
 outside the gate, then read under it; a pull whose map changed while it waited is decoded
 again. The response is bounded by ``NodeLimits.max_response_bytes`` (ResourceExhausted).
 """
@@ -50,7 +50,7 @@ class PullReader:
         written straight into it (``header.in_shared_memory`` is then set and the returned
         list is empty); other cases return the arrays as usual.
 
-        SYNC / BOUNDED groups: first waits (up to ``deadline``) for the consistency condition.
+        SYNC / SSP groups: first waits (up to ``deadline``) for the consistency condition.
         Raises InvalidArgument / NotFound / StaleEpoch / Unavailable / ResourceExhausted, and
         DeadlineExceeded if the wait outlasts ``deadline``. Nothing held on entry.
         """
@@ -127,10 +127,10 @@ class PullReader:
                     for blk in blks:
                         stack.enter_context(blk.lock)
                     s = parsed[seg_index]
-                    shard = cast(SparseBlock, blks[0]).shard
+                    table_rows = cast(SparseBlock, blks[0]).table_rows
                     assert s.ids is not None            # a sparse segment carries its ids
-                    with shard.lock:
-                        shard.read(s.ids, out=values[seg_index])
+                    with table_rows.lock:
+                        table_rows.read(s.ids, out=values[seg_index])
                     for blk in blks:
                         versions[blk.key] = blk.version
             for i, (s, out) in enumerate(zip(parsed, values)):

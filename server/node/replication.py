@@ -245,7 +245,7 @@ class BackupApplier:
                                               f"{n} more after byte {offset}")
                     arrays.append(np.frombuffer(buf[offset:offset + n], dtype=dtype))
                     offset += n
-            blk = self.replica_block(view, key, source, epoch)
+            blk = self.backup_block(view, key, source, epoch)
             with blk.lock:
                 if op.version != blk.version + 1:
                     stale.append(key)
@@ -276,7 +276,7 @@ class BackupApplier:
             raise InvalidArgument(f"replicate payload has {len(buf)} bytes; ops describe {offset}")
         return applied, stale
 
-    def replica_block(self, view: ShardMapView, key: BlockKey, source: str, epoch: int) -> AnyBlock:
+    def backup_block(self, view: ShardMapView, key: BlockKey, source: str, epoch: int) -> AnyBlock:
         """The block ``source`` may forward ``key``'s ops to here, else StaleEpoch."""
         t = view.tables.get((key[0], key[1]))
         blk, staged = self.table.lookup(key)

@@ -2,7 +2,7 @@
 data requests against map changes.
 
 ``BlockTable`` owns the node's shard map view and the bookkeeping around its blocks: the
-blocks it holds (``blocks``), a sparse table's rows (``shards``), copies received before a
+blocks it holds (``blocks``), a sparse table's rows (``sparse_rows``), copies received before a
 map lists them (``staged``), listed blocks whose state has not arrived (``missing``), copy
 destinations a primary forwards to (``extra``) and backups owed a whole block
 (``needs_resync``). ``install`` moves all of them to a new map. It does no I/O.
@@ -18,7 +18,7 @@ locks on one line are never held together.
    application), exclusive for a map install, a reset and ``hold_job``'s drain.
 3. ``Block.lock`` (blocks.py): one block's state. Several at once only in sorted key order.
    Calls to peers (forward, resync, copy) are made holding the blocks' locks.
-4. ``SparseShard.lock`` (blocks.py) | ``BlockTable.lock``: leaves, taken inside block locks
+4. ``SparseRows.lock`` (storage.py) | ``BlockTable.lock``: leaves, taken inside block locks
    (a block is never locked while ``BlockTable.lock`` is held: blocks popped under it are
    released after it; copy_blocks and the SYNC bookkeeping take it inside block locks).
 5. ``JobClock.cond`` (clocks.py): taken inside ``BlockTable.lock`` by an install, otherwise
@@ -39,7 +39,7 @@ import threading
 
 from shardps.errors import Unavailable
 from shardps.protos.v1 import common_pb2 as pb
-from shardps.server.blocks import AnyBlock, BlockKey, DenseBlock, SparseBlock, SparseShard, new_block
+from shardps.server.blocks import AnyBlock, BlockKey, DenseBlock, SparseBlock, SparseRows, new_block
 from shardps.shardmap import ShardMapView, TableView
 from shardps.tables import TableKind
 
@@ -97,7 +97,7 @@ class BlockTable:
         self.view = ShardMapView()
         self.my_index = -1
         self.blocks: dict[BlockKey, AnyBlock] = {}
-        self.shards: dict[tuple[str, str], SparseShard] = {}  # a sparse table's rows on this node
+        self.sparse_rows: dict[tuple[str, str], SparseRows] = {}  # a sparse table's rows here
         self.staged: dict[BlockKey, tuple[AnyBlock, str]] = {}   # copies received, not yet listed
         self.missing: set[BlockKey] = set()                    # listed here, state not loaded
         self.extra: dict[BlockKey, set[str]] = {}              # copy destinations to forward to
@@ -105,7 +105,7 @@ class BlockTable:
 
     def clear_locked(self) -> None:
         """Forget every block and the map (a new incarnation). ``lock`` held, gate exclusive."""
-        for d in (self.blocks, self.shards, self.staged, self.extra, self.needs_resync):
+        for d in (self.blocks, self.sparse_rows, self.staged, self.extra, self.needs_resync):
             d.clear()
         self.missing.clear()
         self.view = ShardMapView()
@@ -144,8 +144,8 @@ class BlockTable:
                     self.missing.discard(key)
             for key in [k for k in self.blocks if k not in listed]:
                 dropped.append(self.blocks.pop(key))
-            for table_key in [k for k in self.shards if k not in view.tables]:
-                del self.shards[table_key]
+            for table_key in [k for k in self.sparse_rows if k not in view.tables]:
+                del self.sparse_rows[table_key]
             self.missing &= listed
             for d in (self.extra, self.needs_resync):
                 for key in [k for k in d if k not in listed]:
@@ -183,13 +183,13 @@ class BlockTable:
                 del self.needs_resync[key]
 
     def new_block_locked(self, key: BlockKey, spec) -> AnyBlock:
-        """A new empty block; a sparse one stores its rows in the table's shard here. Call
+        """A new empty block; a sparse one stores its rows in the table's ``SparseRows`` here. Call
         with ``lock`` held."""
         if spec.kind is TableKind.SPARSE:
-            shard = self.shards.get((key[0], key[1]))
-            if shard is None or shard.spec != spec:
-                shard = self.shards[(key[0], key[1])] = SparseShard(spec)
-            return new_block(key, spec, shard)
+            rows = self.sparse_rows.get((key[0], key[1]))
+            if rows is None or rows.spec != spec:
+                rows = self.sparse_rows[(key[0], key[1])] = SparseRows(spec)
+            return new_block(key, spec, rows)
         return new_block(key, spec)
 
     @staticmethod
@@ -273,7 +273,7 @@ class BlockTable:
     def usage(self) -> dict:
         """Blocks held as primary and as backup, bytes, and per table (blocks, parameters,
         bytes). Reads the blocks without their locks (a gauge, not a snapshot)."""
-        primary = replica = 0
+        primary = backup = 0
         nbytes = 0
         tables: dict[tuple[str, str], list[int]] = {}
         with self.lock:
@@ -282,7 +282,7 @@ class BlockTable:
             if self.is_primary(key):
                 primary += 1
             else:
-                replica += 1
+                backup += 1
             b = blk.nbytes()
             nbytes += b
             params = (blk.values.size if isinstance(blk, DenseBlock) and blk.values is not None
@@ -291,5 +291,5 @@ class BlockTable:
             entry[0] += 1
             entry[1] += params
             entry[2] += b
-        return {"primary_blocks": primary, "replica_blocks": replica, "bytes": nbytes,
+        return {"primary_blocks": primary, "backup_blocks": backup, "bytes": nbytes,
                 "tables": tables}

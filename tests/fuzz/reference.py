@@ -238,7 +238,7 @@ class Reference:
         if req.reply_shared_memory.name:
             v.bad(SHM_REFUSED, "shared-memory reply region that does not exist")
         if hdr.job != DATA_JOB and hdr.session:
-            # a scratch job may be SYNC or BOUNDED: the pull first waits for the slowest
+            # a scratch job may be SYNC or SSP: the pull first waits for the slowest
             # worker, up to the deadline, and only then looks at the request (see
             # test_a_pull_is_validated_before_it_waits_for_the_clock)
             v.may_wait = True

@@ -15,7 +15,7 @@ import time
 import grpc
 
 from shardps.convert import config_from_proto, config_to_proto, consistency_to_proto, spec_to_proto
-from shardps.errors import DeadlineExceeded, InvalidArgument, NotFound
+from shardps.errors import DeadlineExceeded, NotFound
 from shardps.metrics import WorkerMetrics
 from shardps.protos.v1 import manager_pb2 as mg
 from shardps.rpc import channels
@@ -24,17 +24,11 @@ from shardps.rpc.stubs import MANAGER, ManagerStub
 from shardps.shardmap import ShardMapView, TableView
 from shardps.tables import Consistency, Initializer, OptimizerConfig, TableConfig, TableSpec, dense_table, sparse_table
 
-_MODES = {"async": Consistency.ASYNC, "asp": Consistency.ASYNC, "sync": Consistency.SYNC,
-          "bsp": Consistency.SYNC, "ssp": Consistency.BOUNDED, "bounded": Consistency.BOUNDED}
-
 
 def parse_consistency(text: str) -> Consistency:
     """``async``/``asp``, ``sync``/``bsp`` or ``ssp``/``bounded`` (any case); InvalidArgument
-    otherwise."""
-    mode = _MODES.get(str(text).lower())
-    if mode is None:
-        raise InvalidArgument(f"consistency {text!r}: use async, sync or ssp")
-    return mode
+    otherwise (``Consistency.parse``)."""
+    return Consistency.parse(text)
 
 
 class Admin:
@@ -121,7 +115,7 @@ class Admin:
                    quota_bytes: int = 0, timeout: float | None = None) -> str:
         """Create this job (idempotent with the same consistency). Returns its token (empty
         when the cluster runs without authentication)."""
-        mode = consistency if isinstance(consistency, Consistency) else parse_consistency(consistency)
+        mode = Consistency.parse(consistency)
         resp = self.call("CreateJob", self.stub.CreateJob, mg.CreateJobRequest(
             job=self.job, consistency=consistency_to_proto(mode, staleness),
             quota=mg.JobQuota(max_bytes=quota_bytes)), timeout, idempotent=True)

@@ -17,7 +17,7 @@ Contract:
   number across retries, so a retried push is applied once: this needs a session (``join``).
   A client that has not joined is not deduplicated, and a retry after an UNAVAILABLE push
   (whose outcome is unknown) may apply it twice on some blocks.
-* ``clock=`` on data calls is this worker's number of completed steps (SYNC / BOUNDED jobs:
+* ``clock=`` on data calls is this worker's number of completed steps (SYNC / SSP jobs:
   pulls wait as the consistency model requires, pushes report the step); default 0.
 * Sparse ids are int64 (any order, repeats allowed): pulls send each distinct id once, pushes
   sum the rows of repeated ids before sending. Dense ranges are flat and half-open.
@@ -171,7 +171,7 @@ class PSClient(TableCalls):
         return self._member.join(name, rank_hint, previous_session, heartbeat, timeout)
 
     def leave(self, timeout: float | None = None) -> None:
-        """Leave the worker group (SYNC/BOUNDED groups stop waiting for this worker)."""
+        """Leave the worker group (SYNC/SSP groups stop waiting for this worker)."""
         self._member.leave(timeout)
 
     def heartbeat(self, timeout: float | None = None) -> mg.WorkerHeartbeatResponse:
@@ -293,7 +293,7 @@ class PSClient(TableCalls):
                   clock: int | None = None, report_step: bool = False) -> PushResult:
         """Push several tables as one push (one sequence number): ``(table, grad)`` (dense,
         whole table), ``(table, grad, start)`` or ``(table, ids, grads)`` (sparse).
-        ``report_step``: also report step ``clock`` to every server (SYNC / BOUNDED groups)."""
+        ``report_step``: also report step ``clock`` to every server (SYNC / SSP groups)."""
         return self._push_many_call(requests, timeout, clock, report_step)()
 
     def push_many_async(self, requests: Sequence[tuple], timeout: float | None = None,

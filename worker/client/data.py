@@ -108,7 +108,7 @@ class DataPath:
              clock: int | None = None) -> PullResult:
         """Fill ``outputs`` (one array per request item; ``None`` for an export item, which
         becomes ``(ids, rows)``) with the values of ``pieces``. ``clock``: this worker's
-        completed steps (SYNC / BOUNDED pulls wait as the consistency model requires)."""
+        completed steps (SYNC / SSP pulls wait as the consistency model requires)."""
         deadline = self.deadline(timeout)
         result = PullResult(outputs, {}, clock=self.step if clock is None else int(clock))
         stored: dict[int, list] = {}

@@ -134,7 +134,7 @@ class GroupMember:
         return m
 
     def leave(self, timeout: float | None = None) -> None:
-        """Stop heartbeats and leave the group (SYNC/BOUNDED groups stop waiting for this
+        """Stop heartbeats and leave the group (SYNC/SSP groups stop waiting for this
         worker). A client that is not a member only stops its heartbeats."""
         m = self.membership
         self._stop.set()
