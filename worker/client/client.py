@@ -137,8 +137,7 @@ class PSClient(TableCalls):
 
     @property
     def clock(self) -> int:
-        """The clock of the data call that completed last (any thread). Read-only: pass
-        ``clock=`` to each call."""
+        """The clock of the data call that completed last (any thread; read-only)."""
         return self._data.last_clock
 
     @property
