@@ -9,6 +9,7 @@ import pytest
 
 from shardps.errors import FailedPrecondition
 from shardps.tables import sgd
+from shardps.worker.routing import route
 from tests.test_replication import replicas_equal, settled
 from tests.waiting import wait_for
 
@@ -160,3 +161,27 @@ def test_restore_returns_only_when_every_block_is_readable(make_cluster, client_
     got = c.state_dict()
     for k, v in saved.items():
         np.testing.assert_array_equal(got[k], v, err_msg=f"{k} differs from the checkpoint")
+
+
+def test_a_retried_sync_push_of_an_applied_step_is_a_duplicate_not_refused(make_cluster, client_factory):
+    """An exchange whose push was applied but whose pull was refused (a map change) is sent
+    again with the same sequence number; by then its step is applied. The retry must be
+    acknowledged as a duplicate: refusing it failed the job (found by the e2e bench)."""
+    from shardps.protos.v1 import parameter_server_pb2 as ps
+    from shardps.worker.client import requests as rq
+    cluster = make_cluster(2)
+    c = _sync_client(cluster, client_factory)
+    view = c.refresh_map()
+    piece = rq.dense_push(0, c.table("w"), np.ones(1000), 0)
+    seq = c._session.begin_push()
+    sent = []
+    for server, pieces in route(view, c.job, [piece]).items():
+        header, arrays = c._data._push_request(pieces, view, seq, ps.GRADIENT, 0)
+        sent.append((server, view.address(server), header, arrays))
+    for server, address, header, arrays in sent:                 # step 0 applied here
+        assert c._transport.push(server, address, header, arrays, 10).duplicate_blocks == 0
+    np.testing.assert_array_equal(c.pull_dense("w"), -np.ones(1000))
+    for server, address, header, arrays in sent:                 # the same push again
+        assert c._transport.push(server, address, header, arrays, 10).duplicate_blocks > 0
+    c._session.end_push(seq)
+    np.testing.assert_array_equal(c.pull_dense("w"), -np.ones(1000))

@@ -234,8 +234,9 @@ class PushApplier:
                     raise FailedPrecondition(
                         f"table {part.table.name!r} block {part.key[2]} has no initial values "
                         f"yet: push INITIALIZE first")
-            if sync:
-                self.steps.check_step_open(parts[0].key[0], step, unique)
+            fresh = [blk for blk in unique if not blk.already_applied(writer)]
+            if sync and fresh:          # a retry of an applied push is a duplicate, not late
+                self.steps.check_step_open(parts[0].key[0], step, fresh)
             self.check_quota(parts, blocks, writer)
             for blk in unique:
                 if self.table.needs_resync.get(blk.key):
