@@ -31,6 +31,7 @@ class JobClock:
         self.completed: dict[str, int] = {}   # session -> completed steps
         self.live: set[str] = set()
         self.ranks: dict[str, int] = {}        # session -> rank, to name workers in messages
+        self.reports: dict[str, tuple[int, int]] = {}   # session -> (step, push sequence) last reported
         self.applied_steps = 0                # SYNC: steps applied on this server
         self.closed_below = 0                 # SYNC: steps below this take no more pushes
 
@@ -47,12 +48,16 @@ class JobClock:
                 self.completed[s] = max(self.completed.get(s, 0), start)
             for s in self.live - sessions:
                 self.completed.pop(s, None)
+                self.reports.pop(s, None)
             self.live = set(sessions)
             self.cond.notify_all()
 
-    def report(self, session: str, clock: int) -> None:
-        """``session`` pushed step ``clock``: it has completed ``clock + 1`` steps."""
+    def report(self, session: str, clock: int, sequence: int = 0) -> None:
+        """``session`` pushed step ``clock`` (with push ``sequence``): it has completed
+        ``clock + 1`` steps."""
         with self.cond:
+            if sequence:
+                self.reports[session] = (clock, sequence)
             if session in self.live:
                 if clock + 1 > self.completed.get(session, 0):
                     self.completed[session] = clock + 1
@@ -81,6 +86,11 @@ class JobClock:
             if not self.live:
                 return range(self.applied_steps, self.applied_steps)
             return range(self.applied_steps, self._min_locked())
+
+    def reported_by(self, session: str, step: int, sequence: int) -> bool:
+        """Whether push ``sequence`` of ``session`` already reported ``step`` here."""
+        with self.cond:
+            return bool(session) and sequence > 0 and self.reports.get(session) == (step, sequence)
 
     def close(self, steps: int) -> None:
         """SYNC: steps below ``steps`` are being applied; a push for one of them is refused

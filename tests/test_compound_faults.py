@@ -185,3 +185,31 @@ def test_a_retried_sync_push_of_an_applied_step_is_a_duplicate_not_refused(make_
         assert c._transport.push(server, address, header, arrays, 10).duplicate_blocks > 0
     c._session.end_push(seq)
     np.testing.assert_array_equal(c.pull_dense("w"), -np.ones(1000))
+
+
+def test_a_late_piece_of_a_push_that_reported_its_step_is_applied_in_the_next_step(make_cluster, client_factory):
+    """A push's pieces for one server can arrive in two parts when a block moved (refused by
+    its old primary, re-routed here) after the first part reported the step and closed it.
+    The late part, same sequence number, goes into the next step: applied, never lost. A new
+    push for the closed step is still refused (found by the e2e bench's SYNC job)."""
+    from shardps.protos.v1 import parameter_server_pb2 as ps
+    from shardps.worker.client import requests as rq
+    cluster = make_cluster(1)
+    c = _sync_client(cluster, client_factory)               # w: 1000 values in 4 blocks
+    view = c.refresh_map()
+    server = next(iter(cluster.servers))
+    address = view.address(server)
+    seq = c._session.begin_push()
+    first = rq.dense_push(0, c.table("w"), np.ones(500), 0)       # blocks 0-1
+    late = rq.dense_push(0, c.table("w"), np.ones(500), 500)      # blocks 2-3, arriving later
+    for piece in (first, late):
+        header, arrays = c._data._push_request([piece], view, seq, ps.GRADIENT, 0)
+        c._transport.push(server, address, header, arrays, 10)
+    c._session.end_push(seq)
+    got = c.pull_dense("w")
+    np.testing.assert_array_equal(got[:500], -np.ones(500))      # step 0: the first part
+    np.testing.assert_array_equal(got[500:], np.zeros(500))     # the late part waits for step 1
+    with pytest.raises(FailedPrecondition, match="step 0 .*already applied"):
+        c.push_dense("w", np.ones(1000), clock=0)                # a new push for step 0
+    c.push_dense("w", np.zeros(1000), clock=1)                   # step 1 applies the late part
+    np.testing.assert_array_equal(c.pull_dense("w"), -np.ones(1000))

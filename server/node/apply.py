@@ -176,7 +176,7 @@ class PushApplier:
         if header.session and kind == GRADIENT:
             clock = self.steps.clocks.get(header.job)
             if clock is not None:
-                clock.report(header.session, int(header.clock))
+                clock.report(header.session, int(header.clock), int(header.sequence))
                 if sync:
                     self.steps.apply_ready(header.job)
         return ack
@@ -236,7 +236,7 @@ class PushApplier:
                         f"yet: push INITIALIZE first")
             fresh = [blk for blk in unique if not blk.already_applied(writer)]
             if sync and fresh:          # a retry of an applied push is a duplicate, not late
-                self.steps.check_step_open(parts[0].key[0], step, fresh)
+                step = self.steps.check_step_open(parts[0].key[0], step, fresh, writer)
             self.check_quota(parts, blocks, writer)
             for blk in unique:
                 if self.table.needs_resync.get(blk.key):

@@ -65,24 +65,31 @@ class SyncSteps:
             del self.clocks[job]
 
     # ------------------------------------------------------------------ pushes
-    def check_step_open(self, job: str, step: int, blocks: list[AnyBlock]) -> None:
-        """SYNC: refuse a push for a step that was already applied here (block locks held):
-        FailedPrecondition.
+    def check_step_open(self, job: str, step: int, blocks: list[AnyBlock], writer) -> int:
+        """SYNC: the step a push is accumulated in (block locks held); FailedPrecondition for
+        a push of a step already applied here.
+
+        One exception: a piece of a push whose other pieces already reported that step here
+        (the same session and sequence number: a piece refused elsewhere by a block move and
+        re-routed here) goes into the step now open: applied one step late, never lost.
 
         The blocks are registered as pending *before* the check, so a step that closes after
         the check still finds them (``apply_ready`` closes a step, then collects the pending
-        blocks, then takes their locks): a push is either part of its step or refused.
-        A refused push leaves at most a registration without data, which the next step drops.
+        blocks, then takes their locks): a push is either part of a step or refused. A refused
+        push leaves at most a registration without data, which the next step drops.
         """
         with self.table.lock:
             self.pending.setdefault(job, set()).update(b.key for b in blocks)
         clock = self.clocks.get(job)
-        if clock is not None and step < clock.closed_below:
-            raise FailedPrecondition(
-                f"SYNC step {step} of job {job!r} was already applied on server {self.table.name} "
-                f"({clock.closed_below} steps applied) without this push; nothing was applied: "
-                f"push each step once, for the step after the last one pulled (PSClient keeps "
-                f"the step when a loop uses client.step() / next_step())")
+        if clock is None or step >= clock.closed_below:
+            return step
+        if clock.reported_by(writer.session, step, writer.sequence):
+            return clock.closed_below
+        raise FailedPrecondition(
+            f"SYNC step {step} of job {job!r} was already applied on server {self.table.name} "
+            f"({clock.closed_below} steps applied) without this push; nothing was applied: "
+            f"push each step once, for the step after the last one pulled (PSClient keeps "
+            f"the step when a loop uses client.step() / next_step())")
 
     def accumulate(self, blk: AnyBlock, step: int, arrays, lo: int, hi: int) -> None:
         """SYNC: add a gradient to the block's pending sum of ``step`` (a copy is kept).

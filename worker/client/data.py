@@ -222,9 +222,16 @@ class DataPath:
         result = PushResult(clock=self.step if clock is None else int(clock))
         seq = self.session.begin_push()
         try:
-            extra = live_servers(self.maps.view()) if report_step else ()
-            self.fanout.run(pieces, deadline, self._push_sender(seq, kind, result, deadline),
-                            extra_servers=extra)
+            view = self.maps.view()
+            send = self._push_sender(seq, kind, result, deadline)
+            self.fanout.run(pieces, deadline, send)
+            if report_step:
+                # only after every piece landed: a server that got none reports the step now;
+                # reporting it earlier would close the step there before a retried piece
+                # re-routed to that server arrives (the servers refuse pushes of closed steps)
+                with_data = set(route(view, self.job, pieces)) if pieces else set()
+                self.fanout.run([], deadline, send,
+                                extra_servers=[s for s in live_servers(view) if s not in with_data])
         finally:
             self.session.end_push(seq)
         with self._last_lock:
@@ -291,8 +298,10 @@ class DataPath:
             pull_send = self._pull_sender(lresult, stored, deadline)
             view = self.maps.view()
             pushes, pulls = route(view, self.job, push_pieces), route(view, self.job, pull_pieces)
-            for s in (live_servers(view) if report_step else ()):
-                pushes.setdefault(s, [])
+            # servers without data report the step after every piece landed (see ``push``);
+            # their pulls wait for that report
+            report_only = [s for s in live_servers(view) if s not in pushes] if report_step else []
+            deferred_pulls = [p for s in report_only for p in pulls.pop(s, [])]
             exchange = getattr(self.transport, "exchange", None)
 
             def one(server: str) -> None:
@@ -318,7 +327,7 @@ class DataPath:
             servers = sorted(set(pushes) | set(pulls))
             outcomes = [capture(one, s) for s in servers] if len(servers) == 1 else [
                 f.result() for f in [self.fanout.executor.submit(capture, one, s) for s in servers]]
-            retry_push, retry_pull, retry_servers = [], [], []
+            retry_push, retry_pull = [], list(deferred_pulls)
             for server, (ok, err) in zip(servers, outcomes):
                 if ok:
                     continue
@@ -326,10 +335,10 @@ class DataPath:
                     raise err
                 retry_push.extend(pushes.get(server) or [])
                 retry_pull.extend(pulls.get(server) or [])
-                if server in pushes and not pushes[server]:
-                    retry_servers.append(server)
-            if retry_push or retry_servers:
-                self.fanout.run(retry_push, deadline, push_send, extra_servers=retry_servers)
+            if retry_push:
+                self.fanout.run(retry_push, deadline, push_send)
+            if report_only:
+                self.fanout.run([], deadline, push_send, extra_servers=report_only)
             if retry_pull:
                 self.fanout.run(retry_pull, deadline, pull_send)
         finally:
