@@ -2,7 +2,8 @@
 none.
 
 Each server is asked once for its data-plane address (``OpenDataPlane``, job-scoped, over
-gRPC); then Push, Pull and Exchange go through a ``DataPlanePool`` (the same token in the
+gRPC); then Push, Pull and Exchange go through a ``DataPlanePool`` (payloads of
+``SHM_PREFERRED_BYTES`` or more to a server on this host go through shared memory instead) (the same token in the
 connection's HELLO, the same TLS certificates). A server that answers UNIMPLEMENTED or an
 empty address is served by the ``GrpcTransport`` given as ``fallback`` from then on; a
 data-plane call that fails with ``Unavailable`` forgets the address (a restarted server
@@ -24,6 +25,9 @@ from shardps.worker.client.transport import GrpcTransport, Payload
 
 log = logging.getLogger("shardps.client")
 _NONE = ""                      # cached: this server has no data plane
+# Payloads this large go through shared memory (the gRPC transport's same-host path) where the
+# server maps this process's memory: one copy instead of two through the loopback socket.
+SHM_PREFERRED_BYTES = 4 << 20
 
 
 class DataPlaneTransport:
@@ -44,7 +48,7 @@ class DataPlaneTransport:
     # --- Transport ---
     def push(self, server, address, header, payload, timeout):
         dp = self._address(address, timeout)
-        if not dp:
+        if not dp or (header.payload_bytes >= SHM_PREFERRED_BYTES and self.fallback.shares_memory_with(address)):
             return self.fallback.push(server, address, header, payload, timeout)
         raw = self._call(dp, address, "Push", header.SerializeToString(), list(payload), timeout,
                          None, server)
@@ -52,7 +56,7 @@ class DataPlaneTransport:
 
     def pull(self, server, address, request, reply_bytes, timeout, consume):
         dp = self._address(address, timeout)
-        if not dp:
+        if not dp or ((reply_bytes or 0) >= SHM_PREFERRED_BYTES and self.fallback.shares_memory_with(address)):
             return self.fallback.pull(server, address, request, reply_bytes, timeout, consume)
         ids, request.data = request.data, b""        # the ids travel raw, beside the header
 

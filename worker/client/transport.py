@@ -191,6 +191,17 @@ class GrpcTransport:
             self._shm.close()
 
     # --- the same-host fast path ---
+    def shares_memory_with(self, address: str) -> bool:
+        """Whether the server at ``address`` maps this process's shared memory (probed once;
+        False where shared memory is off or unavailable)."""
+        if self._shm is None:
+            return False
+        if address not in self._shm_ok:
+            region = self._shared_memory_for(address, SHM_MIN_BYTES)
+            if region is not None:
+                self._shm.release(region)
+        return bool(self._shm_ok.get(address))
+
     def _shared_memory_for(self, address: str, nbytes: int):
         """A shared-memory region of ``nbytes`` for a call to ``address``, or None when the
         payload is small or the server cannot map our memory (another host or container).
