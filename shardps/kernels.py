@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from shardps.tables import OptimizerKind
+
 try:                                    # pragma: no cover - exercised where numba exists
     from numba import njit
     AVAILABLE = True
@@ -134,7 +136,6 @@ def apply_rows(config, rows: np.ndarray, state: dict[str, np.ndarray], steps: np
     counts ``steps``, which it increments). ``slots`` are distinct; ``grad`` is ``[n, dim]``.
     Same results as ``shardps.server.optimizers.apply`` on the gathered rows (to float32
     rounding). Requires ``AVAILABLE``; releases the GIL."""
-    from shardps.tables import OptimizerKind
     kind = config.kind
     slots = np.ascontiguousarray(slots, dtype=np.int64)
     grad = np.ascontiguousarray(grad, dtype=np.float32)

@@ -178,11 +178,7 @@ class Forwarder:
         StaleEpoch for a block this node is not primary of."""
         copied = nbytes = 0
         for ref in refs:
-            key = cast(BlockKey, tuple(ref))     # a list is accepted too
-            blk = self.table.blocks.get(key)
-            if blk is None or not self.table.is_primary(key):
-                raise StaleEpoch(f"{self.table.name} is not the primary of block {key} under epoch "
-                                 f"{self.table.view.epoch}: the manager's plan is stale")
+            key, blk = self._primary_block(ref)
             with blk.lock:
                 snap = snapshot_block(blk)
                 self.peers.load_blocks(destination, self.table.view.epoch, [snap])
@@ -199,14 +195,20 @@ class Forwarder:
             refs = sorted(k for k in self.table.blocks if k[0] == job and self.table.is_primary(k))
         out = []
         for ref in refs:
-            key = cast(BlockKey, tuple(ref))     # a list is accepted too
-            blk = self.table.blocks.get(key)
-            if blk is None or not self.table.is_primary(key):
-                raise StaleEpoch(f"{self.table.name} is not the primary of block {key} under epoch "
-                                 f"{self.table.view.epoch}")
+            _, blk = self._primary_block(ref)
             with blk.lock:
                 out.append(snapshot_block(blk))
         return out
+
+    def _primary_block(self, ref) -> tuple[BlockKey, AnyBlock]:
+        """The block ``ref`` (a tuple or list) names; StaleEpoch unless this node is its
+        primary (the manager's plan or request is behind the map)."""
+        key = cast(BlockKey, tuple(ref))
+        blk = self.table.blocks.get(key)
+        if blk is None or not self.table.is_primary(key):
+            raise StaleEpoch(f"{self.table.name} is not the primary of block {key} under epoch "
+                             f"{self.table.view.epoch}: the request is behind the map")
+        return key, blk
 
 
 class BackupApplier:
