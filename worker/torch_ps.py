@@ -13,15 +13,22 @@
 * Every dense parameter becomes a dense table named after the parameter ("fc1.weight"),
   created with ASSIGNED initial values: each worker offers its module's own initial values
   and the first one written wins, so all workers start from identical values.
-* ``PSEmbedding`` is an embedding whose rows live on a sparse table: a forward pass pulls only
-  the distinct ids of the batch, and ``push`` sends only their gradient rows.
+* ``PSEmbedding`` / ``PSEmbeddingBag`` (``shardps.worker.embeddings``) and
+  ``PSEmbeddingBagCollection`` (``shardps.worker.embedding_bag``) keep their rows on sparse
+  tables: a step moves only the distinct ids of the batch and their gradient rows.
+* One pull and one push per server per step for the whole model: ``pull`` fetches the dense
+  values and the rows every embedding announced (``pull(features)`` for the collections,
+  ``request_prefetch(ids)`` for single embeddings) in one ``pull_many``; ``push`` sends every
+  gradient in one ``push_many`` (with ``overlap``, both become one exchange). A lookup of ids
+  that were not announced pulls them itself, in a call of its own.
 * The optimizer runs on the servers, chosen per table (``optimizers={"fc1.weight": sgd(...)}``).
 * Parameters whose names start with a prefix in ``local`` stay on the worker and are trained by
   ``local_optimizer`` (a torch optimizer you pass); buffers (batch-norm running statistics)
   always stay local to each worker.
 * ``state_dict()`` returns the module's ordinary state dict with the servers' values (a
   ``PSEmbedding``'s ``weight`` as a full ``[num_embeddings, dim]`` tensor), loadable into the
-  same architecture with ``nn.Embedding`` in place of ``PSEmbedding``.
+  same architecture with ``nn.Embedding`` in place of ``PSEmbedding`` (``nn.EmbeddingBag`` in
+  place of ``PSEmbeddingBag``).
 """
 
 from __future__ import annotations
@@ -33,107 +40,21 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from shardps import kernels
 from shardps.errors import InvalidArgument
-from shardps.tables import Initializer, OptimizerConfig, assigned, dense_table, normal, sgd, sparse_table
+from shardps.tables import OptimizerConfig, assigned, dense_table, sgd, sparse_table
 from shardps.worker.client import PSClient, PushResult
+from shardps.worker.embedding_bag import KeyedJaggedTensor, PSEmbeddingBagCollection
+from shardps.worker.embeddings import PSEmbedding, PSEmbeddingBag, PSRows
+
+__all__ = ["PSModel", "PSLambdaLR", "PSEmbedding", "PSEmbeddingBag", "PSEmbeddingBagCollection",
+           "KeyedJaggedTensor", "default_device"]
 
 
 def default_device() -> torch.device:
     """CUDA when present, else CPU."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-class PSEmbedding(nn.Module):
-    """An embedding table on a shardps sparse table (``nn.Embedding``'s forward semantics).
-
-    ``num_embeddings`` bounds the ids (0..num_embeddings-1); the rows start at
-    N(0, 1) like ``nn.Embedding`` (``init`` to change). Only the rows a batch uses are pulled
-    and pushed. Not usable until a ``PSModel`` binds it to a client.
-    """
-
-    def __init__(self, num_embeddings: int, embedding_dim: int, table: str | None = None,
-                 optimizer: OptimizerConfig | None = None, init: Initializer | None = None,
-                 num_blocks: int = 0):
-        super().__init__()
-        self.num_embeddings = num_embeddings
-        self.embedding_dim = embedding_dim
-        self.table = table
-        self.optimizer = optimizer
-        self.init = init or normal(0.0, 1.0, seed=0)
-        self.num_blocks = num_blocks
-        self.client: PSClient | None = None
-        self._pending: list[tuple[np.ndarray, torch.Tensor]] = []
-        self._prefetch: tuple[np.ndarray, futures.Future] | None = None
-        self._wanted: np.ndarray | None = None
-        self._planned: tuple | None = None     # (batch ids, unique, inverse) of an announced batch
-        self.last_unique = 0                   # distinct ids of the last forward
-        self.clock = 0                         # the worker's completed steps, sent with pulls (PSModel sets it)
-
-    def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, table={self.table!r}"
-
-    def _plan(self, ids: torch.Tensor) -> np.ndarray:
-        """Deduplicate a coming batch once (its forward reuses it); returns its distinct ids.
-        The batch is copied, so a caller may reuse its buffer."""
-        flat = ids.detach().reshape(-1).to("cpu", copy=True).numpy()
-        unique, inverse = kernels.unique_inverse(flat)
-        self._planned = (flat, unique, inverse)
-        return unique
-
-    def prefetch(self, ids: torch.Tensor) -> None:
-        """Start pulling the rows of ``ids`` (a coming batch) in the background."""
-        unique = self._plan(ids)
-        assert self.client is not None and self.table is not None     # bound by PSModel
-        self._prefetch = (unique, self.client.pull_rows_async(self.table, unique, clock=self.clock))
-
-    def request_prefetch(self, ids: torch.Tensor) -> None:
-        """Ask the owning PSModel to fetch the rows of ``ids`` (a coming batch) together with
-        the next step's dense values, in the same requests (see PSModel.push)."""
-        self._wanted = self._plan(ids)
-
-    def _provide(self, ids: np.ndarray, rows: np.ndarray) -> None:
-        done: futures.Future = futures.Future()
-        done.set_result(rows)
-        self._prefetch = (ids, done)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.client is None:
-            raise InvalidArgument(f"PSEmbedding {self.table!r} is not bound: wrap the model in PSModel")
-        assert self.table is not None             # PSModel binds the table with the client
-        flat = ids.reshape(-1)
-        planned, self._planned = self._planned, None
-        if planned is not None and np.array_equal(planned[0], flat.detach().cpu().numpy()):
-            unique_np, inverse = planned[1], torch.from_numpy(planned[2]).to(ids.device)
-        else:                      # the batch was not announced: deduplicate it now
-            unique, inverse = torch.unique(flat, return_inverse=True)
-            unique_np = unique.detach().cpu().numpy()
-        self.last_unique = int(unique_np.shape[0])
-        rows_np = None
-        if self._prefetch is not None:
-            pre_ids, fut = self._prefetch
-            self._prefetch = None
-            if np.array_equal(pre_ids, unique_np):
-                rows_np = fut.result()
-        if rows_np is None:
-            rows_np = self.client.pull_rows(self.table, unique_np, clock=self.clock)
-        rows = torch.from_numpy(rows_np).to(ids.device)
-        if self.training and torch.is_grad_enabled():
-            rows.requires_grad_(True)
-            self._pending.append((unique_np, rows))
-        return F.embedding(inverse.reshape(ids.shape), rows)
-
-    def take_gradients(self) -> list[tuple[np.ndarray, np.ndarray]]:
-        """(ids, gradient rows) of every forward since the last call; clears them."""
-        out = []
-        for ids, rows in self._pending:
-            if rows.grad is not None:
-                out.append((ids, rows.grad.detach().cpu().numpy()))
-        self._pending = []
-        return out
 
 
 class PSModel:
@@ -155,12 +76,15 @@ class PSModel:
         self.local_optimizer = local_optimizer
         self.block_size = block_size
         self._report_steps = report_steps
-        self.embeddings: dict[str, PSEmbedding] = {}
+        self.embeddings: dict[str, PSRows] = {}
+        self.collections: list[PSEmbeddingBagCollection] = []
         for name, mod in module.named_modules():
-            if isinstance(mod, PSEmbedding):
+            if isinstance(mod, PSRows):
                 mod.table = mod.table or name
                 mod.client = client
                 self.embeddings[name] = mod
+            elif isinstance(mod, PSEmbeddingBagCollection):
+                self.collections.append(mod)
         self.dense: dict[str, nn.Parameter] = {}
         for name, p in module.named_parameters():
             if self._is_local(name):
@@ -205,35 +129,64 @@ class PSModel:
         self.pull()
 
     # ------------------------------------------------------------------ per step
-    def pull(self) -> None:
-        """Load the servers' current values into the module's dense parameters (the values
-        prefetched when the last push was sent, with ``overlap``)."""
-        if not self.dense and self._prefetch is None:
-            return
+    def prefetch(self, features: KeyedJaggedTensor) -> None:
+        """Announce the sparse features of the next forward to every
+        ``PSEmbeddingBagCollection`` of the module: their rows travel with the next ``pull``
+        (with ``overlap``: in the exchange the next ``push`` sends)."""
+        for collection in self.collections:
+            collection.request_prefetch(features)
+
+    def pull(self, features: KeyedJaggedTensor | None = None) -> None:
+        """Load the servers' current values into the module's dense parameters, and fetch
+        the rows of every announced lookup (``features`` for the collections, see
+        ``prefetch``; ``request_prefetch`` of single embeddings), all in one ``pull_many``:
+        one call per server. With ``overlap``, what the last push's exchange carried is used
+        and only what it lacks is pulled."""
+        if features is not None:
+            self.prefetch(features)
         started = time.perf_counter()
         names = list(self.dense)
         if self._prefetch is not None:
-            future, wanted = self._prefetch
+            future, carried = self._prefetch
             res, self._prefetch = future.result()[1], None       # (push, pull) of an exchange
+            for (emb, ids), rows in zip(carried, res.values[len(names):]):
+                emb._provide(ids, rows)
+            self._load_dense(names, res.values)
+            names = []                                           # loaded from the exchange
+            waited = res.waited_seconds
+        else:
+            waited = 0.0
+        wanted = []
+        for emb in self.embeddings.values():
+            if emb._wanted is not None and not emb._has_rows_for(emb._wanted):
+                wanted.append((emb, emb._wanted))
+            emb._wanted = None
+        if names or wanted:
+            self._set_clock(self.step)
+            res = self.client.pull_many([(n,) for n in names] + [(emb.table, ids) for emb, ids in wanted],
+                                        clock=self.step)
             for (emb, ids), rows in zip(wanted, res.values[len(names):]):
                 emb._provide(ids, rows)
-        else:
-            self._set_clock(self.step)
-            res = self.client.pull_many([(n,) for n in names], clock=self.step)
-        with torch.no_grad():
-            for name, values in zip(names, res.values[:len(names)]):
-                p = self.dense[name]
-                p.copy_(torch.from_numpy(np.asarray(values)).reshape(p.shape))
-        waited = min(res.waited_seconds, time.perf_counter() - started)
+            self._load_dense(names, res.values)
+            waited = max(waited, res.waited_seconds)
+        waited = min(waited, time.perf_counter() - started)
         self.timings["barrier_wait"] += waited        # SYNC / SSP: waiting for stragglers
         self.timings["pull_wait"] += time.perf_counter() - started - waited
 
+    def _load_dense(self, names: list[str], values: list) -> None:
+        with torch.no_grad():
+            for name, v in zip(names, values[:len(names)]):
+                p = self.dense[name]
+                p.copy_(torch.from_numpy(np.asarray(v)).reshape(p.shape))
+
     def push(self) -> PushResult | None:
-        """Send the gradients of this step (dense parameters, and the rows each PSEmbedding
-        used) as one push, step the local optimizer, zero the gradients, advance the clock.
+        """Send the gradients of this step (dense parameters, and the rows each embedding
+        looked up: one row per distinct id) as one push, step the local optimizer, zero the
+        gradients, advance the clock.
 
         With ``overlap``, the push goes out in the background together with the next step's
-        pull (dense values and the embedding rows requested with ``request_prefetch``): one
+        pull (dense values and the embedding rows announced with ``prefetch(features)`` or
+        ``request_prefetch``): one
         round trip per server, the server applying the push before it reads. At most one is
         in flight (the next ``push`` waits for it and raises its error), so communication
         overlaps the next step's compute; other workers' pushes may still be in flight
@@ -330,9 +283,9 @@ class PSModel:
             state[key] = torch.from_numpy(self._full_embedding(emb))
         return state
 
-    def _full_embedding(self, emb: PSEmbedding, chunk: int = 1 << 18) -> np.ndarray:
+    def _full_embedding(self, emb: PSRows, chunk: int = 1 << 18) -> np.ndarray:
         if emb.num_embeddings <= 0:
-            raise InvalidArgument(f"PSEmbedding {emb.table!r} has no num_embeddings bound: export "
+            raise InvalidArgument(f"{type(emb).__name__} {emb.table!r} has no num_embeddings bound: export "
                                   f"it with client.state_dict() (ids + rows) instead")
         assert emb.table is not None              # PSModel named every embedding's table
         out = np.empty((emb.num_embeddings, emb.embedding_dim), np.float32)

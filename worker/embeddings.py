@@ -1,0 +1,202 @@
+"""Embedding modules whose rows live on a shardps sparse table.
+
+* ``PSEmbedding``: ``nn.Embedding``'s forward (one row per id).
+* ``PSEmbeddingBag``: ``nn.EmbeddingBag``'s forward (bags of ids pooled by sum, mean or max,
+  with ``offsets``, ``per_sample_weights``, ``include_last_offset`` and ``padding_idx``).
+
+Both share ``PSRows``: a forward pulls each distinct id of the batch once (or takes the rows
+``PSModel.pull`` fetched for it together with every other table), computes with torch's own
+functional (``F.embedding`` / ``F.embedding_bag``) over the pulled rows, and keeps those rows
+as leaf tensors: their gradients, one row per distinct id, are what ``PSModel.push`` sends.
+A pooled lookup's gradient therefore travels as its touched rows only. Not usable until a
+``PSModel`` binds the module to a client.
+"""
+
+from __future__ import annotations
+
+from concurrent import futures
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardps import kernels
+from shardps.errors import InvalidArgument
+from shardps.tables import Initializer, OptimizerConfig, normal
+from shardps.worker.client import PSClient
+
+
+class PSRows(nn.Module):
+    """The rows of one sparse table as a module uses them (the base of ``PSEmbedding`` and
+    ``PSEmbeddingBag``).
+
+    ``num_embeddings`` bounds the ids (0..num_embeddings-1; it sizes the exported weight);
+    rows start at N(0, 1) like ``nn.Embedding`` (``init`` to change). ``table`` names the
+    server table (``PSModel`` defaults it to the module's path); ``optimizer`` overrides the
+    model's for this table.
+
+    Batching: ``request_prefetch(ids)`` announces the ids of the next lookup; the owning
+    ``PSModel`` fetches their rows in its next pull, in the same requests as every other
+    table (``PSModel.pull``), and the lookup then uses them without a call of its own. A
+    lookup of ids that were not announced pulls them itself.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, table: str | None = None,
+                 optimizer: OptimizerConfig | None = None, init: Initializer | None = None,
+                 num_blocks: int = 0):
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.table = table
+        self.optimizer = optimizer
+        self.init = init or normal(0.0, 1.0, seed=0)
+        self.num_blocks = num_blocks
+        self.client: PSClient | None = None
+        self._pending: list[tuple[np.ndarray, torch.Tensor]] = []
+        self._prefetch: tuple[np.ndarray, futures.Future] | None = None
+        self._wanted: np.ndarray | None = None
+        self._planned: tuple | None = None     # (batch ids, unique, inverse) of an announced batch
+        self.last_unique = 0                   # distinct ids of the last lookup
+        self.clock = 0                         # the worker's completed steps, sent with pulls (PSModel sets it)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, table={self.table!r}"
+
+    def _plan(self, ids: torch.Tensor) -> np.ndarray:
+        """Deduplicate a coming batch once (its lookup reuses it); returns its distinct ids.
+        The batch is copied, so a caller may reuse its buffer."""
+        flat = ids.detach().reshape(-1).to("cpu", copy=True).numpy().astype(np.int64, copy=False)
+        unique, inverse = kernels.unique_inverse(flat)
+        self._planned = (flat, unique, inverse)
+        return unique
+
+    def prefetch(self, ids: torch.Tensor) -> None:
+        """Start pulling the rows of ``ids`` (a coming batch) in the background, in a call of
+        this table's own (``request_prefetch`` shares the model's pull instead)."""
+        unique = self._plan(ids)
+        assert self.client is not None and self.table is not None     # bound by PSModel
+        self._prefetch = (unique, self.client.pull_rows_async(self.table, unique, clock=self.clock))
+
+    def request_prefetch(self, ids: torch.Tensor) -> None:
+        """Announce the ids of the next lookup: the owning PSModel fetches their rows in its
+        next pull (or, with ``overlap``, in the exchange its next push sends), in the same
+        requests as the dense values and every other table."""
+        self._wanted = self._plan(ids)
+
+    def _provide(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        done: futures.Future = futures.Future()
+        done.set_result(rows)
+        self._prefetch = (ids, done)
+
+    def _has_rows_for(self, ids: np.ndarray) -> bool:
+        """Whether rows fetched for exactly these distinct ids are waiting for the lookup."""
+        return self._prefetch is not None and np.array_equal(self._prefetch[0], ids)
+
+    def _lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows of the distinct ids ``[U, dim]``, index of each id of ``ids`` in them, with
+        ``ids``' shape). The rows collect gradients while training."""
+        if self.client is None:
+            raise InvalidArgument(f"{type(self).__name__} {self.table!r} is not bound: wrap the model in PSModel")
+        assert self.table is not None             # PSModel binds the table with the client
+        if ids.dtype not in (torch.int32, torch.int64):
+            raise InvalidArgument(f"{type(self).__name__} {self.table!r}: ids must be int32 or int64, "
+                                  f"got {ids.dtype}")
+        flat = ids.reshape(-1)
+        planned, self._planned = self._planned, None
+        if planned is not None and np.array_equal(planned[0], flat.detach().cpu().numpy()):
+            unique_np, inverse = planned[1], torch.from_numpy(planned[2]).to(ids.device)
+        else:                      # the batch was not announced: deduplicate it now
+            unique, inverse = torch.unique(flat.long(), return_inverse=True)
+            unique_np = unique.detach().cpu().numpy()
+        self.last_unique = int(unique_np.shape[0])
+        rows_np = None
+        if self._prefetch is not None:
+            pre_ids, fut = self._prefetch
+            self._prefetch = None
+            if np.array_equal(pre_ids, unique_np):
+                rows_np = fut.result()
+        if rows_np is None:
+            rows_np = self.client.pull_rows(self.table, unique_np, clock=self.clock)
+        rows = torch.from_numpy(rows_np).to(ids.device)
+        if self.training and torch.is_grad_enabled():
+            rows.requires_grad_(True)
+            self._pending.append((unique_np, rows))
+        return rows, inverse.reshape(ids.shape)
+
+    def take_gradients(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(distinct ids, their gradient rows) of every lookup since the last call; clears
+        them. Rows that got no gradient are left out."""
+        out = []
+        for ids, rows in self._pending:
+            if rows.grad is not None:
+                out.append((ids, rows.grad.detach().cpu().numpy()))
+        self._pending = []
+        return out
+
+
+class PSEmbedding(PSRows):
+    """An embedding table on a shardps sparse table (``nn.Embedding``'s forward semantics).
+
+    Only the rows a batch uses are pulled and pushed; see ``PSRows``."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows, inverse = self._lookup(ids)
+        return F.embedding(inverse, rows)
+
+
+class PSEmbeddingBag(PSRows):
+    """``nn.EmbeddingBag`` on a shardps sparse table: the same call signature and results.
+
+    ``forward(input, offsets=None, per_sample_weights=None)``: ``input`` 2-D ``[B, N]`` (B
+    bags of N ids; ``offsets`` must be None) or 1-D with ``offsets`` (the start of each bag;
+    with ``include_last_offset`` one more, the end of the last). ``mode``: ``"sum"``,
+    ``"mean"`` (an empty bag pools to zeros) or ``"max"``; ``per_sample_weights`` (``input``'s
+    shape) scale each id's row, with ``"sum"`` only; ids equal to ``padding_idx`` are left out
+    of their bag. Returns ``[B, embedding_dim]``.
+
+    The pooling runs in ``F.embedding_bag`` over the batch's distinct rows, so the result and
+    the gradient equal ``nn.EmbeddingBag``'s on the same weights; the gradient travels as
+    one row per distinct id (ids that are only padding get none).
+    """
+
+    MODES = ("sum", "mean", "max")
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, mode: str = "mean",
+                 include_last_offset: bool = False, padding_idx: int | None = None,
+                 table: str | None = None, optimizer: OptimizerConfig | None = None,
+                 init: Initializer | None = None, num_blocks: int = 0):
+        super().__init__(num_embeddings, embedding_dim, table, optimizer, init, num_blocks)
+        if mode not in self.MODES:
+            raise InvalidArgument(f"PSEmbeddingBag mode={mode!r}: one of {', '.join(self.MODES)}")
+        if padding_idx is not None and num_embeddings > 0:
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise InvalidArgument(f"padding_idx={padding_idx} must be within num_embeddings={num_embeddings}")
+            padding_idx %= num_embeddings
+        self.mode = mode
+        self.include_last_offset = include_last_offset
+        self.padding_idx = padding_idx
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, mode={self.mode!r}"
+
+    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        rows, inverse = self._lookup(input)
+        return self.pool(input, rows, inverse, offsets, per_sample_weights)
+
+    def pool(self, input: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor,
+             offsets: torch.Tensor | None, per_sample_weights: torch.Tensor | None,
+             include_last_offset: bool | None = None) -> torch.Tensor:
+        """Pool the bags of ``input`` given its looked-up ``rows`` and each id's index in them
+        (``inverse``); ``F.embedding_bag``'s checks and semantics."""
+        padding = None
+        if self.padding_idx is not None:
+            hit = (input == self.padding_idx).reshape(-1).nonzero()
+            if hit.numel():
+                padding = int(inverse.reshape(-1)[hit[0, 0]])
+        if offsets is not None:
+            offsets = offsets.to(device=inverse.device, dtype=inverse.dtype)
+        last = self.include_last_offset if include_last_offset is None else include_last_offset
+        return F.embedding_bag(inverse, rows, offsets, mode=self.mode, per_sample_weights=per_sample_weights,
+                               include_last_offset=last, padding_idx=padding)
