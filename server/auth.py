@@ -19,9 +19,10 @@ import hmac
 import secrets
 from dataclasses import dataclass
 
+from shardps import authz
 from shardps.errors import PermissionDenied, Unauthenticated
 
-ADMIN, JOB, ANONYMOUS = "admin", "job", "anonymous"
+ADMIN, JOB, ANONYMOUS = authz.ROLE_ADMIN, authz.ROLE_JOB, authz.ROLE_ANONYMOUS
 
 
 @dataclass(frozen=True)
@@ -62,14 +63,19 @@ def bearer(metadata) -> str:
     return ""
 
 
-MANAGER_ADMIN = {"CreateJob", "EndJob", "DrainServer", "Checkpoint", "Restore", "RegisterServer",
-                 "ServerHeartbeat", "GetClusterStatus"}
-SERVER_ADMIN = {"Replicate", "InstallShardMap", "CopyBlocks", "LoadBlocks", "SnapshotBlocks",
-                "HoldJob", "DropTables"}
+# What a job token may not call, per service: read from the authorization table
+# (``shardps.authz.TABLE``), kept for callers that name them.
+MANAGER_ADMIN = authz.methods_with(authz.ADMIN, authz.INTERNAL, service=authz.RM_SERVICE)
+SERVER_ADMIN = authz.methods_with(authz.ADMIN, authz.INTERNAL, service=authz.PS_SERVICE)
 
 
 class Authenticator:
-    """``authenticate(full_method, context) -> Principal`` for status.bind."""
+    """``authenticate(full_method, context) -> Principal`` for ``status.bind`` and the data
+    plane: who the caller is (the admin token or a job token; Unauthenticated otherwise), then
+    whether that principal may call the method at all (``authz.authorize``: the table; a
+    method without an entry is refused). The job a request names is checked once the request
+    is read (``authz.enforce``). ``admin_methods`` are refused to job tokens in addition to
+    what the table says (kept for callers that pass them; the table already covers them)."""
 
     def __init__(self, admin_token: str = "", token_key: bytes = b"", admin_methods=frozenset()):
         self.admin_token = admin_token
@@ -81,9 +87,23 @@ class Authenticator:
         return bool(self.admin_token or self.token_key)
 
     def __call__(self, full_method: str, context) -> Principal:
+        principal = self.identify(full_method, context)
+        method = full_method.rsplit("/", 1)[-1]
+        if principal.role == JOB and method in self.admin_methods:
+            raise PermissionDenied(f"{method} is an admin operation; a job token for "
+                                   f"{principal.job!r} cannot call it")
+        authz.authorize(full_method, principal)
+        return principal
+
+    def identify(self, full_method: str, context) -> Principal:
+        """Who presents the call's token: anonymous when authentication is off, public for
+        a PUBLIC method, else the admin or a job (Unauthenticated without a valid token)."""
         method = full_method.rsplit("/", 1)[-1]
         if not self.enabled:
             return Principal(ANONYMOUS)
+        rule = authz.rule_for(full_method)
+        if rule is not None and rule.access == authz.PUBLIC:
+            return Principal(authz.ROLE_PUBLIC)
         token = bearer(context.invocation_metadata())
         if not token:
             raise Unauthenticated(f"{method}: no token: send 'authorization: Bearer <token>' "
@@ -92,11 +112,7 @@ class Authenticator:
             return Principal(ADMIN)
         if not self.token_key:
             raise Unauthenticated(f"{method}: the token is not the admin token")
-        job = verify_job_token(self.token_key, token)
-        if method in self.admin_methods:
-            raise PermissionDenied(f"{method} is an admin operation; a job token for {job!r} "
-                                   f"cannot call it")
-        return Principal(JOB, job)
+        return Principal(JOB, verify_job_token(self.token_key, token))
 
 
 def authenticator_for(serving, role: str) -> Authenticator | None:

@@ -10,7 +10,7 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from shardps import names
+from shardps import authz, names
 from shardps.errors import InvalidArgument, ResourceExhausted, ShardpsError
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
@@ -112,6 +112,15 @@ _REFUSAL_REASONS = {"StaleEpoch": "stale_epoch", "InvalidArgument": "invalid", "
                     "FailedPrecondition": "invalid"}
 
 
+_DP_PUSH, _DP_PULL, _DP_EXCHANGE = (authz.TABLE[SERVICE][m] for m in ("Push", "Pull", "Exchange"))
+
+
+def _scoped(rule: authz.Rule, call, request):
+    """``request`` once the jobs it names are the caller's (the table's job fields)."""
+    authz.check_scope(rule, call.principal, request)
+    return request
+
+
 class ParameterServerService:
     """gRPC methods of one node. ``authenticate`` is the credentials check (security issue)."""
 
@@ -144,7 +153,7 @@ class ParameterServerService:
         }
 
     def handler(self, metrics=None, authenticate=None) -> grpc.GenericRpcHandler:
-        return bind(SERVICE, self.methods(), metrics, authenticate)
+        return bind(SERVICE, authz.enforce(SERVICE, self.methods()), metrics, authenticate)
 
     # --- data path ---
     def _refused(self, exc: ShardpsError) -> None:
@@ -245,12 +254,14 @@ class ParameterServerService:
     def _data_plane(self, method, header: bytes, payload: memoryview, call):
         try:
             if method == "Push":
-                return self._dp_push(ps.PushHeader.FromString(header), payload, call).SerializeToString(), None
+                push = _scoped(_DP_PUSH, call, ps.PushHeader.FromString(header))
+                return self._dp_push(push, payload, call).SerializeToString(), None
             if method == "Pull":
-                head, arrays = self._dp_pull(ps.PullRequest.FromString(header), payload, call)
+                head, arrays = self._dp_pull(_scoped(_DP_PULL, call, ps.PullRequest.FromString(header)),
+                                             payload, call)
                 return head.SerializeToString(), arrays
             if method == "Exchange":
-                request = ps.ExchangeHeader.FromString(header)
+                request = _scoped(_DP_EXCHANGE, call, ps.ExchangeHeader.FromString(header))
                 split = int(request.push.payload_bytes)
                 if split > len(payload):
                     raise InvalidArgument(f"Exchange: push.payload_bytes={split} but the frame "

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 
-from shardps import names
+from shardps import authz, names
 from shardps.convert import config_from_proto, config_to_proto, consistency_from_proto, spec_from_proto
 from shardps.errors import NotFound
 from shardps.protos.v1 import common_pb2 as pb
@@ -62,7 +62,7 @@ class ResourceManagerService:
         }
 
     def handler(self, metrics=None, authenticate=None) -> grpc.GenericRpcHandler:
-        return bind(SERVICE, self.methods(), metrics, authenticate)
+        return bind(SERVICE, authz.enforce(SERVICE, self.methods()), metrics, authenticate)
 
     # --- servers ---
     def register_server(self, req, call) -> mg.RegisterServerResponse:

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable
 
 from google.protobuf.message import DecodeError
 
+from shardps import authz
 from shardps.errors import InvalidArgument, ShardpsError, Unavailable
 from shardps.rpc import frames
 from shardps.rpc.dataplane_sockets import (
@@ -311,7 +312,10 @@ class DataPlaneServer:
             if self.authenticate is not None:
                 principal = conn.principals.get(full)
                 if principal is None:
-                    principal = conn.principals[full] = self.authenticate(full, call)
+                    principal = self.authenticate(full, call)
+                    if self.service in authz.TABLE:      # the authorization table's entry
+                        authz.authorize(full, principal)
+                    conn.principals[full] = principal
                 call.principal = principal
             out_header, out_buffers = self.handler(name, bytes(frame.header), frame.payload.toreadonly(), call)
             header = out_header or b""

@@ -15,6 +15,8 @@ failures they found, reduced to a few requests, are ``tests/test_fuzz_regression
 * ``manager_rpcs.py``   ResourceManager requests
 * ``internal_rpcs.py``  server-to-server and manager-to-server requests
 * ``admin.py``      admin RPCs with every kind of credential
+* ``cross_job.py``  every entry of the authorization table (``shardps.authz``) with another
+                    job's token, on gRPC and the data plane (``tests/test_authz_fuzz.py``)
 
 Hypothesis runs from fixed seeds, without shrinking and without a database: the same
 messages are sent on every run.

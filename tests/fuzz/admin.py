@@ -9,11 +9,12 @@ import grpc
 import numpy as np
 from hypothesis import strategies as st
 
+from shardps import authz
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import manager_pb2 as mg
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc import channels
-from shardps.server.auth import MANAGER_ADMIN, SERVER_ADMIN, Authenticator
+from shardps.server.auth import Authenticator
 from tests.fuzz.encoder import parses
 from tests.fuzz.internal_rpcs import internal_request
 from tests.fuzz.manager_rpcs import manager_request, waits
@@ -88,7 +89,7 @@ def run_admin(data, w: World, tokens: dict, tmp: str, checks: Counter) -> None:
         return
     who, metadata = credential(data, tokens)
     address = w.cluster.address if service == RM else w.servers[data.draw(st.sampled_from(sorted(w.servers)), "server")]
-    admin_only = method in (MANAGER_ADMIN if service == RM else SERVER_ADMIN)
+    admin_only = authz.TABLE[service][method].access in (authz.ADMIN, authz.INTERNAL)
     parsed = parses(RM_REQUESTS[method], request) if service == RM else None
     out = w.wire.call(channel_to(w, address), service, method, request, kind=kind,
                       timeout=0.15 if waits(w, method, parsed) else 2.0,
@@ -111,20 +112,16 @@ def run_admin(data, w: World, tokens: dict, tmp: str, checks: Counter) -> None:
 
 
 def requested_jobs(service: str, method: str, request) -> list[str]:
-    """The job(s) a request names (what a job token must be checked against)."""
+    """The job(s) a request names in its authorization-table entry's job fields (what a job
+    token is checked against)."""
+    rule = authz.TABLE[service][method]
+    if rule.access != authz.JOB:
+        return []
     if method == "Push":
         chunk = parses(ps.PushChunk, request[0]) if request else None
-        return [chunk.header.header.job] if chunk is not None and chunk.HasField("header") else []
-    if method == "Pull":
-        msg = parses(ps.PullRequest, request)
-        return [msg.header.job] if msg is not None else []
-    if service == RM:
-        msg = parses(RM_REQUESTS[method], request)
-        return [msg.job] if msg is not None and hasattr(msg, "job") else []
-    if method == "OpenDataPlane":
-        msg = parses(ps.OpenDataPlaneRequest, request)
-        return [msg.job] if msg is not None else []
-    return []
+        return authz.requested_jobs(rule, chunk.header) if chunk is not None and chunk.HasField("header") else []
+    msg = parses(rule.message, request)
+    return authz.requested_jobs(rule, msg) if msg is not None else []
 
 
 def secure_cluster(make_cluster, servers: int, **kw):
@@ -133,8 +130,8 @@ def secure_cluster(make_cluster, servers: int, **kw):
     admin_md = (("authorization", f"Bearer {ADMIN}"),)
     return make_cluster(
         servers, serving_kw={"admin_token": ADMIN, "token_key": TOKEN_KEY},
-        manager_kw={"authenticate": Authenticator(ADMIN, TOKEN_KEY.encode(), MANAGER_ADMIN), "metadata": admin_md},
-        server_kw={"authenticate": Authenticator(ADMIN, TOKEN_KEY.encode(), SERVER_ADMIN), "metadata": admin_md},
+        manager_kw={"authenticate": Authenticator(ADMIN, TOKEN_KEY.encode()), "metadata": admin_md},
+        server_kw={"authenticate": Authenticator(ADMIN, TOKEN_KEY.encode()), "metadata": admin_md},
         **kw)
 
 
