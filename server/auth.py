@@ -2,9 +2,12 @@
 
 * The admin token (a shared secret, ``--admin-token``) authorises admin operations: creating
   and ending jobs, registering, draining and installing on servers, checkpoints and restores.
-* A job token is issued by the manager when a job is created: ``<job>.<random>.<mac>`` where
-  ``mac = HMAC-SHA256(token key, job + "." + random)``. Servers hold the same token key and
-  verify job tokens themselves: no manager round trip per request.
+* A job token is issued by the manager when a job is created (and by ``RevokeJobTokens``):
+  it names the job, the key that signed it, the job's token generation, when it was issued
+  and when it expires (``shardps.server.tokens``). Servers hold the same keys and verify job
+  tokens themselves: no manager round trip per request. They learn the manager's revocation
+  floors with every heartbeat (``Authenticator.update_revocations``); the manager knows them
+  at once.
 * With neither an admin token nor a token key configured, authentication is off (a single
   trusted team on a private network); every call is allowed.
 
@@ -13,47 +16,53 @@ Tokens are compared in constant time and never logged.
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import hmac
-import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 from shardps import authz
 from shardps.errors import PermissionDenied, Unauthenticated
+from shardps.server import tokens
 
 ADMIN, JOB, ANONYMOUS = authz.ROLE_ADMIN, authz.ROLE_JOB, authz.ROLE_ANONYMOUS
 
 
 @dataclass(frozen=True)
 class Principal:
+    """Who calls: ``role`` (admin, job, anonymous, public) and, for a job token, its
+    ``job``, its ``claims`` and the ``verifier`` that can tell whether it is still current
+    (a principal may be cached: the data plane checks credentials once per connection)."""
+
     role: str
     job: str = ""
+    claims: tokens.Claims | None = field(default=None, compare=False, repr=False)
+    verifier: Any = field(default=None, compare=False, repr=False)
 
     def may_use_job(self, job: str) -> bool:
         return self.role in (ADMIN, ANONYMOUS) or (self.role == JOB and self.job == job)
 
-
-def _mac(key: bytes, text: str) -> str:
-    digest = hmac.new(key, text.encode(), hashlib.sha256).digest()
-    return base64.urlsafe_b64encode(digest).decode().rstrip("=")
-
-
-def issue_job_token(key: bytes, job: str) -> str:
-    nonce = secrets.token_urlsafe(12)
-    body = f"{job}.{nonce}"
-    return f"{body}.{_mac(key, body)}"
+    def check_current(self) -> None:
+        """Unauthenticated if this job token expired, was revoked or lost its key since it
+        was verified; nothing for other roles."""
+        if self.claims is not None and self.verifier is not None:
+            self.verifier.check_current(self.claims)
 
 
-def verify_job_token(key: bytes, token: str) -> str:
-    """The job a token grants, or Unauthenticated."""
-    try:
-        job, nonce, mac = token.rsplit(".", 2)
-    except ValueError:
-        raise Unauthenticated("malformed token: expected <job>.<nonce>.<mac>") from None
-    if not hmac.compare_digest(mac, _mac(key, f"{job}.{nonce}")):
-        raise Unauthenticated("invalid token: not signed by this cluster's token key")
-    return job
+def issue_job_token(key, job: str, generation: int = 0,
+                    ttl_seconds: float = tokens.DEFAULT_TTL_SECONDS, now: float | None = None) -> str:
+    """A job token signed with ``key`` (bytes, a ``KeyRing`` or a ``KeyFile``)."""
+    keys = tokens.keys_from(key)
+    if keys is None:
+        raise ValueError("no token key to sign with")
+    return tokens.issue(keys, job, generation, ttl_seconds, now)[0]
+
+
+def verify_job_token(key, token: str) -> str:
+    """The job a valid, unexpired token grants (revocations unchecked), or Unauthenticated."""
+    keys = tokens.keys_from(key)
+    if keys is None:
+        raise Unauthenticated("no token key: job tokens are off")
+    return tokens.TokenVerifier(keys).verify(token).job
 
 
 def bearer(metadata) -> str:
@@ -75,16 +84,27 @@ class Authenticator:
     whether that principal may call the method at all (``authz.authorize``: the table; a
     method without an entry is refused). The job a request names is checked once the request
     is read (``authz.enforce``). ``admin_methods`` are refused to job tokens in addition to
-    what the table says (kept for callers that pass them; the table already covers them)."""
+    what the table says (kept for callers that pass them; the table already covers them).
 
-    def __init__(self, admin_token: str = "", token_key: bytes = b"", admin_methods=frozenset()):
+    ``token_key``: one key (bytes), a ``tokens.KeyRing`` or a ``tokens.KeyFile`` (rotation
+    without a restart). ``revocations`` holds the per-job floors: the manager raises them
+    itself, servers with ``update_revocations`` from each heartbeat."""
+
+    def __init__(self, admin_token: str = "", token_key=b"", admin_methods=frozenset(),
+                 revocations: tokens.Revocations | None = None):
         self.admin_token = admin_token
-        self.token_key = token_key
+        self.keys = tokens.keys_from(token_key)
+        self.revocations = revocations if revocations is not None else tokens.Revocations()
+        self.verifier = tokens.TokenVerifier(self.keys, self.revocations) if self.keys else None
         self.admin_methods = set(admin_methods)
 
     @property
     def enabled(self) -> bool:
-        return bool(self.admin_token or self.token_key)
+        return bool(self.admin_token or self.keys)
+
+    def update_revocations(self, floors: Mapping[str, int]) -> None:
+        """Raise the per-job token floors (the manager's, from a heartbeat response)."""
+        self.revocations.raise_floors(floors)
 
     def __call__(self, full_method: str, context) -> Principal:
         principal = self.identify(full_method, context)
@@ -110,20 +130,28 @@ class Authenticator:
                                   f"(a job token, or the admin token)")
         if self.admin_token and hmac.compare_digest(token.encode(), self.admin_token.encode()):
             return Principal(ADMIN)
-        if not self.token_key:
+        if self.verifier is None:
             raise Unauthenticated(f"{method}: the token is not the admin token")
-        return Principal(JOB, verify_job_token(self.token_key, token))
+        claims = self.verifier.verify(token)
+        return Principal(JOB, claims.job, claims, self.verifier)
 
 
 def authenticator_for(serving, role: str) -> Authenticator | None:
     admin = serving.resolved_admin_token()
-    key = serving.resolved_token_key()
-    if not admin and not key:
+    keys = serving.token_keys()
+    if not admin and keys is None:
         return None
-    return Authenticator(admin, key, MANAGER_ADMIN if role == "manager" else SERVER_ADMIN)
+    return Authenticator(admin, keys, MANAGER_ADMIN if role == "manager" else SERVER_ADMIN)
 
 
 def check_job(principal, job: str) -> None:
-    """PermissionDenied unless ``principal`` may act on ``job``."""
-    if principal is not None and not principal.may_use_job(job):
+    """PermissionDenied unless ``principal`` may act on ``job``; Unauthenticated when its
+    job token expired, was revoked or lost its key since it was verified (every data-plane
+    request passes here with the principal its connection verified)."""
+    if principal is None:
+        return
+    if not principal.may_use_job(job):
         raise PermissionDenied(f"this token grants job {principal.job!r}, not {job!r}")
+    current = getattr(principal, "check_current", None)
+    if current is not None:
+        current()

@@ -126,8 +126,10 @@ class ParameterServerService:
 
     def __init__(self, node: ServerNode):
         from shardps.rpc.shm import ServerRegions
+        from shardps.server.admission import Admission
         self.node = node
         self.regions = ServerRegions()
+        self.admission = Admission()          # per-job limits (server/admission.py); off here
 
     def methods(self) -> dict[str, Method]:
         return {
@@ -192,14 +194,16 @@ class ParameterServerService:
                 raise InvalidArgument(f"Push: shared-memory length {header.shared_memory.length} != "
                                       f"payload_bytes {header.payload_bytes}")
             payload = self.read_shared_memory(header.shared_memory, header.header.job)
-        return self.node.push(header.header, header.kind, header.segments, payload, call.deadline)
+        with self.admission.admit(header.header.job, len(payload)):
+            return self.node.push(header.header, header.kind, header.segments, payload, call.deadline)
 
     def pull(self, request: ps.PullRequest, call):
         check_job(call.principal, request.header.job)
         ref = request.reply_shared_memory
         out_buffer = self._open_shared(ref, request.header.job) if ref.name else None
-        header, arrays = self.node.pull(request.header, request.segments, request.data, call.deadline,
-                                        out_buffer=out_buffer)
+        with self.admission.admit(request.header.job):
+            header, arrays = self.node.pull(request.header, request.segments, request.data, call.deadline,
+                                            out_buffer=out_buffer)
         chunk = max(MIN_CHUNK_BYTES, min(request.chunk_bytes or CHUNK_BYTES, MAX_CHUNK_BYTES))
         if header.in_shared_memory:            # written straight into the client's memory
             yield encode_chunk(header.SerializeToString(), None)
@@ -285,15 +289,17 @@ class ParameterServerService:
         if len(payload) > self.node.limits.max_request_bytes:
             raise ResourceExhausted(f"Push: {len(payload)} bytes; the limit max_request_bytes is "
                                     f"{self.node.limits.max_request_bytes}: split the request")
-        return self.node.push(header.header, header.kind, header.segments, payload, call.deadline)
+        with self.admission.admit(header.header.job, len(payload)):
+            return self.node.push(header.header, header.kind, header.segments, payload, call.deadline)
 
     def _dp_pull(self, request: ps.PullRequest, ids: memoryview, call):
         names.check(names.JOB, request.header.job, "header.job")
         check_job(call.principal, request.header.job)
         if request.reply_shared_memory.name:
             raise InvalidArgument("data plane: the reply travels in the frame, not in shared memory")
-        return self.node.pull(request.header, request.segments, ids if len(ids) else request.data,
-                              call.deadline)
+        with self.admission.admit(request.header.job):
+            return self.node.pull(request.header, request.segments, ids if len(ids) else request.data,
+                                  call.deadline)
 
     # --- shared-memory fast path (same host) ---
     def probe_shared_memory(self, request, call) -> ps.ProbeSharedMemoryResponse:

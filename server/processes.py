@@ -122,7 +122,8 @@ class ManagerProcess:
             metrics=self.metrics, pool=StubPool(tls=tls, metadata=metadata))
         self.service = ResourceManagerService(
             self.runtime, CheckpointCoordinator(self.runtime, settings.checkpoint_dir),
-            token_key=settings.serving.resolved_token_key())
+            token_key=settings.serving.token_keys(), token_ttl_seconds=settings.token_ttl_seconds,
+            revocations=getattr(authenticate, "revocations", None))
         self.net = _Serving(settings.serving, tls, MANAGER_SERVICE,
                             self.service.handler(self.metrics.grpc, authenticate),
                             self.metrics.registry, self.metrics.grpc)
@@ -178,10 +179,14 @@ class ServerProcess:
             metrics=self.metrics)
         self.node.peers = GrpcPeers(name, self.node.view_address, self.pool, settings.forward_timeout)
         self.service = ParameterServerService(self.node)
+        from shardps.server.admission import Admission
+        self.service.admission = Admission(settings.job_max_requests_per_second,
+                                           settings.job_max_bytes_in_flight, where=f"server {name}")
         self.net = _Serving(settings.serving, tls, NODE_SERVICE,
                             self.service.handler(self.metrics.grpc, authenticate),
                             self.metrics.registry, self.metrics.grpc)
         self.data_plane = _data_plane(settings, self.service, self.net.address, tls, authenticate)
+        self._update_revocations = getattr(authenticate, "update_revocations", None)
         self._tls = tls
         self._metadata = tuple(metadata)
         self._manager = channels.channel(settings.manager, tls)
@@ -280,6 +285,8 @@ class ServerProcess:
             name=self.node.name, incarnation=self.node.incarnation, epoch=self.node.epoch,
             primary_blocks=u["primary_blocks"], replica_blocks=u["backup_blocks"], bytes=u["bytes"]),
             timeout=5.0, metadata=self._metadata)
+        if self._update_revocations is not None:     # revoked job tokens: refused from now on
+            self._update_revocations(resp.token_floors)
         if resp.retired:
             if not self.retired.is_set():
                 log.info("server %s was drained and retired: it holds no blocks", self.node.name)

@@ -99,6 +99,7 @@ TABLE: dict[str, dict[str, Rule]] = {
         "DrainServer": Rule(ADMIN),
         "CreateJob": Rule(ADMIN, note="answers the job's token"),
         "EndJob": Rule(ADMIN),
+        "RevokeJobTokens": Rule(ADMIN, note="raises the job's token generation; answers a fresh token"),
         "CreateTable": _job(mg.CreateTableRequest, answer=OWN_JOB),
         "DescribeTable": _job(mg.DescribeTableRequest, answer=OWN_JOB),
         "ListTables": _job(mg.ListTablesRequest, answer=OWN_JOB),

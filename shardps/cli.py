@@ -68,6 +68,8 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
     fs.add("--replication", 1, "copies of every block (R), on distinct servers")
     fs.add("--server-lease-seconds", 3.0, "a server is declared dead after this long without a heartbeat")
     fs.add("--worker-lease-seconds", 10.0, "a worker leaves its group after this long without a heartbeat")
+    fs.add("--token-ttl-seconds", 7 * 24 * 3600.0, "lifetime of the job tokens it issues (CreateJob, "
+           "RevokeJobTokens) unless the request asks for another")
     p.set_defaults(func=cmd_manager)
 
     p, fs = _sub(sub, "server", "run a server node",
@@ -81,6 +83,10 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
     fs.add("--max-rows", 4_000_000, "most sparse rows in one request")
     fs.add("--data-plane-port", 0, "port of the socket data plane that carries pushes and pulls "
            "beside gRPC (0: any free port, advertised to clients; -1: none, gRPC only)")
+    fs.add("--job-max-requests-per-second", 0.0, "per job: data requests (push, pull) per second "
+           "this server admits; more get RESOURCE_EXHAUSTED with a retry hint (0: no limit)")
+    fs.add("--job-max-bytes-in-flight", 0, "per job: push bytes this server applies at once; more "
+           "get RESOURCE_EXHAUSTED with a retry hint (0: no limit)")
     fs.add("--forward-timeout", 1.5, "seconds a primary waits for a backup to apply a push "
            "(plus 1 s per 20 MB); keep it below the manager's server lease")
     p.set_defaults(func=cmd_server)
@@ -96,6 +102,8 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
     fs.add("--replication", 1, "copies of every block")
     fs.add("--log-format", "human", "log lines: human or json", choices=["human", "json"])
     fs.add("--work-dir", "", "directory for state, logs and ready files (default: a temporary one)")
+    fs.add("--secure", False, "mutual TLS and tokens: development certificates, an admin token, a "
+           "token key and --job's token in WORK_DIR/secrets; prints how to connect")
     from shardps.worker.runtime import add_training_flags
     add_training_flags(fs)
     fs.add("--baseline", False, "also train the same model in a single process and print both")
@@ -138,16 +146,20 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
     fs.add("--manager", "127.0.0.1:7070", "resource manager address")
     p.set_defaults(func=cmd_drain)
 
-    p, fs = _sub(sub, "job", "create or end a job",
-                 "Create a job (prints its token when authentication is on) or end it.", environ)
-    p.add_argument("action", choices=["create", "end"])
+    p, fs = _sub(sub, "job", "create, end a job, or revoke its tokens",
+                 "Create a job (prints its token when authentication is on) or end it.\n"
+                 "revoke: every token issued so far for the job is refused (by the manager at once,\n"
+                 "by the servers within a heartbeat); prints the job's new token.", environ)
+    p.add_argument("action", choices=["create", "end", "revoke"])
     p.add_argument("job")
     add_common(fs)
     fs.add("--manager", "127.0.0.1:7070", "resource manager address")
     fs.add("--mode", "async", "consistency: async, sync or ssp", choices=["async", "sync", "ssp"])
     fs.add("--staleness", 2, "SSP staleness bound T")
     fs.add("--quota-bytes", 0, "storage quota of the job across servers (0: none)")
-    fs.add("--token-out", "", "create: also write the job's token to this file (mode 0600)")
+    fs.add("--token-out", "", "create, revoke: write the job's token to this file (mode 0600) "
+           "instead of printing it")
+    fs.add("--token-ttl-seconds", 0.0, "revoke: lifetime of the new token (0: the manager's default)")
     p.set_defaults(func=cmd_job)
 
     p, fs = _sub(sub, "checkpoint", "write a consistent checkpoint of a job now",
@@ -309,16 +321,63 @@ def cmd_drain(args) -> int:
     return _admin_command(args, "drain", drain)
 
 
+def _manager_call(args, method: str, request, response_cls):
+    """One unary call of ``method`` on the manager with this command's TLS and token;
+    ``ShardpsError`` on failure."""
+    import grpc
+
+    from shardps.rpc import channels
+    from shardps.rpc.status import from_rpc_error
+    common = _common(args)
+    token = common.resolved_token()
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    with channels.channel(args.manager, _tls(common)) as ch:
+        rpc = ch.unary_unary(f"/shardps.v1.ResourceManager/{method}",
+                             request_serializer=type(request).SerializeToString,
+                             response_deserializer=response_cls.FromString)
+        try:
+            return rpc(request, timeout=10.0, metadata=metadata, wait_for_ready=True)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err, method) from None
+
+
+def _show_token(args, token: str, what: str) -> None:
+    if args.token_out and token:
+        from shardps.devcerts import write_private
+        write_private(args.token_out, token.encode())
+        print(f"{what}; its token is in {args.token_out}")
+    else:
+        print(token if token else f"{what} (authentication is off: no token)")
+
+
+def cmd_job_revoke(args) -> int:
+    """``shardps job revoke JOB``: see ``build_parser``."""
+    import datetime
+
+    from shardps.errors import ShardpsError
+    from shardps.protos.v1 import manager_pb2 as mg
+    try:
+        resp = _manager_call(args, "RevokeJobTokens", mg.RevokeJobTokensRequest(
+            job=args.job, token_ttl_seconds=args.token_ttl_seconds), mg.RevokeJobTokensResponse)
+    except ShardpsError as exc:
+        print(f"shardps job revoke: {exc.message}", file=sys.stderr)
+        return 2
+    expires = (datetime.datetime.fromtimestamp(resp.token_expires_at, datetime.timezone.utc)
+               .isoformat(timespec="seconds") if resp.token_expires_at else "never")
+    print(f"job {args.job}: every earlier token revoked (generation {resp.generation}); the manager "
+          f"refuses them now, servers within a heartbeat. New token expires {expires}.", file=sys.stderr)
+    _show_token(args, resp.token, f"job {args.job} tokens revoked")
+    return 0
+
+
 def cmd_job(args) -> int:
+    if args.action == "revoke":
+        return cmd_job_revoke(args)
+
     def job(client):
         if args.action == "create":
             token = client.create_job(args.mode, args.staleness, args.quota_bytes)
-            if args.token_out and token:
-                from shardps.devcerts import write_private
-                write_private(args.token_out, token.encode())
-                print(f"job {args.job} ready; its token is in {args.token_out}")
-            else:
-                print(token if token else f"job {args.job} ready (authentication is off: no token)")
+            _show_token(args, token, f"job {args.job} ready")
         else:
             client.end_job()
             print(f"job {args.job} ended")

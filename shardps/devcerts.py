@@ -167,6 +167,32 @@ def _key_usage(cert_sign: bool) -> x509.KeyUsage:
                          encipher_only=False, decipher_only=False)
 
 
+# ``make_dev_secrets``: the files beside the certificates (``make secrets`` writes the same
+# names into deploy/secrets/ for docker-compose.tls.yml)
+SECRET_FILES = {"admin_token": "admin-token", "token_key": "token-key"}
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
+def make_dev_secrets(directory: str | os.PathLike, hosts: Iterable[str] = LOOPBACK_HOSTS,
+                     days: int = 365) -> dict[str, Path]:
+    """Everything a development cluster with mutual TLS and tokens needs, in ``directory``:
+    the files of ``make_dev_certs`` plus ``admin-token`` (the admin token) and ``token-key``
+    (the key that signs job tokens; a key file, see ``shardps.server.tokens.KeyFile``), both
+    random (256 bits) and mode 0600. Files already there are kept when all of them are
+    (a cluster restarted on the same directory keeps accepting the tokens it issued);
+    otherwise all are written anew. Returns the paths by role (``make_dev_certs``'s roles,
+    ``admin_token`` and ``token_key``)."""
+    import secrets
+    out = Path(directory)
+    paths = {role: out / name for role, name in {**FILES, **SECRET_FILES}.items()}
+    if all(p.exists() for p in paths.values()):
+        return paths
+    paths.update(make_dev_certs(out, hosts, days, overwrite=True))
+    for role in SECRET_FILES:
+        write_private(paths[role], secrets.token_urlsafe(32).encode())
+    return paths
+
+
 def write_private(path: str | Path, data: bytes) -> None:
     """Write a secret readable by its owner only."""
     # Created 0600 from the start (no window in which it is readable by others); chmod as

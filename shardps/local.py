@@ -55,7 +55,7 @@ class LocalCluster:
                  log_format: str = "human", server_lease_seconds: float | None = None,
                  manager_args: tuple = (), server_args: tuple = (), env: dict | None = None,
                  python: str = sys.executable, stream_logs: bool = False, host_of=None, wrap=None,
-                 manager_port: int = 0):
+                 manager_port: int = 0, tls=None, token: str = ""):
         self.n_servers = servers
         self.replication = replication
         self._own_dir = work_dir is None
@@ -74,6 +74,10 @@ class LocalCluster:
         self.host_of = host_of or (lambda name: "127.0.0.1")
         self.wrap: Callable[[str], list[str]] = wrap or (lambda name: [])
         self.manager_port = manager_port         # 0: any free port
+        # how this process reaches the cluster (health checks, status): a client TlsConfig
+        # and the admin token when the cluster is secured (``Secured``)
+        self.tls = tls
+        self.token = token
         self.manager: Proc | None = None
         self.servers: dict[str, Proc] = {}
         self.workers: list[Proc] = []
@@ -115,7 +119,7 @@ class LocalCluster:
         from shardps.rpc.channels import check_health
         while time.monotonic() < deadline:
             try:
-                if check_health(proc.address, timeout=2.0) == "SERVING":
+                if check_health(proc.address, timeout=2.0, tls=self.tls) == "SERVING":
                     return
             except Exception:
                 pass
@@ -165,7 +169,7 @@ class LocalCluster:
         """Wait until the manager reports ``count`` servers SERVING."""
         from shardps.worker.client import PSClient
         deadline = time.monotonic() + timeout
-        with PSClient(self.manager_address, "_local", timeout=5.0) as c:
+        with PSClient(self.manager_address, "_local", timeout=5.0, token=self.token, tls=self.tls) as c:
             while True:
                 st = c.cluster_status()
                 if sum(1 for s in st.servers if s.server.state == 2) >= count:
@@ -249,6 +253,61 @@ def _check_free(host: str, port: int) -> None:
                 f"clients then need --manager / SHARDPS_MANAGER)") from None
 
 
+class Secured:
+    """Mutual TLS and tokens for a local cluster (``shardps local --secure``): development
+    certificates, an admin token and a token key in ``directory`` (``make_dev_secrets``),
+    the flags that give them to the processes, and one job's token for clients."""
+
+    def __init__(self, directory: str | Path):
+        from shardps.devcerts import make_dev_secrets
+        self.dir = Path(directory)
+        self.paths = {k: str(v) for k, v in make_dev_secrets(self.dir).items()}
+
+    def process_args(self) -> tuple[str, ...]:
+        """Flags of the manager and the servers: their certificate, client certificates
+        required, the admin token and the token key (files)."""
+        p = self.paths
+        return ("--tls-cert", p["server_cert"], "--tls-key", p["server_key"], "--tls-ca", p["ca"],
+                "--tls-require-client-cert", "true", "--admin-token-file", p["admin_token"],
+                "--token-key-file", p["token_key"])
+
+    def client_env(self, manager: str, token_file: str) -> dict[str, str]:
+        """The variables that point ``shardps`` commands (and the README's client) at the
+        cluster: each is a flag's environment variable (``--tls-ca``: SHARDPS_TLS_CA, ...)."""
+        p = self.paths
+        return {"SHARDPS_MANAGER": manager, "SHARDPS_TLS_CA": p["ca"], "SHARDPS_TLS_CERT": p["client_cert"],
+                "SHARDPS_TLS_KEY": p["client_key"], "SHARDPS_TOKEN_FILE": token_file}
+
+    def client_tls(self):
+        from shardps.rpc.channels import TlsConfig
+        p = self.paths
+        return TlsConfig.from_files(p["client_cert"], p["client_key"], p["ca"])
+
+    @property
+    def admin_token(self) -> str:
+        return Path(self.paths["admin_token"]).read_text().strip()
+
+    def create_job(self, manager: str, job: str, mode: str = "async", staleness: int = 0) -> str:
+        """Create ``job`` with the admin token; write its token to ``<dir>/<job>.token``
+        (mode 0600) and return that path."""
+        from shardps.devcerts import write_private
+        from shardps.worker.client import PSClient
+        with PSClient(manager, job, token=self.admin_token, tls=self.client_tls(), timeout=10.0) as c:
+            token = c.create_job(mode, staleness)
+        path = self.dir / f"{job}.token"
+        write_private(path, token.encode())
+        return str(path)
+
+    def instructions(self, manager: str, job: str, token_file: str) -> str:
+        env = " ".join(f"{k}={v}" for k, v in self.client_env(manager, token_file).items())
+        return (f"shardps local: secured: mutual TLS (development certificates) and tokens, in {self.dir}\n"
+                f"  connect as job {job!r} (the shardps commands and the README's Python client "
+                f"read these):\n    export {env}\n"
+                f"  admin commands take the admin token: shardps status --token-file {self.paths['admin_token']}\n"
+                f"  another job: shardps job create NAME --token-file {self.paths['admin_token']} "
+                f"--token-out NAME.token")
+
+
 def run_local(args, worker_flags: list[str]) -> int:
     """``shardps local``: see the module docstring. ``worker_flags`` are the flags of
     ``shardps worker`` (``shardps.cli.FLAGS["worker"]``): the workers get those of ``args``."""
@@ -260,20 +319,33 @@ def run_local(args, worker_flags: list[str]) -> int:
     started = time.perf_counter()
     cluster = LocalCluster(args.servers, args.replication, args.work_dir or None, args.log_format,
                            manager_port=args.port)
+    secured = None
     code = 0
     try:
         try:
+            if getattr(args, "secure", False):
+                secured = Secured(cluster.work_dir / "secrets")
+                cluster.manager_args = cluster.server_args = secured.process_args()
+                cluster.tls, cluster.token = secured.client_tls(), secured.admin_token
             cluster.start()
+            client_args: list[str] = []
+            if secured is not None:
+                token_file = secured.create_job(cluster.manager_address, args.job, args.mode, args.staleness)
+                client_args = [f"--{k[8:].lower().replace('_', '-')}={v}"
+                               for k, v in secured.client_env(cluster.manager_address, token_file).items()
+                               if k != "SHARDPS_MANAGER"]
         except ShardpsError as exc:
             print(f"shardps local: {exc.message}", file=sys.stderr, flush=True)
             return 2
         print(f"shardps local: manager at {cluster.manager_address}; {args.servers} servers "
               f"SERVING; logs in {cluster.work_dir}", flush=True)
+        if secured is not None:
+            print(secured.instructions(cluster.manager_address, args.job, token_file), flush=True)
         if args.workers <= 0:
             while not stop.wait(0.5):
                 pass
             return 0
-        code = _train_locally(cluster, args, worker_flags, stop, started)
+        code = _train_locally(cluster, args, worker_flags, stop, started, client_args)
     except KeyboardInterrupt:
         code = 130
     finally:
@@ -299,8 +371,8 @@ def _worker_args(args, worker_flags: list[str]) -> list[str]:
 
 
 def _train_locally(cluster: LocalCluster, args, worker_flags: list[str], stop: threading.Event,
-                   started: float) -> int:
-    wargs = _worker_args(args, worker_flags)
+                   started: float, client_args: tuple[str, ...] | list[str] = ()) -> int:
+    wargs = _worker_args(args, worker_flags) + list(client_args)
     procs = [cluster.start_worker(f"worker-{i}", wargs, stdout=subprocess.PIPE) for i in range(args.workers)]
     # show rank 0's progress: its stderr goes to the log file; relay its lines here
     relay = threading.Thread(target=_relay, args=(cluster.workers[0].log_path, stop), daemon=True)

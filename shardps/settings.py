@@ -77,7 +77,8 @@ def add_serving(fs: FlagSet, listen: str, metrics_port: int) -> None:
     fs.add("--admin-token", "", "admin token: required for admin RPCs when set")
     fs.add("--admin-token-file", "", "file holding --admin-token (a mounted Secret)")
     fs.add("--token-key", "", "secret that signs and verifies job tokens (enables per-job auth)")
-    fs.add("--token-key-file", "", "file holding --token-key")
+    fs.add("--token-key-file", "", "file holding the token keys, one per line: the first signs new "
+           "tokens, all verify; read again when it changes (key rotation without a restart)")
 
 
 def _value_or_file(value: str, path: str) -> str:
@@ -123,12 +124,28 @@ class Serving:
         return _value_or_file(self.admin_token, self.admin_token_file)
 
     def resolved_token_key(self) -> bytes:
-        if self.token_key:
-            return self.token_key.encode()
-        if self.token_key_file:
-            with open(self.token_key_file, "rb") as f:
-                return f.read().strip()
-        return b""
+        """The signing key (the key file's first key), or b"" when job tokens are off."""
+        keys = self.token_keys()
+        return keys.ring().keys[0] if keys is not None else b""
+
+    def token_keys(self):
+        """The token keys (``shardps.server.tokens``): a ``KeyRing`` of ``--token-key``, a
+        ``KeyFile`` of ``--token-key-file`` (re-read when it changes), or None (neither, or
+        an empty file). SystemExit
+        naming the flag when the key or the file is unusable."""
+        from shardps.server import tokens
+        try:
+            if self.token_key:
+                return tokens.KeyRing([self.token_key.encode()])
+            if self.token_key_file:
+                with open(self.token_key_file, "rb") as f:
+                    if tokens.KeyRing.empty(f.read()):
+                        return None             # an empty Secret: job tokens off
+                return tokens.KeyFile(self.token_key_file)
+        except (OSError, ValueError) as exc:
+            flag = "--token-key" if self.token_key else "--token-key-file"
+            raise SystemExit(f"shardps: {flag}: {exc}") from None
+        return None
 
 
 @dataclass(frozen=True)
@@ -140,6 +157,7 @@ class ManagerProcessSettings:
     replication: int = 1
     server_lease_seconds: float = 3.0
     worker_lease_seconds: float = 10.0
+    token_ttl_seconds: float = 7 * 24 * 3600.0   # lifetime of the job tokens it issues
 
 
 @dataclass(frozen=True)
@@ -152,6 +170,9 @@ class ServerProcessSettings:
     max_rows: int = 4_000_000
     forward_timeout: float = 1.5
     data_plane_port: int = 0          # the data plane's port (0: any free one; -1: none, gRPC only)
+    # per-job admission control (server/admission.py); 0: off
+    job_max_requests_per_second: float = 0.0
+    job_max_bytes_in_flight: int = 0
 
 
 def build(cls, args: argparse.Namespace, **nested):

@@ -50,12 +50,21 @@ class ServerHeartbeatRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., incarnation: _Optional[int] = ..., epoch: _Optional[int] = ..., primary_blocks: _Optional[int] = ..., replica_blocks: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class ServerHeartbeatResponse(_message.Message):
-    __slots__ = ("epoch", "retired")
+    __slots__ = ("epoch", "retired", "token_floors")
+    class TokenFloorsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     RETIRED_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FLOORS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     retired: bool
-    def __init__(self, epoch: _Optional[int] = ..., retired: _Optional[bool] = ...) -> None: ...
+    token_floors: _containers.ScalarMap[str, int]
+    def __init__(self, epoch: _Optional[int] = ..., retired: _Optional[bool] = ..., token_floors: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class DrainServerRequest(_message.Message):
     __slots__ = ("name",)
@@ -78,22 +87,44 @@ class JobQuota(_message.Message):
     def __init__(self, max_bytes: _Optional[int] = ...) -> None: ...
 
 class CreateJobRequest(_message.Message):
-    __slots__ = ("job", "consistency", "quota")
+    __slots__ = ("job", "consistency", "quota", "token_ttl_seconds")
     JOB_FIELD_NUMBER: _ClassVar[int]
     CONSISTENCY_FIELD_NUMBER: _ClassVar[int]
     QUOTA_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     job: str
     consistency: _common_pb2.Consistency
     quota: JobQuota
-    def __init__(self, job: _Optional[str] = ..., consistency: _Optional[_Union[_common_pb2.Consistency, _Mapping]] = ..., quota: _Optional[_Union[JobQuota, _Mapping]] = ...) -> None: ...
+    token_ttl_seconds: float
+    def __init__(self, job: _Optional[str] = ..., consistency: _Optional[_Union[_common_pb2.Consistency, _Mapping]] = ..., quota: _Optional[_Union[JobQuota, _Mapping]] = ..., token_ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class CreateJobResponse(_message.Message):
-    __slots__ = ("token", "created")
+    __slots__ = ("token", "created", "token_expires_at")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     token: str
     created: bool
-    def __init__(self, token: _Optional[str] = ..., created: _Optional[bool] = ...) -> None: ...
+    token_expires_at: float
+    def __init__(self, token: _Optional[str] = ..., created: _Optional[bool] = ..., token_expires_at: _Optional[float] = ...) -> None: ...
+
+class RevokeJobTokensRequest(_message.Message):
+    __slots__ = ("job", "token_ttl_seconds")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    token_ttl_seconds: float
+    def __init__(self, job: _Optional[str] = ..., token_ttl_seconds: _Optional[float] = ...) -> None: ...
+
+class RevokeJobTokensResponse(_message.Message):
+    __slots__ = ("generation", "token", "token_expires_at")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    token: str
+    token_expires_at: float
+    def __init__(self, generation: _Optional[int] = ..., token: _Optional[str] = ..., token_expires_at: _Optional[float] = ...) -> None: ...
 
 class EndJobRequest(_message.Message):
     __slots__ = ("job",)

@@ -79,13 +79,20 @@ class JobRecord:
     consistency: Consistency = Consistency.ASYNC
     staleness: int = 0
     quota_bytes: int = 0
-    token_id: str = ""
+    token_id: str = ""       # str(token generation): see token_generation
     members: dict[str, MemberRecord] = field(default_factory=dict)     # by session
     departed: dict[str, list[int]] = field(default_factory=dict)       # session -> [rank, incarnation]
     membership_version: int = 0
     restored_path: str = ""
     restored_step: int = 0
     restore_pending: list[int] = field(default_factory=list)   # ranks yet to fetch their state
+
+    @property
+    def token_generation(self) -> int:
+        """The lowest token generation this job accepts (``token_id``: the epoch at which the
+        job was created or its tokens last revoked; 0 for a record saved before tokens had
+        generations)."""
+        return int(self.token_id) if self.token_id.isdigit() else 0
 
 
 @dataclass(frozen=True)

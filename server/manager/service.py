@@ -17,6 +17,7 @@ from shardps.errors import NotFound
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import manager_pb2 as mg
 from shardps.rpc.status import Method, bind, proto_method
+from shardps.server import tokens
 from shardps.server.manager.checkpoint_files import read_checkpoint
 from shardps.server.manager.checkpoints import CheckpointCoordinator
 from shardps.server.manager.runtime import ManagerRuntime
@@ -29,10 +30,18 @@ class ResourceManagerService:
     """gRPC methods of the resource manager over a ManagerRuntime."""
 
     def __init__(self, runtime: ManagerRuntime, checkpoints: CheckpointCoordinator | None = None,
-                 token_key: bytes = b""):
+                 token_key=b"", token_ttl_seconds: float = tokens.DEFAULT_TTL_SECONDS,
+                 revocations: tokens.Revocations | None = None):
+        """``token_key``: one key (bytes), a ``tokens.KeyRing`` or a ``tokens.KeyFile``; none:
+        no job tokens. ``revocations``: the floors the manager's own authenticator checks;
+        raised here whenever a job's token generation changes, so the manager refuses
+        revoked tokens at once."""
         self.rt = runtime
         self.checkpoints = checkpoints or CheckpointCoordinator(runtime)
-        self.token_key = token_key
+        self.keys = tokens.keys_from(token_key)
+        self.token_ttl_seconds = tokens.check_ttl(token_ttl_seconds)
+        self.revocations = revocations
+        self._sync_floors()
 
     def methods(self) -> dict[str, Method]:
         u = "unary_unary"
@@ -43,6 +52,7 @@ class ResourceManagerService:
             "DrainServer": proto_method(u, self.drain_server, mg.DrainServerRequest),
             "CreateJob": proto_method(u, self.create_job, mg.CreateJobRequest),
             "EndJob": proto_method(u, self.end_job, mg.EndJobRequest),
+            "RevokeJobTokens": proto_method(u, self.revoke_job_tokens, mg.RevokeJobTokensRequest),
             "CreateTable": proto_method(u, scoped(self.create_table), mg.CreateTableRequest),
             "DescribeTable": proto_method(u, scoped(self.describe_table), mg.DescribeTableRequest),
             "ListTables": proto_method(u, scoped(self.list_tables), mg.ListTablesRequest),
@@ -83,7 +93,9 @@ class ResourceManagerService:
         self.rt.change(lambda s: s.server_heartbeat(req.name, req.incarnation, req.epoch, stats, now))
         with self.rt.lock:
             retired = self.rt.state.servers[req.name].retired
-        return mg.ServerHeartbeatResponse(epoch=self.rt.published.epoch, retired=retired)
+            floors = self.rt.state.token_floors()
+        return mg.ServerHeartbeatResponse(epoch=self.rt.published.epoch, retired=retired,
+                                          token_floors=floors)
 
     def drain_server(self, req, call) -> mg.DrainServerResponse:
         names.check(names.SERVER, req.name, "name")
@@ -94,14 +106,37 @@ class ResourceManagerService:
     def create_job(self, req, call) -> mg.CreateJobResponse:
         names.check(names.JOB, req.job, "job")
         mode, staleness = consistency_from_proto(req.consistency)
+        ttl = tokens.check_ttl(req.token_ttl_seconds, self.token_ttl_seconds)
         job, created = self.rt.change(lambda s: s.create_job(req.job, mode, staleness,
                                                              req.quota.max_bytes))
-        return mg.CreateJobResponse(created=created, token=self.issue_token(job))
+        self._sync_floors()
+        token, expires = self.issue_token(job.name, ttl)
+        return mg.CreateJobResponse(created=created, token=token, token_expires_at=expires)
 
-    def issue_token(self, job) -> str:
-        """The job's token (signed with the token key), or "" when tokens are off."""
-        from shardps.server.auth import issue_job_token
-        return issue_job_token(self.token_key, job.name) if self.token_key else ""
+    def revoke_job_tokens(self, req, call) -> mg.RevokeJobTokensResponse:
+        names.check(names.JOB, req.job, "job")
+        ttl = tokens.check_ttl(req.token_ttl_seconds, self.token_ttl_seconds)
+        generation = self.rt.change(lambda s: s.revoke_job_tokens(req.job))
+        self._sync_floors()
+        log.info("job %s: tokens below generation %d revoked", req.job, generation)
+        token, expires = self.issue_token(req.job, ttl)
+        return mg.RevokeJobTokensResponse(generation=generation, token=token, token_expires_at=expires)
+
+    def issue_token(self, job: str, ttl_seconds: float | None = None) -> tuple[str, float]:
+        """A token of ``job``'s current generation and its expiry (Unix seconds), or ("", 0)
+        when tokens are off."""
+        if self.keys is None:
+            return "", 0.0
+        with self.rt.lock:
+            generation = self.rt.state.job(job).token_generation
+        return tokens.issue(self.keys, job, generation, ttl_seconds or self.token_ttl_seconds)
+
+    def _sync_floors(self) -> None:
+        """Raise the manager's own revocation floors to the state's."""
+        if self.revocations is not None:
+            with self.rt.lock:
+                floors = self.rt.state.token_floors()
+            self.revocations.raise_floors(floors)
 
     def end_job(self, req, call) -> mg.EndJobResponse:
         names.check(names.JOB, req.job, "job")

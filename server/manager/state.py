@@ -15,7 +15,6 @@ block moves). The methods below delegate to them, so callers use one object.
 from __future__ import annotations
 
 import logging
-import secrets
 from typing import Sequence
 
 from shardps.convert import config_to_proto, consistency_to_proto, spec_to_proto
@@ -102,10 +101,22 @@ class ManagerState:
                     f"job {name!r} exists with consistency {job.consistency}"
                     f" (staleness {job.staleness}), not {consistency} (staleness {staleness})")
             return job, False
-        job = JobRecord(name, consistency, staleness, quota_bytes, token_id=secrets.token_hex(8))
+        # the token generation: above every generation issued before, also to an ended job
+        # of the same name (generations are epochs, and epochs only rise)
+        job = JobRecord(name, consistency, staleness, quota_bytes, token_id=str(self.bump()))
         self.jobs[name] = job
-        self.bump()
         return job, True
+
+    def revoke_job_tokens(self, name: str) -> int:
+        """Refuse every token issued so far for job ``name``: its token generation becomes
+        the next epoch. Returns the new generation."""
+        job = self.job(name)
+        job.token_id = str(self.bump())
+        return job.token_generation
+
+    def token_floors(self) -> dict[str, int]:
+        """Per job, the lowest token generation accepted (sent to servers with heartbeats)."""
+        return {name: job.token_generation for name, job in self.jobs.items()}
 
     def job(self, name: str) -> JobRecord:
         job = self.jobs.get(name)

@@ -82,6 +82,9 @@ def manager_request(data, w: World, method: str, tmp: str):
                                    quota=mg.JobQuota(max_bytes=one_of(w, u64)))
     if method == "EndJob":
         return mg.EndJobRequest(job=one_of(w, job_scratch))
+    if method == "RevokeJobTokens":
+        return mg.RevokeJobTokensRequest(job=one_of(w, job_scratch),
+                                         token_ttl_seconds=one_of(w, [0.0, 1.0, -1.0, float("nan"), 1e12]))
     if method == "CreateTable":
         job = one_of(w, job_any)
         if job == DATA_JOB and coin(w):    # an existing data table: same or other spec
@@ -163,6 +166,8 @@ def manager_safe(w: World, method: str, msg, tmp: str) -> bool:
     job = getattr(msg, "job", "")
     if method == "EndJob":
         return job != DATA_JOB
+    if method == "RevokeJobTokens":      # the fuzz keeps using the tokens it holds
+        return job not in (DATA_JOB, "other")
     if method == "DeleteTable":
         return not (job == DATA_JOB and msg.table in w.ref.tables)
     if method == "CreateTable":

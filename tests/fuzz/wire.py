@@ -57,7 +57,8 @@ PS_METHODS = {   # name -> gRPC kind
 RM_REQUESTS = {   # name -> request class (every ResourceManager RPC is unary except Watch)
     "RegisterServer": mg.RegisterServerRequest, "ServerHeartbeat": mg.ServerHeartbeatRequest,
     "DrainServer": mg.DrainServerRequest, "CreateJob": mg.CreateJobRequest,
-    "EndJob": mg.EndJobRequest, "CreateTable": mg.CreateTableRequest,
+    "EndJob": mg.EndJobRequest, "RevokeJobTokens": mg.RevokeJobTokensRequest,
+    "CreateTable": mg.CreateTableRequest,
     "DescribeTable": mg.DescribeTableRequest, "ListTables": mg.ListTablesRequest,
     "UpdateTableConfig": mg.UpdateTableConfigRequest, "DeleteTable": mg.DeleteTableRequest,
     "GetShardMap": mg.GetShardMapRequest, "WatchShardMap": mg.WatchShardMapRequest,
