@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 
@@ -33,6 +34,10 @@ from shardps.shardmap import ShardMapView, TableView
 from shardps.tables import Consistency, coalesce
 
 log = logging.getLogger("shardps.server")
+
+# TEST-ONLY (shardps/verify/defects.py): "2" re-introduces defect 2 of issue 13 (a SYNC push
+# for an applied step acknowledged and dropped) so the verifier's tests can show they catch it.
+_TEST_DEFECT = os.environ.get("SHARDPS_TEST_REINTRODUCE_DEFECT", "")
 
 
 class SyncSteps:
@@ -85,6 +90,8 @@ class SyncSteps:
             return step
         if clock.reported_by(writer.session, step, writer.sequence):
             return clock.closed_below
+        if _TEST_DEFECT == "2":
+            return step
         raise FailedPrecondition(
             f"SYNC step {step} of job {job!r} was already applied on server {self.table.name} "
             f"({clock.closed_below} steps applied) without this push; nothing was applied: "

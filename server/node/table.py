@@ -35,6 +35,7 @@ block's ``needs_resync`` entry holding only that block's lock, and ``backups`` r
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 
 from shardps.errors import Unavailable
@@ -42,6 +43,10 @@ from shardps.protos.v1 import common_pb2 as pb
 from shardps.server.blocks import AnyBlock, BlockKey, DenseBlock, SparseBlock, SparseRows, new_block
 from shardps.shardmap import ShardMapView, TableView
 from shardps.tables import TableKind
+
+# TEST-ONLY (shardps/verify/defects.py): "1" re-introduces defect 1 of issue 13 (copy
+# destinations never pruned on map install) so the verifier's tests can show they catch it.
+_TEST_DEFECT = os.environ.get("SHARDPS_TEST_REINTRODUCE_DEFECT", "")
 
 
 class EpochGate:
@@ -150,7 +155,8 @@ class BlockTable:
             for d in (self.extra, self.needs_resync):
                 for key in [k for k in d if k not in listed]:
                     del d[key]
-            self.prune_destinations_locked(view)
+            if _TEST_DEFECT != "1":
+                self.prune_destinations_locked(view)
             for key in [k for k, (blk, _) in self.staged.items()
                         if (k[0], k[1]) not in view.tables]:
                 del self.staged[key]
