@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardps.errors import InvalidArgument
 from shardps.local import LocalCluster
 from shardps.tables import sgd
 from shardps.worker.data import position, shard_indices
@@ -205,3 +206,44 @@ def test_json_logs_carry_the_context_and_the_worker_plots_its_curve(tmp_path):
     assert joined["role"] == "worker" and joined["job"] == "demo"
     server = [json.loads(line) for line in (tmp_path / "w" / "s0.log").read_text().splitlines()]
     assert server and all(r["role"] == "server" and r["node"] == "s0" for r in server)
+
+
+class _Scalar(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(1))
+
+
+@pytest.mark.parametrize("lookahead, seen", [(1, [0, -1, -2, -3, -4, -5]),
+                                             (2, [0, -1, -1, -2, -3, -4])])
+def test_lookahead_decides_which_pushes_a_step_reads(make_cluster, client_factory, lookahead, seen):
+    """SGD(lr=1) on a gradient of 1 per step. With lookahead 1, step t reads every earlier
+    push of this worker; with 2 (the pull rode on step t - 2's push), step t >= 2 lacks
+    step t - 1's push: one step staler, never more."""
+    cluster = make_cluster(1)
+    c = client_factory(cluster.address, job="ahead")
+    c.create_job()
+    c.join(heartbeat=False)
+    module = _Scalar()
+    m = PSModel(module, c, optimizer=sgd(1.0), overlap=True, lookahead=lookahead)
+    m.create_tables()
+    got = []
+    for _ in range(6):
+        m.pull()
+        got.append(float(module.w.detach()))
+        module.w.sum().backward()
+        m.push()
+    m.settle()
+    assert got == seen
+    assert float(module.w) == -6.0, "every push was applied once"
+
+
+def test_lookahead_is_one_in_sync_jobs_and_bounded(make_cluster, client_factory):
+    cluster = make_cluster(1)
+    c = client_factory(cluster.address, job="ahead-sync")
+    c.create_job("sync")
+    c.join(heartbeat=False)
+    m = PSModel(_Scalar(), c, optimizer=sgd(1.0), overlap=True, lookahead=2)
+    assert m.lookahead == 1
+    with pytest.raises(InvalidArgument, match="lookahead=9"):
+        PSModel(_Scalar(), c, lookahead=9)

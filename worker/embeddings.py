@@ -14,6 +14,7 @@ A pooled lookup's gradient therefore travels as its touched rows only. Not usabl
 
 from __future__ import annotations
 
+import collections
 from concurrent import futures
 
 import numpy as np
@@ -56,7 +57,9 @@ class PSRows(nn.Module):
         self._pending: list[tuple[np.ndarray, torch.Tensor]] = []
         self._prefetch: tuple[np.ndarray, futures.Future] | None = None
         self._wanted: np.ndarray | None = None
-        self._planned: tuple | None = None     # (batch ids, unique, inverse) of an announced batch
+        # (batch ids, unique, inverse) of announced batches, oldest first (a PSModel with
+        # lookahead L announces the batch L steps ahead)
+        self._planned: collections.deque[tuple] = collections.deque(maxlen=8)
         self.last_unique = 0                   # distinct ids of the last lookup
         self.clock = 0                         # the worker's completed steps, sent with pulls (PSModel sets it)
 
@@ -68,7 +71,7 @@ class PSRows(nn.Module):
         The batch is copied, so a caller may reuse its buffer."""
         flat = ids.detach().reshape(-1).to("cpu", copy=True).numpy().astype(np.int64, copy=False)
         unique, inverse = kernels.unique_inverse(flat)
-        self._planned = (flat, unique, inverse)
+        self._planned.append((flat, unique, inverse))
         return unique
 
     def prefetch(self, ids: torch.Tensor) -> None:
@@ -103,8 +106,8 @@ class PSRows(nn.Module):
             raise InvalidArgument(f"{type(self).__name__} {self.table!r}: ids must be int32 or int64, "
                                   f"got {ids.dtype}")
         flat = ids.reshape(-1)
-        planned, self._planned = self._planned, None
-        if planned is not None and np.array_equal(planned[0], flat.detach().cpu().numpy()):
+        planned = self._take_plan(flat)
+        if planned is not None:
             unique_np, inverse = planned[1], torch.from_numpy(planned[2]).to(ids.device)
         else:                      # the batch was not announced: deduplicate it now
             unique, inverse = torch.unique(flat.long(), return_inverse=True)
@@ -123,6 +126,19 @@ class PSRows(nn.Module):
             rows.requires_grad_(True)
             self._pending.append((unique_np, rows))
         return rows, inverse.reshape(ids.shape)
+
+    def _take_plan(self, flat: torch.Tensor) -> tuple | None:
+        """The announced plan of this batch (dropping older announced batches that were
+        never looked up), or None when the batch was not announced."""
+        if not self._planned:
+            return None
+        batch = flat.detach().cpu().numpy()
+        for k, plan in enumerate(self._planned):
+            if np.array_equal(plan[0], batch):
+                for _ in range(k + 1):
+                    self._planned.popleft()
+                return plan
+        return None
 
     def take_gradients(self) -> list[tuple[np.ndarray, np.ndarray]]:
         """(distinct ids, their gradient rows) of every lookup since the last call; clears

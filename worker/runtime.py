@@ -46,6 +46,9 @@ def add_training_flags(fs) -> None:
     fs.add("--prefetch", True, "prefetch the next batch's embedding rows during the step")
     fs.add("--overlap", True, "send each push in the background and prefetch the next step's "
            "dense values meanwhile (one push in flight)")
+    fs.add("--lookahead", 2, "with --overlap, in ASYNC jobs: the pull sent with step t's push is for step "
+           "t + LOOKAHEAD (2: the exchange runs during the next step's compute; values lack this "
+           "worker's previous step). SYNC and SSP jobs use 1")
     fs.add("--shared-memory", True, "same-host bulk bytes through /dev/shm (false: every byte over gRPC)")
     fs.add("--checkpoint-every", 0, "join a checkpoint every this many steps (0: only on demand)")
     fs.add("--ready-file", "", "write a JSON line (name, rank, metrics address, pid) here once joined")
@@ -203,8 +206,9 @@ def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=Fals
             loss = task.loss(task.model(xb), yb)
             unique_rows += sum(emb.last_unique for emb in embeddings)
             loss.backward()
-            if embeddings and args.prefetch and i + 1 < len(batch_list):
-                nxt = x[torch.as_tensor(batch_list[i + 1])]
+            ahead = ps_model.lookahead if ps_model.overlap else 1
+            if embeddings and args.prefetch and i + ahead < len(batch_list):
+                nxt = x[torch.as_tensor(batch_list[i + ahead])]
                 for emb in embeddings:
                     if ps_model.overlap:
                         emb.request_prefetch(nxt)      # fetched with the next dense values
@@ -374,7 +378,8 @@ def run_worker(args) -> int:
         task = build_task(args)
         world = max(1, membership.world_size)
         opt, per_table = _lr_scaled(task, args, world)
-        ps_model = PSModel(task.model, client, optimizer=opt, optimizers=per_table, overlap=args.overlap)
+        ps_model = PSModel(task.model, client, optimizer=opt, optimizers=per_table, overlap=args.overlap,
+                           lookahead=args.lookahead)
         ps_model.create_tables()
         resume = None
         if membership.restored:

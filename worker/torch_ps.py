@@ -33,6 +33,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 import time
 from concurrent import futures
@@ -52,6 +53,9 @@ __all__ = ["PSModel", "PSLambdaLR", "PSEmbedding", "PSEmbeddingBag", "PSEmbeddin
            "KeyedJaggedTensor", "default_device"]
 
 
+MAX_LOOKAHEAD = 4
+
+
 def default_device() -> torch.device:
     """CUDA when present, else CPU."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -67,7 +71,7 @@ class PSModel:
     def __init__(self, module: nn.Module, client: PSClient, optimizer: OptimizerConfig | None = None,
                  optimizers: dict[str, OptimizerConfig] | None = None, local: Sequence[str] = (),
                  local_optimizer: torch.optim.Optimizer | None = None, block_size: int = 0,
-                 report_steps: bool | None = None, overlap: bool = False):
+                 report_steps: bool | None = None, overlap: bool = False, lookahead: int = 1):
         self.module = module
         self.client = client
         self.optimizer = optimizer or sgd(0.01)
@@ -91,10 +95,14 @@ class PSModel:
                 continue
             self.dense[name] = p
         self.step = 0
+        if not 1 <= lookahead <= MAX_LOOKAHEAD:
+            raise InvalidArgument(f"lookahead={lookahead}: use 1 to {MAX_LOOKAHEAD} steps")
         self.overlap = overlap
+        self.requested_lookahead = lookahead
         self._pending_push: futures.Future | None = None
-        # with overlap: (the next step's pull, the (embedding, ids) whose rows it carries)
-        self._prefetch: tuple[futures.Future, list] | None = None
+        # with overlap: (the step it is for, the exchange carrying that step's pull, the
+        # (embedding, ids) whose rows it carries), oldest first
+        self._prefetch: collections.deque[tuple[int, futures.Future, list]] = collections.deque()
         self.timings = {"pull_wait": 0.0, "push_wait": 0.0, "barrier_wait": 0.0}
         self._base_lr: dict[str, float] = {}
 
@@ -146,9 +154,11 @@ class PSModel:
             self.prefetch(features)
         started = time.perf_counter()
         names = list(self.dense)
-        if self._prefetch is not None:
-            future, carried = self._prefetch
-            res, self._prefetch = future.result()[1], None       # (push, pull) of an exchange
+        while self._prefetch and self._prefetch[0][0] < self.step:
+            self._prefetch.popleft()                # fetched for a step that was not run
+        if self._prefetch and self._prefetch[0][0] == self.step:
+            _, future, carried = self._prefetch.popleft()
+            res = future.result()[1]                             # (push, pull) of an exchange
             for (emb, ids), rows in zip(carried, res.values[len(names):]):
                 emb._provide(ids, rows)
             self._load_dense(names, res.values)
@@ -184,14 +194,14 @@ class PSModel:
         looked up: one row per distinct id) as one push, step the local optimizer, zero the
         gradients, advance the clock.
 
-        With ``overlap``, the push goes out in the background together with the next step's
-        pull (dense values and the embedding rows announced with ``prefetch(features)`` or
-        ``request_prefetch``): one
-        round trip per server, the server applying the push before it reads. At most one is
-        in flight (the next ``push`` waits for it and raises its error), so communication
-        overlaps the next step's compute; other workers' pushes may still be in flight
-        (SYNC and SSP pulls wait as their model requires). Returns the acknowledgement
-        without overlap, None with it."""
+        With ``overlap``, the push goes out in the background together with the pull of step
+        ``step + lookahead`` (dense values and the embedding rows announced with
+        ``prefetch(features)`` or ``request_prefetch``): one round trip per server, the
+        server applying the push before it reads. At most one is in flight (the next
+        ``push`` waits for it and raises its error). With ``lookahead`` 1 the next step's
+        ``pull`` waits for it at once; with 2 it runs during the next step's compute (see
+        ``lookahead``). Other workers' pushes may still be in flight (SYNC and SSP pulls wait
+        as their model requires). Returns the acknowledgement without overlap, None with it."""
         started = time.perf_counter()
         requests: list[tuple] = []
         for name, p in self.dense.items():
@@ -217,7 +227,7 @@ class PSModel:
                 self._set_clock(self.step + 1)
                 future = self.client.exchange_async(requests, requests_next, clock=self.step,
                                                     report_step=self.report_steps)
-                prefetch = (future, wanted)
+                prefetch = (self.step + self.lookahead, future, wanted)
         if future is None:
             future = self.client.push_many_async(requests, clock=self.step, report_step=self.report_steps)
         if self.local_optimizer is not None:
@@ -230,11 +240,23 @@ class PSModel:
         result = None
         if self.overlap:
             self._pending_push = future
-            self._prefetch = prefetch
+            if prefetch is not None:
+                self._prefetch.append(prefetch)
         else:
             result = future.result()
         self.timings["push_wait"] += time.perf_counter() - started
         return result
+
+    @property
+    def lookahead(self) -> int:
+        """Steps between a pull riding on a push and the step that uses its values (with
+        ``overlap``). 1: step t + 1 reads values that include every push of this worker up to
+        step t, and its ``pull`` waits for that exchange. 2 (ASYNC jobs): step t + 2 reads
+        the values pulled with step t's push, so the exchange overlaps step t + 1's compute,
+        and a step's values lack this worker's previous step (one step staler, as if one
+        more worker were in flight). SYNC and SSP jobs always use 1: their steps are ordered
+        by the servers' clocks."""
+        return 1 if self.report_steps else self.requested_lookahead
 
     @property
     def report_steps(self) -> bool:
@@ -264,7 +286,7 @@ class PSModel:
         """Wait for the push in flight, then load the servers' latest values (for evaluation
         and export)."""
         self.flush()
-        self._prefetch = None
+        self._prefetch.clear()
         self.pull()
 
     # ------------------------------------------------------------------ schedules and export
