@@ -12,6 +12,7 @@ from google.protobuf.message import DecodeError
 
 from shardps import authz, names
 from shardps.errors import InvalidArgument, ResourceExhausted, ShardpsError
+from shardps.metrics import labelled
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc.codec import CHUNK_BYTES, assemble, decode_chunk, encode_chunk, split_payload, write_into
@@ -237,7 +238,7 @@ class ParameterServerService:
         metrics with ``grpc_type="dataplane"``, so dashboards see every data call."""
         g = self.node.metrics.grpc
         labels = (SERVICE, str(method), "dataplane")
-        g.started.labels(*labels).inc()
+        labelled(g.started, *labels).inc()
         started = time.perf_counter()
         code = "OK"
         try:
@@ -252,8 +253,8 @@ class ParameterServerService:
             code = "INTERNAL"
             raise
         finally:
-            g.handled.labels(*labels, code).inc()
-            g.handling.labels(*labels).observe(time.perf_counter() - started)
+            labelled(g.handled, *labels, code).inc()
+            labelled(g.handling, *labels).observe(time.perf_counter() - started)
 
     def _data_plane(self, method, header: bytes, payload: memoryview, call):
         try:

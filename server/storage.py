@@ -229,7 +229,7 @@ class SparseRows:
         if self.row_steps is not None:
             self.row_steps.put(slots, 0 if steps is None else steps)
         self.index.add(new_ids, slots)
-        blocks = sparse_block_of(new_ids, self.spec.num_blocks)
+        blocks = kernels.sparse_block_of(new_ids, self.spec.num_blocks)
         self.block_counts += np.bincount(blocks, minlength=self.block_counts.shape[0])
         return slots
 

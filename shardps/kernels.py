@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 
 from shardps.tables import OptimizerKind
+from shardps.tables import group_by_block as _tables_group_by_block
+from shardps.tables import sparse_block_of as _tables_block_of
 
 try:                                    # pragma: no cover - exercised where numba exists
     from numba import njit
@@ -199,3 +201,51 @@ def unique_inverse(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     rank = np.empty(order.shape[0], dtype=np.int64)
     rank[order] = np.arange(order.shape[0], dtype=np.int64)
     return first[order], rank[inverse]
+
+
+# ====================================================================== blocks
+@njit(**_JIT)
+def _block_of(ids, num_blocks, out):
+    nb = np.uint64(num_blocks)
+    for i in range(ids.shape[0]):
+        z = ids[i] + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+        out[i] = np.int64(z % nb)
+
+
+@njit(**_JIT)
+def _group(keys, num_keys, order, starts):
+    for k in keys:
+        starts[k + 1] += 1
+    for k in range(num_keys):
+        starts[k + 1] += starts[k]
+    fill = starts[:num_keys].copy()
+    for i in range(keys.shape[0]):
+        k = keys[i]
+        order[fill[k]] = i
+        fill[k] += 1
+
+
+def sparse_block_of(ids: np.ndarray, num_blocks: int) -> np.ndarray:
+    """``shardps.tables.sparse_block_of`` (``splitmix64(id) % num_blocks``, int64) in one
+    compiled pass instead of numpy's eight over temporaries."""
+    if not AVAILABLE:
+        return _tables_block_of(ids, num_blocks)
+    out = np.empty(ids.shape[0], dtype=np.int64)
+    _block_of(np.ascontiguousarray(ids, dtype=np.int64).view(np.uint64), num_blocks, out)
+    return out
+
+
+def group_by_key(keys: np.ndarray, num_keys: int) -> list[tuple[int, np.ndarray]]:
+    """``shardps.tables.group_by_block`` for keys in [0, num_keys): [(key, positions of
+    its rows, ascending)], keys ascending; a counting sort (one pass to count, one to place)
+    instead of an argsort."""
+    if not AVAILABLE:
+        return _tables_group_by_block(keys)
+    order = np.empty(keys.shape[0], dtype=np.int64)
+    starts = np.zeros(num_keys + 1, dtype=np.int64)
+    _group(np.ascontiguousarray(keys, dtype=np.int64), num_keys, order, starts)
+    touched = np.flatnonzero(starts[1:] != starts[:-1])
+    return [(int(k), order[starts[k]:starts[k + 1]]) for k in touched]

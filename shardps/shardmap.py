@@ -6,7 +6,7 @@ Immutable after construction, so it can be shared between threads and swapped at
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -27,6 +27,7 @@ class TableView:
     primary: np.ndarray        # int32 server index per block (-1: no replica)
     since_epoch: np.ndarray    # uint64 per block
     fresh_epoch: np.ndarray    # uint64 per block: epoch at which it was (re)created empty
+    server_index: dict = field(default_factory=dict, compare=False)   # name -> index in the map's servers
 
     @property
     def name(self) -> str:
@@ -91,7 +92,8 @@ class ShardMapView:
                 fresh[b] = bp.fresh_epoch
             self.tables[(t.job, t.spec.name)] = TableView(
                 job=t.job, spec=spec_from_proto(t.spec), config=config_from_proto(t.config),
-                replicas=tuple(replicas), primary=primary, since_epoch=since, fresh_epoch=fresh)
+                replicas=tuple(replicas), primary=primary, since_epoch=since, fresh_epoch=fresh,
+                server_index=index)
         self.groups: dict[str, GroupView] = {}
         for g in self.msg.groups:
             mode, staleness = consistency_from_proto(g.consistency)

@@ -60,3 +60,18 @@ def test_unique_inverse_equals_numpy(n, high):
     ref_unique, ref_inverse = np.unique(ids, return_inverse=True)
     np.testing.assert_array_equal(unique, ref_unique)
     np.testing.assert_array_equal(inverse, ref_inverse.reshape(-1))
+
+
+@pytest.mark.parametrize("n", [0, 1, 63, 64, 13_312])
+@pytest.mark.parametrize("num_blocks", [1, 7, 64])
+def test_block_of_and_grouping_equal_the_numpy_reference(n, num_blocks):
+    from shardps.tables import group_by_block, sparse_block_of
+    rng = np.random.default_rng(n + num_blocks)
+    ids = rng.integers(-(1 << 62), 1 << 62, n, dtype=np.int64)
+    blocks = kernels.sparse_block_of(ids, num_blocks)
+    assert blocks.dtype == np.int64
+    assert np.array_equal(blocks, sparse_block_of(ids, num_blocks))
+    got, want = kernels.group_by_key(blocks, num_blocks), group_by_block(blocks)
+    assert [k for k, _ in got] == [k for k, _ in want]
+    for (_, a), (_, b) in zip(got, want):
+        assert np.array_equal(a, b)       # positions ascending within a block (stable)

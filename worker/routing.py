@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from shardps import kernels
 from shardps.errors import Unavailable
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.shardmap import ShardMapView, TableView
-from shardps.tables import group_by_block, sparse_block_of
 
 
 @dataclass
@@ -89,11 +89,11 @@ def _route_sparse(t: TableView, p: Piece):
     assert p.ids is not None and p.positions is not None     # a sparse piece carries both
     if p.ids.shape[0] == 0:
         return
-    blocks = sparse_block_of(p.ids, t.spec.num_blocks)
+    blocks = kernels.sparse_block_of(p.ids, t.spec.num_blocks)
     servers = t.primary[blocks]
     if (servers < 0).any():
         raise _no_replica(t, int(blocks[np.flatnonzero(servers < 0)[0]]))
-    for server, pos in group_by_block(servers):
+    for server, pos in kernels.group_by_key(servers, len(t.server_index)):
         sub = Piece(p.item, p.table, False, ids=p.ids[pos], positions=p.positions[pos])
         if p.values is not None:
             sub.values = p.values[pos]

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Sequence, cast
 import numpy as np
 
 from shardps.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
-from shardps.metrics import NodeMetrics
+from shardps.metrics import NodeMetrics, labelled
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc.codec import byte_view
@@ -169,9 +169,9 @@ class PushApplier:
                 optimizer = parts[0].table.config.optimizer.kind.name
                 self.metrics.update_seconds.labels(optimizer).observe(self._now() - started)
         nbytes = len(byte_view(payload)) if payload is not None else 0
-        self.metrics.request_bytes.labels("Push").observe(nbytes)
-        self.metrics.bytes.labels("in").inc(nbytes)
-        self.metrics.request_rows.labels("Push").observe(
+        labelled(self.metrics.request_bytes, "Push").observe(nbytes)
+        labelled(self.metrics.bytes, "in").inc(nbytes)
+        labelled(self.metrics.request_rows, "Push").observe(
             sum(s.ids.shape[0] for s in parsed if s.ids is not None))
         if header.session and kind == GRADIENT:
             clock = self.steps.clocks.get(header.job)
@@ -216,10 +216,13 @@ class PushApplier:
                 base[(s.table.job, s.table.name, b)] = v
         with contextlib.ExitStack() as stack:
             for blk in unique:
-                stack.enter_context(blk.lock)
+                blk.lock.acquire()
+                stack.callback(blk.lock.release)
+            # exactly-once: decided once per block, under its lock
+            applied = {id(blk) for blk in unique if blk.already_applied(writer)}
             # pass 1: preconditions, before anything changes
             for part, blk in zip(parts, blocks):
-                if blk.already_applied(writer):
+                if id(blk) in applied:
                     continue
                 if kind == INITIALIZE:
                     if not isinstance(blk, DenseBlock):
@@ -234,10 +237,10 @@ class PushApplier:
                     raise FailedPrecondition(
                         f"table {part.table.name!r} block {part.key[2]} has no initial values "
                         f"yet: push INITIALIZE first")
-            fresh = [blk for blk in unique if not blk.already_applied(writer)]
+            fresh = [blk for blk in unique if id(blk) not in applied]
             if sync and fresh:          # a retry of an applied push is a duplicate, not late
                 step = self.steps.check_step_open(parts[0].key[0], step, fresh, writer)
-            self.check_quota(parts, blocks, writer)
+            self.check_quota(parts, blocks, applied)
             for blk in unique:
                 if self.table.needs_resync.get(blk.key):
                     self.forwarder.resync_locked(blk)
@@ -246,7 +249,7 @@ class PushApplier:
             duplicates = 0
             todo: list[tuple[Part, AnyBlock]] = []
             for part, blk in zip(parts, blocks):
-                if blk.already_applied(writer):
+                if id(blk) in applied:
                     duplicates += 1
                     continue
                 if part.key in base:
@@ -295,7 +298,7 @@ class PushApplier:
                           sequence=writer.sequence, acked_below=writer.acked_below)
         for part, blk in group:
             blk.version += 1
-            if not self.table.backups(blk.key):
+            if not self.table.has_backups(blk.key):
                 continue                              # nothing to forward
             assert part.ids is not None and part.values is not None   # a sparse push part
             op = ps.BlockOp(job=blk.key[0], table=blk.key[1], block=blk.key[2], kind=ps.APPLY, writer=wid,
@@ -305,10 +308,11 @@ class PushApplier:
                                       np.ascontiguousarray(part.values, dtype=np.float32)]))
         return out
 
-    def check_quota(self, parts: list[Part], blocks: list[AnyBlock], writer: Writer) -> None:
+    def check_quota(self, parts: list[Part], blocks: list[AnyBlock], applied: set[int]) -> None:
         """RESOURCE_EXHAUSTED when this push would store more of its job than the job's
         quota allows on this server (the quota is shared by servers in proportion to the
-        block replicas they hold). Block locks are held."""
+        block replicas they hold); ``applied``: ids of the blocks that already applied it.
+        Block locks are held."""
         job = parts[0].key[0]
         view = self.table.view
         group = view.groups.get(job)
@@ -316,7 +320,7 @@ class PushApplier:
             return
         new = 0
         for part, blk in zip(parts, blocks):
-            if blk.already_applied(writer):
+            if id(blk) in applied:
                 continue
             row_bytes = 4 * (1 + len(optimizers.state_names(part.table.config.optimizer)))
             if isinstance(blk, DenseBlock):

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from shardps import dtypes
+from shardps import dtypes, kernels
 from shardps.dtypes import WireDType
 from shardps.errors import InvalidArgument, NotFound, ResourceExhausted, StaleEpoch, Unavailable
 from shardps.protos.v1 import common_pb2 as pb
@@ -35,8 +35,6 @@ from shardps.tables import (
     check_range,
     coalesce,
     dense_blocks_of_range,
-    group_by_block,
-    sparse_block_of,
 )
 
 MAX_CLOCK = 1 << 40          # steps: far beyond any real run, far below int64 overflow
@@ -62,10 +60,21 @@ class Part:
     segment: int = 0
     lo: int = 0                       # dense: flat range
     hi: int = 0
-    ids: np.ndarray | None = None     # sparse: unique ids (push) or ids in request order (pull)
+    _ids: np.ndarray | None = None    # sparse: unique ids (push) or ids in request order (pull)
     positions: np.ndarray | None = None   # where these rows are in the segment (its output, on pulls)
     whole: tuple | None = None        # sparse push: (ids, values, parts) of the whole segment
     _values: np.ndarray | None = None
+
+    @property
+    def ids(self) -> np.ndarray | None:
+        """Sparse: this block's ids, gathered from the segment's (``whole``) on first use."""
+        if self._ids is None and self.whole is not None:
+            self._ids = self.whole[0][self.positions]
+        return self._ids
+
+    @ids.setter
+    def ids(self, ids: np.ndarray | None) -> None:
+        self._ids = ids
 
     @property
     def values(self) -> np.ndarray | None:
@@ -215,12 +224,15 @@ def parse_segments(view: ShardMapView, server: str, limits: NodeLimits, header: 
 
 
 def split(server: str, epoch: int, header: pb.RequestHeader, segments: list[Segment],
-          for_push: bool, loaded: Callable[[BlockKey], bool]) -> list[Part]:
+          for_push: bool, loaded: Callable[[BlockKey], bool], sparse: bool = True) -> list[Part]:
     """Cut segments into per-block parts and check that ``server`` serves every block
-    (``check_owned``; ``epoch`` is the server's, for the messages)."""
+    (``check_owned``; ``epoch`` is the server's, for the messages). ``sparse=False``: leave
+    out the sparse segments that carry ids (see ``sparse_blocks``)."""
     parts: list[Part] = []
     for i, s in enumerate(segments):
         t, spec = s.table, s.table.spec
+        if not sparse and not s.dense and not s.all_stored:
+            continue
         if s.all_stored:     # every block of the table this node is primary of
             for b in range(spec.block_count):
                 reps = t.replicas[b]
@@ -241,13 +253,50 @@ def split(server: str, epoch: int, header: pb.RequestHeader, segments: list[Segm
             if for_push:
                 assert values is not None           # and, on a push, their values
                 ids, values = coalesce(ids, values)
-            blocks_of = sparse_block_of(ids, spec.num_blocks)
-            groups = group_by_block(blocks_of)
-            whole = (ids, values, len(groups)) if for_push else None
-            parts.extend(Part((t.job, spec.name, b), t, i, ids=ids[pos], positions=pos, whole=whole)
-                         for b, pos in groups)
-    check_owned(server, epoch, header, parts, loaded)
+            groups = kernels.group_by_key(kernels.sparse_block_of(ids, spec.num_blocks), spec.num_blocks)
+            whole = (ids, values, len(groups))
+            parts.extend(Part((t.job, spec.name, b), t, i, positions=pos, whole=whole) for b, pos in groups)
+    if not owned(server, header, parts, loaded):
+        check_owned(server, epoch, header, parts, loaded)
     return parts
+
+
+def sparse_blocks(server: str, epoch: int, header: pb.RequestHeader, segment: Segment,
+                  loaded: Callable[[BlockKey], bool]) -> np.ndarray:
+    """The blocks (ascending) a sparse segment's ids fall in, checked as ``split`` checks
+    them: what a pull needs, without cutting the ids per block."""
+    t, spec = segment.table, segment.table.spec
+    assert segment.ids is not None                   # a sparse segment carries its ids
+    touched = np.zeros(spec.num_blocks, dtype=bool)
+    touched[kernels.sparse_block_of(segment.ids, spec.num_blocks)] = True
+    blocks = np.flatnonzero(touched)
+    mine = t.server_index.get(server)
+    if mine is None or not ((t.primary[blocks] == mine).all()
+                            and (t.since_epoch[blocks] <= np.uint64(header.epoch)).all()
+                            and all(loaded((t.job, spec.name, int(b))) for b in blocks)):
+        check_owned(server, epoch, header, [Part((t.job, spec.name, int(b)), t) for b in blocks], loaded)
+    return blocks
+
+
+def owned(server: str, header: pb.RequestHeader, parts: list[Part],
+          loaded: Callable[[BlockKey], bool]) -> bool:
+    """Whether ``check_owned`` would pass: one vectorised check per table (the common
+    case); False sends the caller to ``check_owned`` for the error naming the block."""
+    by_table: dict[int, tuple[TableView, list[int]]] = {}
+    for part in parts:
+        entry = by_table.get(id(part.table))
+        if entry is None:
+            entry = by_table[id(part.table)] = (part.table, [])
+        entry[1].append(part.key[2])
+        if not loaded(part.key):
+            return False
+    for t, blocks in by_table.values():
+        mine = t.server_index.get(server)
+        bs = np.asarray(blocks, dtype=np.int64)
+        if mine is None or not ((t.primary[bs] == mine).all()
+                                and (t.since_epoch[bs] <= np.uint64(header.epoch)).all()):
+            return False
+    return True
 
 
 def check_owned(server: str, epoch: int, header: pb.RequestHeader, parts: list[Part],

@@ -18,11 +18,11 @@ import numpy as np
 from shardps import dtypes
 from shardps.dtypes import WireDType
 from shardps.errors import ResourceExhausted
-from shardps.metrics import NodeMetrics
+from shardps.metrics import NodeMetrics, labelled
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.server.blocks import BlockKey, DenseBlock, SparseBlock
-from shardps.server.node.decode import NodeLimits, Part, check_header, parse_segments, split
+from shardps.server.node.decode import NodeLimits, check_header, parse_segments, sparse_blocks, split
 from shardps.server.node.table import BlockTable
 from shardps.tables import Consistency
 
@@ -87,7 +87,9 @@ class PullReader:
                 raise ResourceExhausted(
                     f"pull would return {out_bytes} bytes; the limit max_response_bytes is "
                     f"{self.limits.max_response_bytes}: pull smaller ranges")
-            parts = split(table.name, table.view.epoch, header, parsed, False, table.loaded)
+            parts = split(table.name, table.view.epoch, header, parsed, False, table.loaded, sparse=False)
+            sparse_blocks_of = {i: sparse_blocks(table.name, table.view.epoch, header, s, table.loaded)
+                                for i, s in enumerate(parsed) if not s.dense and not s.all_stored}
             in_place = (out_buffer is not None and out_bytes <= len(out_buffer)
                         and all(not s.all_stored and s.dtype is WireDType.FLOAT32 for s in parsed))
             values: list = []      # per segment: its rows, or None for an all_stored one
@@ -105,12 +107,8 @@ class PullReader:
                     values.append(np.empty(shape, dtype=np.float32))
             stored: dict[int, list] = {i: [] for i, s in enumerate(parsed) if s.all_stored}
             versions: dict[BlockKey, int] = {}
-            sparse_parts: dict[int, list[Part]] = {}
             for part in parts:
                 s, out = parsed[part.segment], values[part.segment]
-                if not s.dense and not s.all_stored:
-                    sparse_parts.setdefault(part.segment, []).append(part)
-                    continue
                 blk = table.blocks[part.key]
                 with blk.lock:
                     if s.dense:
@@ -119,10 +117,12 @@ class PullReader:
                         meta, arrays = blk.snapshot()
                         stored[part.segment].append((arrays["ids"], arrays["values"]))
                     versions[part.key] = blk.version
-            for seg_index, seg_parts in sparse_parts.items():
+            for seg_index, block_indexes in sparse_blocks_of.items():
                 # one vectorised read of every block of the segment, consistent across them
-                blks = sorted({table.blocks[p.key].key: table.blocks[p.key] for p in seg_parts}.values(),
-                              key=lambda b: b.key)
+                t = parsed[seg_index].table
+                blks = [table.blocks[(t.job, t.name, int(b))] for b in block_indexes]
+                if not blks:
+                    continue
                 with contextlib.ExitStack() as stack:
                     for blk in blks:
                         stack.enter_context(blk.lock)
@@ -153,8 +153,8 @@ class PullReader:
                 header_out.versions.add(table=key[1], block=key[2], version=v)
         nbytes = sum(a.nbytes for a in outputs) if outputs else int(header_out.payload_bytes)
         header_out.payload_bytes = nbytes
-        self.metrics.request_bytes.labels("Pull").observe(nbytes)
-        self.metrics.bytes.labels("out").inc(nbytes)
-        self.metrics.request_rows.labels("Pull").observe(
+        labelled(self.metrics.request_bytes, "Pull").observe(nbytes)
+        labelled(self.metrics.bytes, "out").inc(nbytes)
+        labelled(self.metrics.request_rows, "Pull").observe(
             sum(s.ids.shape[0] for s in parsed if s.ids is not None))
         return header_out, outputs

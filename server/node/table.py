@@ -257,6 +257,10 @@ class BlockTable:
         return t is not None and key[2] < len(t.replicas) and bool(t.replicas[key[2]]) \
             and t.replicas[key[2]][0] == self.name
 
+    def has_backups(self, key: BlockKey) -> bool:
+        """Whether ``backups(key)`` is not empty (without building it)."""
+        return len(self.view.tables[(key[0], key[1])].replicas[key[2]]) > 1 or bool(self.extra.get(key))
+
     def backups(self, key: BlockKey) -> list[str]:
         """Nodes a primary forwards ``key``'s ops to: listed backups, then copy destinations."""
         t = self.view.tables[(key[0], key[1])]

@@ -32,7 +32,7 @@ from shardps.metrics import WorkerMetrics
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc.codec import CHUNK_BYTES, byte_view
 from shardps.shardmap import ShardMapView
-from shardps.worker.client.fanout import RETRYABLE, Fanout, MapSource, Send, attempt_timeout, capture
+from shardps.worker.client.fanout import RETRYABLE, Fanout, MapSource, Send, attempt_timeout, in_parallel
 from shardps.worker.client.membership import Session
 from shardps.worker.client.transport import Payload, Transport
 from shardps.worker.routing import Piece, live_servers, route
@@ -325,8 +325,7 @@ class DataPath:
                     pull_send(server, address, lp, view)
 
             servers = sorted(set(pushes) | set(pulls))
-            outcomes = [capture(one, s) for s in servers] if len(servers) == 1 else [
-                f.result() for f in [self.fanout.executor.submit(capture, one, s) for s in servers]]
+            outcomes = in_parallel(self.fanout.executor, one, servers)
             retry_push, retry_pull = [], list(deferred_pulls)
             for server, (ok, err) in zip(servers, outcomes):
                 if ok:

@@ -53,6 +53,15 @@ def capture(fn, arg):
         return False, exc
 
 
+def in_parallel(executor: futures.Executor, fn, items: list) -> list:
+    """``[capture(fn, item) for item in items]``, run in parallel: the calling thread runs
+    the first item itself (one thread hand-off fewer per call), the executor the others."""
+    if not items:
+        return []
+    others = [executor.submit(capture, fn, it) for it in items[1:]]
+    return [capture(fn, items[0])] + [f.result() for f in others]
+
+
 class Fanout:
     """Routing, parallel sends and re-routing of one call's pieces. Thread-safe (no state
     of its own between calls); ``run`` blocks until every piece succeeded."""
@@ -99,9 +108,7 @@ class Fanout:
             server, ps_ = item
             return send(server, view.address(server), ps_, view)
 
-        if len(items) == 1:
-            return [capture(one, items[0])]
-        return [f.result() for f in [self.executor.submit(capture, one, it) for it in items]]
+        return in_parallel(self.executor, one, items)
 
     @staticmethod
     def _triage(items, outcomes, deadline: float, attempt: int):
