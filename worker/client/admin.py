@@ -112,13 +112,16 @@ class Admin:
 
     # ================================================================== jobs
     def create_job(self, consistency: str | Consistency = "async", staleness: int = 0,
-                   quota_bytes: int = 0, timeout: float | None = None) -> str:
+                   quota_bytes: int = 0, timeout: float | None = None,
+                   token_ttl_seconds: float = 0.0) -> str:
         """Create this job (idempotent with the same consistency). Returns its token (empty
-        when the cluster runs without authentication)."""
+        when the cluster runs without authentication), valid for ``token_ttl_seconds``
+        (0: the manager's default, ``--token-ttl-seconds``)."""
         mode = Consistency.parse(consistency)
         resp = self.call("CreateJob", self.stub.CreateJob, mg.CreateJobRequest(
             job=self.job, consistency=consistency_to_proto(mode, staleness),
-            quota=mg.JobQuota(max_bytes=quota_bytes)), timeout, idempotent=True)
+            quota=mg.JobQuota(max_bytes=quota_bytes), token_ttl_seconds=token_ttl_seconds),
+            timeout, idempotent=True)
         return resp.token
 
     def end_job(self, timeout: float | None = None) -> None:

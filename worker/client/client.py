@@ -155,10 +155,10 @@ class PSClient(TableCalls):
 
     # ================================================================== jobs, groups, operations
     def create_job(self, consistency: str | Consistency = "async", staleness: int = 0,
-                   quota_bytes: int = 0, timeout: float | None = None) -> str:
-        """Create this client's job (idempotent with the same consistency). Returns its token
-        (empty when the cluster runs without authentication)."""
-        return self._admin.create_job(consistency, staleness, quota_bytes, timeout)
+                   quota_bytes: int = 0, timeout: float | None = None, token_ttl_seconds: float = 0.0) -> str:
+        """Create this client's job (idempotent with the same consistency); its token ("" without
+        authentication) lasts ``token_ttl_seconds`` (0: the manager's default)."""
+        return self._admin.create_job(consistency, staleness, quota_bytes, timeout, token_ttl_seconds)
 
     def end_job(self, timeout: float | None = None) -> None:
         self._admin.end_job(timeout)
