@@ -21,17 +21,16 @@ ROW_BUCKETS = tuple(float(4 ** i) for i in range(0, 12))     # 1 .. 4M rows
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 
 
-_CHILDREN: dict = {}
-
-
 def labelled(metric, *values: str):
-    """``metric.labels(*values)``, cached: for the fixed label sets of the data path (a
-    ``labels`` call validates and locks: a few microseconds, several per request). Only for
-    metrics whose label sets are never removed."""
-    key = (id(metric), values)
-    child = _CHILDREN.get(key)
+    """``metric.labels(*values)``, cached on the metric: for the fixed label sets of the data
+    path (a ``labels`` call validates and locks: a few microseconds, several per request).
+    Only for metrics whose label sets are never removed."""
+    children = metric.__dict__.get("_shardps_children")
+    if children is None:
+        children = metric.__dict__["_shardps_children"] = {}
+    child = children.get(values)
     if child is None:
-        child = _CHILDREN[key] = metric.labels(*values)
+        child = children[values] = metric.labels(*values)
     return child
 
 

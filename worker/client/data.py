@@ -28,7 +28,7 @@ import numpy as np
 from shardps import dtypes
 from shardps.dtypes import WireDType
 from shardps.errors import DeadlineExceeded, Unavailable
-from shardps.metrics import WorkerMetrics
+from shardps.metrics import WorkerMetrics, labelled
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc.codec import CHUNK_BYTES, byte_view
 from shardps.shardmap import ShardMapView
@@ -166,8 +166,8 @@ class DataPath:
     def _place(self, server, ps_, head, payload: Payload, header, result: PullResult, stored, lock) -> None:
         """Copy a pull's payload into the caller's outputs (and record versions, clocks)."""
         outputs = result.values
-        self.metrics.bytes.labels("pulled").inc(len(payload))
-        self.metrics.rows.labels("pulled").inc(sum(p.rows for p in ps_))
+        labelled(self.metrics.bytes, "pulled").inc(len(payload))
+        labelled(self.metrics.rows, "pulled").inc(sum(p.rows for p in ps_))
         for p, layout in zip(ps_, head.segments):
             wire = WireDType.parse(int(layout.dtype))
             got_ids = None
@@ -258,9 +258,9 @@ class DataPath:
                 arrays.append(dtypes.encode(p.values, self.wire_dtype))
                 sparse_bytes += arrays[-1].nbytes + arrays[-2].nbytes
         header.payload_bytes = sum(a.nbytes for a in arrays)
-        self.metrics.bytes.labels("pushed").inc(header.payload_bytes)
-        self.metrics.rows.labels("pushed").inc(rows)
-        self.metrics.sparse_bytes.labels("pushed").inc(sparse_bytes)
+        labelled(self.metrics.bytes, "pushed").inc(header.payload_bytes)
+        labelled(self.metrics.rows, "pushed").inc(rows)
+        labelled(self.metrics.sparse_bytes, "pushed").inc(sparse_bytes)
         return header, arrays
 
     def _push_sender(self, seq: int, kind: int, result: PushResult, deadline: float) -> Send:

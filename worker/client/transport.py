@@ -25,7 +25,7 @@ from typing import Callable, Protocol, Sequence, TypeVar
 import grpc
 
 from shardps.errors import Unavailable
-from shardps.metrics import WorkerMetrics
+from shardps.metrics import WorkerMetrics, labelled
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc import shm
@@ -181,9 +181,9 @@ class GrpcTransport:
 
     def observe(self, method: str, kind: str, code: str, started: float) -> None:
         g = self.metrics.grpc
-        g.started.labels(SERVICE, method, kind).inc()
-        g.handled.labels(SERVICE, method, kind, code).inc()
-        g.handling.labels(SERVICE, method, kind).observe(time.perf_counter() - started)
+        labelled(g.started, SERVICE, method, kind).inc()
+        labelled(g.handled, SERVICE, method, kind, code).inc()
+        labelled(g.handling, SERVICE, method, kind).observe(time.perf_counter() - started)
 
     def close(self) -> None:
         self.pool.close()
