@@ -7,7 +7,7 @@ SHARDPS  := $(VENV)/bin/shardps
 STAMP    := $(VENV)/.shardps-installed
 PYTEST_ARGS ?=
 
-.PHONY: run test test-fast lint setup protos bench bench-quick soak chaos wheelhouse images secrets clean help
+.PHONY: run test test-fast lint setup protos bench bench-quick soak chaos torture wheelhouse images secrets clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -52,6 +52,12 @@ bench-quick: $(STAMP)  ## the benchmark in under 10 minutes
 
 soak: $(STAMP)  ## 60 s load test: 16 clients against 2 servers
 	$(PY) -m pytest tests/test_soak.py --soak-seconds 60 -s
+
+TORTURE_MINUTES ?= 30
+TORTURE_ARGS    ?=
+
+torture: $(STAMP)  ## the fault-schedule verifier for TORTURE_MINUTES (30): kills, pauses, restarts; checker's verdict table
+	$(PY) -m shardps.verify --minutes $(TORTURE_MINUTES) $(if $(SEED),--seed $(SEED)) $(TORTURE_ARGS)
 
 COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
 

@@ -1,0 +1,157 @@
+"""The verifier's cluster: ``LocalCluster`` processes and the faults done to them.
+
+Every fault is a signal to a real process (SIGKILL, SIGSTOP / SIGCONT) or a restart under
+the same name (a new incarnation). ``RssSampler`` records each server process's resident
+memory from /proc, per pid, so a restarted server is a new series.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+from shardps.local import LocalCluster
+from shardps.protos.v1 import common_pb2 as pb
+from shardps.verify.defects import ENV
+
+log = logging.getLogger("shardps.verify")
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of ``pid`` (0 when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+@dataclass
+class RssSeries:
+    name: str
+    pid: int
+    started: float                                 # monotonic
+    samples: list[tuple[float, int]] = field(default_factory=list)
+
+
+class VerifyCluster:
+    """A manager and ``servers`` servers (R = ``replication``) as child processes."""
+
+    def __init__(self, servers: int, replication: int, lease: float, forward_timeout: float,
+                 defect: str = "", work_dir: str | None = None):
+        env = dict(os.environ)
+        env.pop(ENV, None)
+        if defect:
+            env[ENV] = defect
+        self.names = [f"s{i}" for i in range(servers)]
+        self.replication = replication
+        self.lease = lease
+        self.local = LocalCluster(servers=servers, replication=replication, work_dir=work_dir,
+                                  server_lease_seconds=lease, env=env,
+                                  server_args=("--forward-timeout", str(forward_timeout)))
+        self.down: set[str] = set()          # killed and not restarted
+        self.paused: set[str] = set()
+        self.lock = threading.Lock()
+        self.rss: dict[int, RssSeries] = {}
+
+    # ------------------------------------------------------------------ life cycle
+    def start(self) -> None:
+        self.local.start()
+
+    def stop(self, keep_logs: bool = False) -> None:
+        """Stop every process; remove the work dir unless ``keep_logs`` (a failed run)."""
+        for name in list(self.paused):
+            self.resume(name)
+        self.local.stop()
+        if not keep_logs:
+            self.local.cleanup()
+
+    @property
+    def manager_address(self) -> str:
+        return self.local.manager_address
+
+    @property
+    def work_dir(self) -> str:
+        return str(self.local.work_dir)
+
+    def live(self) -> list[str]:
+        """Servers neither killed nor paused."""
+        return [n for n in self.names if n not in self.down and n not in self.paused]
+
+    # ------------------------------------------------------------------ faults
+    def kill(self, name: str) -> None:
+        """kill -9 a server."""
+        proc = self.local.servers[name]
+        if name in self.paused:
+            self.resume(name)
+        self.local.kill(proc, signal.SIGKILL)
+        self.down.add(name)
+
+    def restart(self, name: str, timeout: float = 60.0) -> None:
+        """Start a (killed) server again under its name: it registers as a new incarnation."""
+        proc = self.local.servers.get(name)
+        if proc is not None and proc.alive:
+            self.local.kill(proc, signal.SIGKILL)
+        self.local.start_server(name, timeout=timeout)
+        self.down.discard(name)
+
+    def pause(self, name: str) -> None:
+        self.local.servers[name].popen.send_signal(signal.SIGSTOP)
+        self.paused.add(name)
+
+    def resume(self, name: str) -> None:
+        proc = self.local.servers[name]
+        if proc.alive:
+            proc.popen.send_signal(signal.SIGCONT)
+        self.paused.discard(name)
+
+    def kill_manager(self) -> None:
+        assert self.local.manager is not None
+        self.local.kill(self.local.manager, signal.SIGKILL)
+
+    def start_manager(self) -> None:
+        self.local.start_manager()
+
+    def server_pid(self, name: str) -> int:
+        return self.local.servers[name].popen.pid
+
+    # ------------------------------------------------------------------ observation
+    def sample_rss(self) -> None:
+        now = time.monotonic()
+        for name in self.names:
+            proc = self.local.servers.get(name)
+            if proc is None or not proc.alive or name in self.paused or not proc.info:
+                continue
+            pid = proc.popen.pid
+            series = self.rss.get(pid)
+            if series is None:
+                series = self.rss[pid] = RssSeries(name, pid, now)     # warm-up counts from here
+            value = rss_bytes(pid)
+            if value:
+                series.samples.append((now, value))
+
+
+@dataclass
+class Placement:
+    """What the manager says about replication (``ClusterStatus``)."""
+
+    under_replicated: int
+    pending_moves: int
+    serving: list[str]
+    dead: list[str]
+    epoch: int
+
+
+def placement(client, timeout: float = 5.0) -> Placement:
+    st = client.cluster_status(timeout=timeout)
+    return Placement(int(st.under_replicated_blocks), int(st.pending_moves),
+                     sorted(s.server.name for s in st.servers if s.server.state == pb.SERVING),
+                     sorted(s.server.name for s in st.servers if s.server.state == pb.DEAD),
+                     int(st.epoch))

@@ -1,0 +1,20 @@
+"""TEST-ONLY: re-introduce fixed defects of issue 13, to show the verifier catches them.
+
+The servers read the environment variable ``SHARDPS_TEST_REINTRODUCE_DEFECT`` once, when
+their modules are imported:
+
+* ``1``: a map install does not prune copy destinations from a primary's forwarding set
+  (``server/node/table.py``, ``BlockTable.install``): after a block copy, the destination's
+  death makes the primary forward to it forever (pushes end DEADLINE_EXCEEDED).
+* ``2``: a SYNC push for a step already applied is acknowledged and dropped
+  (``server/node/steps.py``, ``SyncSteps.check_step_open``) instead of refused.
+
+Never set it outside tests: it makes the servers lose acknowledged updates on purpose.
+``tests/test_torture.py`` passes it to the verifier's servers only (``RunConfig.defect``).
+"""
+
+ENV = "SHARDPS_TEST_REINTRODUCE_DEFECT"
+DEFECTS = {
+    "1": "copy destinations are not pruned on map install (a second failure after re-replication)",
+    "2": "a SYNC push for an applied step is acknowledged and dropped",
+}
