@@ -13,8 +13,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from concurrent import futures
 from dataclasses import dataclass
+from itertools import chain
 
 import grpc
 
@@ -23,7 +25,8 @@ from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc.status import from_rpc_error
 from shardps.rpc.stubs import StubPool
-from shardps.server.manager.records import ManagerSettings, Move, ServerState
+from shardps.server.manager import moves
+from shardps.server.manager.records import ManagerSettings, Move, ReplicationHealth, ServerState
 from shardps.server.manager.state import ManagerState
 from shardps.server.manager.store import StateFile
 
@@ -62,6 +65,7 @@ class ManagerRuntime:
                      len(self.state.tables), len(self.state.jobs))
         else:
             self.state = ManagerState(settings)
+        moves.index(self.state)         # which server holds which block: a death touches its own
         self._publish_lock = threading.Lock()
         self._published = self.state.shard_map()
         self._published_cond = threading.Condition()
@@ -69,6 +73,10 @@ class ManagerRuntime:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._planned_epoch = -1
+        self._pending: tuple[moves.PlanInput, list[Move]] | None = None   # the plan's rest
+        # (epoch, primaries, replicas held per server, blocks, health) for the gauges
+        self._counted: tuple[int, Counter[str], Counter[str], int, ReplicationHealth] = (
+            -1, Counter(), Counter(), 0, ReplicationHealth(settings.replication, 0, 0, 0))
         self._last_tick = self.now()
         self.last_recovery: dict = {}
         self._update_metrics()
@@ -165,13 +173,18 @@ class ManagerRuntime:
                 log.exception("reconcile tick failed; retrying")
 
     def tick(self) -> None:
-        """One round: expire leases, move blocks toward the planned placement, retire drained."""
+        """One round: expire leases, move blocks toward the planned placement, retire drained.
+
+        The plan is made from a snapshot without the lock (``plan``) and used only if the
+        placement it was made for still holds (``moves.still_valid``); else the next round
+        plans again."""
         now = self.now()
         stalled = now - self._last_tick > max(1.0, 5 * self.runtime.reconcile_interval)
         self._last_tick = now
         if stalled:
-            # the manager itself was busy (a long placement, a slow disk): heartbeats queued
-            # meanwhile have not been counted yet; skip this round, judge leases on the next
+            # the manager itself was busy (a slow disk, a starved process): heartbeats queued
+            # meanwhile have not been counted yet; skip this round, judge leases on the next.
+            # Planning does not count: it runs without the lock (_next_batch)
             log.warning("reconcile loop stalled; this round is skipped (leases are judged on the next)")
             return
         changed = self.change(lambda s: s.expire(now))
@@ -183,14 +196,11 @@ class ManagerRuntime:
         if not self.moves_lock.acquire(blocking=False):
             return                  # a restore is loading blocks: move them on a later round
         try:
-            with self.lock:
-                if self.state.epoch == self._planned_epoch:
-                    return
-                moves = self.state.plan_moves(self.settings.move_batch_blocks)
-                if not moves:
-                    self._planned_epoch = self.state.epoch
-            if moves:
-                done = self._execute(moves)
+            batch = self._next_batch()
+            if batch is None:
+                return
+            if batch:
+                done = self._execute(batch)
                 if done:
                     n = self.change(lambda s: s.commit_moves(done, self.now()))
                     self.metrics.moves.inc(n)
@@ -199,14 +209,50 @@ class ManagerRuntime:
         finally:
             self.moves_lock.release()
 
-    def _execute(self, moves: list[Move]) -> list[Move]:
+    def _next_batch(self) -> list[Move] | None:
+        """The next ``move_batch_blocks`` moves: from the last plan while the placement it
+        was made for still holds (``moves.still_valid``; our own commits keep it), else from
+        a new plan, made without the lock. None: nothing to do this round (the placement
+        was planned and needs nothing, or it changed while planning: plan again next round)."""
+        limit = self.settings.move_batch_blocks
+        with self.lock:
+            if self._pending is not None and moves.still_valid(self.state, self._pending[0]):
+                snap, planned = self._pending
+                self._pending = (snap, planned[limit:]) if planned[limit:] else None
+                return planned[:limit]
+            self._pending = None
+            if self.state.epoch == self._planned_epoch:
+                return None
+            snap = moves.snapshot(self.state)
+        started = self.now()
+        planned = self.plan(snap)           # without the lock: heartbeats and joins go on
+        took = self.now() - started
+        self._last_tick += took             # nor is it a stall of the loop (see tick)
+        with self.lock:
+            if not moves.still_valid(self.state, snap):
+                log.info("placement changed while planning (epoch %d -> %d); planning again",
+                         snap.epoch, self.state.epoch)
+                return None
+            if not planned:
+                self._planned_epoch = snap.epoch
+                return []
+            self._pending = (snap, planned[limit:]) if planned[limit:] else None
+        log.info("planned %d block moves in %.2fs (epoch %d)", len(planned), took, snap.epoch)
+        return planned[:limit]
+
+    def plan(self, snap: moves.PlanInput) -> list[Move]:
+        """Every move toward the placement planned for ``snap`` (restoring R first); runs
+        without the lock, and is used in batches while the placement holds."""
+        return moves.plan_from(snap)
+
+    def _execute(self, planned: list[Move]) -> list[Move]:
         """Copy blocks (grouped by source and destination); returns the moves whose copies
         all succeeded."""
         with self.lock:
             epoch = self.state.epoch
             address = {n: s.address for n, s in self.state.servers.items()}
         groups: dict[tuple[str, str], list[Move]] = {}
-        for m in moves:
+        for m in planned:
             for dst in m.add:
                 groups.setdefault((m.source, dst), []).append(m)
         failed: set[Move] = set()
@@ -225,41 +271,49 @@ class ManagerRuntime:
 
         jobs = [self._executor.submit(copy, src, dst, items) for (src, dst), items in groups.items()]
         futures.wait(jobs)
-        done = [m for m in moves if m not in failed]
+        done = [m for m in planned if m not in failed]
         if done:
             log.info("copied %d blocks to their new replicas", len(done))
         return done
 
     # ------------------------------------------------------------------ metrics
     def _update_metrics(self) -> None:
+        """Set the gauges. Per-block counts are recounted only when the epoch moved (every
+        placement change bumps it), from references taken under the lock and counted
+        without it: at a million blocks a count is a fraction of a second."""
         with self.lock:
             st = self.state
             now = self.now()
-            m = self.metrics
-            m.epoch.set(st.epoch)
-            counts = {s: 0 for s in ServerState}
-            for rec in st.servers.values():
-                counts[rec.state] += 1
-            for state, n in counts.items():
-                m.servers.labels(state.name).set(n)
-            primaries: dict[str, int] = {}
-            backups: dict[str, int] = {}
-            nblocks = 0
-            for t in st.tables.values():
-                for b in t.blocks:
-                    nblocks += 1
-                    for i, node in enumerate(b.replicas):
-                        (primaries if i == 0 else backups)[node] = (primaries if i == 0 else backups).get(node, 0) + 1
-            for rec in st.servers.values():
-                m.server_up.labels(rec.name).set(1 if rec.live else 0)
-                m.heartbeat_age.labels(rec.name).set(max(0.0, now - rec.last_heartbeat))
-                m.server_blocks.labels(rec.name, "primary").set(primaries.get(rec.name, 0))
-                m.server_blocks.labels(rec.name, "backup").set(backups.get(rec.name, 0))
-                m.server_bytes.labels(rec.name).set(rec.bytes)
-            m.blocks.set(nblocks)
-            m.set_replication(st.replication_health())
-            for job in st.jobs.values():
-                m.workers.labels(job.name).set(len(job.members))
+            epoch = st.epoch
+            servers = [(r.name, r.state, r.live, r.last_heartbeat, r.bytes) for r in st.servers.values()]
+            workers = [(job.name, len(job.members)) for job in st.jobs.values()]
+            replicas = moves.snapshot(st).replicas if epoch != self._counted[0] else None
+            candidates = len(st.candidates())
+        if replicas is not None:
+            primaries = Counter(reps[0] for reps in replicas if reps)
+            held = Counter(chain.from_iterable(replicas))
+            r = self.settings.replication
+            under = sum(1 for reps in replicas if len(reps) < r)
+            health = ReplicationHealth(r, candidates, under, under if candidates < r else 0)
+            self._counted = (epoch, primaries, held, len(replicas), health)
+        _, primaries, held, nblocks, health = self._counted
+        m = self.metrics
+        m.epoch.set(epoch)
+        counts = {s: 0 for s in ServerState}
+        for _, state, _, _, _ in servers:
+            counts[state] += 1
+        for state, n in counts.items():
+            m.servers.labels(state.name).set(n)
+        for name, _, live, last_heartbeat, nbytes in servers:
+            m.server_up.labels(name).set(1 if live else 0)
+            m.heartbeat_age.labels(name).set(max(0.0, now - last_heartbeat))
+            m.server_blocks.labels(name, "primary").set(primaries.get(name, 0))
+            m.server_blocks.labels(name, "backup").set(held.get(name, 0) - primaries.get(name, 0))
+            m.server_bytes.labels(name).set(nbytes)
+        m.blocks.set(nblocks)
+        m.set_replication(health)
+        for job, n in workers:
+            m.workers.labels(job).set(n)
 
     def refresh_metrics(self) -> None:
         self._update_metrics()

@@ -54,6 +54,9 @@ class ManagerState:
         # save); the runtime saves and clears it.
         self.unsaved = False
         self._map_cache: pb.ShardMap | None = None
+        # Which blocks each server holds, for a server's death (moves.HolderIndex; not
+        # persisted, built on first use)
+        self.holders: moves.HolderIndex | None = None
 
     # ------------------------------------------------------------------ epochs
     def bump(self) -> int:
