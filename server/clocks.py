@@ -34,6 +34,7 @@ class JobClock:
         self.reports: dict[str, tuple[int, int]] = {}   # session -> (step, push sequence) last reported
         self.applied_steps = 0                # SYNC: steps applied on this server
         self.closed_below = 0                 # SYNC: steps below this take no more pushes
+        self.fresh = True                     # SYNC: no step applied here yet (see adopt)
 
     def set_members(self, sessions: set[str], mode: Consistency, staleness: int,
                     ranks: dict[str, int] | None = None) -> None:
@@ -98,6 +99,23 @@ class JobClock:
         with self.cond:
             self.closed_below = max(self.closed_below, steps)
 
+    def adopt(self, step: int, pushing: bool) -> bool:
+        """SYNC: a member pushes (``pushing``) or pulls ``step``. A clock that has taken no
+        push and applied no step yet (this server (re)joined a running group, or the group
+        is new) learns the group's step from it: steps below it are taken as applied here
+        (this server holds no data of them; its blocks arrived with their state). The first
+        push taken ends that. Returns whether ``step`` is open or already applied here;
+        False: it is further ahead than this clock allows."""
+        with self.cond:
+            if step > self.applied_steps:
+                if not self.fresh:
+                    return False
+                self.applied_steps = self.closed_below = step
+                self.cond.notify_all()
+            if pushing:
+                self.fresh = False
+            return True
+
     def skip_to(self, steps: int) -> None:
         """SYNC: ``steps`` steps are applied here (none of those skipped had data)."""
         self.mark_applied(steps - 1)
@@ -106,6 +124,7 @@ class JobClock:
         with self.cond:
             self.applied_steps = max(self.applied_steps, step + 1)
             self.closed_below = max(self.closed_below, self.applied_steps)
+            self.fresh = False
             self.cond.notify_all()
 
     def wait_for_pull(self, clock: int, deadline: float | None) -> int:

@@ -51,11 +51,6 @@ def test_short_form_catches_defect_2_sync_push_acknowledged_and_dropped(tmp_path
     assert elapsed < SHORT_FORM_BUDGET
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "found by the verifier: a server that rejoins (restart, or fenced after a pause) starts "
-    "its SYNC job clocks at step 0 and refuses every later push and step report ('SYNC push "
-    "for step N while this server has applied 0 steps'): the job stalls for good and the "
-    "acknowledged pushes of the open step are never applied. Remove this mark once fixed."))
 def test_a_sync_job_keeps_stepping_after_a_server_restart(tmp_path):
     v = run_schedule(RunConfig(seed=3, seconds=4, jobs=("sync",), faults=("kill",), work_dir=str(tmp_path)), print)
     print_table([v])
