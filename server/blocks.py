@@ -245,10 +245,23 @@ class SparseBlock(Block):
         with self.table_rows.lock:
             return self.table_rows.read(ids)
 
-    def apply_gradient(self, config: TableConfig, ids: np.ndarray, grad: np.ndarray) -> None:
-        """Apply ``grad`` ``[n, dim]`` to rows ``ids`` (unique, all of this block)."""
+    def apply_gradient(self, config: TableConfig, ids: np.ndarray, grad: np.ndarray,
+                       tick: int | None = None) -> None:
+        """Apply ``grad`` ``[n, dim]`` to rows ``ids`` (unique, all of this block). With a
+        lifecycle policy the decisions are made here (deterministic: a SYNC step applied on
+        every replica); ``tick`` None: the block's clock plus one."""
         with self.table_rows.lock:
-            self.table_rows.apply(config, ids, grad)
+            self.table_rows.apply(config, ids, grad, tick)
+        self.version += 1
+
+    def apply_decided(self, config: TableConfig, ids: np.ndarray, grad: np.ndarray,
+                      dropped: np.ndarray, evicted: np.ndarray, tick: int) -> None:
+        """Backup: apply a primary's APPLY op with its lifecycle decisions (rows ``ids``
+        applied, ``dropped`` not admitted, ``evicted`` removed after; see server.lifecycle)."""
+        from shardps.server import lifecycle
+        with self.table_rows.lock:
+            lifecycle.apply_decided(self.table_rows, config, ids, grad.reshape(-1, self.dim),
+                                    dropped, evicted, tick)
         self.version += 1
 
     def release(self) -> None:
@@ -257,7 +270,12 @@ class SparseBlock(Block):
             self.table_rows.remove_block(self.key[2])
 
     def nbytes(self) -> int:
-        return self.count * self.table_rows.row_bytes()
+        life = self.table_rows.life
+        sketch = 0
+        if life is not None and life.sketched[self.key[2]]:
+            from shardps.server.lifecycle import SKETCH_BYTES
+            sketch = SKETCH_BYTES
+        return self.count * self.table_rows.row_bytes() + sketch
 
     def snapshot(self) -> tuple[dict, dict[str, np.ndarray]]:
         meta = self._metadata()
@@ -271,6 +289,11 @@ class SparseBlock(Block):
                 arrays[f"state.{name}"] = pages.take(slots)
             if sh.row_steps is not None:
                 arrays["row_steps"] = sh.row_steps.take(slots)
+            if sh.life is not None:       # lifecycle state (server/lifecycle.py) travels along
+                life_meta, life_arrays = sh.life.block_state(self.key[2])
+                meta["lifecycle"] = life_meta
+                arrays.update(life_arrays)
+                arrays["lifecycle.ticks"] = sh.ensure_ticks().take(slots)
         for s, parts in self.pending.items():
             for i, (ids, g) in enumerate(parts):
                 arrays[f"pending.{s}.{i}.ids"] = np.array(ids, dtype=np.int64, copy=True)
@@ -285,9 +308,13 @@ class SparseBlock(Block):
         state = {k[len("state."):]: np.asarray(v, dtype=np.float32).reshape(count, self.dim)
                  for k, v in arrays.items() if k.startswith("state.")}
         steps = (np.asarray(arrays["row_steps"]).astype(np.int32) if "row_steps" in arrays else None)
+        ticks = (np.asarray(arrays["lifecycle.ticks"]).astype(np.int32).reshape(count)
+                 if "lifecycle.ticks" in arrays else None)
         with self.table_rows.lock:
             self.table_rows.remove_block(self.key[2])
-            self.table_rows.insert(ids, None, values, state, steps)
+            self.table_rows.insert(ids, None, values, state, steps, ticks)
+            if "lifecycle" in meta:
+                self.table_rows.lifecycle().load_block(self.key[2], meta["lifecycle"], arrays)
         self.pending = {int(s): [(arrays[f"pending.{s}.{i}.ids"],
                                   arrays[f"pending.{s}.{i}.grad"].reshape(-1, self.dim))
                                  for i in range(n)]

@@ -18,6 +18,7 @@ from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc.codec import CHUNK_BYTES, assemble, decode_chunk, encode_chunk, split_payload, write_into
 from shardps.rpc.status import Method, bind, grpc_code, proto_method
 from shardps.rpc.stubs import encode_snapshots
+from shardps.server import lifecycle
 from shardps.server.auth import JOB, check_job
 from shardps.server.node import BlockSnapshot, ServerNode
 
@@ -398,7 +399,15 @@ def node_status(node: ServerNode, job: str | None = None) -> ps.NodeStatus:
         msg.bytes = sum(nbytes for (j, _), (_, _, nbytes) in u["tables"].items() if j == job)
     for (j, table), (blocks, params, nbytes) in sorted(u["tables"].items()):
         if job is None or j == job:
-            msg.tables.add(job=j, table=table, blocks=blocks, parameters=params, bytes=nbytes)
+            entry = msg.tables.add(job=j, table=table, blocks=blocks, parameters=params, bytes=nbytes)
+            rows = node.table.sparse_rows.get((j, table))
+            if rows is not None:              # a lifecycle policy's figures (issue 18)
+                with rows.lock:
+                    r = lifecycle.report(rows, blocks)
+                if r is not None:
+                    for field in ("budget_bytes", "rows", "rows_admitted", "rows_evicted_ttl",
+                                  "rows_evicted_budget", "rows_not_admitted"):
+                        setattr(entry, field, r[field])
     for j, clock in sorted(node.clocks.items()):
         if job is not None and j != job:
             continue

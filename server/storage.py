@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import mmap
 import threading
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from shardps import kernels
 from shardps.server import optimizers
 from shardps.tables import TableConfig, TableSpec, initial_values, sparse_block_of
+
+if TYPE_CHECKING:
+    from shardps.server.lifecycle import Outcome, TableLifecycle
 
 MAPPED_MIN_BYTES = 64 << 10
 
@@ -154,6 +158,8 @@ class SparseRows:
         self.rows = _Rows((self.dim,), np.float32)
         self.state: dict[str, _Rows] = {}
         self.row_steps: _Rows | None = None
+        self.ticks: _Rows | None = None                 # lifecycle: tick of each row's last push
+        self.life: TableLifecycle | None = None         # lifecycle state (server/lifecycle.py)
         self.used = 0                                   # slots handed out so far
         self.free = np.empty(0, dtype=np.int64)         # slots of removed rows, reused first
         self.block_counts = np.zeros(spec.num_blocks, dtype=np.int64)
@@ -168,7 +174,11 @@ class SparseRows:
         slots = self.lookup(ids)
         missing = slots < 0
         if not missing.any():
+            if self.life is not None:
+                self.life.count_pull(ids, None)
             return self.rows.take(slots, out)
+        if self.life is not None:
+            self.life.count_pull(ids, missing)
         if out is None:
             out = np.empty((ids.shape[0], self.dim), dtype=np.float32)
         present = ~missing
@@ -205,14 +215,16 @@ class SparseRows:
         self.free = self.free[n:]
         fresh = np.arange(self.used, self.used + (n - reuse.shape[0]), dtype=np.int64)
         self.used += fresh.shape[0]
-        for pages in [self.rows, *self.state.values()] + ([self.row_steps] if self.row_steps else []):
-            pages.ensure(self.used)
+        for pages in [self.rows, *self.state.values(), self.row_steps, self.ticks]:
+            if pages is not None:
+                pages.ensure(self.used)
         return np.concatenate([reuse, fresh]) if reuse.shape[0] else fresh
 
     def insert(self, new_ids: np.ndarray, config: TableConfig | None, values: np.ndarray | None = None,
-               state: dict[str, np.ndarray] | None = None, steps: np.ndarray | None = None) -> np.ndarray:
-        """Store rows for ``new_ids`` (unique, absent): initial values unless given. Returns
-        their slots."""
+               state: dict[str, np.ndarray] | None = None, steps: np.ndarray | None = None,
+               ticks: np.ndarray | None = None) -> np.ndarray:
+        """Store rows for ``new_ids`` (unique, absent): initial values unless given (last-push
+        ticks: 0 unless given). Returns their slots."""
         n = new_ids.shape[0]
         if n == 0:
             return np.empty(0, dtype=np.int64)
@@ -228,13 +240,33 @@ class SparseRows:
                 pages.put(slots, pages.fill)
         if self.row_steps is not None:
             self.row_steps.put(slots, 0 if steps is None else steps)
+        if ticks is not None:
+            self.ensure_ticks()
+        if self.ticks is not None:
+            self.ticks.put(slots, 0 if ticks is None else ticks)
         self.index.add(new_ids, slots)
         blocks = kernels.sparse_block_of(new_ids, self.spec.num_blocks)
         self.block_counts += np.bincount(blocks, minlength=self.block_counts.shape[0])
         return slots
 
-    def apply(self, config: TableConfig, ids: np.ndarray, grad: np.ndarray) -> None:
-        """Apply ``grad`` ``[n, dim]`` to rows ``ids`` (unique), storing new rows first."""
+    def apply(self, config: TableConfig, ids: np.ndarray, grad: np.ndarray, tick: int | None = None,
+              wall: float | None = None) -> Outcome | None:
+        """Apply ``grad`` ``[n, dim]`` to rows ``ids`` (unique), storing new rows first. With
+        a lifecycle policy (or state from one), the primary's decisions are made and
+        returned (``server.lifecycle.apply_push``; ``tick``: the push's clock, None: the
+        block's clock plus one, for ids of one block; ``wall``: seconds for ttl_seconds);
+        without, None."""
+        if self.life is None and not config.lifecycle.enabled:
+            self.apply_rows(config, ids, grad)
+            return None
+        from shardps.server import lifecycle
+        if tick is None:
+            tick = int(self.lifecycle().now[sparse_block_of(ids[:1], self.spec.num_blocks)].max(initial=0)) + 1
+        return lifecycle.apply_push(self, config, ids, grad.reshape(-1, self.dim), tick, wall)
+
+    def apply_rows(self, config: TableConfig, ids: np.ndarray, grad: np.ndarray) -> np.ndarray:
+        """Apply ``grad`` ``[n, dim]`` to rows ``ids`` (unique), storing new rows first (no
+        lifecycle decisions). Returns their slots."""
         self._ensure_state(config)
         slots = self.lookup(ids)
         missing = slots < 0
@@ -244,7 +276,7 @@ class SparseRows:
             kernels.apply_rows(config.optimizer, self.rows.data, {k: v.data for k, v in self.state.items()},
                                self.row_steps.data if self.row_steps is not None else None,
                                slots, grad.reshape(-1, self.dim))
-            return
+            return slots
         params = self.rows.take(slots)
         state = {k: v.take(slots) for k, v in self.state.items()}
         step: int | np.ndarray = 1
@@ -256,6 +288,30 @@ class SparseRows:
         self.rows.put(slots, params)
         for k, v in state.items():
             self.state[k].put(slots, v)
+        return slots
+
+    def lifecycle(self) -> TableLifecycle:
+        """The table's lifecycle state here, created on first use."""
+        if self.life is None:
+            from shardps.server.lifecycle import TableLifecycle
+            self.life = TableLifecycle(self.spec.num_blocks)
+        return self.life
+
+    def ensure_ticks(self) -> _Rows:
+        """The per-row last-push ticks, created (at 0) on first use."""
+        if self.ticks is None:
+            self.ticks = self._pages((), np.int32, 0)
+        return self.ticks
+
+    def remove(self, ids: np.ndarray) -> None:
+        """Forget rows ``ids`` (unique, stored); their slots are reused by later inserts."""
+        if ids.shape[0] == 0:
+            return
+        slots = self.lookup(ids)
+        self.index.remove(ids)
+        self.free = np.concatenate([self.free, slots])
+        blocks = kernels.sparse_block_of(ids, self.spec.num_blocks)
+        self.block_counts -= np.bincount(blocks, minlength=self.block_counts.shape[0])
 
     def block_rows(self, block: int) -> tuple[np.ndarray, np.ndarray]:
         """(ids, slots) of ``block``'s stored rows, ordered by id (canonical for snapshots)."""
@@ -273,8 +329,19 @@ class SparseRows:
         self.index.remove(ids)
         self.free = np.concatenate([self.free, slots])
         self.block_counts[block] = 0
+        if self.life is not None:
+            self.life.forget_block(block)
 
     def row_bytes(self) -> int:
         """Bytes one stored row takes: values, optimizer state, step count, index entry."""
         per = self.dim * 4 * (1 + len(self.state)) + (4 if self.row_steps is not None else 0)
+        per += 4 if self.ticks is not None else 0
         return per + (4 if isinstance(self.index, _DirectIndex) else 12)
+
+    def memory_bytes(self) -> int:
+        """Bytes this table's storage here takes: every slot handed out (stored rows and
+        the free slots kept for reuse), the index entries, the admission sketches in use."""
+        index = 4 if isinstance(self.index, _DirectIndex) else 12
+        stored = int(self.block_counts.sum())
+        sketch = self.life.sketch_bytes() if self.life is not None else 0
+        return self.used * (self.row_bytes() - index) + stored * index + sketch

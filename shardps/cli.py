@@ -305,11 +305,17 @@ def _admin_command(args, what: str, action, job: str = "_admin") -> int:
 
 
 def cmd_status(args) -> int:
-    from shardps.status import format_status, status_to_dict
+    from shardps.status import budget_rows, fetch_node_statuses, format_budgets, format_status, status_to_dict
 
     def show(client):
         status = client.cluster_status()
-        print(json.dumps(status_to_dict(status), indent=2) if args.json else format_status(status))
+        common = _common(args)
+        nodes = fetch_node_statuses(status, _tls(common), common.resolved_token())   # table budgets
+        if args.json:
+            print(json.dumps({**status_to_dict(status), "table_budgets": budget_rows(nodes)}, indent=2))
+            return
+        budgets = format_budgets(nodes)
+        print(format_status(status) + (f"\n\n{budgets}" if budgets else ""))
     return _admin_command(args, "status", show)
 
 

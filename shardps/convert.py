@@ -13,6 +13,7 @@ from shardps.tables import (
     Consistency,
     Initializer,
     InitKind,
+    LifecyclePolicy,
     OptimizerConfig,
     OptimizerKind,
     TableConfig,
@@ -56,14 +57,26 @@ def optimizer_from_proto(msg: pb.OptimizerConfig) -> OptimizerConfig:
         initial_accumulator_value=msg.initial_accumulator_value, lr_decay=msg.lr_decay)
 
 
+def lifecycle_to_proto(p: LifecyclePolicy) -> pb.LifecyclePolicy:
+    return pb.LifecyclePolicy(budget_bytes=p.budget_bytes, admit_after=p.admit_after,
+                              ttl_steps=p.ttl_steps, ttl_seconds=p.ttl_seconds)
+
+
+def lifecycle_from_proto(msg: pb.LifecyclePolicy) -> LifecyclePolicy:
+    return LifecyclePolicy(budget_bytes=int(msg.budget_bytes), admit_after=int(msg.admit_after),
+                           ttl_steps=int(msg.ttl_steps), ttl_seconds=float(msg.ttl_seconds))
+
+
 def config_to_proto(cfg: TableConfig) -> pb.TableConfig:
     return pb.TableConfig(optimizer=optimizer_to_proto(cfg.optimizer),
-                          allow_non_finite=cfg.allow_non_finite, version=cfg.version)
+                          allow_non_finite=cfg.allow_non_finite, version=cfg.version,
+                          lifecycle=lifecycle_to_proto(cfg.lifecycle))
 
 
 def config_from_proto(msg: pb.TableConfig) -> TableConfig:
     return TableConfig(optimizer=optimizer_from_proto(msg.optimizer),
-                       allow_non_finite=msg.allow_non_finite, version=msg.version)
+                       allow_non_finite=msg.allow_non_finite, version=msg.version,
+                       lifecycle=lifecycle_from_proto(msg.lifecycle))
 
 
 def init_to_proto(init: Initializer) -> pb.Initializer:

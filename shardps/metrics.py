@@ -109,6 +109,36 @@ class NodeMetrics:
                                              buckets=LATENCY_BUCKETS, registry=r)
         self.resyncs = Counter("shardps_replica_resyncs_total",
                                "Full block copies sent to bring a backup back in sync.", registry=r)
+        tl = ("training_job", "table")
+        self.table_rows = Gauge("shardps_table_rows", "Sparse rows stored on this server, per table "
+                                "with a lifecycle policy.", tl, registry=r)
+        self.table_budget = Gauge("shardps_table_budget_bytes",
+                                  "This server's share of a table's memory budget (the blocks it holds).",
+                                  tl, registry=r)
+        self.table_storage = Gauge("shardps_table_storage_bytes",
+                                   "Bytes a sparse table's storage takes here (slots, index, sketches): "
+                                   "what the budget bounds.", tl, registry=r)
+        self.table_lifecycle_rows = Gauge(
+            "shardps_table_lifecycle_rows", "Rows by lifecycle event since this server took the blocks up: "
+            "admitted, not_admitted (gradients dropped), evicted_ttl, evicted_budget, evicted_replicated "
+            "(a backup replaying its primary's eviction).", tl + ("event",), registry=r)
+        self.table_pull_miss = Gauge(
+            "shardps_table_pull_miss_ratio", "Share of pulled rows not stored, by reason: evicted "
+            "(admitted before), not_admitted.", tl + ("reason",), registry=r)
+
+    def set_lifecycle(self, reports: dict) -> None:
+        """Set the lifecycle gauges from ``server.lifecycle.report`` per (job, table)."""
+        for g in (self.table_rows, self.table_budget, self.table_storage, self.table_lifecycle_rows,
+                  self.table_pull_miss):
+            g.clear()
+        for (job, table), r in reports.items():
+            self.table_rows.labels(job, table).set(r["rows"])
+            self.table_budget.labels(job, table).set(r["budget_bytes"])
+            self.table_storage.labels(job, table).set(r["memory_bytes"])
+            for event in ("admitted", "not_admitted", "evicted_ttl", "evicted_budget", "evicted_replicated"):
+                self.table_lifecycle_rows.labels(job, table, event).set(r[f"rows_{event}"])
+            for reason in ("evicted", "not_admitted"):
+                self.table_pull_miss.labels(job, table, reason).set(r[f"pull_miss_{reason}"])
 
 
 class ManagerMetrics:

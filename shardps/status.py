@@ -70,3 +70,57 @@ def status_to_dict(st: mg.ClusterStatus) -> dict:
     out["replication_target_reachable"] = servers >= st.replication
     out["unrestorable_blocks"] = unrestorable
     return out
+
+
+def fetch_node_statuses(st: mg.ClusterStatus, tls=None, token: str = "", timeout: float = 5.0) -> list:
+    """Each SERVING or DRAINING server's ``GetNodeStatus`` (its per-table usage and lifecycle
+    figures); a server that does not answer is left out."""
+    import grpc
+
+    from shardps.protos.v1 import parameter_server_pb2 as ps
+    from shardps.rpc.stubs import StubPool
+    pool = StubPool(tls, (("authorization", f"Bearer {token}"),) if token else ())
+    out = []
+    try:
+        for s in st.servers:
+            if s.server.state not in (pb.SERVING, pb.DRAINING):
+                continue
+            try:
+                out.append(pool.get(s.server.address).GetNodeStatus(
+                    ps.GetNodeStatusRequest(), timeout=timeout, metadata=pool.metadata))
+            except grpc.RpcError:
+                continue
+    finally:
+        pool.close()
+    return out
+
+
+def budget_rows(nodes: list) -> list[dict]:
+    """Per table with a lifecycle policy, summed over servers (primaries and backups): bytes
+    stored, the budget those servers' blocks are allowed, rows, and row counters."""
+    tables: dict[tuple[str, str], dict] = {}
+    for n in nodes:
+        for t in n.tables:
+            if not t.budget_bytes and not (t.rows_admitted or t.rows_not_admitted):
+                continue
+            e = tables.setdefault((t.job, t.table), dict(job=t.job, table=t.table, bytes=0, budget_bytes=0,
+                                                         rows=0, rows_admitted=0, rows_not_admitted=0,
+                                                         rows_evicted_ttl=0, rows_evicted_budget=0))
+            for k in ("bytes", "budget_bytes", "rows", "rows_admitted", "rows_not_admitted",
+                      "rows_evicted_ttl", "rows_evicted_budget"):
+                e[k] += int(getattr(t, k))
+    return [tables[k] for k in sorted(tables)]
+
+
+def format_budgets(nodes: list) -> str:
+    """The ``TABLE BUDGET`` section of ``shardps status`` (empty when no table has a policy)."""
+    rows = budget_rows(nodes)
+    if not rows:
+        return ""
+    body = [[f"{r['job']}/{r['table']}", _bytes(r["bytes"]),
+             _bytes(r["budget_bytes"]) if r["budget_bytes"] else "unbounded",
+             f"{100 * r['bytes'] / r['budget_bytes']:.0f}%" if r["budget_bytes"] else "-",
+             str(r["rows"]), str(r["rows_admitted"]), str(r["rows_not_admitted"]),
+             str(r["rows_evicted_ttl"]), str(r["rows_evicted_budget"])] for r in rows]
+    return _table(["TABLE", "STORED", "BUDGET", "USE", "ROWS", "ADMITTED", "NOT ADMITTED", "EVICTED TTL",
+                   "EVICTED BUDGET"], body)

@@ -24,57 +24,59 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eshardps/protos/v1/common.proto\x12\nshardps.v1\"\x97\x02\n\x0fOptimizerConfig\x12\'\n\x04kind\x18\x01 \x01(\x0e\x32\x19.shardps.v1.OptimizerKind\x12\n\n\x02lr\x18\x02 \x01(\x01\x12\x10\n\x08momentum\x18\x03 \x01(\x01\x12\x11\n\tdampening\x18\x04 \x01(\x01\x12\x10\n\x08nesterov\x18\x05 \x01(\x08\x12\x14\n\x0cweight_decay\x18\x06 \x01(\x01\x12\r\n\x05\x62\x65ta1\x18\x07 \x01(\x01\x12\r\n\x05\x62\x65ta2\x18\x08 \x01(\x01\x12\x0b\n\x03\x65ps\x18\t \x01(\x01\x12!\n\x19initial_accumulator_value\x18\n \x01(\x01\x12\x10\n\x08lr_decay\x18\x0b \x01(\x01\x12\"\n\x1a\x65xact_zero_hyperparameters\x18\x0c \x01(\x08\"\x84\x01\n\x0bInitializer\x12\"\n\x04kind\x18\x01 \x01(\x0e\x32\x14.shardps.v1.InitKind\x12\r\n\x05value\x18\x02 \x01(\x01\x12\x0b\n\x03low\x18\x03 \x01(\x01\x12\x0c\n\x04high\x18\x04 \x01(\x01\x12\x0c\n\x04mean\x18\x05 \x01(\x01\x12\x0b\n\x03std\x18\x06 \x01(\x01\x12\x0c\n\x04seed\x18\x07 \x01(\x04\"\xbe\x01\n\tTableSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.shardps.v1.TableKind\x12\r\n\x05shape\x18\x03 \x03(\x03\x12 \n\x05\x64type\x18\x04 \x01(\x0e\x32\x11.shardps.v1.DType\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12%\n\x04init\x18\x07 \x01(\x0b\x32\x17.shardps.v1.Initializer\"h\n\x0bTableConfig\x12.\n\toptimizer\x18\x01 \x01(\x0b\x32\x1b.shardps.v1.OptimizerConfig\x12\x18\n\x10\x61llow_non_finite\x18\x02 \x01(\x08\x12\x0f\n\x07version\x18\x03 \x01(\x04\"K\n\x0b\x43onsistency\x12)\n\x04mode\x18\x01 \x01(\x0e\x32\x1b.shardps.v1.ConsistencyMode\x12\x11\n\tstaleness\x18\x02 \x01(\r\"\x81\x01\n\nServerInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\x12&\n\x05state\x18\x04 \x01(\x0e\x32\x17.shardps.v1.ServerState\x12\x17\n\x0fmetrics_address\x18\x05 \x01(\t\"L\n\x0e\x42lockPlacement\x12\x10\n\x08replicas\x18\x01 \x03(\r\x12\x13\n\x0bsince_epoch\x18\x02 \x01(\x04\x12\x13\n\x0b\x66resh_epoch\x18\x03 \x01(\x04\"\x97\x01\n\x0eTablePlacement\x12\x0b\n\x03job\x18\x01 \x01(\t\x12#\n\x04spec\x18\x02 \x01(\x0b\x32\x15.shardps.v1.TableSpec\x12\'\n\x06\x63onfig\x18\x03 \x01(\x0b\x32\x17.shardps.v1.TableConfig\x12*\n\x06\x62locks\x18\x04 \x03(\x0b\x32\x1a.shardps.v1.BlockPlacement\"P\n\x0cWorkerMember\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0f\n\x07session\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\x12\x0c\n\x04name\x18\x04 \x01(\t\"\xa4\x01\n\x0bWorkerGroup\x12\x0b\n\x03job\x18\x01 \x01(\t\x12,\n\x0b\x63onsistency\x18\x02 \x01(\x0b\x32\x17.shardps.v1.Consistency\x12)\n\x07members\x18\x03 \x03(\x0b\x32\x18.shardps.v1.WorkerMember\x12\x1a\n\x12membership_version\x18\x04 \x01(\x04\x12\x13\n\x0bquota_bytes\x18\x05 \x01(\x04\"\xac\x01\n\x08ShardMap\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\'\n\x07servers\x18\x02 \x03(\x0b\x32\x16.shardps.v1.ServerInfo\x12*\n\x06tables\x18\x03 \x03(\x0b\x32\x1a.shardps.v1.TablePlacement\x12\'\n\x06groups\x18\x04 \x03(\x0b\x32\x17.shardps.v1.WorkerGroup\x12\x13\n\x0breplication\x18\x05 \x01(\r\"\xae\x01\n\rRequestHeader\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07session\x18\x03 \x01(\t\x12\x13\n\x0bincarnation\x18\x04 \x01(\x04\x12\x10\n\x08sequence\x18\x05 \x01(\x04\x12\x13\n\x0b\x61\x63ked_below\x18\x06 \x01(\x04\x12\r\n\x05\x63lock\x18\x07 \x01(\x03\x12%\n\nwire_dtype\x18\x08 \x01(\x0e\x32\x11.shardps.v1.DType\"=\n\x0c\x42lockVersion\x12\r\n\x05table\x18\x01 \x01(\t\x12\r\n\x05\x62lock\x18\x02 \x01(\r\x12\x0f\n\x07version\x18\x03 \x01(\x04\"$\n\x05Range\x12\r\n\x05start\x18\x01 \x01(\x03\x12\x0c\n\x04stop\x18\x02 \x01(\x03\"1\n\x0cRowSelection\x12\r\n\x05\x63ount\x18\x01 \x01(\x04\x12\x12\n\nall_stored\x18\x02 \x01(\x08\"\xa3\x01\n\x07Segment\x12\r\n\x05table\x18\x01 \x01(\t\x12\"\n\x05range\x18\x02 \x01(\x0b\x32\x11.shardps.v1.RangeH\x00\x12(\n\x04rows\x18\x03 \x01(\x0b\x32\x18.shardps.v1.RowSelectionH\x00\x12/\n\rbase_versions\x18\x04 \x03(\x0b\x32\x18.shardps.v1.BlockVersionB\n\n\x08selector\"?\n\x0fSharedMemoryRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04*^\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\x0b\n\x07\x46LOAT64\x10\x04\x12\t\n\x05INT64\x10\x05*>\n\tTableKind\x12\x1a\n\x16TABLE_KIND_UNSPECIFIED\x10\x00\x12\t\n\x05\x44\x45NSE\x10\x01\x12\n\n\x06SPARSE\x10\x02*O\n\rOptimizerKind\x12\x1e\n\x1aOPTIMIZER_KIND_UNSPECIFIED\x10\x00\x12\x07\n\x03SGD\x10\x01\x12\x0b\n\x07\x41\x44\x41GRAD\x10\x02\x12\x08\n\x04\x41\x44\x41M\x10\x03*e\n\x08InitKind\x12\x19\n\x15INIT_KIND_UNSPECIFIED\x10\x00\x12\t\n\x05ZEROS\x10\x01\x12\x0c\n\x08\x43ONSTANT\x10\x02\x12\x0b\n\x07UNIFORM\x10\x03\x12\n\n\x06NORMAL\x10\x04\x12\x0c\n\x08\x41SSIGNED\x10\x05*U\n\x0f\x43onsistencyMode\x12 \n\x1c\x43ONSISTENCY_MODE_UNSPECIFIED\x10\x00\x12\t\n\x05\x41SYNC\x10\x01\x12\x08\n\x04SYNC\x10\x02\x12\x0b\n\x07\x42OUNDED\x10\x03*]\n\x0bServerState\x12\x1c\n\x18SERVER_STATE_UNSPECIFIED\x10\x00\x12\x0b\n\x07JOINING\x10\x01\x12\x0b\n\x07SERVING\x10\x02\x12\x0c\n\x08\x44RAINING\x10\x03\x12\x08\n\x04\x44\x45\x41\x44\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eshardps/protos/v1/common.proto\x12\nshardps.v1\"\x97\x02\n\x0fOptimizerConfig\x12\'\n\x04kind\x18\x01 \x01(\x0e\x32\x19.shardps.v1.OptimizerKind\x12\n\n\x02lr\x18\x02 \x01(\x01\x12\x10\n\x08momentum\x18\x03 \x01(\x01\x12\x11\n\tdampening\x18\x04 \x01(\x01\x12\x10\n\x08nesterov\x18\x05 \x01(\x08\x12\x14\n\x0cweight_decay\x18\x06 \x01(\x01\x12\r\n\x05\x62\x65ta1\x18\x07 \x01(\x01\x12\r\n\x05\x62\x65ta2\x18\x08 \x01(\x01\x12\x0b\n\x03\x65ps\x18\t \x01(\x01\x12!\n\x19initial_accumulator_value\x18\n \x01(\x01\x12\x10\n\x08lr_decay\x18\x0b \x01(\x01\x12\"\n\x1a\x65xact_zero_hyperparameters\x18\x0c \x01(\x08\"\x84\x01\n\x0bInitializer\x12\"\n\x04kind\x18\x01 \x01(\x0e\x32\x14.shardps.v1.InitKind\x12\r\n\x05value\x18\x02 \x01(\x01\x12\x0b\n\x03low\x18\x03 \x01(\x01\x12\x0c\n\x04high\x18\x04 \x01(\x01\x12\x0c\n\x04mean\x18\x05 \x01(\x01\x12\x0b\n\x03std\x18\x06 \x01(\x01\x12\x0c\n\x04seed\x18\x07 \x01(\x04\"\xbe\x01\n\tTableSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.shardps.v1.TableKind\x12\r\n\x05shape\x18\x03 \x03(\x03\x12 \n\x05\x64type\x18\x04 \x01(\x0e\x32\x11.shardps.v1.DType\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12%\n\x04init\x18\x07 \x01(\x0b\x32\x17.shardps.v1.Initializer\"\x98\x01\n\x0bTableConfig\x12.\n\toptimizer\x18\x01 \x01(\x0b\x32\x1b.shardps.v1.OptimizerConfig\x12\x18\n\x10\x61llow_non_finite\x18\x02 \x01(\x08\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12.\n\tlifecycle\x18\x04 \x01(\x0b\x32\x1b.shardps.v1.LifecyclePolicy\"d\n\x0fLifecyclePolicy\x12\x14\n\x0c\x62udget_bytes\x18\x01 \x01(\x04\x12\x13\n\x0b\x61\x64mit_after\x18\x02 \x01(\r\x12\x11\n\tttl_steps\x18\x03 \x01(\r\x12\x13\n\x0bttl_seconds\x18\x04 \x01(\x01\"K\n\x0b\x43onsistency\x12)\n\x04mode\x18\x01 \x01(\x0e\x32\x1b.shardps.v1.ConsistencyMode\x12\x11\n\tstaleness\x18\x02 \x01(\r\"\x81\x01\n\nServerInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\x12&\n\x05state\x18\x04 \x01(\x0e\x32\x17.shardps.v1.ServerState\x12\x17\n\x0fmetrics_address\x18\x05 \x01(\t\"L\n\x0e\x42lockPlacement\x12\x10\n\x08replicas\x18\x01 \x03(\r\x12\x13\n\x0bsince_epoch\x18\x02 \x01(\x04\x12\x13\n\x0b\x66resh_epoch\x18\x03 \x01(\x04\"\x97\x01\n\x0eTablePlacement\x12\x0b\n\x03job\x18\x01 \x01(\t\x12#\n\x04spec\x18\x02 \x01(\x0b\x32\x15.shardps.v1.TableSpec\x12\'\n\x06\x63onfig\x18\x03 \x01(\x0b\x32\x17.shardps.v1.TableConfig\x12*\n\x06\x62locks\x18\x04 \x03(\x0b\x32\x1a.shardps.v1.BlockPlacement\"P\n\x0cWorkerMember\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0f\n\x07session\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\x12\x0c\n\x04name\x18\x04 \x01(\t\"\xa4\x01\n\x0bWorkerGroup\x12\x0b\n\x03job\x18\x01 \x01(\t\x12,\n\x0b\x63onsistency\x18\x02 \x01(\x0b\x32\x17.shardps.v1.Consistency\x12)\n\x07members\x18\x03 \x03(\x0b\x32\x18.shardps.v1.WorkerMember\x12\x1a\n\x12membership_version\x18\x04 \x01(\x04\x12\x13\n\x0bquota_bytes\x18\x05 \x01(\x04\"\xac\x01\n\x08ShardMap\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\'\n\x07servers\x18\x02 \x03(\x0b\x32\x16.shardps.v1.ServerInfo\x12*\n\x06tables\x18\x03 \x03(\x0b\x32\x1a.shardps.v1.TablePlacement\x12\'\n\x06groups\x18\x04 \x03(\x0b\x32\x17.shardps.v1.WorkerGroup\x12\x13\n\x0breplication\x18\x05 \x01(\r\"\xae\x01\n\rRequestHeader\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07session\x18\x03 \x01(\t\x12\x13\n\x0bincarnation\x18\x04 \x01(\x04\x12\x10\n\x08sequence\x18\x05 \x01(\x04\x12\x13\n\x0b\x61\x63ked_below\x18\x06 \x01(\x04\x12\r\n\x05\x63lock\x18\x07 \x01(\x03\x12%\n\nwire_dtype\x18\x08 \x01(\x0e\x32\x11.shardps.v1.DType\"=\n\x0c\x42lockVersion\x12\r\n\x05table\x18\x01 \x01(\t\x12\r\n\x05\x62lock\x18\x02 \x01(\r\x12\x0f\n\x07version\x18\x03 \x01(\x04\"$\n\x05Range\x12\r\n\x05start\x18\x01 \x01(\x03\x12\x0c\n\x04stop\x18\x02 \x01(\x03\"1\n\x0cRowSelection\x12\r\n\x05\x63ount\x18\x01 \x01(\x04\x12\x12\n\nall_stored\x18\x02 \x01(\x08\"\xa3\x01\n\x07Segment\x12\r\n\x05table\x18\x01 \x01(\t\x12\"\n\x05range\x18\x02 \x01(\x0b\x32\x11.shardps.v1.RangeH\x00\x12(\n\x04rows\x18\x03 \x01(\x0b\x32\x18.shardps.v1.RowSelectionH\x00\x12/\n\rbase_versions\x18\x04 \x03(\x0b\x32\x18.shardps.v1.BlockVersionB\n\n\x08selector\"?\n\x0fSharedMemoryRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04*^\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\x0b\n\x07\x46LOAT64\x10\x04\x12\t\n\x05INT64\x10\x05*>\n\tTableKind\x12\x1a\n\x16TABLE_KIND_UNSPECIFIED\x10\x00\x12\t\n\x05\x44\x45NSE\x10\x01\x12\n\n\x06SPARSE\x10\x02*O\n\rOptimizerKind\x12\x1e\n\x1aOPTIMIZER_KIND_UNSPECIFIED\x10\x00\x12\x07\n\x03SGD\x10\x01\x12\x0b\n\x07\x41\x44\x41GRAD\x10\x02\x12\x08\n\x04\x41\x44\x41M\x10\x03*e\n\x08InitKind\x12\x19\n\x15INIT_KIND_UNSPECIFIED\x10\x00\x12\t\n\x05ZEROS\x10\x01\x12\x0c\n\x08\x43ONSTANT\x10\x02\x12\x0b\n\x07UNIFORM\x10\x03\x12\n\n\x06NORMAL\x10\x04\x12\x0c\n\x08\x41SSIGNED\x10\x05*U\n\x0f\x43onsistencyMode\x12 \n\x1c\x43ONSISTENCY_MODE_UNSPECIFIED\x10\x00\x12\t\n\x05\x41SYNC\x10\x01\x12\x08\n\x04SYNC\x10\x02\x12\x0b\n\x07\x42OUNDED\x10\x03*]\n\x0bServerState\x12\x1c\n\x18SERVER_STATE_UNSPECIFIED\x10\x00\x12\x0b\n\x07JOINING\x10\x01\x12\x0b\n\x07SERVING\x10\x02\x12\x0c\n\x08\x44RAINING\x10\x03\x12\x08\n\x04\x44\x45\x41\x44\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'shardps.protos.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=2187
-  _globals['_DTYPE']._serialized_end=2281
-  _globals['_TABLEKIND']._serialized_start=2283
-  _globals['_TABLEKIND']._serialized_end=2345
-  _globals['_OPTIMIZERKIND']._serialized_start=2347
-  _globals['_OPTIMIZERKIND']._serialized_end=2426
-  _globals['_INITKIND']._serialized_start=2428
-  _globals['_INITKIND']._serialized_end=2529
-  _globals['_CONSISTENCYMODE']._serialized_start=2531
-  _globals['_CONSISTENCYMODE']._serialized_end=2616
-  _globals['_SERVERSTATE']._serialized_start=2618
-  _globals['_SERVERSTATE']._serialized_end=2711
+  _globals['_DTYPE']._serialized_start=2338
+  _globals['_DTYPE']._serialized_end=2432
+  _globals['_TABLEKIND']._serialized_start=2434
+  _globals['_TABLEKIND']._serialized_end=2496
+  _globals['_OPTIMIZERKIND']._serialized_start=2498
+  _globals['_OPTIMIZERKIND']._serialized_end=2577
+  _globals['_INITKIND']._serialized_start=2579
+  _globals['_INITKIND']._serialized_end=2680
+  _globals['_CONSISTENCYMODE']._serialized_start=2682
+  _globals['_CONSISTENCYMODE']._serialized_end=2767
+  _globals['_SERVERSTATE']._serialized_start=2769
+  _globals['_SERVERSTATE']._serialized_end=2862
   _globals['_OPTIMIZERCONFIG']._serialized_start=47
   _globals['_OPTIMIZERCONFIG']._serialized_end=326
   _globals['_INITIALIZER']._serialized_start=329
   _globals['_INITIALIZER']._serialized_end=461
   _globals['_TABLESPEC']._serialized_start=464
   _globals['_TABLESPEC']._serialized_end=654
-  _globals['_TABLECONFIG']._serialized_start=656
-  _globals['_TABLECONFIG']._serialized_end=760
-  _globals['_CONSISTENCY']._serialized_start=762
-  _globals['_CONSISTENCY']._serialized_end=837
-  _globals['_SERVERINFO']._serialized_start=840
-  _globals['_SERVERINFO']._serialized_end=969
-  _globals['_BLOCKPLACEMENT']._serialized_start=971
-  _globals['_BLOCKPLACEMENT']._serialized_end=1047
-  _globals['_TABLEPLACEMENT']._serialized_start=1050
-  _globals['_TABLEPLACEMENT']._serialized_end=1201
-  _globals['_WORKERMEMBER']._serialized_start=1203
-  _globals['_WORKERMEMBER']._serialized_end=1283
-  _globals['_WORKERGROUP']._serialized_start=1286
-  _globals['_WORKERGROUP']._serialized_end=1450
-  _globals['_SHARDMAP']._serialized_start=1453
-  _globals['_SHARDMAP']._serialized_end=1625
-  _globals['_REQUESTHEADER']._serialized_start=1628
-  _globals['_REQUESTHEADER']._serialized_end=1802
-  _globals['_BLOCKVERSION']._serialized_start=1804
-  _globals['_BLOCKVERSION']._serialized_end=1865
-  _globals['_RANGE']._serialized_start=1867
-  _globals['_RANGE']._serialized_end=1903
-  _globals['_ROWSELECTION']._serialized_start=1905
-  _globals['_ROWSELECTION']._serialized_end=1954
-  _globals['_SEGMENT']._serialized_start=1957
-  _globals['_SEGMENT']._serialized_end=2120
-  _globals['_SHAREDMEMORYREF']._serialized_start=2122
-  _globals['_SHAREDMEMORYREF']._serialized_end=2185
+  _globals['_TABLECONFIG']._serialized_start=657
+  _globals['_TABLECONFIG']._serialized_end=809
+  _globals['_LIFECYCLEPOLICY']._serialized_start=811
+  _globals['_LIFECYCLEPOLICY']._serialized_end=911
+  _globals['_CONSISTENCY']._serialized_start=913
+  _globals['_CONSISTENCY']._serialized_end=988
+  _globals['_SERVERINFO']._serialized_start=991
+  _globals['_SERVERINFO']._serialized_end=1120
+  _globals['_BLOCKPLACEMENT']._serialized_start=1122
+  _globals['_BLOCKPLACEMENT']._serialized_end=1198
+  _globals['_TABLEPLACEMENT']._serialized_start=1201
+  _globals['_TABLEPLACEMENT']._serialized_end=1352
+  _globals['_WORKERMEMBER']._serialized_start=1354
+  _globals['_WORKERMEMBER']._serialized_end=1434
+  _globals['_WORKERGROUP']._serialized_start=1437
+  _globals['_WORKERGROUP']._serialized_end=1601
+  _globals['_SHARDMAP']._serialized_start=1604
+  _globals['_SHARDMAP']._serialized_end=1776
+  _globals['_REQUESTHEADER']._serialized_start=1779
+  _globals['_REQUESTHEADER']._serialized_end=1953
+  _globals['_BLOCKVERSION']._serialized_start=1955
+  _globals['_BLOCKVERSION']._serialized_end=2016
+  _globals['_RANGE']._serialized_start=2018
+  _globals['_RANGE']._serialized_end=2054
+  _globals['_ROWSELECTION']._serialized_start=2056
+  _globals['_ROWSELECTION']._serialized_end=2105
+  _globals['_SEGMENT']._serialized_start=2108
+  _globals['_SEGMENT']._serialized_end=2271
+  _globals['_SHAREDMEMORYREF']._serialized_start=2273
+  _globals['_SHAREDMEMORYREF']._serialized_end=2336
 # @@protoc_insertion_point(module_scope)

@@ -146,14 +146,28 @@ class TableSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[TableKind, str]] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., init: _Optional[_Union[Initializer, _Mapping]] = ...) -> None: ...
 
 class TableConfig(_message.Message):
-    __slots__ = ("optimizer", "allow_non_finite", "version")
+    __slots__ = ("optimizer", "allow_non_finite", "version", "lifecycle")
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     ALLOW_NON_FINITE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    LIFECYCLE_FIELD_NUMBER: _ClassVar[int]
     optimizer: OptimizerConfig
     allow_non_finite: bool
     version: int
-    def __init__(self, optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., allow_non_finite: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
+    lifecycle: LifecyclePolicy
+    def __init__(self, optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., allow_non_finite: _Optional[bool] = ..., version: _Optional[int] = ..., lifecycle: _Optional[_Union[LifecyclePolicy, _Mapping]] = ...) -> None: ...
+
+class LifecyclePolicy(_message.Message):
+    __slots__ = ("budget_bytes", "admit_after", "ttl_steps", "ttl_seconds")
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ADMIT_AFTER_FIELD_NUMBER: _ClassVar[int]
+    TTL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    budget_bytes: int
+    admit_after: int
+    ttl_steps: int
+    ttl_seconds: float
+    def __init__(self, budget_bytes: _Optional[int] = ..., admit_after: _Optional[int] = ..., ttl_steps: _Optional[int] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class Consistency(_message.Message):
     __slots__ = ("mode", "staleness")

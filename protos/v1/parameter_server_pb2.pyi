@@ -139,7 +139,7 @@ class WriterId(_message.Message):
     def __init__(self, session: _Optional[str] = ..., incarnation: _Optional[int] = ..., sequence: _Optional[int] = ..., acked_below: _Optional[int] = ...) -> None: ...
 
 class BlockOp(_message.Message):
-    __slots__ = ("job", "table", "block", "kind", "writer", "version", "config_version", "step", "divisor", "id_count", "element_count", "range")
+    __slots__ = ("job", "table", "block", "kind", "writer", "version", "config_version", "step", "divisor", "id_count", "element_count", "range", "dropped_count", "evicted_count")
     JOB_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +152,8 @@ class BlockOp(_message.Message):
     ID_COUNT_FIELD_NUMBER: _ClassVar[int]
     ELEMENT_COUNT_FIELD_NUMBER: _ClassVar[int]
     RANGE_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_COUNT_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_COUNT_FIELD_NUMBER: _ClassVar[int]
     job: str
     table: str
     block: int
@@ -164,7 +166,9 @@ class BlockOp(_message.Message):
     id_count: int
     element_count: int
     range: _common_pb2.Range
-    def __init__(self, job: _Optional[str] = ..., table: _Optional[str] = ..., block: _Optional[int] = ..., kind: _Optional[_Union[BlockOpKind, str]] = ..., writer: _Optional[_Union[WriterId, _Mapping]] = ..., version: _Optional[int] = ..., config_version: _Optional[int] = ..., step: _Optional[int] = ..., divisor: _Optional[int] = ..., id_count: _Optional[int] = ..., element_count: _Optional[int] = ..., range: _Optional[_Union[_common_pb2.Range, _Mapping]] = ...) -> None: ...
+    dropped_count: int
+    evicted_count: int
+    def __init__(self, job: _Optional[str] = ..., table: _Optional[str] = ..., block: _Optional[int] = ..., kind: _Optional[_Union[BlockOpKind, str]] = ..., writer: _Optional[_Union[WriterId, _Mapping]] = ..., version: _Optional[int] = ..., config_version: _Optional[int] = ..., step: _Optional[int] = ..., divisor: _Optional[int] = ..., id_count: _Optional[int] = ..., element_count: _Optional[int] = ..., range: _Optional[_Union[_common_pb2.Range, _Mapping]] = ..., dropped_count: _Optional[int] = ..., evicted_count: _Optional[int] = ...) -> None: ...
 
 class ReplicateHeader(_message.Message):
     __slots__ = ("epoch", "source", "ops", "payload_bytes")
@@ -317,18 +321,30 @@ class GetNodeStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TableUsage(_message.Message):
-    __slots__ = ("job", "table", "blocks", "parameters", "bytes")
+    __slots__ = ("job", "table", "blocks", "parameters", "bytes", "budget_bytes", "rows", "rows_admitted", "rows_evicted_ttl", "rows_evicted_budget", "rows_not_admitted")
     JOB_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    ROWS_EVICTED_TTL_FIELD_NUMBER: _ClassVar[int]
+    ROWS_EVICTED_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    ROWS_NOT_ADMITTED_FIELD_NUMBER: _ClassVar[int]
     job: str
     table: str
     blocks: int
     parameters: int
     bytes: int
-    def __init__(self, job: _Optional[str] = ..., table: _Optional[str] = ..., blocks: _Optional[int] = ..., parameters: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+    budget_bytes: int
+    rows: int
+    rows_admitted: int
+    rows_evicted_ttl: int
+    rows_evicted_budget: int
+    rows_not_admitted: int
+    def __init__(self, job: _Optional[str] = ..., table: _Optional[str] = ..., blocks: _Optional[int] = ..., parameters: _Optional[int] = ..., bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., rows: _Optional[int] = ..., rows_admitted: _Optional[int] = ..., rows_evicted_ttl: _Optional[int] = ..., rows_evicted_budget: _Optional[int] = ..., rows_not_admitted: _Optional[int] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
     __slots__ = ("name", "incarnation", "epoch", "state", "primary_blocks", "replica_blocks", "bytes", "tables", "clocks")

@@ -31,7 +31,7 @@ from shardps.metrics import NodeMetrics, labelled
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc.codec import byte_view
-from shardps.server import optimizers
+from shardps.server import lifecycle_ops, optimizers
 from shardps.server.blocks import AnyBlock, BlockKey, DenseBlock, SparseBlock, Writer
 from shardps.server.node.decode import NodeLimits, Part, Segment, check_header, parse_segments, split
 from shardps.server.node.table import BlockTable, EpochGate
@@ -54,9 +54,15 @@ def logical_bytes(blk: AnyBlock, t: TableView) -> int:
 
 
 def apply_gradient(blk: AnyBlock, t: TableView, arrays, op: ps.BlockOp) -> None:
-    """Apply a gradient op's arrays to ``blk`` with the table's optimizer (lock held)."""
+    """Apply a gradient op's arrays to ``blk`` with the table's optimizer (lock held). A
+    sparse table's lifecycle decisions ride on the op (see BlockOp.dropped_count)."""
     if isinstance(blk, DenseBlock):
         blk.apply_gradient(t.config, op.range.start, op.range.stop, arrays[0])
+    elif op.dropped_count or op.evicted_count or t.config.lifecycle.enabled or blk.table_rows.life is not None:
+        ids = arrays[0]
+        n = ids.shape[0] - int(op.dropped_count) - int(op.evicted_count)
+        blk.apply_decided(t.config, ids[:n], arrays[1], ids[n:n + int(op.dropped_count)],
+                          ids[n + int(op.dropped_count):], int(op.step))
     else:
         blk.apply_gradient(t.config, arrays[0], arrays[1].reshape(-1, blk.dim))
 
@@ -265,7 +271,7 @@ class PushApplier:
                     while j < len(todo) and todo[j][1].key[:2] == blk.key[:2] \
                             and todo[j][1] is not todo[j - 1][1]:
                         j += 1
-                    ops.extend(self.apply_sparse(todo[i:j], writer))
+                    ops.extend(self.apply_sparse(todo[i:j], writer, step))
                 else:
                     op, arrays = self.apply_one(blk, part, kind, writer, sync, step)
                     ops.append((blk.key, op, arrays))
@@ -280,9 +286,10 @@ class PushApplier:
             ack.duplicate_blocks = duplicates
         return ack
 
-    def apply_sparse(self, group: list[tuple[Part, AnyBlock]], writer: Writer):
+    def apply_sparse(self, group: list[tuple[Part, AnyBlock]], writer: Writer, clock: int = 0):
         """Apply the parts of one sparse table (distinct blocks, unique ids) at once; returns
-        one op per block for the backups. Block locks are held."""
+        one op per block for the backups, carrying the lifecycle decisions (admission,
+        eviction: server.lifecycle) made here for ``clock``. Block locks are held."""
         t = group[0][0].table
         whole = group[0][0].whole
         if whole is not None and whole[2] == len(group) and all(p.whole is whole for p, _ in group):
@@ -291,8 +298,11 @@ class PushApplier:
             ids = np.concatenate([p.ids for p, _ in group])
             grads = np.concatenate([p.values for p, _ in group])
         rows = cast(SparseBlock, group[0][1]).table_rows   # a group holds sparse blocks only
+        wall = self._now() if t.config.lifecycle.ttl_seconds else None
         with rows.lock:
-            rows.apply(t.config, ids, np.ascontiguousarray(grads, dtype=np.float32).reshape(-1, t.spec.dim))
+            outcome = rows.apply(t.config, ids, np.ascontiguousarray(grads, dtype=np.float32).reshape(-1, t.spec.dim),
+                                 clock, wall)
+        decided = None if outcome is None else lifecycle_ops.by_block(outcome, t.spec.num_blocks)
         out = []
         wid = ps.WriterId(session=writer.session, incarnation=writer.incarnation,
                           sequence=writer.sequence, acked_below=writer.acked_below)
@@ -301,6 +311,12 @@ class PushApplier:
             if not self.table.has_backups(blk.key):
                 continue                              # nothing to forward
             assert part.ids is not None and part.values is not None   # a sparse push part
+            if decided is not None:
+                op, arrays = lifecycle_ops.block_op(blk.key, part.ids, part.values, decided, clock)
+                op.writer.CopyFrom(wid)
+                op.config_version, op.version = t.config.version, blk.version
+                out.append((blk.key, op, arrays))
+                continue
             op = ps.BlockOp(job=blk.key[0], table=blk.key[1], block=blk.key[2], kind=ps.APPLY, writer=wid,
                             config_version=t.config.version, id_count=part.ids.shape[0],
                             element_count=part.values.size, version=blk.version)

@@ -41,6 +41,7 @@ import numpy as np
 from shardps.metrics import NodeMetrics
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
+from shardps.server import lifecycle
 from shardps.server.blocks import BlockKey
 from shardps.server.node.apply import JobHolds, PushApplier, forget_departed_writers
 from shardps.server.node.decode import NodeLimits
@@ -204,3 +205,4 @@ class ServerNode:
         for (job, table), (_, params, b) in u["tables"].items():
             self.metrics.table_parameters.labels(job, table).set(params)
             self.metrics.table_bytes.labels(job, table).set(b)
+        lifecycle.publish(self.metrics, self.table.sparse_rows, u["tables"])   # budgets (issue 18)

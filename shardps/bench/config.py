@@ -64,6 +64,12 @@ class BenchConfig:
     placement_sizes: tuple[int, ...] = (10, 100, 1000)
     placement_blocks_per_server: int = 1000
     placement_timeout_s: float = 120.0     # per size; a size that takes longer is reported as such
+    # lifecycle: the ctr model over 100M ids with / without a budget (shardps/bench/lifecycle.py)
+    lifecycle_train_samples: int = 400_000
+    lifecycle_test_samples: int = 50_000
+    lifecycle_batch: int = 1024
+    lifecycle_budget_mib: int = 64
+    lifecycle_admit_after: int = 2
     # every part gives up after this long (processes are stopped)
     process_timeout_s: float = 900.0
 
@@ -134,6 +140,10 @@ TINY = BenchConfig(
     placement_sizes=(4,),
     placement_blocks_per_server=50,
     placement_timeout_s=60.0,
+    lifecycle_train_samples=4_096,
+    lifecycle_test_samples=2_048,
+    lifecycle_batch=512,
+    lifecycle_budget_mib=1,
     process_timeout_s=300.0,
 )
 

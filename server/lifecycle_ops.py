@@ -1,0 +1,60 @@
+"""The primary's lifecycle decisions (``server.lifecycle.Outcome``) as per-block APPLY ops.
+
+An APPLY op of a sparse table with a lifecycle policy carries, after the rows it applies,
+the ids of its block that were pushed and not admitted (``dropped_count``) and the ids the
+primary evicted after the push (``evicted_count``); ``step`` is the push's clock. A backup
+replays them (``SparseBlock.apply_decided``) and decides nothing itself.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from shardps import kernels
+from shardps.protos.v1 import parameter_server_pb2 as ps
+from shardps.server.lifecycle import Outcome
+
+_EMPTY = np.empty(0, dtype=np.int64)
+
+
+class ByBlock:
+    """An outcome's ids split by block, computed on first use (only a push whose blocks
+    have backups needs it)."""
+
+    def __init__(self, outcome: Outcome, num_blocks: int):
+        self.outcome = outcome
+        self.num_blocks = num_blocks
+        self._split: tuple[dict[int, np.ndarray], dict[int, np.ndarray]] | None = None
+
+    def of(self, block: int) -> tuple[np.ndarray, np.ndarray]:
+        """(dropped ids, evicted ids) of ``block``."""
+        if self._split is None:
+            self._split = (self._group(self.outcome.dropped), self._group(self.outcome.evicted))
+        return self._split[0].get(block, _EMPTY), self._split[1].get(block, _EMPTY)
+
+    def _group(self, ids: np.ndarray) -> dict[int, np.ndarray]:
+        if ids.shape[0] == 0:
+            return {}
+        blocks = kernels.sparse_block_of(ids, self.num_blocks)
+        return {int(b): ids[pos] for b, pos in kernels.group_by_key(blocks, self.num_blocks)}
+
+
+def by_block(outcome: Outcome, num_blocks: int) -> ByBlock:
+    return ByBlock(outcome, num_blocks)
+
+
+def block_op(key: tuple[str, str, int], ids: np.ndarray, values: np.ndarray, decided: ByBlock,
+             clock: int) -> tuple[ps.BlockOp, list[np.ndarray]]:
+    """The APPLY op of block ``key`` for its pushed ``ids`` / ``values`` and the primary's
+    decisions; the caller sets writer, config_version and version."""
+    dropped, evicted = decided.of(key[2])
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    values = np.asarray(values, dtype=np.float32).reshape(ids.shape[0], -1)
+    if dropped.shape[0]:
+        keep = ~np.isin(ids, dropped)
+        ids, values = ids[keep], values[keep]
+    op = ps.BlockOp(job=key[0], table=key[1], block=key[2], kind=ps.APPLY, step=clock,
+                    id_count=ids.shape[0] + dropped.shape[0] + evicted.shape[0],
+                    element_count=values.size, dropped_count=dropped.shape[0],
+                    evicted_count=evicted.shape[0])
+    return op, [np.concatenate([ids, dropped, evicted]), np.ascontiguousarray(values, dtype=np.float32)]
