@@ -237,3 +237,20 @@ def test_status_and_metrics_show_budget_use_and_row_counters(make_cluster, clien
         "shardps_table_pull_miss_ratio", {"training_job": "lc", "table": "e", "reason": "not_admitted"}) or 0
         for s in cluster.servers.values())
     assert miss > 0                               # the 100 never-pushed ids (sketch count 0)
+
+
+def test_a_policy_set_at_creation_survives_an_optimizer_change(make_cluster, client_factory):
+    """``create_sparse(..., lifecycle=)`` installs the policy; ``update_config(lr=...)``
+    changes the optimizer and keeps the policy (and ``lifecycle=`` replaces it)."""
+    from shardps.tables import LifecyclePolicy, sgd
+    cluster = make_cluster(1)
+    c = client_factory(cluster.address, job="keep-policy")
+    c.create_job()
+    policy = LifecyclePolicy(budget_bytes=1 << 20, admit_after=2)
+    c.create_sparse("e", 4, optimizer=sgd(0.1), lifecycle=policy)
+    assert c.table("e").config.lifecycle == policy
+    c.update_config("e", lr=0.5)
+    config = c.refresh_map().table("keep-policy", "e").config
+    assert config.optimizer.lr == 0.5 and config.lifecycle == policy
+    c.update_config("e", lifecycle=LifecyclePolicy())
+    assert c.refresh_map().table("keep-policy", "e").config.lifecycle == LifecyclePolicy()

@@ -22,7 +22,16 @@ from shardps.rpc import channels
 from shardps.rpc.status import from_rpc_error
 from shardps.rpc.stubs import MANAGER, ManagerStub
 from shardps.shardmap import ShardMapView, TableView
-from shardps.tables import Consistency, Initializer, OptimizerConfig, TableConfig, TableSpec, dense_table, sparse_table
+from shardps.tables import (
+    Consistency,
+    Initializer,
+    LifecyclePolicy,
+    OptimizerConfig,
+    TableConfig,
+    TableSpec,
+    dense_table,
+    sparse_table,
+)
 
 
 def parse_consistency(text: str) -> Consistency:
@@ -129,10 +138,13 @@ class Admin:
 
     # ================================================================== tables
     def create_table(self, spec: TableSpec, optimizer: OptimizerConfig | None = None,
-                     allow_non_finite: bool = False, timeout: float | None = None) -> TableView:
+                     allow_non_finite: bool = False, timeout: float | None = None,
+                     lifecycle: LifecyclePolicy | None = None) -> TableView:
         """Create a table (idempotent for an identical spec; AlreadyExists otherwise) and
-        wait for the shard map that places it."""
-        config = TableConfig(optimizer or OptimizerConfig(), allow_non_finite)
+        wait for the shard map that places it. ``lifecycle``: a sparse table's memory budget,
+        admission and TTL (docs/memory-budget.md)."""
+        config = TableConfig(optimizer or OptimizerConfig(), allow_non_finite,
+                             lifecycle=lifecycle or LifecyclePolicy())
         spec.validate()
         config.validate()
         resp = self.call("CreateTable", self.stub.CreateTable, mg.CreateTableRequest(
@@ -154,12 +166,17 @@ class Admin:
         return [t for (j, _), t in sorted(view.tables.items()) if j == self.job]
 
     def update_config(self, name: str, timeout: float | None = None, **changes) -> TableConfig:
-        """Change optimizer hyperparameters (``lr=0.01``, ``momentum=...``) while training runs;
-        returns after every server installed the new config: the next push uses it."""
+        """Change optimizer hyperparameters (``lr=0.01``, ``momentum=...``), and
+        ``allow_non_finite`` or ``lifecycle`` (a LifecyclePolicy), while training runs; what
+        is not named keeps its value. Returns after every server installed the new config:
+        the next push uses it."""
         t = self.refresh_map().table(self.job, name)
         allow = changes.pop("allow_non_finite", t.config.allow_non_finite)
+        lifecycle = changes.pop("lifecycle", t.config.lifecycle)
         optimizer = dataclasses.replace(t.config.optimizer, **changes)
-        config = TableConfig(optimizer, allow)
+        config = dataclasses.replace(t.config, optimizer=optimizer, allow_non_finite=allow,
+                                     lifecycle=lifecycle, version=0)
+        config.validate()
         resp = self.call("UpdateTableConfig", self.stub.UpdateTableConfig, mg.UpdateTableConfigRequest(
             job=self.job, table=name, config=config_to_proto(config)), timeout)
         self.refresh_map()
@@ -211,9 +228,11 @@ class TableCalls:
     _admin: Admin
 
     def create_table(self, spec: TableSpec, optimizer: OptimizerConfig | None = None,
-                     allow_non_finite: bool = False, timeout: float | None = None) -> TableView:
-        """Create a table (idempotent for an identical spec; AlreadyExists otherwise)."""
-        return self._admin.create_table(spec, optimizer, allow_non_finite, timeout)
+                     allow_non_finite: bool = False, timeout: float | None = None,
+                     lifecycle: LifecyclePolicy | None = None) -> TableView:
+        """Create a table (idempotent for an identical spec; AlreadyExists otherwise);
+        ``lifecycle``: a sparse table's memory budget (docs/memory-budget.md)."""
+        return self._admin.create_table(spec, optimizer, allow_non_finite, timeout, lifecycle)
 
     def create_dense(self, name: str, shape, optimizer: OptimizerConfig | None = None,
                      init: Initializer | None = None, block_size: int = 0, **kw) -> TableView:
