@@ -249,3 +249,26 @@ def group_by_key(keys: np.ndarray, num_keys: int) -> list[tuple[int, np.ndarray]
     _group(np.ascontiguousarray(keys, dtype=np.int64), num_keys, order, starts)
     touched = np.flatnonzero(starts[1:] != starts[:-1])
     return [(int(k), order[starts[k]:starts[k + 1]]) for k in touched]
+
+
+_WARM = False
+
+
+def warm_up() -> None:
+    """Compile every kernel now (or load it from numba's cache), with the argument types the
+    data path uses, so that a process's first request or training step does not pay for it
+    (a few hundred milliseconds per process). Idempotent; a no-op without numba."""
+    global _WARM
+    if _WARM or not AVAILABLE:
+        return
+    rows, grad = np.zeros((2, 2), np.float32), np.zeros((1, 2), np.float32)
+    slots = np.zeros(1, np.int64)
+    for steps in (_EMPTY_STEPS, np.zeros(2, np.int32)):
+        _sgd(rows, _EMPTY_2D, steps, slots, grad, 0.1, 0.0, 0.0, 1.0, False)
+        _sgd(rows, np.zeros_like(rows), steps, slots, grad, 0.1, 0.0, 0.9, 1.0, False)
+        _adagrad(rows, np.zeros_like(rows), steps, slots, grad, 0.1, 0.0, 1e-10, 0.0)
+        _adam(rows, np.zeros_like(rows), np.zeros_like(rows), steps, slots, grad, 0.1, 0.9, 0.999, 1e-8, 0.0)
+    unique_inverse(np.arange(128, dtype=np.int64))
+    group_by_key(sparse_block_of(np.arange(4, dtype=np.int64), 4), 4)
+    group_by_key(np.zeros(4, np.int32), 4)          # clients group by server index (int32)
+    _WARM = True

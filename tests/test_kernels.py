@@ -75,3 +75,12 @@ def test_block_of_and_grouping_equal_the_numpy_reference(n, num_blocks):
     assert [k for k, _ in got] == [k for k, _ in want]
     for (_, a), (_, b) in zip(got, want):
         assert np.array_equal(a, b)       # positions ascending within a block (stable)
+
+
+@pytest.mark.skipif(not kernels.AVAILABLE, reason="numba is not installed")
+def test_warm_up_compiles_every_kernel_for_the_data_paths_types():
+    kernels.warm_up()
+    for fn in (kernels._sgd, kernels._adagrad, kernels._adam, kernels._hash_unique, kernels._block_of,
+               kernels._group):
+        assert fn.signatures, f"{fn.__name__} was not compiled by warm_up"
+    kernels.warm_up()                   # idempotent

@@ -376,6 +376,8 @@ def run_worker(args) -> int:
         log.info("joined job %s as rank %d of %d (device %s)", args.job, membership.rank,
                  membership.world_size, default_device())
         task = build_task(args)
+        from shardps import kernels
+        kernels.warm_up()          # before the first step, not inside it
         world = max(1, membership.world_size)
         opt, per_table = _lr_scaled(task, args, world)
         ps_model = PSModel(task.model, client, optimizer=opt, optimizers=per_table, overlap=args.overlap,

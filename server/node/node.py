@@ -33,11 +33,13 @@ Data path rules (the .proto states the same contract):
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Callable, Sequence
 
 import numpy as np
 
+from shardps import kernels
 from shardps.metrics import NodeMetrics
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
@@ -63,6 +65,8 @@ class ServerNode:
                  metrics: NodeMetrics | None = None, clock=time.monotonic):
         self.name = name
         self.limits = limits
+        # the kernels' first use would otherwise land in the first requests (~0.3 s)
+        threading.Thread(target=kernels.warm_up, name="kernels-warm-up", daemon=True).start()
         self.metrics = metrics or NodeMetrics()
         self._now = clock
         self.incarnation = 0
