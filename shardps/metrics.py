@@ -69,6 +69,13 @@ class NodeMetrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.grpc = GrpcServerMetrics(r)
+        self.phase_seconds = Counter(
+            "shardps_server_phase_seconds",
+            "Seconds spent in data requests, by phase: decode (request header, segments, the "
+            "split into blocks and its checks), lookup (reading stored values for pulls), "
+            "optimizer (applying pushes and forwarding them to backups), encode (the reply). "
+            "The rest of a server's time is idle or waiting (SYNC / SSP pulls wait outside "
+            "every phase).", ("phase",), registry=r)
         self.request_bytes = Histogram("shardps_server_request_bytes", "Payload bytes per data request.",
                                        ("method",), buckets=SIZE_BUCKETS, registry=r)
         self.request_rows = Histogram("shardps_server_request_rows",

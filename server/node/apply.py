@@ -150,11 +150,13 @@ class PushApplier:
         check_header(header)
         table = self.table
         with table.gate.shared():
+            t0 = time.perf_counter()        # phases: shardps_server_phase_seconds
             table.check_epoch(header)
             self.check_writer(header)
             parsed = parse_segments(table.view, table.name, self.limits, header, segments, payload,
                                     with_values=True)
             parts = split(table.name, table.view.epoch, header, parsed, True, table.loaded)
+            t1 = time.perf_counter()
             group = table.view.groups.get(header.job)
             sync = group is not None and group.consistency is Consistency.SYNC and kind == GRADIENT
             if sync and parts and not table.member(header):
@@ -171,6 +173,8 @@ class PushApplier:
                         f"SYNC push for step {header.clock} while this server has applied "
                         f"{clock.applied_steps} steps: a worker pushes step t after pulling it")
             ack = self.apply_parts(parts, kind, writer, sync, int(header.clock), parsed)
+            labelled(self.metrics.phase_seconds, "decode").inc(t1 - t0)
+            labelled(self.metrics.phase_seconds, "optimizer").inc(time.perf_counter() - t1)
             if parts:
                 optimizer = parts[0].table.config.optimizer.kind.name
                 self.metrics.update_seconds.labels(optimizer).observe(self._now() - started)

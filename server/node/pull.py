@@ -54,6 +54,7 @@ class PullReader:
         Raises InvalidArgument / NotFound / StaleEpoch / Unavailable / ResourceExhausted, and
         DeadlineExceeded if the wait outlasts ``deadline``. Nothing held on entry.
         """
+        started = time.perf_counter()       # phases: shardps_server_phase_seconds
         header_out = ps.PullHeader()
         table = self.table
         check_header(header)
@@ -62,6 +63,7 @@ class PullReader:
             parsed = parse_segments(table.view, table.name, self.limits, header, segments,
                                     ids_payload, with_values=False)
             parsed_under = table.view
+        decoding = time.perf_counter() - started
         clock = self.steps.clocks.get(header.job)
         if clock is not None and table.member(header):
             waited = self._now()
@@ -78,6 +80,7 @@ class PullReader:
                 else clock.min_completed()
         outputs: list[np.ndarray] = []
         with table.gate.shared():
+            t0 = time.perf_counter()
             table.check_epoch(header)
             if table.view is not parsed_under:      # a new map came in while the pull waited
                 parsed = parse_segments(table.view, table.name, self.limits, header, segments,
@@ -92,6 +95,7 @@ class PullReader:
             parts = split(table.name, table.view.epoch, header, parsed, False, table.loaded, sparse=False)
             sparse_blocks_of = {i: sparse_blocks(table.name, table.view.epoch, header, s, table.loaded)
                                 for i, s in enumerate(parsed) if not s.dense and not s.all_stored}
+            t1 = time.perf_counter()
             in_place = (out_buffer is not None and out_bytes <= len(out_buffer)
                         and all(not s.all_stored and s.dtype is WireDType.FLOAT32 for s in parsed))
             values: list = []      # per segment: its rows, or None for an all_stored one
@@ -135,6 +139,7 @@ class PullReader:
                         table_rows.read(s.ids, out=values[seg_index])
                     for blk in blks:
                         versions[blk.key] = blk.version
+            t2 = time.perf_counter()
             for i, (s, out) in enumerate(zip(parsed, values)):
                 if s.all_stored:
                     got = stored[i]
@@ -153,6 +158,11 @@ class PullReader:
                 header_out.payload_bytes = out_bytes
             for key, v in sorted(versions.items()):
                 header_out.versions.add(table=key[1], block=key[2], version=v)
+            t3 = time.perf_counter()
+        phases = self.metrics.phase_seconds
+        labelled(phases, "decode").inc(decoding + t1 - t0)
+        labelled(phases, "lookup").inc(t2 - t1)
+        labelled(phases, "encode").inc(t3 - t2)
         nbytes = sum(a.nbytes for a in outputs) if outputs else int(header_out.payload_bytes)
         header_out.payload_bytes = nbytes
         labelled(self.metrics.request_bytes, "Pull").observe(nbytes)

@@ -74,16 +74,24 @@ def run(cfg: BenchConfig, progress) -> dict[str, float]:
         out[f"e2e_{name}_auc"] = summary["auc"]
         out[f"e2e_{name}_worker_peak_rss_mb"] = summary["rank0_peak_rss_mb"]
         for k, v in summary.items():
-            if k.startswith("share_"):
+            if k.startswith(("share_", "server_share_")):
                 out[f"e2e_{name}_{k}"] = v
         progress(f"{name}: {summary['samples_per_s']:,.0f} samples/s, AUC {summary['auc']:.4f} "
                  f"({took:.0f}s including start-up)")
+        split = ", ".join(f"{k[6:].replace('_', ' ')} {v:.0%}" for k, v in summary.items() if k.startswith("share_"))
+        server = ", ".join(f"{k[13:]} {v:.0%}" for k, v in summary.items() if k.startswith("server_share_"))
+        if split:
+            progress(f"  {name} worker loop: {split}" + (f"; server time: {server}" if server else ""))
 
     for mode in ("async", "sync"):
         t0 = time.monotonic()
         with LocalCluster(servers=cfg.e2e_servers) as cluster:
+            before = ps_runs.server_phase_seconds(cluster)
             results = ps_runs.train(cluster, f"e2e-{mode}", w, worker_args(mode, rows, n), cfg.process_timeout_s)
-        record(f"ps_{mode}", ps_runs.summarize(results), time.monotonic() - t0)
+            after = ps_runs.server_phase_seconds(cluster)
+        summary = ps_runs.summarize(results)
+        summary.update(ps_runs.server_shares(before, after, cfg.e2e_servers, summary["wall_seconds"]))
+        record(f"ps_{mode}", summary, time.monotonic() - t0)
     n_dense = cfg.e2e_ddp_dense_train_samples or n
     for name, sparse, samples in (("ddp_sparse", True, n), ("ddp", False, n_dense)):
         t0 = time.monotonic()

@@ -12,7 +12,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from shardps.bench.common import Children, read_json, wait_all, worker_command
+from shardps.bench.common import Children, metric_sum, read_json, scrape, wait_all, worker_command
+
+SERVER_PHASES = ("decode", "lookup", "optimizer", "encode")
 
 
 def train(cluster, job: str, workers: int, args: list[str], timeout: float) -> list[dict]:
@@ -40,6 +42,26 @@ def train(cluster, job: str, workers: int, args: list[str], timeout: float) -> l
         res["peak_rss_kb"] = read_json(rss_file)["peak_rss_kb"]
         results.append(res)
     return results
+
+
+def server_phase_seconds(cluster) -> dict[str, float]:
+    """Seconds each phase of data requests took so far, summed over the cluster's servers
+    (``shardps_server_phase_seconds_total``, from each server's /metrics)."""
+    out = dict.fromkeys(SERVER_PHASES, 0.0)
+    for p in cluster.servers.values():
+        samples = scrape(p.info["metrics"])
+        for phase in SERVER_PHASES:
+            out[phase] += metric_sum(samples, "shardps_server_phase_seconds_total", phase=phase)
+    return out
+
+
+def server_shares(before: dict[str, float], after: dict[str, float], servers: int, wall: float) -> dict:
+    """Each phase's share of the servers' time over ``wall`` seconds (the mean server),
+    and ``idle``: the rest (waiting for requests, SYNC / SSP waits, transport, protobuf)."""
+    span = max(1e-9, wall * servers)
+    shares = {f"server_share_{k}": (after[k] - before[k]) / span for k in SERVER_PHASES}
+    shares["server_share_idle"] = max(0.0, 1.0 - sum(shares.values()))
+    return shares
 
 
 def summarize(results: list[dict]) -> dict:
