@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
+from grpc_health.v1 import health_pb2
 from prometheus_client import start_http_server
 
 from shardps.errors import FailedPrecondition, ShardpsError
@@ -28,7 +29,9 @@ from shardps.rpc import channels
 from shardps.rpc.status import from_rpc_error
 from shardps.rpc.stubs import GrpcPeers, StubPool
 from shardps.server.manager.checkpoints import CheckpointCoordinator
+from shardps.server.manager.etcd_store import EtcdClient
 from shardps.server.manager.records import ManagerSettings
+from shardps.server.manager.replica import LeaderGate, ManagerReplica
 from shardps.server.manager.runtime import ManagerRuntime, RuntimeSettings
 from shardps.server.manager.service import SERVICE as MANAGER_SERVICE
 from shardps.server.manager.service import ResourceManagerService
@@ -36,6 +39,9 @@ from shardps.server.node import NodeLimits, ServerNode
 from shardps.server.node_service import SERVICE as NODE_SERVICE
 from shardps.server.node_service import ParameterServerService
 from shardps.settings import ManagerProcessSettings, ServerProcessSettings, Serving
+
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -108,25 +114,55 @@ class _Serving:
 
 
 class ManagerProcess:
-    """The resource manager: state, reconcile loop, gRPC service, metrics."""
+    """The resource manager: state, reconcile loop, gRPC service, metrics.
+
+    Embedded (the default): the state in ``--state-dir`` (or memory), one process. With
+    ``--etcd``: one replica of several sharing their state in etcd (``manager/replica.py``):
+    it serves only while it leads, and refuses calls naming the leader meanwhile."""
 
     def __init__(self, settings: ManagerProcessSettings, authenticate=None, tls=None, metadata=()):
         self.settings = settings
-        state_path = str(Path(settings.state_dir) / "manager-state.json") if settings.state_dir else ""
         self.metrics = ManagerMetrics()
-        self.runtime = ManagerRuntime(
-            ManagerSettings(replication=settings.replication,
-                            server_lease_seconds=settings.server_lease_seconds,
-                            worker_lease_seconds=settings.worker_lease_seconds),
-            RuntimeSettings(state_path=state_path),
-            metrics=self.metrics, pool=StubPool(tls=tls, metadata=metadata))
-        self.service = ResourceManagerService(
-            self.runtime, CheckpointCoordinator(self.runtime, settings.checkpoint_dir),
-            token_key=settings.serving.token_keys(), token_ttl_seconds=settings.token_ttl_seconds,
-            revocations=getattr(authenticate, "revocations", None))
-        self.net = _Serving(settings.serving, tls, MANAGER_SERVICE,
-                            self.service.handler(self.metrics.grpc, authenticate),
-                            self.metrics.registry, self.metrics.grpc)
+        self._authenticate = authenticate
+        self._tls = tls
+        self._metadata = tuple(metadata)
+        self.replica: ManagerReplica | None = None
+        self._term: _ManagerTerm | None = None
+        if settings.etcd:
+            gate = LeaderGate(MANAGER_SERVICE, lambda: "")
+            self.net = _Serving(settings.serving, tls, MANAGER_SERVICE, gate,
+                                self.metrics.registry, self.metrics.grpc)
+            self.replica = ManagerReplica(
+                EtcdClient(settings.etcd), settings.etcd_prefix, self.net.address, MANAGER_SERVICE,
+                self._build_term, ttl=settings.leader_lease_seconds, gate=gate, on_role=self._on_role)
+        else:
+            state_path = str(Path(settings.state_dir) / "manager-state.json") if settings.state_dir else ""
+            self._term = _ManagerTerm(self, RuntimeSettings(state_path=state_path), None)
+            self.net = _Serving(settings.serving, tls, MANAGER_SERVICE, self._term.handler,
+                                self.metrics.registry, self.metrics.grpc)
+
+    def _build_term(self, store) -> "_ManagerTerm":
+        term = _ManagerTerm(self, RuntimeSettings(), store)
+        term.runtime.start()
+        self._term = term
+        return term
+
+    def _on_role(self, leading: bool) -> None:
+        self.net.health.set(MANAGER_SERVICE, _SERVING if leading else _NOT_SERVING)
+
+    @property
+    def runtime(self) -> ManagerRuntime:
+        """The runtime of the current term (embedded: the only one). With --etcd, the last
+        term's, until this replica first leads: AttributeError."""
+        if self._term is None:
+            raise AttributeError("this manager replica has not led yet: it has no runtime")
+        return self._term.runtime
+
+    @property
+    def service(self) -> ResourceManagerService:
+        if self._term is None:
+            raise AttributeError("this manager replica has not led yet: it has no service")
+        return self._term.service
 
     @property
     def address(self) -> str:
@@ -134,9 +170,14 @@ class ManagerProcess:
 
     def start(self) -> "ManagerProcess":
         self.net.start()
-        self.runtime.start()
-        self.net.set_serving(True)
-        log.info("manager serving on %s (metrics %s)", self.address, self.net.metrics_address or "off")
+        if self.replica is not None:
+            self.net.health.set("", _SERVING)         # alive; the service only while leading
+            self.replica.start()
+        else:
+            self.runtime.start()
+            self.net.set_serving(True)
+        log.info("manager serving on %s (metrics %s)%s", self.address, self.net.metrics_address or "off",
+                 f"; state in etcd {self.settings.etcd}, campaigning" if self.replica else "")
         _write_ready(self.settings.serving.ready_file,
                      {"role": "manager", "address": self.address, "metrics": self.net.metrics_address,
                       "pid": os.getpid()})
@@ -144,6 +185,30 @@ class ManagerProcess:
 
     def stop(self) -> None:
         self.net.stop()
+        if self.replica is not None:
+            self.replica.stop()
+        elif self._term is not None:
+            self._term.stop()
+
+
+class _ManagerTerm:
+    """What a manager runs while it serves: the runtime over the state of ``store`` (None:
+    ``runtime``'s state file or memory) and the gRPC service over it."""
+
+    def __init__(self, proc: ManagerProcess, runtime: RuntimeSettings, store):
+        s = proc.settings
+        self.runtime = ManagerRuntime(
+            ManagerSettings(replication=s.replication, server_lease_seconds=s.server_lease_seconds,
+                            worker_lease_seconds=s.worker_lease_seconds),
+            runtime, metrics=proc.metrics, pool=StubPool(tls=proc._tls, metadata=proc._metadata),
+            store=store)
+        self.service = ResourceManagerService(
+            self.runtime, CheckpointCoordinator(self.runtime, s.checkpoint_dir),
+            token_key=s.serving.token_keys(), token_ttl_seconds=s.token_ttl_seconds,
+            revocations=getattr(proc._authenticate, "revocations", None))
+        self.handler = self.service.handler(proc.metrics.grpc, proc._authenticate)
+
+    def stop(self) -> None:
         self.runtime.stop()
 
 
@@ -189,7 +254,7 @@ class ServerProcess:
         self._update_revocations = getattr(authenticate, "update_revocations", None)
         self._tls = tls
         self._metadata = tuple(metadata)
-        self._manager = channels.channel(settings.manager, tls)
+        self._manager = channels.manager_channel(settings.manager, tls)
         self._register = self._manager.unary_unary(
             f"/{MANAGER_SERVICE}/RegisterServer",
             request_serializer=mg.RegisterServerRequest.SerializeToString,

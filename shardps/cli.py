@@ -41,6 +41,7 @@ the optimizer. Quick start: `shardps local --servers 2 --workers 2 --model digit
 # Subcommand name -> the flags it accepts (filled while building the parser); the contract
 # test checks manifests against it.
 FLAGS: dict[str, list[str]] = {}
+MANAGER_HELP = "resource manager address (several replicas: comma-separated; the leader is followed)"
 
 
 def _sub(subparsers, name: str, help: str, description: str, environ) -> tuple[argparse.ArgumentParser, FlagSet]:
@@ -70,6 +71,12 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
     fs.add("--worker-lease-seconds", 10.0, "a worker leaves its group after this long without a heartbeat")
     fs.add("--token-ttl-seconds", 7 * 24 * 3600.0, "lifetime of the job tokens it issues (CreateJob, "
            "RevokeJobTokens) unless the request asks for another")
+    fs.add("--etcd", "", "etcd endpoints (comma-separated http://host:port): run as one of several "
+           "manager replicas whose state lives in etcd, serving while elected leader; --state-dir "
+           "is then unused")
+    fs.add("--etcd-prefix", "/shardps", "with --etcd: the prefix of this cluster's keys")
+    fs.add("--leader-lease-seconds", 2, "with --etcd: the leader's etcd lease; a dead leader is "
+           "replaced after about this long")
     p.set_defaults(func=cmd_manager)
 
     p, fs = _sub(sub, "server", "run a server node",
@@ -78,7 +85,7 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
     add_common(fs)
     add_serving(fs, "0.0.0.0:7071", 9101)
     fs.add("--name", "", "stable node name (default: the host name)")
-    fs.add("--manager", "127.0.0.1:7070", "resource manager address")
+    fs.add("--manager", "127.0.0.1:7070", MANAGER_HELP)
     fs.add("--max-request-bytes", 1 << 30, "largest accepted request payload")
     fs.add("--max-rows", 4_000_000, "most sparse rows in one request")
     fs.add("--data-plane-port", 0, "port of the socket data plane that carries pushes and pulls "
@@ -113,7 +120,7 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
                  "Join a job's worker group, train --model on this worker's share of the data,\n"
                  "pulling parameters from and pushing gradients to the servers.", environ)
     add_common(fs)
-    fs.add("--manager", "127.0.0.1:7070", "resource manager address")
+    fs.add("--manager", "127.0.0.1:7070", MANAGER_HELP)
     fs.add("--name", "", "worker name (default: the host name); a restart with the same name "
            "keeps its rank")
     fs.add("--rank-hint", -1, "preferred rank (e.g. a Kubernetes completion index)")
@@ -135,7 +142,7 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
                  "A table of servers (state, blocks, bytes, heartbeat age), worker groups (ranks,\n"
                  "steps) and the shard-map epoch.", environ)
     add_common(fs)
-    fs.add("--manager", "127.0.0.1:7070", "resource manager address")
+    fs.add("--manager", "127.0.0.1:7070", MANAGER_HELP)
     fs.add("--json", False, "print JSON for scripts")
     p.set_defaults(func=cmd_status)
 
@@ -143,7 +150,7 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
                  "Ask the manager to copy every block away from NODE while training continues.", environ)
     p.add_argument("node", help="server name")
     add_common(fs)
-    fs.add("--manager", "127.0.0.1:7070", "resource manager address")
+    fs.add("--manager", "127.0.0.1:7070", MANAGER_HELP)
     p.set_defaults(func=cmd_drain)
 
     p, fs = _sub(sub, "job", "create, end a job, or revoke its tokens",
@@ -153,7 +160,7 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
     p.add_argument("action", choices=["create", "end", "revoke"])
     p.add_argument("job")
     add_common(fs)
-    fs.add("--manager", "127.0.0.1:7070", "resource manager address")
+    fs.add("--manager", "127.0.0.1:7070", MANAGER_HELP)
     fs.add("--mode", "async", "consistency: async, sync or ssp", choices=["async", "sync", "ssp"])
     fs.add("--staleness", 2, "SSP staleness bound T")
     fs.add("--quota-bytes", 0, "storage quota of the job across servers (0: none)")
@@ -168,7 +175,7 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
                  "checkpoint directory (or --dir, on the manager's file system). Prints the path.", environ)
     p.add_argument("job")
     add_common(fs)
-    fs.add("--manager", "127.0.0.1:7070", "resource manager address")
+    fs.add("--manager", "127.0.0.1:7070", MANAGER_HELP)
     fs.add("--dir", "", "checkpoint directory on the manager (default: its --checkpoint-dir)")
     p.set_defaults(func=cmd_checkpoint)
 
@@ -178,7 +185,7 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
                  environ)
     p.add_argument("job")
     add_common(fs)
-    fs.add("--manager", "127.0.0.1:7070", "resource manager address")
+    fs.add("--manager", "127.0.0.1:7070", MANAGER_HELP)
     fs.add("--path", "", "checkpoint directory (default: the job's newest one on the manager)")
     p.set_defaults(func=cmd_restore)
 
@@ -277,13 +284,19 @@ def cmd_health(args) -> int:
     import grpc
 
     from shardps.rpc.channels import check_health
-    try:
-        status = check_health(args.address, args.service, args.timeout, _tls(_common(args)))
-    except grpc.RpcError as err:
-        print(f"{args.address}: unreachable ({err.code().name}: {err.details()})", file=sys.stderr)
-        return 2
-    print(f"{args.address}: {status}")
-    return 0 if status == "SERVING" else 1
+    # several addresses (manager replicas, comma-separated): healthy when one of them is
+    code = 2
+    for address in [a.strip() for a in args.address.split(",") if a.strip()] or [args.address]:
+        try:
+            status = check_health(address, args.service, args.timeout, _tls(_common(args)))
+        except grpc.RpcError as err:
+            print(f"{address}: unreachable ({err.code().name}: {err.details()})", file=sys.stderr)
+            continue
+        print(f"{address}: {status}")
+        if status == "SERVING":
+            return 0
+        code = 1
+    return code
 
 
 def _admin_client(args, job: str = "_admin"):
@@ -337,7 +350,7 @@ def _manager_call(args, method: str, request, response_cls):
     common = _common(args)
     token = common.resolved_token()
     metadata = (("authorization", f"Bearer {token}"),) if token else ()
-    with channels.channel(args.manager, _tls(common)) as ch:
+    with channels.manager_channel(args.manager, _tls(common)) as ch:
         rpc = ch.unary_unary(f"/shardps.v1.ResourceManager/{method}",
                              request_serializer=type(request).SerializeToString,
                              response_deserializer=response_cls.FromString)

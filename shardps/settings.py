@@ -158,6 +158,10 @@ class ManagerProcessSettings:
     server_lease_seconds: float = 3.0
     worker_lease_seconds: float = 10.0
     token_ttl_seconds: float = 7 * 24 * 3600.0   # lifetime of the job tokens it issues
+    # several replicas on one etcd (server/manager/replica.py); empty: one manager, state file
+    etcd: str = ""                    # etcd endpoints, comma-separated http(s)://host:port
+    etcd_prefix: str = "/shardps"     # the keys of this cluster: {prefix}/leader, {prefix}/state/
+    leader_lease_seconds: int = 2     # a dead leader is replaced after about this long
 
 
 @dataclass(frozen=True)
@@ -165,7 +169,7 @@ class ServerProcessSettings:
     common: Common = field(default_factory=Common)
     serving: Serving = field(default_factory=lambda: Serving(listen="0.0.0.0:7071", metrics_port=9101))
     name: str = ""
-    manager: str = "127.0.0.1:7070"
+    manager: str = "127.0.0.1:7070"   # comma-separated: several replicas, the leader is followed
     max_request_bytes: int = 1 << 30
     max_rows: int = 4_000_000
     forward_timeout: float = 1.5

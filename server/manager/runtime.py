@@ -28,7 +28,7 @@ from shardps.rpc.stubs import StubPool
 from shardps.server.manager import moves
 from shardps.server.manager.records import ManagerSettings, Move, ReplicationHealth, ServerState
 from shardps.server.manager.state import ManagerState
-from shardps.server.manager.store import StateFile
+from shardps.server.manager.store import StateFile, StateStore
 
 log = logging.getLogger("shardps.manager")
 
@@ -46,7 +46,9 @@ class ManagerRuntime:
 
     def __init__(self, settings: ManagerSettings = ManagerSettings(),
                  runtime: RuntimeSettings = RuntimeSettings(), metrics: ManagerMetrics | None = None,
-                 pool: StubPool | None = None, clock=time.monotonic):
+                 pool: StubPool | None = None, clock=time.monotonic, store: StateStore | None = None):
+        """``store``: where the state persists (``exists`` / ``load`` / ``save``: an
+        ``EtcdStore``); default: the file ``runtime.state_path``, or none."""
         self.settings = settings
         self.runtime = runtime
         self.metrics = metrics or ManagerMetrics()
@@ -57,7 +59,8 @@ class ManagerRuntime:
         # restored block must not be copied before its values are loaded. Order: moves_lock
         # before lock.
         self.moves_lock = threading.Lock()
-        self._store = StateFile(runtime.state_path) if runtime.state_path else None
+        self._store: StateStore | None = store if store is not None else (
+            StateFile(runtime.state_path) if runtime.state_path else None)
         if self._store is not None and self._store.exists():
             self.state = self._store.load(settings, self.now())
             log.info("manager state loaded from %s: epoch %d, %d servers, %d tables, %d jobs",

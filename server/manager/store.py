@@ -1,4 +1,6 @@
-"""Where the manager's state is persisted: one JSON file today (``StateFile``).
+"""Where the manager's state is persisted: one JSON file (``StateFile``, one manager: the
+embedded default of ``make run`` and ``shardps local``), or etcd (``etcd_store.EtcdStore``,
+several replicas); both are a ``StateStore``.
 
 ``to_dict`` / ``from_dict`` are the format (pure); ``StateFile`` does the file I/O. Fields
 marked "not persisted" in ``records.py`` (heartbeats, statistics) are not written: leases
@@ -12,6 +14,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Protocol
 
 from shardps.convert import config_from_proto, config_to_proto, spec_from_proto, spec_to_proto
 from shardps.protos.v1 import common_pb2 as pb
@@ -83,6 +86,21 @@ def from_dict(data: dict, settings: ManagerSettings, now: float) -> ManagerState
         blocks = [BlockRecord(list(r), int(s), int(f)) for r, s, f in t["blocks"]]
         state.tables[(t["job"], spec.name)] = TableRecord(t["job"], spec, config, blocks)
     return state
+
+
+class StateStore(Protocol):
+    """What ``ManagerRuntime`` persists its state through: ``save`` after every change
+    (raising when it did not persist: the change is then not acknowledged), ``load`` once at
+    the start, when ``exists``."""
+
+    @property
+    def path(self) -> object: ...
+
+    def exists(self) -> bool: ...
+
+    def save(self, state: ManagerState) -> None: ...
+
+    def load(self, settings: ManagerSettings, now: float) -> ManagerState: ...
 
 
 class StateFile:

@@ -43,6 +43,7 @@ KEEPALIVE_MS = 10_000          # clients ping this often
 KEEPALIVE_TIMEOUT_MS = 5_000   # ... and drop a connection whose ping is unanswered this long
 MIN_PING_INTERVAL_MS = 5_000   # servers accept pings this often: KEEPALIVE_MS / 2
 CONNECT_TIMEOUT_MS = 5_000     # a connection attempt may take this long
+REPLICA_CONNECT_TIMEOUT_MS = 1_500   # ... to one of several manager replicas (manager_channel)
 
 _COMMON = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -141,12 +142,27 @@ def set_serving(servicer: health.HealthServicer, service_names: list[str], servi
 
 
 def channel(address: str, tls: TlsConfig | None = None, options=()) -> grpc.Channel:
-    opts = CLIENT_OPTIONS + list(options)
+    """A client channel with ``CLIENT_OPTIONS``; ``options`` add to them or replace them."""
+    replaced = {key for key, _ in options}
+    opts = [o for o in CLIENT_OPTIONS if o[0] not in replaced] + list(options)
     if tls is not None and tls.server_name_override:
         opts.append(("grpc.ssl_target_name_override", tls.server_name_override))
     if tls is not None and tls.ca:
         return grpc.secure_channel(address, tls.channel_credentials(), options=opts)
     return grpc.insecure_channel(address, options=opts)
+
+
+def manager_channel(addresses: str, tls: TlsConfig | None = None, options=()) -> grpc.Channel:
+    """A channel to the resource manager: ``host:port`` (one manager, a plain channel), or
+    ``host:port,host:port,...`` (replicas on one etcd): a ``failover.FailoverChannel`` that
+    follows the leader (see there)."""
+    parts = [a.strip() for a in addresses.split(",") if a.strip()]
+    if len(parts) <= 1:
+        return channel(parts[0] if parts else addresses, tls, options)
+    from shardps.rpc.failover import FailoverChannel
+    # a replica whose handshake takes longer than this is hung or cut off: try another
+    opts = [("grpc.min_reconnect_backoff_ms", REPLICA_CONNECT_TIMEOUT_MS)] + list(options)
+    return FailoverChannel(parts, lambda address: channel(address, tls, opts))
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ class PSClient(TableCalls):
         self.metrics = metrics or WorkerMetrics()
         metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._closed = threading.Event()    # ends the retries of calls in flight
-        self._channel = channels.channel(manager, tls)
+        self._channel = channels.manager_channel(manager, tls)     # "a,b,c": follows the leader
         self._manager = ManagerStub(self._channel)
         self._admin = Admin(manager, job, self._manager, self.metrics, metadata=metadata,
                             default_timeout=timeout, closed=self._closed)
