@@ -33,6 +33,7 @@ from shardps.protos.v1 import common_pb2 as pb
 from shardps.server.manager.etcd_store import EtcdClient
 from shardps.tables import dense_table
 from shardps.worker.client import PSClient
+from tests.debian import debian_binary
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
@@ -42,10 +43,8 @@ FAILOVER_TARGET_SECONDS = 5.0
 
 # ====================================================================== a real etcd
 def etcd_binary() -> str:
-    """The etcd binary; installs Debian's etcd-server when it is missing, else skips."""
-    found = shutil.which("etcd")
-    if found:
-        return found
+    """The etcd binary (Debian's etcd-server, installed when missing), else skips."""
+    return debian_binary("etcd", "etcd-server")
     reason = None
     if os.geteuid() != 0 or not shutil.which("apt-get"):
         reason = "no etcd binary, and apt-get cannot install one here (not root or no apt-get)"

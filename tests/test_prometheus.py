@@ -29,6 +29,7 @@ import pytest
 import yaml
 
 from shardps.bench.common import free_port
+from tests.debian import debian_binary
 from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,10 +97,8 @@ def test_dashboards_refer_to_the_provisioned_datasource():
 
 # ====================================================================== a real Prometheus
 def prometheus_binary() -> str:
-    """The prometheus binary; installs Debian's package when it is missing, else skips."""
-    found = shutil.which("prometheus")
-    if found:
-        return found
+    """The prometheus binary (Debian's prometheus, installed when missing), else skips."""
+    return debian_binary("prometheus", "prometheus")
     reason = None
     if os.geteuid() != 0 or not shutil.which("apt-get"):
         reason = "no prometheus binary, and apt-get cannot install one here (not root or no apt-get)"

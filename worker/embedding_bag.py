@@ -60,13 +60,14 @@ class EmbeddingBagConfig:
     num_blocks: int = 0
 
 
-class JaggedTensor:
-    """One feature's bags for a batch: ``values`` (the ids), ``lengths`` [B], ``offsets`` [B+1],
-    optional ``weights``."""
+class _Jagged:
+    """The accessors TorchRec's jagged tensors share (``_values``, ``_lengths``,
+    ``_offsets``, ``_weights`` set by the subclass)."""
 
-    def __init__(self, values: torch.Tensor, lengths: torch.Tensor, offsets: torch.Tensor,
-                 weights: torch.Tensor | None = None):
-        self._values, self._lengths, self._offsets, self._weights = values, lengths, offsets, weights
+    _values: torch.Tensor
+    _lengths: torch.Tensor
+    _offsets: torch.Tensor
+    _weights: torch.Tensor | None
 
     def values(self) -> torch.Tensor:
         return self._values
@@ -82,8 +83,17 @@ class JaggedTensor:
 
     def weights(self) -> torch.Tensor:
         if self._weights is None:
-            raise InvalidArgument("this JaggedTensor has no weights")
+            raise InvalidArgument(f"this {type(self).__name__} has no weights")
         return self._weights
+
+
+class JaggedTensor(_Jagged):
+    """One feature's bags for a batch: ``values`` (the ids), ``lengths`` [B], ``offsets`` [B+1],
+    optional ``weights``."""
+
+    def __init__(self, values: torch.Tensor, lengths: torch.Tensor, offsets: torch.Tensor,
+                 weights: torch.Tensor | None = None):
+        self._values, self._lengths, self._offsets, self._weights = values, lengths, offsets, weights
 
 
 def _offsets_of(lengths: torch.Tensor) -> torch.Tensor:
@@ -92,7 +102,7 @@ def _offsets_of(lengths: torch.Tensor) -> torch.Tensor:
     return out
 
 
-class KeyedJaggedTensor:
+class KeyedJaggedTensor(_Jagged):
     """Variable-length bags of ids for several features (TorchRec's ``KeyedJaggedTensor``
     layout; see the module docstring). Give ``lengths`` or ``offsets`` (the other is
     derived); ``stride`` (the batch size) defaults to ``len(lengths) // len(keys)``.
@@ -143,23 +153,6 @@ class KeyedJaggedTensor:
 
     def keys(self) -> list[str]:
         return list(self._keys)
-
-    def values(self) -> torch.Tensor:
-        return self._values
-
-    def lengths(self) -> torch.Tensor:
-        return self._lengths
-
-    def offsets(self) -> torch.Tensor:
-        return self._offsets
-
-    def weights_or_none(self) -> torch.Tensor | None:
-        return self._weights
-
-    def weights(self) -> torch.Tensor:
-        if self._weights is None:
-            raise InvalidArgument("this KeyedJaggedTensor has no weights")
-        return self._weights
 
     def stride(self) -> int:
         """The batch size: bags per key."""

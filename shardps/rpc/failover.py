@@ -130,13 +130,17 @@ class FailoverChannel(grpc.Channel):
         return False
 
 
-class _Unary(grpc.UnaryUnaryMultiCallable):
+class _Method:
+    """One method of a ``FailoverChannel``: what a call needs to reach the current manager."""
+
     def __init__(self, owner: FailoverChannel, method, serializer, deserializer):
         self.owner = owner
         self.method = method
         self.serializer = serializer
         self.deserializer = deserializer
 
+
+class _Unary(_Method, grpc.UnaryUnaryMultiCallable):
     def __call__(self, request, timeout=None, metadata=None, credentials=None, wait_for_ready=None,
                  compression=None):
         ch = self.owner
@@ -189,13 +193,7 @@ class _Unary(grpc.UnaryUnaryMultiCallable):
         return call.future(request, timeout, metadata, credentials, wait_for_ready, compression)
 
 
-class _Stream(grpc.UnaryStreamMultiCallable):
-    def __init__(self, owner: FailoverChannel, method, serializer, deserializer):
-        self.owner = owner
-        self.method = method
-        self.serializer = serializer
-        self.deserializer = deserializer
-
+class _Stream(_Method, grpc.UnaryStreamMultiCallable):
     def __call__(self, request, timeout=None, metadata=None, credentials=None, wait_for_ready=None,
                  compression=None):
         call = self.owner.channel(self.owner.current).unary_stream(self.method, self.serializer,
