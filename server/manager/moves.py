@@ -264,8 +264,27 @@ def plan_moves(st: ManagerState, limit: int | None = None) -> list[Move]:
     return plan_from(snapshot(st), limit)
 
 
-def commit_moves(st: ManagerState, moves: list[Move], now: float) -> int:
-    """Apply the moves whose copies completed, if their block did not change meanwhile."""
+def copy_destinations(st: ManagerState) -> dict[str, int]:
+    """The servers a block may be copied to now, with their incarnations: the SERVING ones.
+
+    A JOINING server has registered its new incarnation here, but its process may not have
+    dropped the previous incarnation's state yet: a fenced server (paused past its lease)
+    re-registers, and only then resets and installs the map. A copy that lands in between
+    is loaded into the old state (or refused, if the old map made it a primary) and wiped by
+    the reset; committing the move would list a replica whose state never arrives (the
+    node marks it ``missing``, for good, and serves it once the other replicas are gone).
+    Its first heartbeat under the new incarnation, sent after the reset and the install,
+    makes it SERVING."""
+    return {n: s.incarnation for n, s in st.servers.items() if s.state is ServerState.SERVING}
+
+
+def commit_moves(st: ManagerState, moves: list[Move], now: float,
+                 copied_to: dict[str, int] | None = None) -> int:
+    """Apply the moves whose copies completed, if their block did not change meanwhile.
+
+    ``copied_to``: the incarnation of each destination the copies were sent to
+    (``copy_destinations`` when they started); a move is not applied if one of its new
+    nodes is another incarnation now (it restarted during the copy and holds nothing)."""
     epoch = st.epoch + 1
     done = 0
     idx = index(st)
@@ -278,6 +297,8 @@ def commit_moves(st: ManagerState, moves: list[Move], now: float) -> int:
             continue
         if any(not st.servers.get(n) or st.servers[n].state not in
                (ServerState.JOINING, ServerState.SERVING) for n in m.add):
+            continue
+        if copied_to is not None and any(copied_to.get(n) != st.servers[n].incarnation for n in m.add):
             continue
         b.replicas = list(m.target)
         b.since_epoch = epoch

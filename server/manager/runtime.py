@@ -203,9 +203,9 @@ class ManagerRuntime:
             if batch is None:
                 return
             if batch:
-                done = self._execute(batch)
+                done, copied_to = self._execute(batch)
                 if done:
-                    n = self.change(lambda s: s.commit_moves(done, self.now()))
+                    n = self.change(lambda s: s.commit_moves(done, self.now(), copied_to))
                     self.metrics.moves.inc(n)
             self.change(lambda s: s.retire_drained())
             self.change(lambda s: s.replace_lost())
@@ -248,12 +248,15 @@ class ManagerRuntime:
         without the lock, and is used in batches while the placement holds."""
         return moves.plan_from(snap)
 
-    def _execute(self, planned: list[Move]) -> list[Move]:
+    def _execute(self, planned: list[Move]) -> tuple[list[Move], dict[str, int]]:
         """Copy blocks (grouped by source and destination); returns the moves whose copies
-        all succeeded."""
+        all succeeded, and the incarnations copied to. Moves to a server that is not yet
+        serving its incarnation wait for a later round (``moves.copy_destinations``)."""
         with self.lock:
             epoch = self.state.epoch
             address = {n: s.address for n, s in self.state.servers.items()}
+            copied_to = moves.copy_destinations(self.state)
+        planned = [m for m in planned if all(n in copied_to for n in m.add)]
         groups: dict[tuple[str, str], list[Move]] = {}
         for m in planned:
             for dst in m.add:
@@ -277,7 +280,7 @@ class ManagerRuntime:
         done = [m for m in planned if m not in failed]
         if done:
             log.info("copied %d blocks to their new replicas", len(done))
-        return done
+        return done, copied_to
 
     # ------------------------------------------------------------------ metrics
     def _update_metrics(self) -> None:

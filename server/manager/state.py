@@ -249,8 +249,9 @@ class ManagerState:
     def plan_moves(self, limit: int | None = None) -> list[Move]:
         return moves.plan_moves(self, limit)
 
-    def commit_moves(self, planned: list[Move], now: float) -> int:
-        return moves.commit_moves(self, planned, now)
+    def commit_moves(self, planned: list[Move], now: float,
+                     copied_to: dict[str, int] | None = None) -> int:
+        return moves.commit_moves(self, planned, now, copied_to)
 
     # ------------------------------------------------------------------ worker groups (groups.py)
     def join(self, job_name: str, name: str, rank_hint: int, previous_session: str,
