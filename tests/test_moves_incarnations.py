@@ -157,3 +157,24 @@ def test_commit_checks_the_incarnation_each_copy_reached():
     st.server_heartbeat("s3", 2, st.epoch, {}, now=1.5)
     planned = st.plan_moves()
     assert st.commit_moves(planned, now=2.0, copied_to=moves.copy_destinations(st)) == len(planned)
+
+
+def test_cluster_status_counts_the_moves_not_committed_yet():
+    """``ClusterStatus.pending_moves``: the batch being copied plus the plan's rest; 0 once
+    every move is committed (it was never set before)."""
+    from shardps.server.manager.service import cluster_status
+    rt, clock, pool = cluster()
+    try:
+        fence_and_rejoin_s2(rt, clock, pool)
+        rt.change(lambda s: s.server_heartbeat("s2", 2, s.epoch, {}, now=4.6))   # serving
+        seen: list[int] = []
+        pool.on_copy = lambda source, destination: seen.append(rt.pending_moves)
+        tick(rt, clock, 5.0)
+        assert seen and min(seen) > 0, "no move counted while its copy ran"
+        pool.on_copy = None
+        for t in (5.2, 5.4, 5.6, 5.8):
+            tick(rt, clock, t, beating=("s0", "s1", "s2"))
+        assert rt.state.under_replicated() == 0
+        assert cluster_status(rt).pending_moves == 0
+    finally:
+        rt.stop()

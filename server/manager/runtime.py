@@ -58,6 +58,7 @@ class ManagerRuntime:
         # Held while blocks move (plan, copy, commit) and while a restore loads its blocks: a
         # restored block must not be copied before its values are loaded. Order: moves_lock
         # before lock.
+        self._in_flight = 0                 # moves of the batch being copied (pending_moves)
         self.moves_lock = threading.Lock()
         self._store: StateStore | None = store if store is not None else (
             StateFile(runtime.state_path) if runtime.state_path else None)
@@ -203,14 +204,25 @@ class ManagerRuntime:
             if batch is None:
                 return
             if batch:
-                done, copied_to = self._execute(batch)
-                if done:
-                    n = self.change(lambda s: s.commit_moves(done, self.now(), copied_to))
-                    self.metrics.moves.inc(n)
+                self._in_flight = len(batch)
+                try:
+                    done, copied_to = self._execute(batch)
+                    if done:
+                        n = self.change(lambda s: s.commit_moves(done, self.now(), copied_to))
+                        self.metrics.moves.inc(n)
+                finally:
+                    self._in_flight = 0
             self.change(lambda s: s.retire_drained())
             self.change(lambda s: s.replace_lost())
         finally:
             self.moves_lock.release()
+
+    @property
+    def pending_moves(self) -> int:
+        """Block moves planned and not committed yet (being copied, or waiting for a
+        later batch of the current plan)."""
+        pending = self._pending
+        return self._in_flight + (len(pending[1]) if pending is not None else 0)
 
     def _next_batch(self) -> list[Move] | None:
         """The next ``move_batch_blocks`` moves: from the last plan while the placement it

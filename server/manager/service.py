@@ -288,7 +288,8 @@ def cluster_status(rt: ManagerRuntime) -> mg.ClusterStatus:
         st = rt.state
         now = rt.now()
         msg = mg.ClusterStatus(epoch=rt.published.epoch, replication=st.settings.replication,
-                               under_replicated_blocks=st.under_replicated())
+                               under_replicated_blocks=st.under_replicated(),
+                               pending_moves=rt.pending_moves)
         primaries: dict[str, int] = {}
         backups: dict[str, int] = {}
         for t in st.tables.values():
