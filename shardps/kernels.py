@@ -263,11 +263,13 @@ def warm_up() -> None:
         return
     rows, grad = np.zeros((2, 2), np.float32), np.zeros((1, 2), np.float32)
     slots = np.zeros(1, np.int64)
-    for steps in (_EMPTY_STEPS, np.zeros(2, np.int32)):
+    for steps in (_EMPTY_STEPS, np.zeros(2, np.int32)):      # SGD and Adagrad: with or without
         _sgd(rows, _EMPTY_2D, steps, slots, grad, 0.1, 0.0, 0.0, 1.0, False)
         _sgd(rows, np.zeros_like(rows), steps, slots, grad, 0.1, 0.0, 0.9, 1.0, False)
         _adagrad(rows, np.zeros_like(rows), steps, slots, grad, 0.1, 0.0, 1e-10, 0.0)
-        _adam(rows, np.zeros_like(rows), np.zeros_like(rows), steps, slots, grad, 0.1, 0.9, 0.999, 1e-8, 0.0)
+    # Adam always keeps per-row steps (it indexes them: never an empty array)
+    _adam(rows, np.zeros_like(rows), np.zeros_like(rows), np.zeros(2, np.int32), slots, grad,
+          0.1, 0.9, 0.999, 1e-8, 0.0)
     unique_inverse(np.arange(128, dtype=np.int64))
     group_by_key(sparse_block_of(np.arange(4, dtype=np.int64), 4), 4)
     group_by_key(np.zeros(4, np.int32), 4)          # clients group by server index (int32)

@@ -46,12 +46,21 @@ def add_training_flags(fs) -> None:
     fs.add("--prefetch", True, "prefetch the next batch's embedding rows during the step")
     fs.add("--overlap", True, "send each push in the background and prefetch the next step's "
            "dense values meanwhile (one push in flight)")
-    fs.add("--lookahead", 2, "with --overlap, in ASYNC jobs: the pull sent with step t's push is for step "
+    fs.add("--lookahead", 0, "with --overlap, in ASYNC jobs: the pull sent with step t's push is for step "
            "t + LOOKAHEAD (2: the exchange runs during the next step's compute; values lack this "
-           "worker's previous step). SYNC and SSP jobs use 1")
+           "worker's previous step). 0: 2 for models with embedding tables (their rows are most "
+           "of the exchange), 1 for dense-only models (their every parameter would be a step staler). "
+           "SYNC and SSP jobs use 1")
     fs.add("--shared-memory", True, "same-host bulk bytes through /dev/shm (false: every byte over gRPC)")
     fs.add("--checkpoint-every", 0, "join a checkpoint every this many steps (0: only on demand)")
     fs.add("--ready-file", "", "write a JSON line (name, rank, metrics address, pid) here once joined")
+
+
+def _default_lookahead(model) -> int:
+    """``--lookahead 0``: 2 where the model has embedding tables (rows pulled per step make
+    most of an exchange, and a step-staler row costs little), else 1."""
+    from shardps.worker.embeddings import PSRows
+    return 2 if any(isinstance(m, PSRows) for m in model.modules()) else 1
 
 
 @dataclass
@@ -381,7 +390,7 @@ def run_worker(args) -> int:
         world = max(1, membership.world_size)
         opt, per_table = _lr_scaled(task, args, world)
         ps_model = PSModel(task.model, client, optimizer=opt, optimizers=per_table, overlap=args.overlap,
-                           lookahead=args.lookahead)
+                           lookahead=args.lookahead or _default_lookahead(task.model))
         ps_model.create_tables()
         resume = None
         if membership.restored:
