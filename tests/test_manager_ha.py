@@ -15,7 +15,6 @@ kill -9, after a failover, until every block has R = 2 live replicas again.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -45,25 +44,6 @@ FAILOVER_TARGET_SECONDS = 5.0
 def etcd_binary() -> str:
     """The etcd binary (Debian's etcd-server, installed when missing), else skips."""
     return debian_binary("etcd", "etcd-server")
-    reason = None
-    if os.geteuid() != 0 or not shutil.which("apt-get"):
-        reason = "no etcd binary, and apt-get cannot install one here (not root or no apt-get)"
-    else:
-        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        install = ["apt-get", "install", "-y", "--no-install-recommends", "etcd-server"]
-        for attempt in range(2):
-            done = subprocess.run(install, env=env, capture_output=True, text=True, timeout=900)
-            if done.returncode == 0:
-                break
-            if attempt == 0:          # the package lists may be missing or old
-                subprocess.run(["apt-get", "update"], env=env, capture_output=True, timeout=600)
-        found = shutil.which("etcd")
-        if not found:
-            reason = f"`apt-get install etcd-server` failed: {(done.stderr or done.stdout)[-500:]}"
-    if not found:
-        print(f"skipping: {reason}")
-        pytest.skip(reason)
-    return found
 
 
 class Etcd:

@@ -14,7 +14,6 @@ Prometheus's HTTP API and must parse and return a non-empty result.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import time
@@ -99,25 +98,6 @@ def test_dashboards_refer_to_the_provisioned_datasource():
 def prometheus_binary() -> str:
     """The prometheus binary (Debian's prometheus, installed when missing), else skips."""
     return debian_binary("prometheus", "prometheus")
-    reason = None
-    if os.geteuid() != 0 or not shutil.which("apt-get"):
-        reason = "no prometheus binary, and apt-get cannot install one here (not root or no apt-get)"
-    else:
-        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        install = ["apt-get", "install", "-y", "--no-install-recommends", "prometheus"]
-        for attempt in range(2):
-            done = subprocess.run(install, env=env, capture_output=True, text=True, timeout=900)
-            if done.returncode == 0:
-                break
-            if attempt == 0:          # the package lists may be missing or old
-                subprocess.run(["apt-get", "update"], env=env, capture_output=True, timeout=600)
-        found = shutil.which("prometheus")
-        if not found:
-            reason = f"`apt-get install prometheus` failed: {(done.stderr or done.stdout)[-500:]}"
-    if not found:
-        print(f"skipping: {reason}")
-        pytest.skip(reason)
-    return found
 
 
 _HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))   # loopback, never a proxy
