@@ -26,7 +26,8 @@ import time
 
 import numpy as np
 
-from shardps.tables import sgd, sparse_block_of
+from shardps.tables import sgd
+from shardps.verify.workload import sparse_ids
 from shardps.worker.client import PSClient
 
 BLOCKS = 24
@@ -35,14 +36,7 @@ TABLE = "counters"
 
 def worker_ids(rank: int, blocks: int = BLOCKS) -> np.ndarray:
     """One id per block, from this rank's id range: every push touches every block."""
-    base = rank * 1_000_000
-    found: dict[int, int] = {}
-    candidates = np.arange(base, base + 100_000, dtype=np.int64)
-    for i, b in zip(candidates, sparse_block_of(candidates, blocks)):
-        found.setdefault(int(b), int(i))
-        if len(found) == blocks:
-            break
-    return np.array([found[b] for b in range(blocks)], dtype=np.int64)
+    return sparse_ids(rank, blocks)
 
 
 def write_state(path: str, state: dict) -> None:

@@ -43,14 +43,11 @@ PUSH_TIMEOUT = 10.0
 
 def sparse_ids(index: int, blocks: int = BLOCKS) -> np.ndarray:
     """One id per block from worker ``index``'s own id range."""
-    base = index * 1_000_000
-    found: dict[int, int] = {}
-    candidates = np.arange(base, base + 100_000, dtype=np.int64)
-    for i, b in zip(candidates, sparse_block_of(candidates, blocks)):
-        found.setdefault(int(b), int(i))
-        if len(found) == blocks:
-            break
-    return np.array([found[b] for b in range(blocks)], dtype=np.int64)
+    candidates = np.arange(index * 1_000_000, index * 1_000_000 + 100_000, dtype=np.int64)
+    present, first = np.unique(sparse_block_of(candidates, blocks), return_index=True)
+    if present.shape[0] != blocks:
+        raise ValueError(f"ids of worker {index} reach {present.shape[0]} of {blocks} blocks")
+    return candidates[first]
 
 
 @dataclass
