@@ -53,9 +53,9 @@ class JobClock:
             self.live = set(sessions)
             self.cond.notify_all()
 
-    def report(self, session: str, clock: int, sequence: int = 0) -> None:
+    def report(self, session: str, clock: int, sequence: int = 0) -> bool:
         """``session`` pushed step ``clock`` (with push ``sequence``): it has completed
-        ``clock + 1`` steps."""
+        ``clock + 1`` steps. Returns whether that is news here."""
         with self.cond:
             if sequence:
                 self.reports[session] = (clock, sequence)
@@ -63,6 +63,8 @@ class JobClock:
                 if clock + 1 > self.completed.get(session, 0):
                     self.completed[session] = clock + 1
                     self.cond.notify_all()
+                    return True
+            return False
 
     def _min_locked(self) -> int:
         return min((self.completed.get(s, 0) for s in self.live), default=self.applied_steps)
@@ -105,9 +107,13 @@ class JobClock:
         is new) learns the group's step from it: steps below it are taken as applied here
         (this server holds no data of them; its blocks arrived with their state). The first
         push taken ends that. Returns whether ``step`` is open or already applied here;
-        False: it is further ahead than this clock allows."""
+        False: it is further ahead than this clock allows. A push may be one step ahead:
+        every worker completed the step before (the pusher pulled its step elsewhere), and
+        this server waits for a report of it that went to the servers of an older map, or
+        to this server's previous incarnation; the member's next push or pull here counts as
+        that report (``SyncSteps.reached``)."""
         with self.cond:
-            if step > self.applied_steps:
+            if step > self.applied_steps + (1 if pushing and not self.fresh else 0):
                 if not self.fresh:
                     return False
                 self.applied_steps = self.closed_below = step

@@ -40,3 +40,16 @@ def test_ssp_is_named_ssp_and_every_old_spelling_is_still_accepted():
     assert Consistency["BOUNDED"] is Consistency.SSP and Consistency(3) is Consistency.SSP   # state files, protos
     with pytest.raises(InvalidArgument, match="'lazy': use async, sync or ssp"):
         Consistency.parse("lazy")
+
+
+def test_a_sync_clock_takes_a_push_one_step_ahead_and_refuses_two():
+    """A server that waits for a report lost to a map change (or to its previous incarnation)
+    is one step behind the pusher: that push is taken; two steps ahead is no real worker's."""
+    clock = JobClock(Consistency.SYNC)
+    clock.set_members({"a", "b"}, Consistency.SYNC, 0)
+    assert clock.adopt(3, pushing=True)            # fresh: learns step 3
+    assert clock.applied_steps == 3
+    assert clock.adopt(4, pushing=True)            # one ahead: b's report of 3 not here yet
+    assert not clock.adopt(5, pushing=True)
+    assert clock.adopt(5, pushing=False) is False  # a pull never moves a clock that took a push
+    assert clock.applied_steps == 3

@@ -17,6 +17,7 @@ from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.server.node import NodeLimits, ServerNode, snapshot_block
 from shardps.server.node.apply import JobHolds, PushApplier
 from shardps.server.node.decode import check_header, parse_segments, split
+from shardps.server.node.pull import PullReader
 from shardps.server.node.replication import BackupApplier, Forwarder
 from shardps.server.node.steps import SyncSteps
 from shardps.server.node.table import BlockTable
@@ -43,6 +44,7 @@ class FakePeers:
     node -> keys its replicate reports stale. ``nodes``: name -> Layers to deliver to."""
 
     fail: set = field(default_factory=set)
+    fail_kinds: set = field(default_factory=set)      # op kinds whose replicate raises Unavailable
     out_of_sync: dict = field(default_factory=dict)
     nodes: dict = field(default_factory=dict)
     calls: list = field(default_factory=list)
@@ -50,7 +52,7 @@ class FakePeers:
 
     def replicate(self, node, epoch, ops, arrays):
         self.calls.append(("replicate", node, epoch, list(ops)))
-        if node in self.fail:
+        if node in self.fail or any(op.kind in self.fail_kinds for op in ops):
             raise Unavailable(f"{node} is down")
         if node in self.nodes:
             payload = b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)
@@ -84,10 +86,13 @@ class Layers:
         self.holds = JobHolds(self.table.gate, self.clock)
         self.pusher = PushApplier(self.table, self.steps, self.forwarder, self.holds, limits,
                                   self.metrics, self.clock)
+        self.reader = PullReader(self.table, self.steps, limits, self.metrics, self.clock)
 
     def install(self, msg: pb.ShardMap) -> None:
+        """As ``ServerNode.install`` does it."""
         with self.table.gate.exclusive():
             self.table.install(ShardMapView(msg), self.steps.set_groups_locked)
+        self.steps.apply_all_ready()
 
     def push(self, hdr, segments, payload, kind=ps.GRADIENT, deadline=None) -> ps.PushAck:
         return self.pusher.push(hdr, kind, segments, payload, deadline)
@@ -346,6 +351,72 @@ def test_sync_step_is_the_mean_over_live_workers_and_applied_steps_are_closed():
         node.push(header(session="w0", sequence=2, clock=0), segments, payload)
     np.testing.assert_array_equal(blk.values, np.full(8, -3.0))
     assert not blk.pending
+
+
+def test_a_promoted_backup_applies_the_sync_step_its_old_primary_did_not_forward():
+    """The backup closed step 0 when both workers reported it (the primary applies), then the
+    primary's APPLY_STEP never arrived and the backup became primary: it applies step 0 from
+    the gradients it holds (the verifier's seed 3: acknowledged SYNC pushes lost)."""
+    peers = FakePeers(fail_kinds={ps.APPLY_STEP})
+    primary, backup = Layers("s0", peers), Layers("s1")
+    peers.nodes["s1"] = backup
+    group = G(["w0", "w1"], mode=Consistency.SYNC)
+    for n in (primary, backup):
+        n.install(shard_map(1, [dense_w()], [group]))
+    for rank, g in enumerate((2.0, 4.0)):
+        segments, payload = dense_seg(0, 8, np.full(8, g))
+        primary.push(header(session=f"w{rank}", sequence=1, clock=0), segments, payload)
+        backup.steps.clocks[JOB].report(f"w{rank}", 0, 1)     # next_step reports to every server
+    backup.steps.apply_ready(JOB)
+    blk = backup.table.blocks[(JOB, "w", 0)]
+    assert blk.values is None and 0 in blk.pending           # closed here, left to the primary
+    assert backup.steps.clocks[JOB].applied_steps == 1
+    backup.install(shard_map(2, [dense_w(replicas=[["s1"]], since=2)], [group], dead=("s0",)))
+    np.testing.assert_array_equal(blk.values, np.full(8, -3.0))
+    assert not blk.pending and backup.steps.clocks[JOB].applied_steps == 1
+
+
+def test_a_block_copied_with_accumulated_gradients_applies_them_as_primary():
+    primary, dest = Layers("s0"), Layers("s1")
+    group = G(["w0", "w1"], mode=Consistency.SYNC)
+    primary.install(shard_map(1, [dense_w(replicas=[["s0"]])], [group]))
+    dest.install(shard_map(1, [dense_w(replicas=[["s0", "s1"]])], [group]))
+    segments, payload = dense_seg(0, 8, np.full(8, 2.0))
+    primary.push(header(session="w0", sequence=1, clock=0), segments, payload)   # w1: not yet
+    dest.backup.load_blocks(1, "s0", [snapshot_block(primary.table.blocks[(JOB, "w", 0)])])
+    dest.install(shard_map(2, [dense_w(replicas=[["s1"]], since=2)], [group], dead=("s0",)))
+    for w in ("w0", "w1"):
+        dest.steps.clocks[JOB].report(w, 0)
+    dest.steps.apply_ready(JOB)
+    np.testing.assert_array_equal(dest.table.blocks[(JOB, "w", 0)].values, np.full(8, -1.0))   # -2 / 2
+
+
+def test_a_sync_pull_counts_as_its_workers_report_of_the_step_before():
+    """w1 pushed nothing here for step 0 and its report went to the servers of its older map;
+    its pull of step 1 says it completed step 0, so the step applies instead of both pulls
+    waiting for each other until the deadline."""
+    node = Layers()
+    node.install(shard_map(1, [dense_w(replicas=[["s0"]])], [G(["w0", "w1"], mode=Consistency.SYNC)]))
+    segments, payload = dense_seg(0, 8, np.full(8, 2.0))
+    node.push(header(session="w0", sequence=1, clock=0), segments, payload)
+    assert node.steps.clocks[JOB].applied_steps == 0
+    segments, _ = dense_seg(0, 8)
+    out, arrays = node.reader.pull(header(session="w1", clock=1), segments, b"", deadline=node.clock.now)
+    assert node.steps.clocks[JOB].applied_steps == 1
+    np.testing.assert_array_equal(np.frombuffer(arrays[0], dtype="<f4"), np.full(8, -1.0))   # -2 / 2
+
+
+def test_a_sync_push_counts_as_its_workers_report_of_the_step_before():
+    """As above, for a push: w1's report of step 0 did not reach this server; its push of
+    step 1 is taken (not refused as ahead of the clock) and step 0 applies."""
+    node = Layers()
+    node.install(shard_map(1, [dense_w(replicas=[["s0"]])], [G(["w0", "w1"], mode=Consistency.SYNC)]))
+    segments, payload = dense_seg(0, 8, np.full(8, 2.0))
+    node.push(header(session="w0", sequence=1, clock=0), segments, payload)
+    node.push(header(session="w1", sequence=2, clock=1), segments, payload)
+    assert node.steps.clocks[JOB].applied_steps == 1
+    np.testing.assert_array_equal(node.table.blocks[(JOB, "w", 0)].values, np.full(8, -1.0))
+    assert list(node.table.blocks[(JOB, "w", 0)].pending) == [1]
 
 
 def test_sync_push_from_a_non_member_is_refused():

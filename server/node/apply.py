@@ -148,6 +148,8 @@ class PushApplier:
                         int(header.acked_below))
         started = self._now()
         check_header(header)
+        if header.session and kind == GRADIENT and header.clock:
+            self.steps.reached(header.job, header.session, int(header.clock))   # SYNC only
         table = self.table
         with table.gate.shared():
             t0 = time.perf_counter()        # phases: shardps_server_phase_seconds

@@ -68,7 +68,7 @@ class PullReader:
         if clock is not None and table.member(header):
             waited = self._now()
             if clock.mode is Consistency.SYNC:
-                clock.adopt(int(header.clock), pushing=False)   # a (re)joined server learns the step
+                self.steps.reached(header.job, header.session, int(header.clock), pulling=True)
             staleness = clock.wait_for_pull(int(header.clock), deadline)
             header_out.waited_seconds = self._now() - waited
             if clock.mode is not Consistency.ASYNC:

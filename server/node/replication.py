@@ -317,5 +317,7 @@ class BackupApplier:
             blk = self.table.receive(key, t, source)
             with blk.lock:
                 blk.load(meta, arrays)
+                if blk.pending:
+                    self.steps.track_locked(blk)
             loaded += 1
         return loaded

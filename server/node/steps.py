@@ -36,7 +36,8 @@ from shardps.tables import Consistency, coalesce
 log = logging.getLogger("shardps.server")
 
 # TEST-ONLY (shardps/verify/defects.py): "2" re-introduces defect 2 of issue 13 (a SYNC push
-# for an applied step acknowledged and dropped) so the verifier's tests can show they catch it.
+# for an applied step acknowledged into that step, which is never applied again) so the
+# verifier's tests can show they catch it.
 _TEST_DEFECT = os.environ.get("SHARDPS_TEST_REINTRODUCE_DEFECT", "")
 
 
@@ -107,10 +108,34 @@ class SyncSteps:
             blk.accumulate(step, (np.array(arrays[0], dtype=np.int64),
                                   np.array(arrays[1], dtype=np.float32).reshape(-1, blk.dim)))
         blk.version += 1
+        self.track_locked(blk)
+
+    def track_locked(self, blk: AnyBlock) -> None:
+        """``blk`` holds accumulated gradients (an accumulate, or a whole copy loaded with
+        them): ``apply_ready`` looks at it. Block lock held."""
         with self.table.lock:
             self.pending.setdefault(blk.key[0], set()).add(blk.key)
 
     # ------------------------------------------------------------------ steps
+    def reached(self, job: str, session: str, step: int, pulling: bool = False) -> None:
+        """SYNC: member ``session`` pulls (``pulling``) or pushes ``step``, so it completed
+        ``step`` steps: a worker pulls and pushes step t only after its pushes and report of
+        step t - 1 were acknowledged, and that report may have gone to the servers of an
+        older map, without this one (or been lost with a paused connection). Counts that
+        report; a pull also lets a clock that knew nothing learn the group's step
+        (``JobClock.adopt``; a push adopts under the gate, in ``PushApplier.push``). What
+        either completes is applied now (held steps included: see ``apply_ready``), before
+        the pull waits or the push is checked against the clock. Nothing held on entry."""
+        clock = self.clocks.get(job)
+        if clock is None or clock.mode is not Consistency.SYNC:
+            return
+        before = clock.applied_steps
+        if pulling:
+            clock.adopt(step, pushing=False)
+        rose = step > 0 and clock.report(session, step - 1)
+        if rose or clock.applied_steps > before:
+            self.apply_ready(job)
+
     def apply_all_ready(self) -> None:
         """``apply_ready`` for every job (after a map install). Nothing held on entry."""
         for job in list(self.clocks):
@@ -128,6 +153,7 @@ class SyncSteps:
         with lock:
             ready = clock.steps_to_apply()
             clock.close(ready.stop)      # before collecting: see check_step_open
+            closed = clock.closed_below
             with self.table.lock:
                 keys = list(self.pending.get(job, set()))
             with_data: set[int] = set()
@@ -135,7 +161,15 @@ class SyncSteps:
                 blk = self.table.blocks.get(k)
                 if blk is not None:
                     with blk.lock:
-                        with_data.update(st for st in blk.pending if st in ready)
+                        # every closed step a primary block holds: the ready ones, and any
+                        # it holds from when this node was its backup or a move's destination
+                        # (it closed the step when every worker reported it and left the
+                        # applying to the primary, whose APPLY_STEP never arrived: it died, or
+                        # the block changed hands as it applied), or from before a fresh clock
+                        # learnt a later step (JobClock.adopt)
+                        if self.table.is_primary(k):
+                            with_data.update(st for st in blk.pending
+                                             if st < closed and (_TEST_DEFECT != "2" or st in ready))
                         if not blk.pending:
                             with self.table.lock:
                                 self.pending.get(job, set()).discard(k)

@@ -60,6 +60,9 @@ def print_table(verdicts: list[Verdict], out=sys.stdout) -> None:
         print(f"  SYNC pushes for an applied step: {v.stale_refused} refused, {v.stale_acked} acknowledged; "
               f"reads checked {v.reads}; servers' leases expired {v.lease_expiries} times; the verifier "
               f"stalled up to {v.host_stall:.1f}s (host load)", file=out)
+        if not v.passed:
+            for x in v.worker_errors:
+                print(f"  worker error: {x}", file=out)
         for x in v.violations:
             print(f"  VIOLATION: {x}", file=out)
     print("\n" + HEADER, file=out)

@@ -42,6 +42,7 @@ class Verdict:
     per_table: dict[str, dict] = field(default_factory=dict)
     host_stall: float = 0.0         # the longest time the verifier itself was not scheduled
     lease_expiries: int = 0         # "lease expired" lines of the manager's log
+    worker_errors: list[str] = field(default_factory=list)     # "worker: kind xN: last message"
     violations: list[str] = field(default_factory=list)
 
     @property
@@ -101,6 +102,8 @@ def check_values(v: Verdict, jobs: list[Job], history: History, final: dict[str,
             v.refused += rec.refused
             v.stale_acked += rec.stale_acked
             v.stale_refused += rec.stale_refused
+        v.worker_errors = [f"{rec.name}: {kind} x{n}: {rec.last_error.get(kind, '')}"
+                           for rec in history.workers.values() for kind, n in rec.errors.most_common(3)]
         v.reads = history.reads
         v.stale_reads = len(history.stale_reads)
         v.backwards = len(history.backwards)
