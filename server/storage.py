@@ -15,7 +15,7 @@ import numpy as np
 
 from shardps import kernels
 from shardps.server import optimizers
-from shardps.tables import TableConfig, TableSpec, initial_values, sparse_block_of
+from shardps.tables import TableConfig, TableSpec, sparse_block_of
 
 if TYPE_CHECKING:
     from shardps.server.lifecycle import Outcome, TableLifecycle
@@ -183,7 +183,7 @@ class SparseRows:
             out = np.empty((ids.shape[0], self.dim), dtype=np.float32)
         present = ~missing
         out[present] = self.rows.take(slots[present])
-        out[missing] = initial_values(self.spec.init, ids[missing], self.dim)
+        out[missing] = kernels.initial_values(self.spec.init, ids[missing], self.dim)
         return out
 
     def _ensure_state(self, config: TableConfig | None, names=()) -> None:
@@ -232,7 +232,7 @@ class SparseRows:
         if steps is not None:
             self._ensure_row_steps()
         slots = self._allocate(n)
-        self.rows.put(slots, initial_values(self.spec.init, new_ids, self.dim) if values is None else values)
+        self.rows.put(slots, kernels.initial_values(self.spec.init, new_ids, self.dim) if values is None else values)
         for name, pages in self.state.items():
             if state and name in state:
                 pages.put(slots, state[name])

@@ -5,7 +5,7 @@ import pytest
 
 from shardps import kernels
 from shardps.server import optimizers
-from shardps.tables import adagrad, adam, sgd
+from shardps.tables import adagrad, adam, constant, initial_values, normal, sgd, uniform, zeros
 
 pytestmark = pytest.mark.skipif(not kernels.AVAILABLE, reason="numba is not installed")
 
@@ -77,10 +77,23 @@ def test_block_of_and_grouping_equal_the_numpy_reference(n, num_blocks):
         assert np.array_equal(a, b)       # positions ascending within a block (stable)
 
 
+@pytest.mark.parametrize("init", [uniform(-0.05, 0.05, seed=3), uniform(0.0, 1.0, seed=(1 << 40) + 5),
+                                  normal(0.0, 0.01, seed=7), normal(0.5, 2.0, seed=123456789),
+                                  zeros(), constant(0.25)], ids=str)
+def test_initial_values_equal_the_numpy_reference_bit_for_bit(init):
+    rng = np.random.default_rng(1)
+    ids = np.concatenate([rng.integers(-(1 << 62), 1 << 62, 200_000, dtype=np.int64),
+                          np.arange(1000, dtype=np.int64), np.empty(0, np.int64)])
+    for dim in (1, 3, 16):
+        got, want = kernels.initial_values(init, ids, dim), initial_values(init, ids, dim)
+        assert got.dtype == np.float32 and got.shape == (ids.shape[0], dim)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 @pytest.mark.skipif(not kernels.AVAILABLE, reason="numba is not installed")
 def test_warm_up_compiles_every_kernel_for_the_data_paths_types():
     kernels.warm_up()
     for fn in (kernels._sgd, kernels._adagrad, kernels._adam, kernels._hash_unique, kernels._block_of,
-               kernels._group):
+               kernels._group, kernels._init_uniform, kernels._init_units):
         assert fn.signatures, f"{fn.__name__} was not compiled by warm_up"
     kernels.warm_up()                   # idempotent
