@@ -325,6 +325,33 @@ class SparseBlock(Block):
 AnyBlock = DenseBlock | SparseBlock
 
 
+class BlockLocks:
+    """``with BlockLocks(blocks):`` holds every block's lock (the caller orders ``blocks`` by
+    key), released in reverse order on exit: one context manager for the lot, where an
+    ``ExitStack`` costs a callback per block (a push or pull touches dozens)."""
+
+    __slots__ = ("locks",)
+
+    def __init__(self, blocks):
+        self.locks = [b.lock for b in blocks]
+
+    def __enter__(self) -> "BlockLocks":
+        taken = 0
+        try:
+            for lock in self.locks:
+                lock.acquire()
+                taken += 1
+        except BaseException:
+            for lock in reversed(self.locks[:taken]):
+                lock.release()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for lock in reversed(self.locks):
+            lock.release()
+
+
 def new_block(key: BlockKey, spec: TableSpec, table_rows: SparseRows | None = None) -> AnyBlock:
     """A new empty block; sparse blocks store their rows in ``table_rows`` (a private one if None)."""
     return DenseBlock(key, spec) if spec.kind is TableKind.DENSE else SparseBlock(key, spec, table_rows)

@@ -1,6 +1,6 @@
 """Compiled kernels for the hot loops of the data path, with numpy fallbacks.
 
-Two loops dominate a sparse step outside the network:
+Three loops dominate a sparse step outside the network:
 
 * the servers' optimizer update of pushed rows: look up each row's slot, gather its values
   and optimizer state, update, scatter back. numpy needs about fifteen passes over

@@ -444,3 +444,23 @@ def test_the_facade_exposes_its_layers_state():
     assert other.sent("replicate") and not peers.calls
     assert node.usage()["primary_blocks"] == 1
     assert node.drop_tables(JOB) == 1 and not node.blocks
+
+
+def test_block_locks_hold_every_lock_and_release_the_taken_ones_when_one_fails():
+    import threading
+    from types import SimpleNamespace
+
+    from shardps.server.blocks import BlockLocks
+
+    class Refusing:
+        def acquire(self):
+            raise KeyboardInterrupt
+
+    ok = [SimpleNamespace(lock=threading.Lock()) for _ in range(3)]
+    with BlockLocks(ok):
+        assert all(b.lock.locked() for b in ok)
+    assert not any(b.lock.locked() for b in ok)
+    with pytest.raises(KeyboardInterrupt):
+        with BlockLocks(ok[:2] + [SimpleNamespace(lock=Refusing())]):
+            pass
+    assert not any(b.lock.locked() for b in ok)

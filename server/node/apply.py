@@ -19,7 +19,6 @@ Contract of ``PushApplier.push`` (the .proto states the same):
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from typing import TYPE_CHECKING, Sequence, cast
@@ -32,7 +31,7 @@ from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc.codec import byte_view
 from shardps.server import lifecycle_ops, optimizers
-from shardps.server.blocks import AnyBlock, BlockKey, DenseBlock, SparseBlock, Writer
+from shardps.server.blocks import AnyBlock, BlockKey, BlockLocks, DenseBlock, SparseBlock, Writer
 from shardps.server.node.decode import NodeLimits, Part, Segment, check_header, parse_segments, split
 from shardps.server.node.table import BlockTable, EpochGate
 from shardps.shardmap import ShardMapView, TableView
@@ -226,10 +225,7 @@ class PushApplier:
         for s in parsed:
             for b, v in s.base_versions.items():
                 base[(s.table.job, s.table.name, b)] = v
-        with contextlib.ExitStack() as stack:
-            for blk in unique:
-                blk.lock.acquire()
-                stack.callback(blk.lock.release)
+        with BlockLocks(unique):
             # exactly-once: decided once per block, under its lock
             applied = {id(blk) for blk in unique if blk.already_applied(writer)}
             # pass 1: preconditions, before anything changes
@@ -265,7 +261,7 @@ class PushApplier:
                     duplicates += 1
                     continue
                 if part.key in base:
-                    self.metrics.updates_between.labels(part.key[0]).observe(
+                    labelled(self.metrics.updates_between, part.key[0]).observe(
                         max(0, blk.version - base[part.key]))
                 todo.append((part, blk))
             i = 0

@@ -9,7 +9,6 @@ again. The response is bounded by ``NodeLimits.max_response_bytes`` (ResourceExh
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import TYPE_CHECKING, Sequence, cast
 
@@ -21,7 +20,7 @@ from shardps.errors import ResourceExhausted
 from shardps.metrics import NodeMetrics, labelled
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
-from shardps.server.blocks import BlockKey, DenseBlock, SparseBlock
+from shardps.server.blocks import BlockKey, BlockLocks, DenseBlock, SparseBlock
 from shardps.server.node.decode import NodeLimits, check_header, parse_segments, sparse_blocks, split
 from shardps.server.node.table import BlockTable
 from shardps.tables import Consistency
@@ -129,9 +128,7 @@ class PullReader:
                 blks = [table.blocks[(t.job, t.name, int(b))] for b in block_indexes]
                 if not blks:
                     continue
-                with contextlib.ExitStack() as stack:
-                    for blk in blks:
-                        stack.enter_context(blk.lock)
+                with BlockLocks(blks):
                     s = parsed[seg_index]
                     table_rows = cast(SparseBlock, blks[0]).table_rows
                     assert s.ids is not None            # a sparse segment carries its ids
