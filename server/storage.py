@@ -7,6 +7,7 @@ Plain numpy; no grpc, no torch.
 
 from __future__ import annotations
 
+import collections
 import mmap
 import threading
 from typing import TYPE_CHECKING
@@ -15,7 +16,7 @@ import numpy as np
 
 from shardps import kernels
 from shardps.server import optimizers
-from shardps.tables import TableConfig, TableSpec, sparse_block_of
+from shardps.tables import InitKind, TableConfig, TableSpec, sparse_block_of
 
 if TYPE_CHECKING:
     from shardps.server.lifecycle import Outcome, TableLifecycle
@@ -139,6 +140,45 @@ class _SortedIndex:
 DIRECT_INDEX_MAX_ROWS = 1 << 24     # bounded tables up to 16M rows use a direct id -> slot map
 
 
+class _RecentInits:
+    """Initial values that reads of missing rows computed lately, for the push that stores
+    those rows soon after (a worker pulls a row, then pushes its gradient): it copies them
+    instead of computing them again. Only for initialisers that cost more than the lookup
+    (normal: a float64 log1p and cos per element). Values are a pure function of the
+    table's seed and the row id, so an entry is never stale. Holds the last ``KEEP`` reads
+    of at most ``MAX_ROWS`` missing rows each (4 MiB each at dim 16)."""
+
+    KEEP = 8
+    MAX_ROWS = 1 << 16
+
+    def __init__(self, spec: TableSpec):
+        self.spec = spec
+        self.entries: collections.deque = collections.deque(maxlen=self.KEEP)   # (sorted ids, values)
+
+    def read(self, ids: np.ndarray) -> np.ndarray:
+        """Initial values of ``ids`` (a read's missing rows), remembered."""
+        values = kernels.initial_values(self.spec.init, ids, self.spec.dim)
+        if ids.shape[0] <= self.MAX_ROWS:
+            order = np.argsort(ids)
+            self.entries.append((ids[order], values[order]))
+        return values
+
+    def insert(self, ids: np.ndarray) -> np.ndarray:
+        """Initial values of ``ids`` (unique rows being stored): remembered ones copied."""
+        out = np.empty((ids.shape[0], self.spec.dim), dtype=np.float32)
+        todo = np.arange(ids.shape[0])
+        for known, values in reversed(self.entries):
+            if not todo.shape[0]:
+                break
+            pos = np.minimum(np.searchsorted(known, ids[todo]), known.shape[0] - 1)
+            hit = known[pos] == ids[todo]
+            out[todo[hit]] = values[pos[hit]]
+            todo = todo[~hit]
+        if todo.shape[0]:
+            out[todo] = kernels.initial_values(self.spec.init, ids[todo], self.spec.dim)
+        return out
+
+
 class SparseRows:
     """Every row of one sparse table that this server holds, across all of its blocks.
 
@@ -163,6 +203,7 @@ class SparseRows:
         self.used = 0                                   # slots handed out so far
         self.free = np.empty(0, dtype=np.int64)         # slots of removed rows, reused first
         self.block_counts = np.zeros(spec.num_blocks, dtype=np.int64)
+        self.recent = _RecentInits(spec) if spec.init.kind is InitKind.NORMAL else None
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """Slot of each id, or -1 where the row is not stored."""
@@ -183,7 +224,9 @@ class SparseRows:
             out = np.empty((ids.shape[0], self.dim), dtype=np.float32)
         present = ~missing
         out[present] = self.rows.take(slots[present])
-        out[missing] = kernels.initial_values(self.spec.init, ids[missing], self.dim)
+        absent = ids[missing]
+        out[missing] = (self.recent.read(absent) if self.recent is not None
+                        else kernels.initial_values(self.spec.init, absent, self.dim))
         return out
 
     def _ensure_state(self, config: TableConfig | None, names=()) -> None:
@@ -232,7 +275,10 @@ class SparseRows:
         if steps is not None:
             self._ensure_row_steps()
         slots = self._allocate(n)
-        self.rows.put(slots, kernels.initial_values(self.spec.init, new_ids, self.dim) if values is None else values)
+        if values is None:
+            values = (self.recent.insert(new_ids) if self.recent is not None
+                      else kernels.initial_values(self.spec.init, new_ids, self.dim))
+        self.rows.put(slots, values)
         for name, pages in self.state.items():
             if state and name in state:
                 pages.put(slots, state[name])

@@ -1,0 +1,31 @@
+"""``server.storage.SparseRows`` directly: what a read returns for rows not stored, and that
+a push storing rows a read just initialised copies those values (``_RecentInits``)."""
+
+import numpy as np
+
+from shardps import kernels
+from shardps.server.storage import SparseRows
+from shardps.tables import TableConfig, initial_values, normal, sgd, sparse_table, uniform
+
+
+def test_rows_read_then_pushed_start_from_the_values_the_read_returned(monkeypatch):
+    init = normal(0.0, 0.01, seed=7)
+    rows = SparseRows(sparse_table("e", 16, num_rows=1000, init=init))
+    config = TableConfig(sgd(1.0))
+    pulled = np.array([5, 900, 17, 5, 3], dtype=np.int64)           # repeats allowed
+    got = rows.read(pulled)
+    assert np.array_equal(got.view(np.uint32), initial_values(init, pulled, 16).view(np.uint32))
+    computed = []
+    real = kernels.initial_values
+    monkeypatch.setattr(kernels, "initial_values", lambda i, ids, d: computed.append(ids.copy()) or real(i, ids, d))
+    pushed = np.array([17, 3, 42, 900, 5], dtype=np.int64)           # 42 was never read
+    rows.apply(config, pushed, np.ones((5, 16), np.float32))
+    assert [c.tolist() for c in computed] == [[42]]                 # the rest were copied
+    want = initial_values(init, pushed, 16) - 1.0
+    assert np.array_equal(rows.read(pushed), want)
+
+
+def test_cheap_initialisers_are_not_remembered():
+    rows = SparseRows(sparse_table("e", 4, init=uniform(-1.0, 1.0, seed=1)))
+    rows.read(np.arange(10, dtype=np.int64))
+    assert rows.recent is None
