@@ -145,22 +145,28 @@ class _RecentInits:
     those rows soon after (a worker pulls a row, then pushes its gradient): it copies them
     instead of computing them again. Only for initialisers that cost more than the lookup
     (normal: a float64 log1p and cos per element). Values are a pure function of the
-    table's seed and the row id, so an entry is never stale. Holds the last ``KEEP`` reads
-    of at most ``MAX_ROWS`` missing rows each (4 MiB each at dim 16)."""
+    table's seed and the row id, so an entry is never stale. Holds the last ``KEEP`` reads,
+    ``MAX_BYTES`` at most in all (outside a table's memory budget, so kept small)."""
 
     KEEP = 8
-    MAX_ROWS = 1 << 16
+    MAX_BYTES = 1 << 22
 
     def __init__(self, spec: TableSpec):
         self.spec = spec
-        self.entries: collections.deque = collections.deque(maxlen=self.KEEP)   # (sorted ids, values)
+        self.entries: collections.deque = collections.deque()   # (sorted ids, values), oldest first
+        self.nbytes = 0
 
     def read(self, ids: np.ndarray) -> np.ndarray:
         """Initial values of ``ids`` (a read's missing rows), remembered."""
         values = kernels.initial_values(self.spec.init, ids, self.spec.dim)
-        if ids.shape[0] <= self.MAX_ROWS:
+        size = ids.nbytes + values.nbytes
+        if size <= self.MAX_BYTES:
+            while self.entries and (len(self.entries) >= self.KEEP or self.nbytes + size > self.MAX_BYTES):
+                old_ids, old_values = self.entries.popleft()
+                self.nbytes -= old_ids.nbytes + old_values.nbytes
             order = np.argsort(ids)
             self.entries.append((ids[order], values[order]))
+            self.nbytes += size
         return values
 
     def insert(self, ids: np.ndarray) -> np.ndarray:

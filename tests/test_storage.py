@@ -25,6 +25,14 @@ def test_rows_read_then_pushed_start_from_the_values_the_read_returned(monkeypat
     assert np.array_equal(rows.read(pushed), want)
 
 
+def test_remembered_initial_values_stay_within_their_bytes():
+    rows = SparseRows(sparse_table("e", 16, init=normal(0.0, 1.0, seed=2)))
+    for k in range(40):
+        rows.read(np.arange(k * 5000, (k + 1) * 5000, dtype=np.int64))
+        assert rows.recent.nbytes <= rows.recent.MAX_BYTES and len(rows.recent.entries) <= rows.recent.KEEP
+    assert rows.recent.nbytes == sum(i.nbytes + v.nbytes for i, v in rows.recent.entries) > 0
+
+
 def test_cheap_initialisers_are_not_remembered():
     rows = SparseRows(sparse_table("e", 4, init=uniform(-1.0, 1.0, seed=1)))
     rows.read(np.arange(10, dtype=np.int64))
