@@ -18,7 +18,7 @@ from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc.codec import CHUNK_BYTES, assemble, decode_chunk, encode_chunk, split_payload, write_into
 from shardps.rpc.status import Method, bind, grpc_code, proto_method
 from shardps.rpc.stubs import encode_snapshots
-from shardps.server import lifecycle
+from shardps.server import digest, lifecycle
 from shardps.server.auth import JOB, check_job
 from shardps.server.node import BlockSnapshot, ServerNode
 
@@ -153,6 +153,7 @@ class ParameterServerService:
             "HoldJob": proto_method("unary_unary", self.hold_job, ps.HoldJobRequest),
             "DropTables": proto_method("unary_unary", self.drop_tables, ps.DropTablesRequest),
             "GetNodeStatus": proto_method("unary_unary", self.get_node_status, ps.GetNodeStatusRequest),
+            "GetBlockDigests": proto_method("unary_unary", self.get_block_digests, ps.GetBlockDigestsRequest),
             "OpenDataPlane": proto_method("unary_unary", self.open_data_plane, ps.OpenDataPlaneRequest),
         }
 
@@ -378,6 +379,17 @@ class ParameterServerService:
     def drop_tables(self, request, call) -> ps.DropTablesResponse:
         names.check(names.JOB, request.job, "job")
         return ps.DropTablesResponse(dropped_blocks=self.node.drop_tables(request.job, list(request.tables)))
+
+    def get_block_digests(self, request, call) -> ps.GetBlockDigestsResponse:
+        if request.job:
+            names.check(names.JOB, request.job, "job")
+        node = self.node
+        msg = ps.GetBlockDigestsResponse(name=node.name, incarnation=node.incarnation, epoch=node.epoch)
+        for d in digest.held_digests(node.table, request.job):
+            msg.blocks.add(job=d.key[0], table=d.key[1], block=d.key[2], version=d.version,
+                           role=ps.BLOCK_PRIMARY if d.primary else ps.BLOCK_BACKUP, digest=d.digest,
+                           rows=d.size, loaded=d.loaded)
+        return msg
 
     def get_node_status(self, request, call) -> ps.NodeStatus:
         principal = call.principal

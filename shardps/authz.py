@@ -92,6 +92,8 @@ TABLE: dict[str, dict[str, Rule]] = {
         "SnapshotBlocks": Rule(INTERNAL, answer=FULL, note="manager -> server: checkpoints"),
         "HoldJob": Rule(INTERNAL, note="manager -> server: checkpoints"),
         "DropTables": Rule(INTERNAL, note="manager -> server: deleted tables and ended jobs"),
+        "GetBlockDigests": Rule(ADMIN, answer=FULL,
+                                note="operators and the verifier: a digest of every block replica held"),
     },
     RM_SERVICE: {
         "RegisterServer": Rule(INTERNAL, answer=FULL, note="server -> manager"),

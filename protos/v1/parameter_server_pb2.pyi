@@ -21,6 +21,12 @@ class BlockOpKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INITIAL: _ClassVar[BlockOpKind]
     ACCUMULATE: _ClassVar[BlockOpKind]
     APPLY_STEP: _ClassVar[BlockOpKind]
+
+class BlockRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BLOCK_ROLE_UNSPECIFIED: _ClassVar[BlockRole]
+    BLOCK_PRIMARY: _ClassVar[BlockRole]
+    BLOCK_BACKUP: _ClassVar[BlockRole]
 PUSH_KIND_UNSPECIFIED: PushKind
 GRADIENT: PushKind
 INITIALIZE: PushKind
@@ -29,6 +35,9 @@ APPLY: BlockOpKind
 INITIAL: BlockOpKind
 ACCUMULATE: BlockOpKind
 APPLY_STEP: BlockOpKind
+BLOCK_ROLE_UNSPECIFIED: BlockRole
+BLOCK_PRIMARY: BlockRole
+BLOCK_BACKUP: BlockRole
 
 class PushHeader(_message.Message):
     __slots__ = ("header", "kind", "segments", "payload_bytes", "shared_memory")
@@ -407,3 +416,41 @@ class ExchangeReply(_message.Message):
     ack: PushAck
     pull: PullHeader
     def __init__(self, ack: _Optional[_Union[PushAck, _Mapping]] = ..., pull: _Optional[_Union[PullHeader, _Mapping]] = ...) -> None: ...
+
+class GetBlockDigestsRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class BlockDigest(_message.Message):
+    __slots__ = ("job", "table", "block", "version", "role", "digest", "rows", "loaded")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    table: str
+    block: int
+    version: int
+    role: BlockRole
+    digest: bytes
+    rows: int
+    loaded: bool
+    def __init__(self, job: _Optional[str] = ..., table: _Optional[str] = ..., block: _Optional[int] = ..., version: _Optional[int] = ..., role: _Optional[_Union[BlockRole, str]] = ..., digest: _Optional[bytes] = ..., rows: _Optional[int] = ..., loaded: _Optional[bool] = ...) -> None: ...
+
+class GetBlockDigestsResponse(_message.Message):
+    __slots__ = ("name", "incarnation", "epoch", "blocks")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    incarnation: int
+    epoch: int
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockDigest]
+    def __init__(self, name: _Optional[str] = ..., incarnation: _Optional[int] = ..., epoch: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockDigest, _Mapping]]] = ...) -> None: ...

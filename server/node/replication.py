@@ -19,6 +19,7 @@ Contract (the .proto states the same):
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, Sequence, cast
@@ -39,6 +40,11 @@ if TYPE_CHECKING:
     from shardps.server.node.steps import SyncSteps
 
 log = logging.getLogger("shardps.server")
+
+# TEST-ONLY (shardps/verify/defects.py): "3" makes backups skip the lifecycle decisions a
+# primary forwards with its APPLY ops (ids not admitted, ids evicted) so the verifier's
+# replica check can show it catches replicas that diverge.
+_TEST_DEFECT = os.environ.get("SHARDPS_TEST_REINTRODUCE_DEFECT", "")
 
 Op = tuple[BlockKey, ps.BlockOp, list[np.ndarray]]   # a block's op and its arrays, to forward
 
@@ -260,6 +266,10 @@ class BackupApplier:
                         # our config is behind the primary's: take the whole block instead
                         stale.append(key)
                         continue
+                    if _TEST_DEFECT == "3" and (op.dropped_count or op.evicted_count):
+                        arrays[0] = arrays[0][:int(op.id_count - op.dropped_count - op.evicted_count)]
+                        op = ps.BlockOp(job=op.job, table=op.table, block=op.block, kind=op.kind,
+                                        step=op.step, version=op.version)
                     apply_gradient(blk, t, arrays, op)
                 elif op.kind == ps.INITIAL:                 # dense blocks only
                     cast(DenseBlock, blk).initialize(op.range.start, op.range.stop, arrays[0])

@@ -11,12 +11,15 @@ lets a checker decide:
 * reads started after an acknowledgement reflect it, and values never go backwards;
 * the longest window without an acknowledged push (per job) stays <= 5 s;
 * R is restored (no under-replicated block) after every failure that left >= R servers;
-* server RSS growth after warm-up stays <= 10 %.
+* server RSS growth after warm-up stays <= 10 %;
+* at the end (healed, workloads stopped, final read done) every block's replicas are
+  bit-identical: same version and same digest (``GetBlockDigests``, ``server/digest.py``)
+  on every live server that holds it.
 
 Modules: ``cluster`` (processes and faults on them), ``workload`` (workers, readers and the
 history), ``schedule`` (the seeded fault episodes), ``checker`` (figures and verdict),
 ``run`` (one schedule end to end), ``__main__`` (the command line). ``defects`` documents the
-test-only switch that re-introduces two fixed defects so the tests can show they are caught.
+test-only switch that re-introduces fixed defects so the tests can show they are caught.
 """
 
 from shardps.verify.checker import Verdict

@@ -18,7 +18,8 @@ from dataclasses import replace
 from typing import Any
 
 from shardps.verify.checker import HEADER, Verdict
-from shardps.verify.run import ASYNC_JOBS, RunConfig, run_schedule, short_form, summary
+from shardps.verify.defects import DEFECTS
+from shardps.verify.run import LIFECYCLE_JOBS, RunConfig, run_schedule, short_form, summary
 from shardps.verify.schedule import KINDS
 from shardps.verify.workload import JOBS
 
@@ -42,6 +43,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--forward-timeout", type=float, default=1.5, help="the servers' forward timeout")
     p.add_argument("--gap-limit", type=float, default=5.0)
     p.add_argument("--keep-going", action="store_true", help="do not stop a schedule at its first gap")
+    p.add_argument("--test-reintroduce-defect", default="", choices=["", *DEFECTS],
+                   help="TEST-ONLY: the servers re-introduce a fixed defect (shardps/verify/defects.py) "
+                        "to show the checker catches it")
     p.add_argument("--verbose", action="store_true")
     return p.parse_args(argv)
 
@@ -60,6 +64,9 @@ def print_table(verdicts: list[Verdict], out=sys.stdout) -> None:
         print(f"  SYNC pushes for an applied step: {v.stale_refused} refused, {v.stale_acked} acknowledged; "
               f"reads checked {v.reads}; servers' leases expired {v.lease_expiries} times; the verifier "
               f"stalled up to {v.host_stall:.1f}s (host load)", file=out)
+        print(f"  replicas compared: {v.replica_blocks} blocks ({v.replica_copies} replicas)"
+              + ("" if not v.lifecycle else "; lifecycle tables (summed over servers): "
+                 + ", ".join(f"{k} {n}" for k, n in v.lifecycle.items())), file=out)
         if not v.passed:
             for x in v.worker_errors:
                 print(f"  worker error: {x}", file=out)
@@ -71,7 +78,8 @@ def print_table(verdicts: list[Verdict], out=sys.stdout) -> None:
     total = summary(verdicts)
     print(total.row().replace(f"{total.seed:>6}", f"{'total':>6}", 1), file=out)
     print(f"verdict: {'PASS' if total.passed else 'FAIL'} ({len(verdicts)} schedules, "
-          f"{len(total.violations)} violations)", file=out, flush=True)
+          f"{len(total.violations)} violations; {total.replica_blocks} blocks' replicas compared)",
+          file=out, flush=True)
 
 
 def main(argv=None) -> int:
@@ -84,7 +92,8 @@ def main(argv=None) -> int:
         print(f"unknown fault kinds {unknown}; known: {', '.join(KINDS)}", file=sys.stderr)
         return 2
     if args.short:
-        short = short_form(progress=lambda line: print(line, flush=True), stop_at_failure=False)
+        short = short_form(args.test_reintroduce_defect, progress=lambda line: print(line, flush=True),
+                           stop_at_failure=False)
         print_table(short)
         return 0 if all(v.passed for v in short) else 1
     total = args.minutes * 60 or args.seconds or 60.0
@@ -97,7 +106,7 @@ def main(argv=None) -> int:
         return 2
     base: dict[str, Any] = dict(lease=args.lease, forward_timeout=args.forward_timeout, jobs=jobs,
                                 servers=args.servers, gap_limit=args.gap_limit, faults=faults,
-                                fail_fast=not args.keep_going)
+                                fail_fast=not args.keep_going, defect=args.test_reintroduce_defect)
     if per < 300:             # short schedules: judge RSS over what there is
         base.update(rss_warmup=10.0, rss_min_span=max(5.0, per / 3))
     say = lambda line: print(line, flush=True)  # noqa: E731
@@ -109,9 +118,9 @@ def main(argv=None) -> int:
         print_table(verdicts)
         return 0 if all(v.passed for v in verdicts) else 1
     # Timed: schedules of `per` seconds, seeds first, first + 1, ... Unless --jobs or
-    # --sync-faults all says otherwise, they alternate: the ASYNC jobs under every fault kind,
-    # then the SYNC job under manager restarts only (a server that rejoins stalls a SYNC
-    # job: the known defect in docs/reliability.md).
+    # --sync-faults all says otherwise, they alternate: the ASYNC jobs (lifecycle included)
+    # under every fault kind, then the SYNC job under manager restarts only (a server that
+    # rejoins stalls a SYNC job: the known defect in docs/reliability.md).
     split = not args.sync_faults_all and args.jobs == ",".join(JOBS)
     started, seed, i = time.monotonic(), first, 0
     say(f"shardps verify: {total / 60:.1f} minutes from seed {first}, schedules of {per / 60:.1f} min "
@@ -121,7 +130,7 @@ def main(argv=None) -> int:
         left = total - (time.monotonic() - started)
         cfg = RunConfig(seed=seed, seconds=max(20.0, min(per, left) - 20), **base)
         if split:
-            cfg = replace(cfg, jobs=ASYNC_JOBS) if i % 2 == 0 else replace(
+            cfg = replace(cfg, jobs=LIFECYCLE_JOBS) if i % 2 == 0 else replace(
                 cfg, jobs=("sync",), faults=tuple(k for k in faults if k == "manager"))
         verdicts.append(run_schedule(cfg, say))
         seed, i = seed + 1, i + 1

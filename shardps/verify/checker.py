@@ -5,7 +5,9 @@ deadline, unavailable): lost = A - value where value < A; doubled = value - (A +
 value > A + U. Summed over blocks, these are counts of block updates. A run fails on any lost
 or doubled update, any read that missed an acknowledged push or went backwards, any
 availability gap over the limit, R not restored after a failure that left enough servers,
-the final read failing, or a server's RSS growing more than the limit after warm-up.
+the final read failing, a server's RSS growing more than the limit after warm-up, or block
+replicas that differ once the workloads stopped (``compare_replicas``: same version,
+different state; or versions that still differ after a short wait).
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ class Verdict:
     host_stall: float = 0.0         # the longest time the verifier itself was not scheduled
     lease_expiries: int = 0         # "lease expired" lines of the manager's log
     worker_errors: list[str] = field(default_factory=list)     # "worker: kind xN: last message"
+    replica_blocks: int = 0         # blocks whose replicas were compared at the end (>= 2 replicas)
+    replica_copies: int = 0         # replicas (digests) compared
+    lifecycle: dict[str, int] = field(default_factory=dict)     # tables with a policy: summed figures
     violations: list[str] = field(default_factory=list)
 
     @property
@@ -76,7 +81,7 @@ def check_values(v: Verdict, jobs: list[Job], history: History, final: dict[str,
             maybe = rec.unknown + rec.refused
             table["acked"] += rec.acked
             table["unknown"] += maybe
-            if got is None:
+            if got is None or rec.name not in got:      # no final read, or no counters (lifecycle)
                 continue
             values = got[rec.name]
             if not np.all(np.abs(values - np.round(values)) < 1e-3):
@@ -163,3 +168,52 @@ def check_rss(v: Verdict, series: list[RssSeries], warm_until: float, warmup: fl
             v.violations.append(f"server {s.name} (pid {s.pid}) RSS grew {growth * 100:.1f}% after warm-up "
                                 f"({np.mean(base) / 2**20:.0f} -> {np.mean(tail) / 2**20:.0f} MiB; limit "
                                 f"{limit * 100:.0f}%)")
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One server's digest of one block (``GetBlockDigests``)."""
+
+    server: str
+    version: int
+    primary: bool
+    digest: bytes
+    loaded: bool = True
+
+
+def compare_replicas(held: dict[tuple[str, str, int], list[Replica]],
+                     replication: int = 0) -> tuple[int, list[str]]:
+    """Compare every block's replicas: (blocks with two or more replicas compared, problems).
+
+    A problem names the block and the servers: replicas at the same version whose digests
+    differ; versions that differ; a replica whose state is not loaded; a block with more
+    than one primary, or fewer than ``replication`` replicas (0: not checked). Transient
+    ones (a copy or resync in flight) clear on a later read; the caller decides how long
+    to wait."""
+    compared, problems = 0, []
+    for key in sorted(held):
+        reps = sorted(held[key], key=lambda r: r.server)
+        name = f"block {key[0]}/{key[1]}/{key[2]}"
+        where = ", ".join(f"{r.server}{'*' if r.primary else ''} v{r.version}" for r in reps)
+        unloaded = [r.server for r in reps if not r.loaded]
+        if unloaded:
+            problems.append(f"{name}: state not loaded on {', '.join(unloaded)} ({where})")
+            continue
+        if sum(r.primary for r in reps) > 1:
+            problems.append(f"{name}: more than one primary ({where}; * primary)")
+        if replication and len(reps) < replication:
+            problems.append(f"{name}: {len(reps)} of {replication} replicas ({where})")
+        if len(reps) < 2:
+            continue
+        compared += 1
+        versions = {r.version for r in reps}
+        if len(versions) > 1:
+            problems.append(f"{name}: replicas at different versions ({where})")
+            continue
+        digests: dict[bytes, list[str]] = {}
+        for r in reps:
+            digests.setdefault(r.digest, []).append(f"{r.server}{'*' if r.primary else ''}")
+        if len(digests) > 1:
+            groups = "; ".join(f"{', '.join(servers)}: {d.hex()[:12]}" for d, servers in digests.items())
+            problems.append(f"{name}: replicas differ at version {reps[0].version} ({groups}; * primary)")
+    return compared, problems

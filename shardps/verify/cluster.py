@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 from shardps.local import LocalCluster
 from shardps.protos.v1 import common_pb2 as pb
+from shardps.protos.v1 import parameter_server_pb2 as ps
+from shardps.rpc.channels import channel
 from shardps.verify.defects import ENV
 
 log = logging.getLogger("shardps.verify")
@@ -136,6 +138,23 @@ class VerifyCluster:
             value = rss_bytes(pid)
             if value:
                 series.samples.append((now, value))
+
+
+    def server_call(self, name: str, method: str, request, response_cls, timeout: float = 10.0):
+        """One unary ``ParameterServer`` call to server ``name`` (raises grpc.RpcError)."""
+        with channel(self.local.servers[name].address) as ch:
+            call = ch.unary_unary(f"/shardps.v1.ParameterServer/{method}",
+                                  request_serializer=type(request).SerializeToString,
+                                  response_deserializer=response_cls.FromString)
+            return call(request, timeout=timeout)
+
+    def block_digests(self, name: str, timeout: float = 10.0) -> ps.GetBlockDigestsResponse:
+        """Every block replica server ``name`` holds, with its digest (``GetBlockDigests``)."""
+        return self.server_call(name, "GetBlockDigests", ps.GetBlockDigestsRequest(),
+                                ps.GetBlockDigestsResponse, timeout)
+
+    def node_status(self, name: str, timeout: float = 10.0) -> ps.NodeStatus:
+        return self.server_call(name, "GetNodeStatus", ps.GetNodeStatusRequest(), ps.NodeStatus, timeout)
 
 
 @dataclass

@@ -7,12 +7,16 @@ import logging
 import random
 import threading
 import time
+from collections import defaultdict
 from dataclasses import dataclass, replace
 from typing import Callable
 
+import grpc
+
 from shardps.errors import ShardpsError
+from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.verify import checker
-from shardps.verify.checker import Verdict
+from shardps.verify.checker import Replica, Verdict
 from shardps.verify.cluster import VerifyCluster
 from shardps.verify.schedule import KINDS, Aborted, Episode, Executor, draw
 from shardps.verify.workload import JOBS, History, Job, make_jobs
@@ -165,6 +169,7 @@ def run_schedule(cfg: RunConfig, progress: Callable[[str], None] | None = None) 
         final, problems = _final_read(jobs, cluster.manager_address, 20.0 if monitor.live_violation else 60.0)
         verdict.violations.extend(problems)
         checker.check_values(verdict, jobs, history, final)
+        _check_replicas(verdict, cluster, cfg.replication)
         checker.check_gaps(verdict, history, episodes, begin, end, cfg.gap_limit)
         if monitor.live_violation and not any("no acknowledged push" in x for x in verdict.violations):
             verdict.violations.append(monitor.live_violation)
@@ -192,6 +197,64 @@ def run_schedule(cfg: RunConfig, progress: Callable[[str], None] | None = None) 
     return verdict
 
 
+LIFECYCLE_FIGURES = ("rows", "rows_admitted", "rows_not_admitted", "rows_evicted_ttl", "rows_evicted_budget")
+
+
+def _read_replicas(cluster: VerifyCluster) -> tuple[dict, list[str]]:
+    """Every live server's block digests, grouped by block; and the servers that did not answer."""
+    held: dict[tuple[str, str, int], list[Replica]] = defaultdict(list)
+    errors = []
+    for name in cluster.live():
+        try:
+            answer = cluster.block_digests(name)
+        except grpc.RpcError as exc:
+            errors.append(f"server {name} did not answer GetBlockDigests: {exc.code().name} {exc.details()}")
+            continue
+        for b in answer.blocks:
+            held[(b.job, b.table, int(b.block))].append(
+                Replica(name, int(b.version), b.role == ps.BLOCK_PRIMARY, bytes(b.digest), b.loaded))
+    return dict(held), errors
+
+
+def _check_replicas(verdict: Verdict, cluster: VerifyCluster, replication: int, wait: float = 10.0) -> None:
+    """After the final read, with the workloads stopped: every block's replicas must be
+    identical (``checker.compare_replicas``). Differences that can be in flight (versions,
+    copies not loaded) get up to ``wait`` seconds; replicas that differ at the same version
+    and stay so over three reads are judged at once."""
+    deadline = time.monotonic() + wait
+    last: list[str] = []
+    stable = 0
+    while True:
+        held, errors = _read_replicas(cluster)
+        compared, problems = checker.compare_replicas(
+            held, replication if len(cluster.live()) >= replication else 0)
+        problems = errors + problems
+        stable = stable + 1 if problems and problems == last else 0
+        last = problems
+        diverged = all(" differ at version " in p for p in problems)
+        if not problems or time.monotonic() > deadline or (diverged and stable >= 2):
+            break
+        time.sleep(0.5)
+    verdict.replica_blocks = compared
+    verdict.replica_copies = sum(len(r) for r in held.values())
+    for p in problems[:10]:
+        verdict.violations.append(f"replicas: {p}")
+    if len(problems) > 10:
+        verdict.violations.append(f"replicas: {len(problems) - 10} more block(s) with the problems above")
+    figures = dict.fromkeys(LIFECYCLE_FIGURES, 0)
+    for name in cluster.live():
+        try:
+            status = cluster.node_status(name)
+        except grpc.RpcError:
+            continue
+        for t in status.tables:
+            if t.budget_bytes:
+                for f in LIFECYCLE_FIGURES:
+                    figures[f] += int(getattr(t, f))
+    if any(figures.values()):
+        verdict.lifecycle = figures
+
+
 def _manager_log_findings(verdict: Verdict, cluster: VerifyCluster) -> None:
     """Blocks the manager re-created empty (every replica declared dead): a loss the schedule
     never causes by itself (it keeps R - 1 replicas down at most), so say what the host did."""
@@ -209,15 +272,17 @@ def _manager_log_findings(verdict: Verdict, cluster: VerifyCluster) -> None:
 
 
 ASYNC_JOBS = ("async-sparse", "async-dense")
+LIFECYCLE_JOBS = ASYNC_JOBS + ("lifecycle",)      # the ASYNC schedules of timed runs (make torture)
 # The short form (tests/test_torture.py, `python -m shardps.verify --short`): fixed seeds whose
 # first episodes cover every fault kind. SYNC runs with manager restarts only: a server that
 # rejoins stalls a SYNC job (docs/reliability.md, "what does not hold"; see test_torture.py).
+# Every schedule ends with the replica check; seed 1 adds the lifecycle job (issue 18).
 SHORT_FORM = (
     RunConfig(seed=3, seconds=8, jobs=("sync",), faults=("manager",), rss_warmup=10.0, rss_min_span=8.0),
     # pause, double-kill, restart-during-copy
     RunConfig(seed=2, seconds=20, jobs=ASYNC_JOBS, rss_warmup=10.0, rss_min_span=8.0),
     # pause, restart-during-copy, manager
-    RunConfig(seed=1, seconds=20, jobs=ASYNC_JOBS, rss_warmup=10.0, rss_min_span=8.0),
+    RunConfig(seed=1, seconds=20, jobs=LIFECYCLE_JOBS, rss_warmup=10.0, rss_min_span=8.0),
 )
 
 
@@ -245,8 +310,12 @@ def summary(verdicts: list[Verdict]) -> Verdict:
         total.restore_max = max(total.restore_max, v.restore_max)
         total.rss_growth.update({f"{v.seed}:{k}": g for k, g in v.rss_growth.items()})
         total.episodes += v.episodes
+        total.replica_blocks += v.replica_blocks
+        total.replica_copies += v.replica_copies
+        for k, n in v.lifecycle.items():
+            total.lifecycle[k] = total.lifecycle.get(k, 0) + n
         total.violations += [f"seed {v.seed}: {x}" for x in v.violations]
     return total
 
 
-__all__ = ["RunConfig", "SHORT_FORM", "run_schedule", "short_form", "summary"]
+__all__ = ["LIFECYCLE_JOBS", "RunConfig", "SHORT_FORM", "run_schedule", "short_form", "summary"]

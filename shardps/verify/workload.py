@@ -7,6 +7,8 @@ exactly once on every block), refused and unknown (deadline or unavailable: each
 most once per block). Jobs:
 
 * ``async-sparse`` and ``async-dense`` (ASYNC): pushes applied as they arrive.
+* ``lifecycle`` (ASYNC, ``LifecycleJob``): a sparse table with a small memory budget,
+  admission and a TTL; its values are not counters, its replicas are compared bit for bit.
 * ``sync`` (SYNC, ``SYNC_WORKERS`` members): each step a worker pulls with the step's clock
   (waiting for the previous step), pushes ``-SYNC_WORKERS`` (the step applies the mean over
   the members: +1), then reports the step. Sometimes (seeded) it pushes again for the step
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shardps.errors import FailedPrecondition, ShardpsError
-from shardps.tables import sgd, sparse_block_of
+from shardps.tables import LifecyclePolicy, adagrad, sgd, sparse_block_of
 from shardps.worker.client import PSClient
 
 log = logging.getLogger("shardps.verify")
@@ -325,7 +327,71 @@ class Job:
                 self.last_values[name] = np.maximum(v, last) if last is not None else v.copy()
 
 
-JOBS = ("async-sparse", "async-dense", "sync")
+class LifecycleJob(Job):
+    """``lifecycle`` (ASYNC): a sparse table with a ``LifecyclePolicy`` small enough that, in a
+    few seconds, rows are not admitted (seen once), evicted by TTL and by the budget.
+
+    Each push sends ``LIFECYCLE_HOT`` ids of a skewed hot set (recurring: admitted on their
+    second push, then kept or evicted by recency) and ``LIFECYCLE_COLD`` ids seen about once
+    (dropped by admission); its clock is the worker's push count (the TTL's ticks). Values
+    are not counters (evicted rows restart from their initial value): the history counts
+    the pushes' outcomes and the gaps, the reader only checks that pulls answer finite
+    values, and the run's replica check compares the blocks' replicas bit for bit."""
+
+    def __init__(self, name: str, manager: str, history: History, rng: random.Random, first_index: int,
+                 workers: int = 2):
+        super().__init__(name, "async", False, workers, manager, history, rng, first_index)
+
+    def create(self) -> None:
+        with PSClient(self.manager, self.name, timeout=30) as c:
+            c.create_job(self.consistency)
+            c.create_sparse(TABLE, LIFECYCLE_DIM, num_rows=LIFECYCLE_ROWS, optimizer=adagrad(0.05),
+                            num_blocks=LIFECYCLE_BLOCKS, lifecycle=LIFECYCLE_POLICY)
+
+    def _ids(self, rec: WorkerRecord, gen: np.random.Generator, step: int) -> np.ndarray:
+        hot = (LIFECYCLE_HOT_SET * gen.random(LIFECYCLE_HOT) ** 2).astype(np.int64)
+        base = LIFECYCLE_HOT_SET + (rec.index * 1_000_003 + step * LIFECYCLE_COLD) % (LIFECYCLE_ROWS // 2)
+        cold = base + gen.integers(0, LIFECYCLE_COLD * 4, LIFECYCLE_COLD)
+        return np.unique(np.concatenate([hot, cold]))
+
+    def _async_loop(self, c: PSClient, rec: WorkerRecord, rng: random.Random) -> None:
+        gen = np.random.default_rng(rng.randrange(1 << 30))
+        step = 0
+        while not self.stop.is_set():
+            step += 1
+            ids = self._ids(rec, gen, step)
+            grad = gen.standard_normal((ids.shape[0], LIFECYCLE_DIM)).astype(np.float32)
+            self.history.begin(rec)
+            try:
+                c.push_rows(TABLE, ids, grad, clock=step)
+            except Exception as exc:
+                self.history.outcome(rec, _classify(exc) if isinstance(exc, ShardpsError) else "unknown", exc)
+                self.stop.wait(0.05)
+            else:
+                self.history.outcome(rec, "acked")
+            self.stop.wait(rng.uniform(0.005, 0.03))
+
+    def read_values(self, c: PSClient, timeout: float) -> dict[str, np.ndarray]:
+        """Pull a sample of hot ids (stored, evicted or never admitted alike); their values
+        must be finite. Returns no counters."""
+        ids = np.unique(np.random.default_rng().integers(0, LIFECYCLE_HOT_SET, 64))
+        got = c.pull_rows(TABLE, ids, timeout=timeout)
+        if not np.all(np.isfinite(got)):
+            with self.history.lock:
+                self.history.over_reads.append(f"{self.name}: a pull answered non-finite values")
+        return {}
+
+
+LIFECYCLE_DIM = 4
+LIFECYCLE_BLOCKS = 8
+LIFECYCLE_ROWS = 1 << 20                  # a direct index: 40 bytes a row (adagrad, tick, index)
+LIFECYCLE_HOT_SET = 2_000                 # ids 0..1999, skewed: low ids recur most
+LIFECYCLE_HOT, LIFECYCLE_COLD = 24, 24    # ids per push of each kind
+# per block: the 16 KiB sketch and about 150 rows of 40 bytes; 8 blocks
+LIFECYCLE_POLICY = LifecyclePolicy(budget_bytes=LIFECYCLE_BLOCKS * (16_384 + 150 * 40), admit_after=2,
+                                   ttl_steps=40)
+
+JOBS = ("async-sparse", "async-dense", "sync", "lifecycle")
 
 
 def make_jobs(manager: str, history: History, rng: random.Random, stale_p: float = 0.2,
@@ -333,5 +399,6 @@ def make_jobs(manager: str, history: History, rng: random.Random, stale_p: float
     made = {"async-sparse": lambda: Job("async-sparse", "async", False, 2, manager, history, rng, 0),
             "async-dense": lambda: Job("async-dense", "async", True, 2, manager, history, rng, 2),
             "sync": lambda: Job("sync", "sync", False, SYNC_WORKERS, manager, history, rng, 4,
-                                stale_p=stale_p)}
+                                stale_p=stale_p),
+            "lifecycle": lambda: LifecycleJob("lifecycle", manager, history, rng, 6)}
     return [made[n]() for n in JOBS if n in names]

@@ -95,6 +95,8 @@ def internal_request(data, w: World, method: str, tables: dict, real_refs: bool)
                                     tables=some(w, ["w", "t1", ""], 2)).SerializeToString()
     if method == "GetNodeStatus":
         return b""
+    if method == "GetBlockDigests":
+        return ps.GetBlockDigestsRequest(job=one_of(w, jobs + ["x" * 300])).SerializeToString()
     if method == "ProbeSharedMemory":
         return ps.ProbeSharedMemoryRequest(ref=pb.SharedMemoryRef(name="shardps-none", length=8)).SerializeToString()
     if method == "OpenDataPlane":
@@ -107,7 +109,7 @@ def internal_safe(w: World, method: str, request) -> bool:
     real = set(w.servers)
     if method in ("Push", "Pull"):
         return True      # only unparsable ones get here (parsable ones are judged by run_push)
-    if method in ("Replicate", "SnapshotBlocks", "GetNodeStatus", "ProbeSharedMemory"):
+    if method in ("Replicate", "SnapshotBlocks", "GetNodeStatus", "GetBlockDigests", "ProbeSharedMemory"):
         return True      # replication 1: no server is anybody's backup, so nothing applies
     if method == "OpenDataPlane":
         return True      # it only tells the data plane's address

@@ -53,6 +53,7 @@ PS_METHODS = {   # name -> gRPC kind
     "Replicate": "stream_unary", "InstallShardMap": "unary_unary", "CopyBlocks": "unary_unary",
     "LoadBlocks": "stream_unary", "SnapshotBlocks": "unary_stream", "HoldJob": "unary_unary",
     "DropTables": "unary_unary", "GetNodeStatus": "unary_unary", "OpenDataPlane": "unary_unary",
+    "GetBlockDigests": "unary_unary",
 }
 RM_REQUESTS = {   # name -> request class (every ResourceManager RPC is unary except Watch)
     "RegisterServer": mg.RegisterServerRequest, "ServerHeartbeat": mg.ServerHeartbeatRequest,
@@ -71,7 +72,7 @@ PS_REQUESTS = {"ProbeSharedMemory": ps.ProbeSharedMemoryRequest,
                "InstallShardMap": ps.InstallShardMapRequest, "CopyBlocks": ps.CopyBlocksRequest,
                "SnapshotBlocks": ps.SnapshotBlocksRequest, "HoldJob": ps.HoldJobRequest,
                "DropTables": ps.DropTablesRequest, "GetNodeStatus": ps.GetNodeStatusRequest,
-               "OpenDataPlane": ps.OpenDataPlaneRequest}
+               "OpenDataPlane": ps.OpenDataPlaneRequest, "GetBlockDigests": ps.GetBlockDigestsRequest}
 
 
 @dataclass
