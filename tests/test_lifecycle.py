@@ -92,6 +92,31 @@ def test_ttl_in_steps_evicts_rows_unseen_for_longer_than_the_ttl():
     assert rows.life.counters["pulled_evicted"] == 10
 
 
+def test_ttl_in_seconds_evicts_rows_whose_tick_ended_longer_ago_than_the_ttl():
+    """A tick's rows expire once a later tick began more than ``ttl_seconds`` before the push
+    that scans (the primary maps ticks to the wall time it first saw them)."""
+    rows, config = _rows(LifecyclePolicy(ttl_seconds=10.0))
+
+    def push(ids, tick, wall):
+        ids = np.asarray(ids, dtype=np.int64)
+        rows.apply(config, ids, np.ones((ids.shape[0], 4), np.float32), tick, wall)
+
+    push(range(0, 50), 1, 100.0)
+    push(range(50, 60), 2, 105.0)
+    push(range(60, 70), 3, 112.0)         # tick 2 began 7 s ago: tick 1's rows are kept
+    assert _stored(rows) == set(range(70))
+    push(range(70, 80), 4, 116.0)         # tick 2 began 11 s ago: tick 1's rows expire
+    assert _stored(rows) == set(range(50, 80))
+    assert rows.life.counters["evicted_ttl"] == 50
+    push(range(80, 81), 5, 116.5)         # within ttl_seconds / 8 of the last scan: no scan
+    assert _stored(rows) == set(range(50, 81))
+    # ticks 2-4 ended over 10 s ago; tick 5 ended only when tick 6 began, now: its row stays.
+    # The scan covers the blocks this push reaches (all of them here)
+    push(range(100, 140), 6, 140.0)
+    assert set(sparse_block_of(np.arange(100, 140), 4).tolist()) == set(range(4))
+    assert _stored(rows) == {80} | set(range(100, 140))
+
+
 def test_removed_slots_are_reused_and_memory_follows_the_budget():
     rows, config = _rows(LifecyclePolicy(admit_after=2), num_blocks=2)
     budget = 2 * (SKETCH_BYTES + 100 * 40)
