@@ -139,8 +139,7 @@ def run_schedule(cfg: RunConfig, progress: Callable[[str], None] | None = None) 
             f"lease {cfg.lease}s), work dir {cluster.work_dir}; schedule: "
             + ", ".join(e.describe() for e in plan[:6]) + ", ...")
         executor = Executor(cluster, PSClient(cluster.manager_address, "_verify", timeout=5),
-                            stop, cfg.restore_timeout,
-                            served=lambda t: all(history.last_ack(j) > t for j in history.jobs()))
+                            stop, cfg.restore_timeout)
         try:
             if not plan:                               # no faults: the workloads alone
                 executor.sleep(cfg.seconds)
