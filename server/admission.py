@@ -12,6 +12,10 @@ hint in seconds) when the job is over either limit on this server:
 
 Refused requests cost the server a dictionary lookup; nothing queues, so a flooding job gets
 refusals at once instead of a growing queue, and the other jobs keep the server's threads.
+The retry hint is at least ``min_retry`` seconds (default 50 ms), and the data plane reads
+nothing more from a refused connection before the hint has passed
+(``shardps.rpc.dataplane_server``): a client that ignores the hint is slowed by TCP's flow
+control instead of making the server read and refuse its requests as fast as it sends them.
 A limit of 0 turns that limit off; ``Admission()`` admits everything. Thread-safe.
 """
 
@@ -26,7 +30,8 @@ from shardps.errors import ResourceExhausted
 
 
 class AdmissionRefused(ResourceExhausted):
-    """RESOURCE_EXHAUSTED from admission control; ``retry_after``: seconds to wait."""
+    """RESOURCE_EXHAUSTED from admission control; ``retry_after``: seconds to wait (at least
+    the ``Admission``'s ``min_retry``)."""
 
     def __init__(self, message: str, retry_after: float):
         super().__init__(message)
@@ -47,10 +52,13 @@ class Admission:
     """Per-job request rate and bytes in flight on one server (see the module docstring)."""
 
     def __init__(self, rate: float = 0.0, max_bytes_in_flight: int = 0, burst: float = 0.0,
-                 where: str = "this server", clock: Callable[[], float] = time.monotonic):
-        if rate < 0 or max_bytes_in_flight < 0 or burst < 0:
+                 where: str = "this server", clock: Callable[[], float] = time.monotonic,
+                 min_retry: float = 0.05):
+        if rate < 0 or max_bytes_in_flight < 0 or burst < 0 or min_retry < 0:
             raise ValueError(f"admission limits must be >= 0 (0: off), got rate={rate}, "
-                             f"max_bytes_in_flight={max_bytes_in_flight}, burst={burst}")
+                             f"max_bytes_in_flight={max_bytes_in_flight}, burst={burst}, "
+                             f"min_retry={min_retry}")
+        self.min_retry = float(min_retry)
         self.rate = float(rate)
         self.burst = float(burst) or max(8.0, self.rate / 10)
         self.max_bytes_in_flight = int(max_bytes_in_flight)
@@ -88,14 +96,14 @@ class Admission:
                 j.stamp = now
                 if j.tokens < 1.0:
                     j.refused += 1
-                    wait = (1.0 - j.tokens) / self.rate
+                    wait = max(self.min_retry, (1.0 - j.tokens) / self.rate)
                     raise AdmissionRefused(
                         f"job {job!r} is over its request rate on {self.where} ({self.rate:g} "
                         f"requests/s, bursts of {self.burst:g}): retry in {wait:.3f} s", wait)
             limit = self.max_bytes_in_flight
             if limit and j.in_flight and j.in_flight + nbytes > limit:
                 j.refused += 1
-                wait = 0.01
+                wait = max(self.min_retry, 0.01)
                 raise AdmissionRefused(
                     f"job {job!r} has {j.in_flight} bytes in flight on {self.where}; with {nbytes} "
                     f"more it would pass its limit of {limit}: retry in {wait:.3f} s", wait)

@@ -47,9 +47,11 @@ class StaleEpoch(FailedPrecondition):
 
 
 class ResourceExhausted(ShardpsError):
-    """A size limit or quota was exceeded; the message names it."""
+    """A size limit or quota was exceeded; the message names it. ``retry_after``: seconds
+    after which a retry may be admitted (None: waiting does not help, e.g. a quota)."""
 
     code = "RESOURCE_EXHAUSTED"
+    retry_after: float | None = None
 
 
 class Unavailable(ShardpsError):

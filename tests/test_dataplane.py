@@ -307,3 +307,36 @@ def test_frame_prefix_round_trip_and_refusals():
         frames.unpack_prefix(b"SD\x07" + raw[3:])
     assert frames.decode_hello(frames.encode_hello((("authorization", "Bearer t"),))) == \
         (("authorization", "Bearer t"),)
+
+
+def test_a_connection_refused_for_load_is_not_read_again_before_its_retry_hint():
+    """Admission control's refusals carry ``retry_after``: the server reads nothing more from
+    that connection until it has passed (a client ignoring the hint is slowed by TCP flow
+    control), while other connections are served at once; refusals without a hint (a quota)
+    do not pause."""
+    def flooded(method, header, payload, call):
+        if header == b"over-rate":
+            exc = ResourceExhausted("job 'f' is over its request rate: retry in 0.300 s")
+            exc.retry_after = 0.3
+            raise exc
+        if header == b"quota":
+            raise ResourceExhausted("job 'f' exceeds its quota of 10 bytes")
+        return header, []
+
+    srv = DataPlaneServer(flooded).start()
+    try:
+        with DataPlaneConnection(srv.address) as conn, DataPlaneConnection(srv.address) as other:
+            with pytest.raises(ResourceExhausted, match="quota"):
+                conn.call(ECHO, b"quota", [], timeout=5)
+            t0 = time.monotonic()
+            assert conn.call(ECHO, b"next", [], timeout=5)[0] == b"next"
+            assert time.monotonic() - t0 < 0.2                  # no hint: no pause
+            with pytest.raises(ResourceExhausted, match="over its request rate"):
+                conn.call(ECHO, b"over-rate", [], timeout=5)
+            t0 = time.monotonic()
+            assert other.call(ECHO, b"other", [], timeout=5)[0] == b"other"
+            assert time.monotonic() - t0 < 0.2                  # another connection: at once
+            assert conn.call(ECHO, b"next", [], timeout=5)[0] == b"next"
+            assert time.monotonic() - t0 >= 0.25                # read only after the hint
+    finally:
+        srv.stop()

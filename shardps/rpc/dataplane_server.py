@@ -34,6 +34,8 @@ from shardps.rpc.status import grpc_code
 
 log = logging.getLogger("shardps.rpc.dataplane")
 
+MAX_PAUSE = 1.0          # seconds: the longest a refused connection waits before its next read
+
 Handler = Callable[[Any, bytes, memoryview, "DataPlaneCall"], "tuple[bytes | None, Iterable | None]"]
 
 
@@ -269,8 +271,10 @@ class DataPlaneServer:
                     self._reply(conn, p.method, p.request_id, _OK, "",
                                 frames.encode_hello_reply(lim.max_frame_bytes), [], 0, tls)
                     continue
-                self._dispatch(conn, frame, metadata, cert, tls)
+                pause = self._dispatch(conn, frame, metadata, cert, tls)
                 del frame
+                if pause:                               # refused for load: see _dispatch
+                    time.sleep(pause)
         except (OSError, ValueError) as exc:           # reset, timeout, shut down by stop()
             if not self._closing:
                 log.debug("data plane: connection from %s ended: %s", conn.peer, exc)
@@ -295,7 +299,11 @@ class DataPlaneServer:
                         type(exc).__name__.encode(), [], 0, tls, close=True)
             return False
 
-    def _dispatch(self, conn: _Connection, frame: frames.Frame, metadata, cert, tls: bool) -> None:
+    def _dispatch(self, conn: _Connection, frame: frames.Frame, metadata, cert, tls: bool) -> float:
+        """Answer one call. Returns how long the connection must wait before its next
+        request is read: the ``retry_after`` of a ``ResourceExhausted`` refusal (admission
+        control; at most ``MAX_PAUSE``), else 0. A client that ignores the hint is then held
+        back by TCP flow control instead of being read and refused as fast as it sends."""
         p = frame.prefix
         names = self._names.get(p.method)
         if names is None:
@@ -306,6 +314,7 @@ class DataPlaneServer:
                              time.monotonic() + p.timeout_ms / 1000.0 if p.timeout_ms else None)
         status, message, header, plen = _OK, "", b"", 0
         parts: list = []
+        pause = 0.0
         try:
             if p.method == frames.HELLO:
                 raise InvalidArgument("HELLO sent twice on one connection")
@@ -323,6 +332,7 @@ class DataPlaneServer:
         except ShardpsError as exc:
             # the header of an error reply: the error's class name
             status, message, header = grpc_code(exc).value[0], exc.message, type(exc).__name__.encode()
+            pause = min(MAX_PAUSE, getattr(exc, "retry_after", None) or 0.0)
         except DecodeError as exc:
             status, header = _INVALID_ARGUMENT, b""
             message = f"{full}: the request header does not decode as its protobuf message ({exc})"
@@ -333,6 +343,7 @@ class DataPlaneServer:
         if status != _OK:
             parts, plen = [], 0
         self._reply(conn, p.method, p.request_id, status, message, header, parts, plen, tls)
+        return pause
 
     def _reply(self, conn: _Connection, method: int, request_id: int, status: int, message: str,
                header, parts: list, plen: int, tls: bool, close: bool = False) -> None:
