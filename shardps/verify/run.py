@@ -134,12 +134,13 @@ def run_schedule(cfg: RunConfig, progress: Callable[[str], None] | None = None) 
             time.sleep(0.05)
         begin = monitor.watch_from = history.began = time.monotonic()
         victims = cluster.names[1:]
-        plan = draw(cfg.seed, 10_000, victims, cfg.lease, cfg.faults)
+        plan = draw(cfg.seed, 10_000, victims, cfg.lease, cfg.faults, cfg.gap_limit)
         say(f"  [seed {cfg.seed}] cluster {cluster.manager_address} ({cfg.servers} servers, R={cfg.replication}, "
             f"lease {cfg.lease}s), work dir {cluster.work_dir}; schedule: "
             + ", ".join(e.describe() for e in plan[:6]) + ", ...")
         executor = Executor(cluster, PSClient(cluster.manager_address, "_verify", timeout=5),
-                            stop, cfg.restore_timeout)
+                            stop, cfg.restore_timeout,
+                            served=lambda t: all(history.last_ack(j) > t for j in history.jobs()))
         try:
             if not plan:                               # no faults: the workloads alone
                 executor.sleep(cfg.seconds)

@@ -5,8 +5,11 @@ sequence of faults; timings follow the cluster (an episode waits for re-replicat
 its next fault, so no block ever has more than R - 1 replicas down). Kinds:
 
 * ``kill``: kill -9 a server; wait until R is restored on the others; restart it.
-* ``double-kill``: kill -9 a server; wait until R is restored; kill -9 a second one (a copy
-  destination of the first's blocks); hold; restart both.
+* ``double-kill``: kill -9 a server; wait until R is restored and every workload had a push
+  acknowledged since (the cluster serves again: faults in sequence, not at once); kill -9 a
+  second one (a copy destination of the first's blocks); hold both down for longer than the
+  gap limit (the survivors must serve while the second stays dead, not only once it is
+  back); restart both.
 * ``pause``: SIGSTOP a server for longer than the lease (it is declared dead and failed
   over); SIGCONT it (fenced, it rejoins empty and blocks are copied back).
 * ``restart-during-copy``: restart a server; while blocks are being copied to it, kill -9 it
@@ -22,6 +25,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from shardps.verify.cluster import VerifyCluster, placement
 
@@ -44,7 +48,8 @@ class Episode:
         return f"{self.kind}({','.join(self.victims) or 'manager'}, {self.delay:.1f}s)"
 
 
-def draw(seed: int, count: int, victims: list[str], lease: float, kinds=KINDS) -> list[Episode]:
+def draw(seed: int, count: int, victims: list[str], lease: float, kinds=KINDS,
+         gap_limit: float = 5.0) -> list[Episode]:
     """``count`` episodes of ``seed``: every kind once in a seeded order, then at random."""
     rng = random.Random(seed)
     order: list[str] = []
@@ -58,7 +63,7 @@ def draw(seed: int, count: int, victims: list[str], lease: float, kinds=KINDS) -
     for kind in order[:count]:
         two = rng.sample(victims, 2) if len(victims) >= 2 else victims * 2
         if kind == "double-kill":
-            ep = Episode(kind, two, rng.uniform(2.0, 4.0), rng.uniform(1.0, 3.0))
+            ep = Episode(kind, two, gap_limit + rng.uniform(1.0, 3.0), rng.uniform(1.0, 3.0))
         elif kind == "pause":
             ep = Episode(kind, two[:1], lease + rng.uniform(1.0, 2.0), rng.uniform(1.0, 3.0))
         elif kind == "manager":
@@ -77,9 +82,19 @@ class Executor:
     """Runs episodes on a cluster; ``status`` is a PSClient used for ClusterStatus."""
 
     def __init__(self, cluster: VerifyCluster, status, stop: threading.Event,
-                 restore_timeout: float = 30.0):
+                 restore_timeout: float = 30.0, served: Callable[[float], bool] | None = None):
+        """``served(t)``: whether every workload had a push acknowledged after monotonic
+        time ``t`` (None: not asked)."""
         self.cluster, self.status, self.stop = cluster, status, stop
         self.restore_timeout = restore_timeout
+        self.served = served
+
+    def wait_served(self, since: float, timeout: float = 10.0) -> None:
+        """Until every workload had a push acknowledged after ``since`` (at most ``timeout``
+        seconds: a longer wait is the gap check's to judge)."""
+        deadline = time.monotonic() + timeout
+        while self.served is not None and not self.served(since) and time.monotonic() < deadline:
+            self.sleep(0.05)
 
     def sleep(self, seconds: float) -> None:
         if self.stop.wait(seconds):
@@ -122,10 +137,12 @@ class Executor:
         a, b = ep.victims
         self.cluster.kill(a)
         self.wait_restored(ep, f"kill -9 {a}", self.cluster.live())
+        self.wait_served(time.monotonic())
         self.cluster.kill(b)
+        second = time.monotonic()
         if len(self.cluster.live()) >= self.cluster.replication:
             self.wait_restored(ep, f"kill -9 {b} after {a}", self.cluster.live())
-        self.sleep(ep.delay)
+        self.sleep(max(0.0, second + ep.delay - time.monotonic()))     # both down this long
         self.cluster.restart(a)
         self.cluster.restart(b)
         self.wait_restored(ep, f"restart of {a} and {b}", self.cluster.live())
