@@ -337,3 +337,32 @@ def test_partitioned_server_is_failed_over_and_rejoins_without_split_brain(tmp_p
         counters.stop()
         cluster.stop()
         lab.down()
+
+
+def test_a_paused_server_is_routed_around_while_it_stays_paused(chaos, monkeypatch):
+    """SIGSTOP a server (a VM freeze, a long GC pause) for longer than a push's timeout. Once
+    the manager declares it dead, the joined client's heartbeat brings the new map and the
+    push waiting on the paused server is re-routed at once (``fanout.abandon_dead``) instead
+    of waiting for a reply that cannot come until SIGCONT; before, it waited for its
+    attempt's timeout (here made longer than the push's, so the push failed)."""
+    from shardps.tables import sgd
+    from shardps.worker.client import fanout
+    monkeypatch.setattr(fanout, "ATTEMPT_SECONDS", 60.0)
+    cluster, _ = chaos(servers=3, replication=2, server_lease_seconds=1.0)
+    ids = np.arange(240)
+    with PSClient(cluster.manager_address, "paused", timeout=30) as c:
+        c.create_job()
+        c.join()
+        c.create_sparse("counters", 1, optimizer=sgd(1.0), num_blocks=12)
+        c.push_rows("counters", ids, -np.ones((240, 1)))
+        victim = cluster.servers["s1"].popen
+        victim.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            c.push_rows("counters", ids, -np.ones((240, 1)), timeout=8.0)   # s1 holds primaries
+            took = time.monotonic() - started
+        finally:
+            victim.send_signal(signal.SIGCONT)
+        np.testing.assert_array_equal(c.pull_rows("counters", ids)[:, 0], np.full(240, 2.0))
+    print(f"a push waiting on a paused server was re-routed and acknowledged {took:.2f}s after "
+          f"the SIGSTOP (lease 1 s; the pause lasted until then)")

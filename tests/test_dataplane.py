@@ -340,3 +340,45 @@ def test_a_connection_refused_for_load_is_not_read_again_before_its_retry_hint()
             assert time.monotonic() - t0 >= 0.25                # read only after the hint
     finally:
         srv.stop()
+
+
+def test_abandon_fails_the_calls_in_flight_to_an_address_at_once():
+    """A peer that will never answer (paused, cut off): ``DataPlanePool.abandon`` closes its
+    connections and the call waiting on one raises Unavailable at once, not at its timeout;
+    the next call connects again."""
+    answer = threading.Event()
+
+    def hung(method, header, payload, call):
+        if header == b"hang":
+            answer.wait(10)
+        return header, []
+
+    srv = DataPlaneServer(hung).start()
+    pool = DataPlanePool()
+    outcome: list = []
+    try:
+        def call():
+            t0 = time.monotonic()
+            try:
+                pool.call(srv.address, ECHO, b"hang", [], timeout=10)
+                outcome.append(("answered", time.monotonic() - t0))
+            except Unavailable as exc:
+                outcome.append((exc, time.monotonic() - t0))
+
+        t = threading.Thread(target=call)
+        t.start()
+        wait_until = time.monotonic() + 5
+        while not pool._all and time.monotonic() < wait_until:    # the call is in flight
+            time.sleep(0.01)
+        time.sleep(0.1)
+        assert pool.abandon(srv.address) == 1
+        t.join(5)
+        (what, seconds), = outcome
+        assert isinstance(what, Unavailable) and seconds < 2.0, outcome
+        answer.set()
+        assert pool.call(srv.address, ECHO, b"again", [], timeout=5)[0] == b"again"
+        assert pool.abandon("127.0.0.1:1") == 0                  # nothing to that address
+    finally:
+        answer.set()
+        pool.close()
+        srv.stop()

@@ -69,3 +69,31 @@ def test_sync_steps_through_exchanges_equal_one_large_batch(make_cluster, client
         expected -= np.float32(0.5) * ((ga + gb) / 2).astype(np.float32)
         np.testing.assert_allclose(ra.values[0], expected, rtol=1e-6)
         np.testing.assert_allclose(rb.values[0], expected, rtol=1e-6)
+
+
+def test_a_newer_map_abandons_the_calls_to_servers_it_declares_dead():
+    """``fanout.abandon_dead`` (the client's map listener): only servers alive in the old map
+    and dead or gone in the new one are abandoned, at the address the old map gave."""
+    from shardps.protos.v1 import common_pb2 as pb
+    from shardps.shardmap import ShardMapView
+    from shardps.worker.client.fanout import abandon_dead
+
+    def view(epoch, states):
+        msg = pb.ShardMap(epoch=epoch, replication=2)
+        for name, state in states.items():
+            msg.servers.add(name=name, address=f"{name}-{epoch}:7071", incarnation=1, state=state)
+        return ShardMapView(msg)
+
+    class Recorder:
+        def __init__(self):
+            self.abandoned = []
+
+        def abandon(self, address):
+            self.abandoned.append(address)
+
+    t = Recorder()
+    old = view(4, {"s0": pb.SERVING, "s1": pb.SERVING, "s2": pb.SERVING, "s3": pb.DEAD})
+    new = view(5, {"s0": pb.SERVING, "s1": pb.DEAD, "s3": pb.DEAD, "s4": pb.SERVING})
+    assert abandon_dead(t, old, new) == ["s1", "s2"]
+    assert t.abandoned == ["s1-4:7071", "s2-4:7071"]
+    assert abandon_dead(t, new, new) == [] and len(t.abandoned) == 2

@@ -352,6 +352,16 @@ class DataPlanePool:
         finally:
             self._release(address, conn, broken)
 
+    def abandon(self, address: str) -> int:
+        """Close every connection to ``address``, idle or in use: a call in flight on one
+        fails with Unavailable at once (for a peer that will never answer: declared dead
+        while paused or cut off). Later calls connect again. Returns how many were closed."""
+        with self._cond:
+            conns = [c for c in self._all if c.address == address]
+        for c in conns:
+            c.close()
+        return len(conns)
+
     def close(self) -> None:
         """Close every connection; later calls raise Unavailable."""
         with self._cond:

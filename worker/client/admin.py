@@ -9,8 +9,10 @@ only state the data path reads from the manager.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
+from typing import Callable
 
 import grpc
 
@@ -32,6 +34,8 @@ from shardps.tables import (
     dense_table,
     sparse_table,
 )
+
+log = logging.getLogger("shardps.client")
 
 
 def parse_consistency(text: str) -> Consistency:
@@ -56,6 +60,8 @@ class Admin:
         self.closed = closed or threading.Event()
         self._map = ShardMapView()
         self._map_lock = threading.Lock()
+        # called with (old, new) each time the client's map moves forward, outside the lock
+        self.map_listeners: list[Callable[[ShardMapView, ShardMapView], object]] = []
 
     # ================================================================== the one call
     def call(self, what: str, fn, request, timeout: float | None = None, *, idempotent: bool = False):
@@ -105,13 +111,22 @@ class Admin:
 
     def refresh_map(self, min_epoch: int = 0, timeout: float | None = None) -> ShardMapView:
         """Fetch the published shard map (waiting for ``min_epoch`` if given). The client's
-        map only moves forward: an older answer leaves the newer map in place."""
+        map only moves forward: an older answer leaves the newer map in place. When it moves,
+        ``map_listeners`` are called with the old and the new map (errors are logged)."""
         msg = self.call("GetShardMap", self.stub.GetShardMap,
                         mg.GetShardMapRequest(min_epoch=min_epoch), timeout, idempotent=True)
         with self._map_lock:
-            if msg.epoch > self._map.epoch:
+            old = self._map
+            if msg.epoch > old.epoch:
                 self._map = ShardMapView(msg)
-            return self._map
+            new = self._map
+        if new is not old:
+            for listener in list(self.map_listeners):
+                try:
+                    listener(old, new)
+                except Exception:
+                    log.exception("a shard-map listener failed (epoch %d -> %d)", old.epoch, new.epoch)
+        return new
 
     def view(self) -> ShardMapView:
         """The client's map, fetched first if it has none yet."""

@@ -33,6 +33,7 @@ arguments (``requests``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from concurrent import futures
 from typing import Iterable, Sequence
@@ -53,6 +54,7 @@ from shardps.worker.client.admin import Admin, TableCalls
 from shardps.worker.client.data import DataPath, PullResult, PushResult
 from shardps.worker.client.dataplane import DataPlaneTransport
 from shardps.worker.client.export import export
+from shardps.worker.client.fanout import abandon_dead
 from shardps.worker.client.membership import GroupMember, Membership, Session
 from shardps.worker.client.transport import GrpcTransport, Transport
 
@@ -83,12 +85,12 @@ class PSClient(TableCalls):
         self._calls = futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ps-call")
         self._rpcs = futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ps-rpc")
         if transport is None:
-            transport = GrpcTransport(job, StubPool(tls=tls, metadata=metadata), self.metrics,
-                                      metadata=metadata, chunk_bytes=chunk_bytes,
-                                      shared_memory=shared_memory)
+            transport = GrpcTransport(job, StubPool(tls=tls, metadata=metadata), self.metrics, metadata=metadata,
+                                      chunk_bytes=chunk_bytes, shared_memory=shared_memory)
             if data_plane:          # servers' socket data plane where they offer one
                 transport = DataPlaneTransport(job, transport, tls=tls, metadata=metadata)
         self._transport = transport
+        self._admin.map_listeners.append(functools.partial(abandon_dead, transport))    # see fanout
         self._data = DataPath(job, self._transport, self._admin, self._session, executor=self._rpcs,
                               metrics=self.metrics, wire_dtype=WireDType.parse(wire_dtype),
                               chunk_bytes=chunk_bytes, default_timeout=timeout)

@@ -81,6 +81,15 @@ class DataPlaneTransport:
         buffers = list(payload) + ([ids] if ids else [])
         return self._call(dp, address, "Exchange", head, buffers, timeout, use, server)
 
+    def abandon(self, address: str) -> None:
+        """Close the data-plane connections to the server at gRPC ``address`` (calls in
+        flight on them fail with Unavailable at once) and forget its data-plane address."""
+        with self._lock:
+            dp = self._addresses.pop(address, None)
+        if dp:
+            self.pool.abandon(dp)
+        self.fallback.abandon(address)
+
     def close(self) -> None:
         self.pool.close()
         self.fallback.close()

@@ -44,6 +44,18 @@ class MapSource(Protocol):
 Send = Callable[[str, str, list, ShardMapView], None]     # (server, address, pieces, view)
 
 
+def abandon_dead(transport, old: ShardMapView, new: ShardMapView) -> list[str]:
+    """A ``map_listeners`` hook (``admin.Admin``): calls in flight to the servers that ``old``
+    listed alive and ``new`` declares dead (or no longer lists) fail at once
+    (``transport.abandon``), so ``Fanout`` re-routes them with ``new`` instead of waiting for
+    a paused or cut-off server until the attempt's timeout. Safe: such a call's outcome was
+    already unknown, and its retry carries the same exactly-once header. Returns the names."""
+    gone = sorted(set(live_servers(old)) - set(live_servers(new)))
+    for name in gone:
+        transport.abandon(old.address(name))
+    return gone
+
+
 def capture(fn, arg):
     try:
         return True, fn(arg)

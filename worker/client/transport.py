@@ -104,6 +104,12 @@ class Transport(Protocol):
         buffers are valid (they may be reused after it returns) and return its result.
         ``reply_bytes``: the payload size the caller expects, None when unknown."""
 
+    def abandon(self, address: str) -> None:
+        """Make the calls in flight to the server at ``address`` fail now with
+        ``Unavailable`` (the data path re-routes them): the shard map declared that server
+        dead, so a reply it might still send no longer matters. A transport may do nothing
+        (its calls then end at their attempt timeout)."""
+
     def close(self) -> None:
         """Release connections and buffers; calls in flight may fail."""
 
@@ -184,6 +190,10 @@ class GrpcTransport:
         labelled(g.started, SERVICE, method, kind).inc()
         labelled(g.handled, SERVICE, method, kind, code).inc()
         labelled(g.handling, SERVICE, method, kind).observe(time.perf_counter() - started)
+
+    def abandon(self, address: str) -> None:
+        """Does nothing: a gRPC call to a server declared dead ends at its attempt timeout
+        (``fanout.ATTEMPT_SECONDS``) or when the server's connection breaks."""
 
     def close(self) -> None:
         self.pool.close()
