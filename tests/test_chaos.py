@@ -340,29 +340,62 @@ def test_partitioned_server_is_failed_over_and_rejoins_without_split_brain(tmp_p
 
 
 def test_a_paused_server_is_routed_around_while_it_stays_paused(chaos, monkeypatch):
-    """SIGSTOP a server (a VM freeze, a long GC pause) for longer than a push's timeout. Once
-    the manager declares it dead, the joined client's heartbeat brings the new map and the
-    push waiting on the paused server is re-routed at once (``fanout.abandon_dead``) instead
-    of waiting for a reply that cannot come until SIGCONT; before, it waited for its
-    attempt's timeout (here made longer than the push's, so the push failed)."""
+    """SIGSTOP a server (a VM freeze, a long GC pause) for 8 s, longer than the lease (3 s)
+    plus its failover, while two joined workers push to every block. Pushes must be
+    acknowledged again while it is still paused:
+
+    * a server whose new map declares the paused one dead cancels its forwards and resyncs
+      to it (``GrpcPeers.abandon``; a resync is bounded by the forward timeout, not the 30 s
+      of a copy), so its map install and its pushes do not wait for the paused backup;
+    * a client's calls waiting on the paused primary are abandoned once its heartbeat
+      brings the new map (``fanout.abandon_dead``), not at the attempt's timeout (made 60 s
+      here).
+
+    Before, the pushes were acknowledged only after SIGCONT (4.82 s with a 4.8 s pause)."""
     from shardps.tables import sgd
     from shardps.worker.client import fanout
     monkeypatch.setattr(fanout, "ATTEMPT_SECONDS", 60.0)
-    cluster, _ = chaos(servers=3, replication=2, server_lease_seconds=1.0)
+    cluster, _ = chaos(servers=4, replication=2, server_lease_seconds=3.0)
     ids = np.arange(240)
     with PSClient(cluster.manager_address, "paused", timeout=30) as c:
         c.create_job()
-        c.join()
         c.create_sparse("counters", 1, optimizer=sgd(1.0), num_blocks=12)
-        c.push_rows("counters", ids, -np.ones((240, 1)))
-        victim = cluster.servers["s1"].popen
+    acks: list[float] = []
+    stop = __import__("threading").Event()
+    workers = [PSClient(cluster.manager_address, "paused", timeout=30) for _ in range(2)]
+
+    def push_loop(client):
+        while not stop.is_set():
+            client.push_rows("counters", ids, -np.ones((240, 1)), timeout=20)
+            acks.append(time.monotonic())
+
+    threads = [__import__("threading").Thread(target=push_loop, args=(w,), daemon=True) for w in workers]
+    try:
+        for i, w in enumerate(workers):
+            w.join(name=f"w{i}")
+        for t in threads:
+            t.start()
+        wait_for("pushes flowing", lambda: len(acks) >= 10, 30, interval=0.05)
+        victim = cluster.servers["s2"].popen
         victim.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
         try:
-            started = time.monotonic()
-            c.push_rows("counters", ids, -np.ones((240, 1)), timeout=8.0)   # s1 holds primaries
-            took = time.monotonic() - started
+            time.sleep(8.0)
         finally:
             victim.send_signal(signal.SIGCONT)
-        np.testing.assert_array_equal(c.pull_rows("counters", ids)[:, 0], np.full(240, 2.0))
-    print(f"a push waiting on a paused server was re-routed and acknowledged {took:.2f}s after "
-          f"the SIGSTOP (lease 1 s; the pause lasted until then)")
+        resumed = time.monotonic()
+        wait_for("pushes after the resume", lambda: acks[-1] > resumed, 30, interval=0.05)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+    around = sorted(a for a in acks if a > stopped - 1.0)
+    gap = max(b - a for a, b in zip(around, around[1:]) if a < resumed)
+    late = [a for a in acks if stopped + gap - 0.5 < a < resumed]
+    assert late and gap < resumed - stopped - 1.0, (gap, resumed - stopped)
+    print(f"longest time without an acknowledged push around the 8 s pause: {gap:.2f}s (lease 3 s); "
+          f"{len(late)} pushes acknowledged after it, before the SIGCONT")
+    with PSClient(cluster.manager_address, "paused", timeout=30) as c:
+        np.testing.assert_array_equal(c.pull_rows("counters", ids)[:, 0], np.full(240, float(len(acks))))
+    for w in workers:
+        w.close()

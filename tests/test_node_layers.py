@@ -59,12 +59,15 @@ class FakePeers:
             return self.nodes[node].backup.apply_replicated(epoch, self.source, ops, payload)[1]
         return list(self.out_of_sync.get(node, []))
 
-    def load_blocks(self, node, epoch, snapshots):
+    def load_blocks(self, node, epoch, snapshots, resync=False):
         self.calls.append(("load_blocks", node, epoch, list(snapshots)))
         if node in self.fail:
             raise Unavailable(f"{node} is down")
         if node in self.nodes:
             self.nodes[node].backup.load_blocks(epoch, self.source, snapshots)
+
+    def abandon(self, node):
+        return 0
 
     def sent(self, what: str) -> list:
         return [c for c in self.calls if c[0] == what]

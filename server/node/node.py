@@ -131,9 +131,16 @@ class ServerNode:
     def install_map(self, msg: pb.ShardMap) -> int:
         """Install a newer shard map; older or equal epochs are ignored. Waits for in-flight
         data requests under the old map to finish. Returns the installed epoch."""
-        if msg.epoch <= self.table.view.epoch:
-            return self.table.view.epoch
+        base = self.table.view
+        if msg.epoch <= base.epoch:
+            return base.epoch
         view = ShardMapView(msg)
+        # forwards to a node this map declares dead (paused, cut off) would hold the data
+        # requests the gate waits for until their timeout: they fail now instead
+        alive = {s.name for s in view.servers if s.state != pb.DEAD}
+        for s in base.servers:
+            if s.state != pb.DEAD and s.name not in alive:
+                self.forwarder.peers.abandon(s.name)
         with self.table.gate.exclusive():
             if view.epoch <= self.table.view.epoch:
                 return self.table.view.epoch

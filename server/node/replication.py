@@ -81,8 +81,15 @@ class Peers(Protocol):
                   arrays: list[np.ndarray]) -> list[BlockKey]:
         """Forward ops; returns the blocks the backup reports out of sync. Raises on failure."""
 
-    def load_blocks(self, node: str, epoch: int, snapshots: list[BlockSnapshot]) -> None:
-        """Install whole blocks on ``node``. Raises on failure."""
+    def load_blocks(self, node: str, epoch: int, snapshots: list[BlockSnapshot],
+                    resync: bool = False) -> None:
+        """Install whole blocks on ``node``. Raises on failure. ``resync``: a block sent
+        whole on the push path (a backup out of sync), within the forward timeout like
+        ``replicate``: a paused backup must not hold its primary's pushes and map installs
+        for longer (a copy of a move may take much longer)."""
+
+    def abandon(self, node: str) -> int:
+        """Make the calls in flight to ``node`` fail now (Unavailable); returns how many."""
 
 
 class NoPeers:
@@ -91,8 +98,11 @@ class NoPeers:
     def replicate(self, node, epoch, ops, arrays):
         raise Unavailable(f"no transport to reach backup {node!r}")
 
-    def load_blocks(self, node, epoch, snapshots):
+    def load_blocks(self, node, epoch, snapshots, resync=False):
         raise Unavailable(f"no transport to reach {node!r}")
+
+    def abandon(self, node):
+        return 0
 
 
 class Forwarder:
@@ -175,7 +185,7 @@ class Forwarder:
 
     def send_whole(self, blk: AnyBlock, node: str) -> None:
         """Load ``blk`` whole on ``node`` (lock held). Raises what ``peers`` raises."""
-        self.peers.load_blocks(node, self.table.view.epoch, [snapshot_block(blk)])
+        self.peers.load_blocks(node, self.table.view.epoch, [snapshot_block(blk)], resync=True)
         self.metrics.resyncs.inc()
 
     def copy_blocks(self, epoch: int, refs: Sequence[tuple[str, str, int]], destination: str) -> tuple[int, int]:

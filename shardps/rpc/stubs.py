@@ -139,13 +139,42 @@ def encode_snapshots(snapshots, epoch: int, chunk_bytes: int = CHUNK_BYTES):
 
 class GrpcPeers:
     """``Peers`` over gRPC: replicate and load blocks on other nodes, by name. Blocking;
-    raises ``ShardpsError`` (``Unavailable`` for a node not in the shard map)."""
+    raises ``ShardpsError`` (``Unavailable`` for a node not in the shard map, or whose calls
+    were abandoned). Thread-safe."""
 
     def __init__(self, node_name: str, address_of, pool: StubPool, timeout: float = 5.0):
         self.node_name = node_name
         self.address_of = address_of
         self.pool = pool
         self.timeout = timeout
+        self._lock = threading.Lock()
+        self._in_flight: dict[str, set] = {}            # node -> call futures
+
+    def abandon(self, node: str) -> int:
+        """Cancel the calls in flight to ``node`` (the map declared it dead: a paused or cut
+        off node would hold them, and the caller's block locks, until their timeout); they
+        raise Unavailable. Returns how many were cancelled."""
+        with self._lock:
+            calls = list(self._in_flight.get(node, ()))
+        for call in calls:
+            call.cancel()
+        return len(calls)
+
+    def _call(self, node: str, method, request, timeout: float, metadata, what: str):
+        call = method.future(request, timeout=timeout, metadata=metadata)
+        with self._lock:
+            self._in_flight.setdefault(node, set()).add(call)
+        try:
+            return call.result()
+        except grpc.FutureCancelledError:
+            raise Unavailable(f"{what}: abandoned, {node} was declared dead") from None
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.CANCELLED:
+                raise Unavailable(f"{what}: abandoned, {node} was declared dead") from None
+            raise from_rpc_error(err, what) from None
+        finally:
+            with self._lock:
+                self._in_flight[node].discard(call)
 
     def _stub(self, node: str) -> ParameterServerStub:
         try:
@@ -166,17 +195,14 @@ class GrpcPeers:
                 yield encode_chunk(head, None)
 
         nbytes = sum(a.nbytes for a in arrays)
-        try:
-            ack = self._stub(node).Replicate(chunks(), timeout=self.timeout + nbytes / 20e6,
-                                             metadata=self.pool.metadata)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err, f"replicate to {node}") from None
+        ack = self._call(node, self._stub(node).Replicate, chunks(), self.timeout + nbytes / 20e6,
+                         self.pool.metadata, f"replicate to {node}")
         return [(r.job, r.table, r.block) for r in ack.out_of_sync]
 
-    def load_blocks(self, node, epoch, snapshots):
-        try:
-            self._stub(node).LoadBlocks(encode_snapshots(snapshots, epoch),
-                                        timeout=max(self.timeout, 30.0),
-                                        metadata=self.pool.metadata + (("x-shardps-source", self.node_name),))
-        except grpc.RpcError as err:
-            raise from_rpc_error(err, f"load blocks on {node}") from None
+    def load_blocks(self, node, epoch, snapshots, resync=False):
+        """A resync (push path) gets the forward timeout plus its size at 20 MB/s, as
+        ``replicate``; a copy (moves) up to 30 s."""
+        nbytes = sum(a.nbytes for snap in snapshots for a in snap.arrays)
+        timeout = self.timeout + nbytes / 20e6 if resync else max(self.timeout, 30.0)
+        self._call(node, self._stub(node).LoadBlocks, encode_snapshots(snapshots, epoch), timeout,
+                   self.pool.metadata + (("x-shardps-source", self.node_name),), f"load blocks on {node}")
