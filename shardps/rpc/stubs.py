@@ -14,6 +14,7 @@ Workers, the manager and server nodes all call servers through these; none of th
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import grpc
@@ -137,6 +138,44 @@ def encode_snapshots(snapshots, epoch: int, chunk_bytes: int = CHUNK_BYTES):
             yield ps.BlockChunk(header=snap.header, epoch=epoch).SerializeToString()
 
 
+class InFlight:
+    """gRPC calls in flight, by peer (an address or a node name), so that the calls to a
+    peer declared dead can be cancelled: a paused or cut-off peer would otherwise hold them
+    until their timeout. Thread-safe."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._calls: dict[str, set] = {}
+
+    @contextlib.contextmanager
+    def tracking(self, peer: str, call):
+        """Track ``call`` (a gRPC future or response iterator) for the block."""
+        with self._lock:
+            self._calls.setdefault(peer, set()).add(call)
+        try:
+            yield call
+        finally:
+            with self._lock:
+                self._calls[peer].discard(call)
+
+    def wait(self, peer: str, call, what: str):
+        """``call.result()`` of a gRPC future to ``peer``; Unavailable if ``abandon`` cancelled
+        it (a cancelled call's RpcError, CANCELLED, reads as Unavailable too)."""
+        with self.tracking(peer, call):
+            try:
+                return call.result()
+            except grpc.FutureCancelledError:
+                raise Unavailable(f"{what}: abandoned, {peer} was declared dead") from None
+
+    def abandon(self, peer: str) -> int:
+        """Cancel the calls in flight to ``peer``; returns how many."""
+        with self._lock:
+            calls = list(self._calls.get(peer, ()))
+        for call in calls:
+            call.cancel()
+        return len(calls)
+
+
 class GrpcPeers:
     """``Peers`` over gRPC: replicate and load blocks on other nodes, by name. Blocking;
     raises ``ShardpsError`` (``Unavailable`` for a node not in the shard map, or whose calls
@@ -147,34 +186,19 @@ class GrpcPeers:
         self.address_of = address_of
         self.pool = pool
         self.timeout = timeout
-        self._lock = threading.Lock()
-        self._in_flight: dict[str, set] = {}            # node -> call futures
+        self.in_flight = InFlight()                        # by node name
 
     def abandon(self, node: str) -> int:
         """Cancel the calls in flight to ``node`` (the map declared it dead: a paused or cut
         off node would hold them, and the caller's block locks, until their timeout); they
         raise Unavailable. Returns how many were cancelled."""
-        with self._lock:
-            calls = list(self._in_flight.get(node, ()))
-        for call in calls:
-            call.cancel()
-        return len(calls)
+        return self.in_flight.abandon(node)
 
     def _call(self, node: str, method, request, timeout: float, metadata, what: str):
-        call = method.future(request, timeout=timeout, metadata=metadata)
-        with self._lock:
-            self._in_flight.setdefault(node, set()).add(call)
         try:
-            return call.result()
-        except grpc.FutureCancelledError:
-            raise Unavailable(f"{what}: abandoned, {node} was declared dead") from None
+            return self.in_flight.wait(node, method.future(request, timeout=timeout, metadata=metadata), what)
         except grpc.RpcError as err:
-            if err.code() == grpc.StatusCode.CANCELLED:
-                raise Unavailable(f"{what}: abandoned, {node} was declared dead") from None
             raise from_rpc_error(err, what) from None
-        finally:
-            with self._lock:
-                self._in_flight[node].discard(call)
 
     def _stub(self, node: str) -> ParameterServerStub:
         try:

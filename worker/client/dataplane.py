@@ -21,6 +21,7 @@ import grpc
 from shardps.errors import Unavailable
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc.dataplane import DataPlanePool, client_ssl_context
+from shardps.rpc.status import from_rpc_error
 from shardps.worker.client.transport import GrpcTransport, Payload
 
 log = logging.getLogger("shardps.client")
@@ -122,11 +123,12 @@ class DataPlaneTransport:
         if known is not None:
             return known
         try:
-            resp = self.fallback.pool.get(address).OpenDataPlane(
-                ps.OpenDataPlaneRequest(job=self.job), timeout=min(timeout, 5.0),
-                metadata=self.metadata)
-            found = resp.address
+            call = self.fallback.pool.get(address).OpenDataPlane.future(
+                ps.OpenDataPlaneRequest(job=self.job), timeout=min(timeout, 5.0), metadata=self.metadata)
+            found = self.fallback.in_flight.wait(address, call, f"OpenDataPlane on {address}").address
         except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.CANCELLED:     # abandoned: declared dead
+                raise from_rpc_error(err, f"OpenDataPlane on {address}") from None
             if err.code() != grpc.StatusCode.UNIMPLEMENTED:
                 return _NONE                # not now (starting, unreachable): gRPC this time
             found = _NONE

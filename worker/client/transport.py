@@ -31,7 +31,7 @@ from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc import shm
 from shardps.rpc.codec import CHUNK_BYTES, encode_chunk, split_payload, write_into
 from shardps.rpc.status import from_rpc_error
-from shardps.rpc.stubs import SERVICE, StubPool
+from shardps.rpc.stubs import SERVICE, InFlight, StubPool
 
 log = logging.getLogger("shardps.client")
 T = TypeVar("T")
@@ -129,6 +129,7 @@ class GrpcTransport:
         self._shm = shm.ClientRegions() if shared_memory and shm.available() else None
         self._shm_ok: dict[str, bool] = {}
         self._shm_proved: set[tuple[str, str]] = set()
+        self.in_flight = InFlight()                    # by address: abandon() cancels them
 
     def push(self, server, address, header, payload, timeout):
         arrays = list(payload)
@@ -153,7 +154,8 @@ class GrpcTransport:
         started = time.perf_counter()
         code = "OK"
         try:
-            return self.pool.get(address).Push(chunks(), timeout=timeout, metadata=self.metadata)
+            call = self.pool.get(address).Push.future(chunks(), timeout=timeout, metadata=self.metadata)
+            return self.in_flight.wait(address, call, f"push to {server}")
         except grpc.RpcError as err:
             code = err.code().name
             raise from_rpc_error(err, f"push to {server}") from None
@@ -172,7 +174,8 @@ class GrpcTransport:
         payload = None
         try:
             stream = self.pool.get(address).Pull(request, timeout=timeout, metadata=self.metadata)
-            head, payload = collect(stream)
+            with self.in_flight.tracking(address, stream):
+                head, payload = collect(stream)
             if head.in_shared_memory:
                 payload = Payload([region.view(0, head.payload_bytes)])
             return consume(head, payload)
@@ -192,8 +195,8 @@ class GrpcTransport:
         labelled(g.handling, SERVICE, method, kind).observe(time.perf_counter() - started)
 
     def abandon(self, address: str) -> None:
-        """Does nothing: a gRPC call to a server declared dead ends at its attempt timeout
-        (``fanout.ATTEMPT_SECONDS``) or when the server's connection breaks."""
+        """Cancel the gRPC calls in flight to ``address`` (they raise Unavailable)."""
+        self.in_flight.abandon(address)
 
     def close(self) -> None:
         self.pool.close()
