@@ -301,7 +301,7 @@ class ServerProcess:
     def _register_once(self) -> None:
         resp = self._register(mg.RegisterServerRequest(
             name=self.node.name, address=self.address, metrics_address=self.net.metrics_address,
-            boot_id=self.boot_id), timeout=5.0, metadata=self._metadata)
+            boot_id=self.boot_id, accepts_map_changes=True), timeout=5.0, metadata=self._metadata)
         self.node.reset(resp.incarnation)
         self.node.install_map(resp.map)
         self.heartbeat_seconds = resp.heartbeat_seconds or 0.5
@@ -375,9 +375,14 @@ class ServerProcess:
             if self._stop.is_set():
                 return
             try:
-                msg = self._get_map(mg.GetShardMapRequest(min_epoch=want), timeout=5.0,
+                known = self.node.epoch
+                msg = self._get_map(mg.GetShardMapRequest(min_epoch=want, known_epoch=known), timeout=5.0,
                                     metadata=self._metadata)
-                self.node.install_map(msg)
+                try:
+                    self.node.install_map(msg)
+                except FailedPrecondition:     # installed another epoch meanwhile: the whole map
+                    self.node.install_map(self._get_map(mg.GetShardMapRequest(min_epoch=want), timeout=5.0,
+                                                        metadata=self._metadata))
             except grpc.RpcError as err:
                 log.debug("map fetch failed: %s", err.details())
                 self._stop.wait(0.2)

@@ -108,7 +108,8 @@ TABLE: dict[str, dict[str, Rule]] = {
         "UpdateTableConfig": _job(mg.UpdateTableConfigRequest),
         "DeleteTable": _job(mg.DeleteTableRequest),
         "GetShardMap": Rule(AUTHENTICATED, answer=OWN_JOB,
-                            note="a job token sees every server and its own job's tables and group"),
+                            note="a job token sees every server and its own job's tables and group; "
+                                 "naming another job in `job` is PERMISSION_DENIED"),
         "WatchShardMap": Rule(AUTHENTICATED, answer=OWN_JOB, note="as GetShardMap, per published map"),
         "JoinWorkerGroup": _job(mg.JoinWorkerGroupRequest, answer=OWN_JOB),
         "LeaveWorkerGroup": _job(mg.LeaveWorkerGroupRequest),

@@ -178,6 +178,10 @@ class ManagerMetrics:
         self.install_seconds = Histogram("shardps_map_install_seconds",
                                          "Time to install a new epoch on every live server.",
                                          buckets=LATENCY_BUCKETS, registry=r)
+        self.map_bytes = Counter("shardps_map_sent_bytes",
+                                 "Shard-map bytes sent to servers (InstallShardMap) and clients "
+                                 "(GetShardMap, WatchShardMap), by form: whole maps or changes.",
+                                 ("form",), registry=r)
 
     def set_replication(self, health) -> None:
         """Set the replication gauges from a ``ReplicationHealth`` (server/manager/records.py)."""

@@ -85,3 +85,14 @@ def test_tiny_run_writes_every_key(tmp_path):
     assert main(["--tiny", "--only", "transport", "--out", str(out), "--quiet"]) == 0
     again = json.loads(out.read_text())
     assert set(results) <= set(again)
+
+
+def test_control_map_simulation_small():
+    """Whole maps against changes at a small size; the changes are a small share already."""
+    from shardps.bench.control_map import main, simulate
+    res = simulate(8, 100, jobs=4, workers=40)
+    assert res["blocks"] == 800 and res["map_bytes"] > 0
+    for event in ("death", "join"):
+        assert 0 < res[f"{event}_bytes_delta"] < res[f"{event}_bytes_full"]
+    assert res["worker_map_bytes"] < res["map_bytes"]
+    assert main(["--servers", "6", "--blocks-per-server", "50", "--jobs", "3", "--workers", "30"]) in (0, 1)

@@ -41,7 +41,7 @@ def test_fuzz_admin_rpcs(make_cluster, client_factory, tmp_path):
     create_data_job(victim, create_job=False)
     victim.push_dense("w", np.ones(70))
     victim.push_rows("e", [1, 2, 3], np.ones((3, 3)))
-    shard_map = admin.refresh_map().msg
+    shard_map = admin.cluster_map().msg
     servers = {s.name: s.address for s in shard_map.servers}
     manager = channels.channel(cluster.address)
     w = World(cluster, Reference(data_tables(shard_map), ("", 0), {}), servers, {}, manager, Wire())

@@ -221,3 +221,37 @@ def test_a_worker_that_fetched_its_restored_state_stays_fetched_after_a_manager_
         assert back.jobs["j"].restore_pending == [1]
     finally:
         rt.stop()
+
+
+def test_nothing_is_acknowledged_while_the_state_cannot_be_saved(tmp_path):
+    """A save that fails leaves the state in memory ahead of the store. Found by the HA test
+    that cuts the leader off etcd: an idempotent CreateJob retried on the same manager
+    changed nothing, skipped the save and was acknowledged, and the next leader had no such
+    job. Every later call now saves first and raises while that fails."""
+    from shardps.errors import Unavailable
+    from shardps.server.manager.runtime import ManagerRuntime, RuntimeSettings
+    from shardps.tables import Consistency as C
+
+    class Flaky(StateFile):
+        down = False
+
+        def save(self, state):
+            if self.down:
+                raise Unavailable("etcd /kv/txn: no endpoint answered")
+            super().save(state)
+
+    store = Flaky(tmp_path / "state.json")
+    rt = ManagerRuntime(ManagerSettings(), RuntimeSettings(), store=store)
+    try:
+        store.down = True
+        for _ in range(2):               # the first try, then an idempotent retry
+            with pytest.raises(Unavailable, match="no endpoint answered"):
+                rt.change(lambda s: s.create_job("j", C.ASYNC, 0))
+        assert not store.exists() or "j" not in store.load(rt.settings, now=0.0).jobs
+        assert rt.published.epoch < rt.state.epoch            # not shown to anyone either
+        store.down = False
+        rt.change(lambda s: s.create_job("j", C.ASYNC, 0))
+        assert "j" in store.load(rt.settings, now=0.0).jobs
+        assert rt.published.epoch == rt.state.epoch
+    finally:
+        rt.stop()

@@ -43,8 +43,12 @@ def test_jobs_are_isolated_by_their_tokens(secure, client_factory, caplog):
                lambda: spy.delete_table("w")):
         with pytest.raises(PermissionDenied, match="team-b"):
             op()
-    # B's map shows nothing of A: it cannot even route to A's blocks
-    assert ("team-a", "w") not in spy.refresh_map().tables
+    # B's token cannot read A's map (PERMISSION_DENIED), and the whole map it may read shows
+    # nothing of A: it cannot even route to A's blocks
+    with pytest.raises(PermissionDenied, match="cannot read the map of job 'team-a'"):
+        spy.refresh_map()
+    assert ("team-a", "w") not in spy.cluster_map().tables
+    assert ("team-b", "w") in spy.cluster_map().tables
     # a raw push to A's table with B's token reaches the server and is refused there
     from shardps.protos.v1 import common_pb2 as pb
     from shardps.protos.v1 import parameter_server_pb2 as ps

@@ -240,18 +240,52 @@ class WorkerGroup(_message.Message):
     def __init__(self, job: _Optional[str] = ..., consistency: _Optional[_Union[Consistency, _Mapping]] = ..., members: _Optional[_Iterable[_Union[WorkerMember, _Mapping]]] = ..., membership_version: _Optional[int] = ..., quota_bytes: _Optional[int] = ...) -> None: ...
 
 class ShardMap(_message.Message):
-    __slots__ = ("epoch", "servers", "tables", "groups", "replication")
+    __slots__ = ("epoch", "servers", "tables", "groups", "replication", "changes")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SERVERS_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     REPLICATION_FIELD_NUMBER: _ClassVar[int]
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     servers: _containers.RepeatedCompositeFieldContainer[ServerInfo]
     tables: _containers.RepeatedCompositeFieldContainer[TablePlacement]
     groups: _containers.RepeatedCompositeFieldContainer[WorkerGroup]
     replication: int
-    def __init__(self, epoch: _Optional[int] = ..., servers: _Optional[_Iterable[_Union[ServerInfo, _Mapping]]] = ..., tables: _Optional[_Iterable[_Union[TablePlacement, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[WorkerGroup, _Mapping]]] = ..., replication: _Optional[int] = ...) -> None: ...
+    changes: ShardMapChanges
+    def __init__(self, epoch: _Optional[int] = ..., servers: _Optional[_Iterable[_Union[ServerInfo, _Mapping]]] = ..., tables: _Optional[_Iterable[_Union[TablePlacement, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[WorkerGroup, _Mapping]]] = ..., replication: _Optional[int] = ..., changes: _Optional[_Union[ShardMapChanges, _Mapping]] = ...) -> None: ...
+
+class ShardMapChanges(_message.Message):
+    __slots__ = ("from_epoch", "server_names", "servers", "tables", "groups", "removed_groups")
+    FROM_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SERVER_NAMES_FIELD_NUMBER: _ClassVar[int]
+    SERVERS_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    from_epoch: int
+    server_names: _containers.RepeatedScalarFieldContainer[str]
+    servers: _containers.RepeatedCompositeFieldContainer[ServerInfo]
+    tables: _containers.RepeatedCompositeFieldContainer[TableChanges]
+    groups: _containers.RepeatedCompositeFieldContainer[WorkerGroup]
+    removed_groups: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, from_epoch: _Optional[int] = ..., server_names: _Optional[_Iterable[str]] = ..., servers: _Optional[_Iterable[_Union[ServerInfo, _Mapping]]] = ..., tables: _Optional[_Iterable[_Union[TableChanges, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[WorkerGroup, _Mapping]]] = ..., removed_groups: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class TableChanges(_message.Message):
+    __slots__ = ("job", "table", "removed", "whole", "block_indexes", "blocks")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_INDEXES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    table: str
+    removed: bool
+    whole: TablePlacement
+    block_indexes: _containers.RepeatedScalarFieldContainer[int]
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockPlacement]
+    def __init__(self, job: _Optional[str] = ..., table: _Optional[str] = ..., removed: _Optional[bool] = ..., whole: _Optional[_Union[TablePlacement, _Mapping]] = ..., block_indexes: _Optional[_Iterable[int]] = ..., blocks: _Optional[_Iterable[_Union[BlockPlacement, _Mapping]]] = ...) -> None: ...
 
 class RequestHeader(_message.Message):
     __slots__ = ("job", "epoch", "session", "incarnation", "sequence", "acked_below", "clock", "wire_dtype")

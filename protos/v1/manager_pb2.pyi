@@ -8,16 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterServerRequest(_message.Message):
-    __slots__ = ("name", "address", "metrics_address", "boot_id")
+    __slots__ = ("name", "address", "metrics_address", "boot_id", "accepts_map_changes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_MAP_CHANGES_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
     metrics_address: str
     boot_id: str
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., boot_id: _Optional[str] = ...) -> None: ...
+    accepts_map_changes: bool
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., boot_id: _Optional[str] = ..., accepts_map_changes: _Optional[bool] = ...) -> None: ...
 
 class RegisterServerResponse(_message.Message):
     __slots__ = ("incarnation", "lease_seconds", "heartbeat_seconds", "map", "token_key")
@@ -205,16 +207,24 @@ class DeleteTableResponse(_message.Message):
     def __init__(self, epoch: _Optional[int] = ...) -> None: ...
 
 class GetShardMapRequest(_message.Message):
-    __slots__ = ("min_epoch",)
+    __slots__ = ("min_epoch", "known_epoch", "job")
     MIN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
     min_epoch: int
-    def __init__(self, min_epoch: _Optional[int] = ...) -> None: ...
+    known_epoch: int
+    job: str
+    def __init__(self, min_epoch: _Optional[int] = ..., known_epoch: _Optional[int] = ..., job: _Optional[str] = ...) -> None: ...
 
 class WatchShardMapRequest(_message.Message):
-    __slots__ = ("after_epoch",)
+    __slots__ = ("after_epoch", "changes", "job")
     AFTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
     after_epoch: int
-    def __init__(self, after_epoch: _Optional[int] = ...) -> None: ...
+    changes: bool
+    job: str
+    def __init__(self, after_epoch: _Optional[int] = ..., changes: _Optional[bool] = ..., job: _Optional[str] = ...) -> None: ...
 
 class JoinWorkerGroupRequest(_message.Message):
     __slots__ = ("job", "name", "rank_hint", "previous_session", "consistency")

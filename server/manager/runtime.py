@@ -6,6 +6,11 @@ persists the state when the epoch moved (or a persisted field changed, ``state.u
 installs the new map on every live server (InstallShardMap, in parallel, in epoch order) and
 only then makes it visible to clients (GetShardMap / WatchShardMap). A server that misses an
 install catches up from its next heartbeat.
+
+Maps travel as changes where the receiver can take them (``shardps.mapdelta``): servers that
+registered with ``accepts_map_changes`` are sent the changes since the previous epoch (the
+whole map if they answer that they hold another one), and ``maps`` (``MapHistory``) answers
+clients that name the epoch they hold.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc.status import from_rpc_error
 from shardps.rpc.stubs import StubPool
 from shardps.server.manager import moves
+from shardps.server.manager.map_history import MapHistory
 from shardps.server.manager.records import ManagerSettings, Move, ReplicationHealth, ServerState
 from shardps.server.manager.state import ManagerState
 from shardps.server.manager.store import StateFile, StateStore
@@ -73,6 +79,9 @@ class ManagerRuntime:
         self._publish_lock = threading.Lock()
         self._published = self.state.shard_map()
         self._published_cond = threading.Condition()
+        self.maps = MapHistory(self._published, self.metrics)     # changes instead of whole maps
+        self._save_failed = False           # the last save raised: memory is ahead of the store
+        self._publish_pending = False       # ... and its map was not published
         self._executor = futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="install")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -91,17 +100,24 @@ class ManagerRuntime:
         if only a persisted field changed (``state.unsaved``), persist.
 
         With ``wait_published`` (read-your-writes), a call that changed nothing while another
-        caller's change is being installed waits for that change to be published."""
+        caller's change is being installed waits for that change to be published.
+
+        Nothing is acknowledged that is not persisted: after a failed save the state in
+        memory is ahead of the store, so every later call saves again before it returns
+        (an idempotent retry that changes nothing included) and raises while that fails."""
         with self.lock:
             before = self.state.epoch
             result = fn(self.state, *args, **kwargs)
             after = self.state.epoch
-            changed = after != before
-            persist = changed or self.state.unsaved
+            changed = after != before or self._publish_pending
+            persist = changed or self.state.unsaved or self._save_failed
             self.state.unsaved = False
             msg = self.state.shard_map() if changed else None
             if persist and self._store is not None:
+                self._save_failed = self._publish_pending = True
                 self._store.save(self.state)
+                self._save_failed = False
+            self._publish_pending = False
         if msg is not None:                 # the map changed
             self.publish(msg)
         elif wait_published and self._published.epoch < after:
@@ -110,14 +126,19 @@ class ManagerRuntime:
         return result
 
     def publish(self, msg: pb.ShardMap) -> None:
-        """Install ``msg`` on every live server, then show it to clients."""
+        """Install ``msg`` on every live server (as its changes since the previous epoch
+        where the server takes them), then show it to clients."""
         with self._publish_lock:
-            if msg.epoch <= self._published.epoch:
+            prev = self._published
+            if msg.epoch <= prev.epoch:
                 return
             started = self.now()
             targets = [s for s in msg.servers if s.state != pb.DEAD]
-            request = ps.InstallShardMapRequest(map=msg)
-            jobs = {self._executor.submit(self._install, s.address, request): s.name for s in targets}
+            changes, whole = self.maps.install_requests(prev, msg, targets)
+            jobs = {self._executor.submit(self.maps.install, self.pool.get(s.address), s.address,
+                                          changes if s.name in self.maps.accepts else whole, whole,
+                                          self.runtime.install_timeout, self.pool.metadata): s.name
+                    for s in targets}
             for fut in futures.as_completed(jobs):
                 err = fut.exception()
                 if err is not None:
@@ -126,15 +147,9 @@ class ManagerRuntime:
             self.metrics.install_seconds.observe(self.now() - started)
             with self._published_cond:
                 self._published = msg
+                self.maps.remember(msg)
                 self._published_cond.notify_all()
         self._update_metrics()
-
-    def _install(self, address: str, request) -> None:
-        try:
-            self.pool.get(address).InstallShardMap(request, timeout=self.runtime.install_timeout,
-                                                   metadata=self.pool.metadata)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err, f"install on {address}") from None
 
     @property
     def published(self) -> pb.ShardMap:
@@ -314,24 +329,29 @@ class ManagerRuntime:
             under = sum(1 for reps in replicas if len(reps) < r)
             health = ReplicationHealth(r, candidates, under, under if candidates < r else 0)
             self._counted = (epoch, primaries, held, len(replicas), health)
-        _, primaries, held, nblocks, health = self._counted
-        m = self.metrics
-        m.epoch.set(epoch)
-        counts = {s: 0 for s in ServerState}
-        for _, state, _, _, _ in servers:
-            counts[state] += 1
-        for state, n in counts.items():
-            m.servers.labels(state.name).set(n)
-        for name, _, live, last_heartbeat, nbytes in servers:
-            m.server_up.labels(name).set(1 if live else 0)
-            m.heartbeat_age.labels(name).set(max(0.0, now - last_heartbeat))
-            m.server_blocks.labels(name, "primary").set(primaries.get(name, 0))
-            m.server_blocks.labels(name, "backup").set(held.get(name, 0) - primaries.get(name, 0))
-            m.server_bytes.labels(name).set(nbytes)
-        m.blocks.set(nblocks)
-        m.set_replication(health)
-        for job, n in workers:
-            m.workers.labels(job).set(n)
+        _set_gauges(self.metrics, epoch, servers, workers, self._counted, now)
 
     def refresh_metrics(self) -> None:
         self._update_metrics()
+
+
+def _set_gauges(m: ManagerMetrics, epoch: int, servers: list, workers: list, counted: tuple,
+                now: float) -> None:
+    """The manager's gauges from what ``ManagerRuntime._update_metrics`` took and counted."""
+    _, primaries, held, nblocks, health = counted
+    m.epoch.set(epoch)
+    counts = {s: 0 for s in ServerState}
+    for _, state, _, _, _ in servers:
+        counts[state] += 1
+    for state, n in counts.items():
+        m.servers.labels(state.name).set(n)
+    for name, _, live, last_heartbeat, nbytes in servers:
+        m.server_up.labels(name).set(1 if live else 0)
+        m.heartbeat_age.labels(name).set(max(0.0, now - last_heartbeat))
+        m.server_blocks.labels(name, "primary").set(primaries.get(name, 0))
+        m.server_blocks.labels(name, "backup").set(held.get(name, 0) - primaries.get(name, 0))
+        m.server_bytes.labels(name).set(nbytes)
+    m.blocks.set(nblocks)
+    m.set_replication(health)
+    for job, n in workers:
+        m.workers.labels(job).set(n)

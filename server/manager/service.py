@@ -11,9 +11,9 @@ from pathlib import Path
 
 import grpc
 
-from shardps import authz, names
+from shardps import authz, mapdelta, names
 from shardps.convert import config_from_proto, config_to_proto, consistency_from_proto, spec_from_proto
-from shardps.errors import NotFound
+from shardps.errors import NotFound, PermissionDenied
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import manager_pb2 as mg
 from shardps.rpc.status import Method, bind, proto_method
@@ -80,6 +80,10 @@ class ResourceManagerService:
         now = self.rt.now()
         rec = self.rt.change(lambda s: s.register_server(req.name, req.address, req.metrics_address,
                                                          req.boot_id, now))
+        if req.accepts_map_changes:
+            self.rt.maps.accepts.add(req.name)
+        else:
+            self.rt.maps.accepts.discard(req.name)
         s = self.rt.settings
         return mg.RegisterServerResponse(incarnation=rec.incarnation, lease_seconds=s.server_lease_seconds,
                                          heartbeat_seconds=s.server_heartbeat_seconds,
@@ -181,19 +185,36 @@ class ResourceManagerService:
 
     # --- shard map ---
     def get_shard_map(self, req, call) -> pb.ShardMap:
+        names.check_optional(names.JOB, req.job, "job")
+        msg = self.rt.published
         if req.min_epoch:
             # answer (with the current map) a little before the caller's deadline
             timeout = None if call.deadline is None else max(0.0, call.deadline - time.monotonic() - 0.05)
-            return _visible(self.rt.wait_published(req.min_epoch, timeout), call.principal)
-        return _visible(self.rt.published, call.principal)
+            msg = self.rt.wait_published(req.min_epoch, timeout)
+        return self._answer(msg, req.known_epoch, _job_of(req, call.principal))
 
     def watch_shard_map(self, req, call):
+        names.check_optional(names.JOB, req.job, "job")
+        job = _job_of(req, call.principal)
         last = req.after_epoch
+        sent = 0                                    # the epoch of the last map sent
         while call.context.is_active() and not self.rt.stopping:
             msg = self.rt.wait_published(last + 1, timeout=1.0)
             if msg.epoch > last:
                 last = msg.epoch
-                yield _visible(msg, call.principal)
+                yield self._answer(msg, sent if req.changes else 0, job)
+                sent = msg.epoch
+
+    def _answer(self, msg: pb.ShardMap, known_epoch: int, job: str) -> pb.ShardMap:
+        """``msg`` for a holder of ``known_epoch``'s map (0: none): its changes since then
+        when they are known, else whole; only ``job``'s tables and group when ``job``."""
+        changes = self.rt.maps.changes_since(known_epoch, msg) if known_epoch else None
+        if changes is not None:
+            out = mapdelta.changes_only_job(changes, job) if job else changes
+        else:
+            out = mapdelta.only_job(msg, job) if job else msg
+        self.rt.maps.count_sent(out)
+        return out
 
     # --- worker groups ---
     def join_worker_group(self, req, call) -> mg.JoinWorkerGroupResponse:
@@ -272,15 +293,16 @@ def _job_scoped(fn):
     return handler
 
 
-def _visible(msg: pb.ShardMap, principal) -> pb.ShardMap:
-    """A job token sees the servers and its own job's tables and group only."""
+def _job_of(req, principal) -> str:
+    """The job whose tables a map answer shows: a job token's own, else the request's
+    ``job`` (empty: every job's)."""
     from shardps.server.auth import JOB
-    if principal is None or principal.role != JOB:
-        return msg
-    out = pb.ShardMap(epoch=msg.epoch, replication=msg.replication, servers=msg.servers)
-    out.tables.extend(t for t in msg.tables if t.job == principal.job)
-    out.groups.extend(g for g in msg.groups if g.job == principal.job)
-    return out
+    if principal is not None and principal.role == JOB:
+        if req.job and req.job != principal.job:
+            raise PermissionDenied(f"a token of job {principal.job!r} cannot read the map of job "
+                                   f"{req.job!r}")
+        return principal.job
+    return req.job
 
 
 def cluster_status(rt: ManagerRuntime) -> mg.ClusterStatus:

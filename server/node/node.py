@@ -39,7 +39,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from shardps import kernels
+from shardps import kernels, mapdelta
 from shardps.metrics import NodeMetrics
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
@@ -129,11 +129,15 @@ class ServerNode:
         return self.table.view.address(name)
 
     def install_map(self, msg: pb.ShardMap) -> int:
-        """Install a newer shard map; older or equal epochs are ignored. Waits for in-flight
-        data requests under the old map to finish. Returns the installed epoch."""
+        """Install a newer shard map, whole or as its changes (``ShardMap.changes``, since
+        the installed epoch: else ``mapdelta.StaleBase``, a FailedPrecondition); older or
+        equal epochs are ignored. Waits for in-flight data requests under the old map to
+        finish. Returns the installed epoch."""
         base = self.table.view
         if msg.epoch <= base.epoch:
             return base.epoch
+        if msg.HasField("changes"):
+            msg = mapdelta.apply(base.msg, msg)
         view = ShardMapView(msg)
         # forwards to a node this map declares dead (paused, cut off) would hold the data
         # requests the gate waits for until their timeout: they fail now instead

@@ -39,6 +39,7 @@ PARTS = {
     "memory": "shardps.bench.memory",
     "curves": "shardps.bench.curves",
     "placement": "shardps.bench.placement_sim",
+    "control": "shardps.bench.control_map",
     "lifecycle": "shardps.bench.lifecycle",
 }
 DEFAULT_OUT = "bench/results/latest.json"

@@ -64,6 +64,11 @@ class BenchConfig:
     placement_sizes: tuple[int, ...] = (10, 100, 1000)
     placement_blocks_per_server: int = 1000
     placement_timeout_s: float = 120.0     # per size; a size that takes longer is reported as such
+    # shard-map bytes, whole maps against changes (shardps/bench/control_map.py)
+    control_servers: int = 1000
+    control_blocks_per_server: int = 1000
+    control_jobs: int = 100
+    control_workers: int = 10_000
     # lifecycle: the ctr model over 100M ids with / without a budget (shardps/bench/lifecycle.py)
     lifecycle_train_samples: int = 400_000
     lifecycle_test_samples: int = 50_000
@@ -140,6 +145,10 @@ TINY = BenchConfig(
     placement_sizes=(4,),
     placement_blocks_per_server=50,
     placement_timeout_s=60.0,
+    control_servers=6,
+    control_blocks_per_server=50,
+    control_jobs=3,
+    control_workers=30,
     lifecycle_train_samples=4_096,
     lifecycle_test_samples=2_048,
     lifecycle_batch=512,

@@ -16,6 +16,7 @@ REQUIRED_KEYS = (
     "e2e_ps_async_share_compute", "e2e_ps_async_share_pull_wait", "e2e_ps_async_share_push_wait",
     "e2e_ps_async_server_share_decode", "e2e_ps_async_server_share_lookup",
     "e2e_ps_async_server_share_optimizer", "e2e_ps_async_server_share_encode", "e2e_ps_async_server_share_idle",
+    "control_map_bytes_full", "control_map_bytes_delta",
 )
 
 
@@ -65,6 +66,8 @@ TARGETS = (
            "placement max/mean <= 1.10 at every size"),
     Target("placement_moves", "placement_worst_moved_over_ideal", "<=", 1.2,
            "placement moved <= 1.2 x ideal (join and leave, every size)"),
+    Target("control_map", "control_map_death_delta_over_full", "<=", 0.01,
+           "control_map_bytes_delta <= 0.01 x control_map_bytes_full (one server's death)"),
 )
 
 

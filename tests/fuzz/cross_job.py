@@ -82,9 +82,12 @@ def grpc_request(data, w: World, service: str, method: str, rule: authz.Rule, tm
     request = admin_request(data, w, service, method, tmp)
     if rule.access != authz.JOB:
         if method == "GetShardMap":          # answered at once: the answer is what is judged
-            return mg.GetShardMapRequest(min_epoch=one_of(w, [0, 1, w.epoch()])).SerializeToString()
+            return mg.GetShardMapRequest(min_epoch=one_of(w, [0, 1, w.epoch()]),
+                                         known_epoch=one_of(w, [0, 1, w.epoch() - 1, w.epoch()]),
+                                         job=one_of(w, ["", ATTACKER, *FOREIGN])).SerializeToString()
         if method == "WatchShardMap":
-            return mg.WatchShardMapRequest(after_epoch=0).SerializeToString()
+            return mg.WatchShardMapRequest(after_epoch=0, changes=one_of(w, [False, True]),
+                                           job=one_of(w, ["", ATTACKER, *FOREIGN])).SerializeToString()
         return request
     if method == "Push":
         chunk = ps.PushChunk.FromString(request[0])

@@ -121,9 +121,12 @@ def manager_request(data, w: World, method: str, tmp: str):
     if method == "DeleteTable":
         return mg.DeleteTableRequest(job=one_of(w, job_any), table=one_of(w, table))
     if method == "GetShardMap":
-        return mg.GetShardMapRequest(min_epoch=one_of(w, [0, 1, now, now + 50, 2 ** 64 - 1]))
+        return mg.GetShardMapRequest(min_epoch=one_of(w, [0, 1, now, now + 50, 2 ** 64 - 1]),
+                                     known_epoch=one_of(w, [0, 1, now - 1, now, now + 50, 2 ** 64 - 1]),
+                                     job=one_of(w, job_any))
     if method == "WatchShardMap":
-        return mg.WatchShardMapRequest(after_epoch=one_of(w, [0, 1, now - 1, now + 50, 2 ** 64 - 1]))
+        return mg.WatchShardMapRequest(after_epoch=one_of(w, [0, 1, now - 1, now + 50, 2 ** 64 - 1]),
+                                       changes=one_of(w, [False, True]), job=one_of(w, job_any))
     if method == "JoinWorkerGroup":
         return mg.JoinWorkerGroupRequest(job=one_of(w, job_any), name=one_of(w, ["", "w1", "w2", "n" * 300]),
                                          rank_hint=one_of(w, [-1, 0, 3, 2 ** 31 - 1, -(2 ** 31)]),

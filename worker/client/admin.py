@@ -16,6 +16,7 @@ from typing import Callable
 
 import grpc
 
+from shardps import mapdelta
 from shardps.convert import config_from_proto, config_to_proto, consistency_to_proto, spec_to_proto
 from shardps.errors import DeadlineExceeded, NotFound
 from shardps.metrics import WorkerMetrics
@@ -110,14 +111,22 @@ class Admin:
         return self._map
 
     def refresh_map(self, min_epoch: int = 0, timeout: float | None = None) -> ShardMapView:
-        """Fetch the published shard map (waiting for ``min_epoch`` if given). The client's
+        """Fetch the published shard map (waiting for ``min_epoch`` if given): its changes
+        since the map this client holds, and only this job's tables and group. The client's
         map only moves forward: an older answer leaves the newer map in place. When it moves,
         ``map_listeners`` are called with the old and the new map (errors are logged)."""
-        msg = self.call("GetShardMap", self.stub.GetShardMap,
-                        mg.GetShardMapRequest(min_epoch=min_epoch), timeout, idempotent=True)
+        known = self._map
+        msg = self.call("GetShardMap", self.stub.GetShardMap, mg.GetShardMapRequest(
+            min_epoch=min_epoch, known_epoch=known.epoch, job=self.job), timeout, idempotent=True)
+        if msg.HasField("changes") and msg.epoch > known.epoch:
+            try:
+                msg = mapdelta.apply(known.msg, msg)
+            except mapdelta.StaleBase:          # another thread moved the map meanwhile
+                msg = self.call("GetShardMap", self.stub.GetShardMap, mg.GetShardMapRequest(
+                    min_epoch=min_epoch, job=self.job), timeout, idempotent=True)
         with self._map_lock:
             old = self._map
-            if msg.epoch > old.epoch:
+            if msg.epoch > old.epoch and not msg.HasField("changes"):
                 self._map = ShardMapView(msg)
             new = self._map
         if new is not old:
@@ -127,6 +136,14 @@ class Admin:
                 except Exception:
                     log.exception("a shard-map listener failed (epoch %d -> %d)", old.epoch, new.epoch)
         return new
+
+    def cluster_map(self, timeout: float | None = None) -> ShardMapView:
+        """The whole published map, every job's tables and groups (a job token still gets
+        its own job's only). For tools and operators: not the map this client routes with,
+        and not kept."""
+        msg = self.call("GetShardMap", self.stub.GetShardMap, mg.GetShardMapRequest(), timeout,
+                        idempotent=True)
+        return ShardMapView(msg)
 
     def view(self) -> ShardMapView:
         """The client's map, fetched first if it has none yet."""
@@ -263,6 +280,11 @@ class TableCalls:
 
     def tables(self) -> list[TableView]:
         return self._admin.tables()
+
+    def cluster_map(self, timeout: float | None = None) -> ShardMapView:
+        """The whole published map with every job's tables (``refresh_map`` and
+        ``shard_map`` hold this client's own job's only); see ``Admin.cluster_map``."""
+        return self._admin.cluster_map(timeout)
 
     def update_config(self, name: str, timeout: float | None = None, **changes) -> TableConfig:
         """Change optimizer hyperparameters (``lr=0.01``, ``momentum=...``) while training runs;
