@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from shardps.children import child_env
 from shardps.errors import ShardpsError
@@ -55,7 +55,8 @@ class LocalCluster:
                  log_format: str = "human", server_lease_seconds: float | None = None,
                  manager_args: tuple = (), server_args: tuple = (), env: dict | None = None,
                  python: str = sys.executable, stream_logs: bool = False, host_of=None, wrap=None,
-                 manager_port: int = 0, tls=None, token: str = ""):
+                 manager_port: int = 0, tls=None, token: str = "",
+                 manager_replicas: Sequence[tuple[str, ...]] = ()):
         self.n_servers = servers
         self.replication = replication
         self._own_dir = work_dir is None
@@ -78,6 +79,16 @@ class LocalCluster:
         # and the admin token when the cluster is secured (``Secured``)
         self.tls = tls
         self.token = token
+        # several manager replicas (their state in etcd): each one's extra arguments (its
+        # --etcd ...); they listen on ports chosen now, so servers and clients get the list
+        self.manager_replicas = [tuple(a) for a in manager_replicas]
+        if self.manager_replicas:
+            from shardps.bench.common import free_port
+            host = self.host_of("manager")
+            self.replica_addresses = [f"{host}:{free_port()}" for _ in self.manager_replicas]
+        else:
+            self.replica_addresses = []
+        self.replicas: list[Proc | None] = [None] * len(self.manager_replicas)
         self.manager: Proc | None = None
         self.servers: dict[str, Proc] = {}
         self.workers: list[Proc] = []
@@ -126,7 +137,23 @@ class LocalCluster:
             time.sleep(0.05)
         raise TimeoutError(f"{proc.role} {proc.name} at {proc.address} never reported SERVING")
 
+    def start_replica(self, index: int, timeout: float = 60.0) -> Proc:
+        """Start manager replica ``index`` (again) on its address."""
+        args = ["--listen", self.replica_addresses[index], "--metrics-port", "-1",
+                "--replication", str(self.replication), "--log-format", self.log_format,
+                "--checkpoint-dir", str(self.work_dir / "checkpoints")]
+        if self.lease is not None:
+            args += ["--server-lease-seconds", str(self.lease)]
+        proc = self._spawn("manager", f"m{index}", args + list(self.manager_args) + list(self.manager_replicas[index]))
+        self._wait_ready(proc, timeout)
+        self.replicas[index] = proc
+        return proc
+
     def start_manager(self, timeout: float = 60.0) -> Proc:
+        if self.manager_replicas:
+            procs = [self.start_replica(i, timeout) for i in range(len(self.manager_replicas))]
+            self.manager = procs[0]
+            return procs[0]
         host = self.host_of("manager")
         if self.manager_port and not (self.manager and self.manager.info.get("address")):
             _check_free(host, self.manager_port)
@@ -187,6 +214,8 @@ class LocalCluster:
 
     @property
     def manager_address(self) -> str:
+        if self.replica_addresses:
+            return ",".join(self.replica_addresses)
         return self.manager.address if self.manager else ""
 
     def kill(self, proc: Proc, sig: int = signal.SIGKILL) -> None:
@@ -200,7 +229,8 @@ class LocalCluster:
 
     def stop(self) -> None:
         """Stop every process (SIGTERM, then SIGKILL after 10 s); remove a temporary work dir."""
-        procs = list(self.workers) + list(self.servers.values()) + ([self.manager] if self.manager else [])
+        managers = [p for p in self.replicas if p is not None] or ([self.manager] if self.manager else [])
+        procs = list(self.workers) + list(self.servers.values()) + managers
         for p in procs:
             if p.alive:
                 p.popen.send_signal(signal.SIGTERM)

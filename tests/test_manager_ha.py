@@ -15,8 +15,6 @@ kill -9, after a failover, until every block has R = 2 live replicas again.
 
 from __future__ import annotations
 
-import json
-import shutil
 import signal
 import subprocess
 import sys
@@ -30,12 +28,12 @@ import pytest
 from shardps.bench.common import free_port
 from shardps.children import child_env
 from shardps.errors import ShardpsError
+from shardps.netproxy import TcpProxy
 from shardps.protos.v1 import common_pb2 as pb
-from shardps.server.manager.etcd_store import EtcdClient
 from shardps.tables import dense_table, sgd
+from shardps.verify.etcd import EtcdProcess
 from shardps.worker.client import PSClient
 from tests.debian import debian_binary
-from tests.tcp_proxy import TcpProxy
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
@@ -49,44 +47,11 @@ def etcd_binary() -> str:
     return debian_binary("etcd", "etcd-server")
 
 
-class Etcd:
-    """One etcd member on loopback, its data in ``work``."""
+class Etcd(EtcdProcess):
+    """The shared etcd helper, its leader key under this file's prefix."""
 
-    def __init__(self, binary: str, work: Path):
-        self.client_port, peer = free_port(), free_port()
-        self.endpoint = f"http://127.0.0.1:{self.client_port}"
-        self.log_path = work / "etcd.log"
-        cmd = [binary, "--name", "ha", "--data-dir", str(work / "etcd-data"),
-               "--listen-client-urls", self.endpoint, "--advertise-client-urls", self.endpoint,
-               "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-               "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-               "--initial-cluster", f"ha=http://127.0.0.1:{peer}",
-               "--max-txn-ops", "10000", "--max-request-bytes", str(8 << 20)]
-        if shutil.which("setpriv"):       # dies with the test process even if that is killed
-            cmd = ["setpriv", "--pdeathsig", "TERM", "--"] + cmd
-        with open(self.log_path, "wb") as log:
-            self.popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        self.client = EtcdClient(self.endpoint)
-
-    def wait_ready(self, timeout: float = 30.0) -> None:
-        def ready():
-            if self.popen.poll() is not None:
-                raise RuntimeError(f"etcd exited: {self.log_path.read_text()[-2000:]}")
-            try:
-                self.client.get("/ready-probe")
-                return True
-            except ShardpsError:
-                return False
-        wait_for("etcd to answer", ready, timeout, interval=0.1)
-
-    def leader(self) -> str:
-        """The address in the leader key ("" when none)."""
-        value = self.client.get(f"{PREFIX}/leader")
-        return json.loads(value)["address"] if value else ""
-
-    def stop(self) -> None:
-        self.client.close()
-        _kill(self.popen)
+    def leader(self) -> str:            # type: ignore[override]
+        return super().leader(PREFIX)
 
 
 def _kill(popen: subprocess.Popen, sig: int = signal.SIGKILL) -> None:

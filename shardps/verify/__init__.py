@@ -4,7 +4,8 @@
 and servers with ``--replication 2``, ``shardps.local.LocalCluster``), runs client workers
 that push counter increments whose every acknowledged push adds an exact integer to known
 rows, injects the faults of a schedule drawn from a seed (printed, so any run replays), and
-lets a checker decide:
+lets a checker decide (``--managers 3``: three manager replicas on a real etcd, whose leader
+is killed and cut off from etcd among the faults):
 
 * every acknowledged push applied exactly once per block (0 lost, 0 doubled); a push whose
   outcome is unknown (deadline, refused) at most once;

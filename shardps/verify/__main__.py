@@ -20,7 +20,7 @@ from typing import Any
 from shardps.verify.checker import HEADER, Verdict
 from shardps.verify.defects import DEFECTS
 from shardps.verify.run import LIFECYCLE_JOBS, RunConfig, run_schedule, short_form, summary
-from shardps.verify.schedule import KINDS
+from shardps.verify.schedule import KINDS, REPLICA_KINDS
 from shardps.verify.workload import JOBS
 
 
@@ -34,7 +34,12 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--schedule-minutes", type=float, default=0.0,
                    help="the length of one schedule (default: 10 minutes, or all of a shorter run)")
     p.add_argument("--short", action="store_true", help="the short form of tests/test_torture.py (fixed seeds)")
-    p.add_argument("--faults", default=",".join(KINDS), help=f"fault kinds to draw from ({','.join(KINDS)})")
+    p.add_argument("--faults", default="", help=f"fault kinds to draw from (default: {','.join(KINDS)}; with "
+                                                 f"--managers also {','.join(REPLICA_KINDS)})")
+    p.add_argument("--managers", type=int, default=1,
+                   help="manager replicas; more than 1 runs them on a real etcd (Debian's etcd-server) "
+                        "and draws the leader's kill and its partition from etcd too")
+    p.add_argument("--etcd-binary", default="", help="with --managers: the etcd binary (default: on PATH)")
     p.add_argument("--sync-faults-all", action="store_true",
                    help="timed runs: put the SYNC job under every fault kind (default: manager restarts)")
     p.add_argument("--jobs", default=",".join(JOBS), help=f"workloads ({','.join(JOBS)})")
@@ -86,10 +91,12 @@ def main(argv=None) -> int:
     args = parse(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    faults = tuple(k.strip() for k in args.faults.split(",") if k.strip())
-    unknown = [k for k in faults if k not in KINDS]
+    known = KINDS + (REPLICA_KINDS if args.managers > 1 else ())
+    faults = tuple(k.strip() for k in args.faults.split(",") if k.strip()) or known
+    unknown = [k for k in faults if k not in known]
     if unknown:
-        print(f"unknown fault kinds {unknown}; known: {', '.join(KINDS)}", file=sys.stderr)
+        print(f"unknown fault kinds {unknown}; known: {', '.join(known)}"
+              + ("" if args.managers > 1 else f" ({', '.join(REPLICA_KINDS)} need --managers 3)"), file=sys.stderr)
         return 2
     if args.short:
         short = short_form(args.test_reintroduce_defect, progress=lambda line: print(line, flush=True),
@@ -106,7 +113,8 @@ def main(argv=None) -> int:
         return 2
     base: dict[str, Any] = dict(lease=args.lease, forward_timeout=args.forward_timeout, jobs=jobs,
                                 servers=args.servers, gap_limit=args.gap_limit, faults=faults,
-                                fail_fast=not args.keep_going, defect=args.test_reintroduce_defect)
+                                fail_fast=not args.keep_going, defect=args.test_reintroduce_defect,
+                                managers=args.managers, etcd_binary=args.etcd_binary)
     if per < 300:             # short schedules: judge RSS over what there is
         base.update(rss_warmup=10.0, rss_min_span=max(5.0, per / 3))
     say = lambda line: print(line, flush=True)  # noqa: E731
@@ -131,7 +139,7 @@ def main(argv=None) -> int:
         cfg = RunConfig(seed=seed, seconds=max(20.0, min(per, left) - 20), **base)
         if split:
             cfg = replace(cfg, jobs=LIFECYCLE_JOBS) if i % 2 == 0 else replace(
-                cfg, jobs=("sync",), faults=tuple(k for k in faults if k == "manager"))
+                cfg, jobs=("sync",), faults=tuple(k for k in faults if k in ("manager", *REPLICA_KINDS)))
         verdicts.append(run_schedule(cfg, say))
         seed, i = seed + 1, i + 1
     print_table(verdicts)

@@ -10,15 +10,19 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from shardps.local import LocalCluster
+from shardps.netproxy import TcpProxy
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc.channels import channel
 from shardps.verify.defects import ENV
+from shardps.verify.etcd import EtcdProcess, find_etcd
 
 log = logging.getLogger("shardps.verify")
 
@@ -43,11 +47,17 @@ class RssSeries:
     samples: list[tuple[float, int]] = field(default_factory=list)
 
 
+ETCD_PREFIX = "/verify"
+
+
 class VerifyCluster:
-    """A manager and ``servers`` servers (R = ``replication``) as child processes."""
+    """A manager and ``servers`` servers (R = ``replication``) as child processes; with
+    ``managers`` > 1, that many manager replicas on a real etcd (``etcd_binary``), each
+    reaching it through its own ``TcpProxy`` so that one can be cut off from etcd."""
 
     def __init__(self, servers: int, replication: int, lease: float, forward_timeout: float,
-                 defect: str = "", work_dir: str | None = None):
+                 defect: str = "", work_dir: str | None = None, managers: int = 1,
+                 etcd_binary: str = ""):
         env = dict(os.environ)
         env.pop(ENV, None)
         if defect:
@@ -55,9 +65,22 @@ class VerifyCluster:
         self.names = [f"s{i}" for i in range(servers)]
         self.replication = replication
         self.lease = lease
+        self.etcd: EtcdProcess | None = None
+        self.proxies: list[TcpProxy] = []
+        replicas: list[tuple[str, ...]] = []
+        if managers > 1:
+            work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="shardps-verify-etcd-"))
+            work.mkdir(parents=True, exist_ok=True)
+            self.etcd = EtcdProcess(etcd_binary or find_etcd(), work)
+            self.proxies = [TcpProxy(("127.0.0.1", self.etcd.client_port)) for _ in range(managers)]
+            replicas = [("--etcd", f"http://{p.address}", "--etcd-prefix", ETCD_PREFIX,
+                         "--leader-lease-seconds", "2") for p in self.proxies]
         self.local = LocalCluster(servers=servers, replication=replication, work_dir=work_dir,
                                   server_lease_seconds=lease, env=env,
-                                  server_args=("--forward-timeout", str(forward_timeout)))
+                                  server_args=("--forward-timeout", str(forward_timeout)),
+                                  manager_replicas=replicas)
+        self.killed_manager = -1             # the replica a `manager` fault killed (HA)
+        self.cut_manager = -1                # the replica cut off from etcd
         self.down: set[str] = set()          # killed and not restarted
         self.paused: set[str] = set()
         self.lock = threading.Lock()
@@ -65,6 +88,8 @@ class VerifyCluster:
 
     # ------------------------------------------------------------------ life cycle
     def start(self) -> None:
+        if self.etcd is not None:
+            self.etcd.wait_ready()
         self.local.start()
 
     def stop(self, keep_logs: bool = False) -> None:
@@ -72,8 +97,17 @@ class VerifyCluster:
         for name in list(self.paused):
             self.resume(name)
         self.local.stop()
+        for proxy in self.proxies:
+            proxy.close()
+        if self.etcd is not None:
+            self.etcd.stop()
         if not keep_logs:
             self.local.cleanup()
+
+    @property
+    def replicated(self) -> bool:
+        """Whether the manager runs as replicas on etcd."""
+        return self.etcd is not None
 
     @property
     def manager_address(self) -> str:
@@ -114,12 +148,51 @@ class VerifyCluster:
             proc.popen.send_signal(signal.SIGCONT)
         self.paused.discard(name)
 
+    def leader_index(self, timeout: float = 30.0) -> int:
+        """The replica that leads now (waits for an election)."""
+        assert self.etcd is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            address = self.etcd.leader(ETCD_PREFIX)
+            if address in self.local.replica_addresses:
+                return self.local.replica_addresses.index(address)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no manager replica leads after {timeout:g}s")
+            time.sleep(0.05)
+
     def kill_manager(self) -> None:
-        assert self.local.manager is not None
-        self.local.kill(self.local.manager, signal.SIGKILL)
+        """kill -9 the manager (the leading replica, with replicas)."""
+        if self.etcd is None:
+            assert self.local.manager is not None
+            self.local.kill(self.local.manager, signal.SIGKILL)
+            return
+        self.killed_manager = self.leader_index()
+        proc = self.local.replicas[self.killed_manager]
+        assert proc is not None
+        self.local.kill(proc, signal.SIGKILL)
 
     def start_manager(self) -> None:
-        self.local.start_manager()
+        """Start the killed manager (replica) again."""
+        if self.etcd is None:
+            self.local.start_manager()
+        elif self.killed_manager >= 0:
+            self.local.start_replica(self.killed_manager)
+            self.killed_manager = -1
+
+    def cut_leader_from_etcd(self) -> None:
+        """Cut the leading replica's link to etcd (it stays reachable to everyone else)."""
+        self.cut_manager = self.leader_index()
+        self.proxies[self.cut_manager].cut()
+
+    def heal_etcd(self) -> None:
+        if self.cut_manager >= 0:
+            self.proxies[self.cut_manager].heal()
+            self.cut_manager = -1
+
+    def managers_alive(self) -> bool:
+        """Whether every manager process runs (a killed one not restarted yet: False)."""
+        procs = [p for p in self.local.replicas] if self.etcd is not None else [self.local.manager]
+        return all(p is not None and p.alive for p in procs)
 
     def server_pid(self, name: str) -> int:
         return self.local.servers[name].popen.pid

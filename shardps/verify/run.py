@@ -18,7 +18,7 @@ from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.verify import checker
 from shardps.verify.checker import Replica, Verdict
 from shardps.verify.cluster import VerifyCluster
-from shardps.verify.schedule import KINDS, Aborted, Episode, Executor, draw
+from shardps.verify.schedule import KINDS, REPLICA_KINDS, Aborted, Episode, Executor, draw
 from shardps.verify.workload import JOBS, History, Job, make_jobs
 from shardps.worker.client import PSClient
 
@@ -42,6 +42,8 @@ class RunConfig:
     jobs: tuple[str, ...] = JOBS      # workloads (shardps.verify.workload.JOBS)
     stale_p: float = 0.2              # SYNC: chance of a push for the step pulled before
     defect: str = ""                  # TEST-ONLY: shardps.verify.defects
+    managers: int = 1                 # > 1: manager replicas on a real etcd (etcd-partition faults)
+    etcd_binary: str = ""             # with managers > 1 (default: `etcd` on PATH)
     fail_fast: bool = True            # stop the schedule at the first gap over the limit
     work_dir: str | None = None
 
@@ -110,7 +112,7 @@ def run_schedule(cfg: RunConfig, progress: Callable[[str], None] | None = None) 
     verdict = Verdict(cfg.seed)
     say = progress or (lambda line: None)
     cluster = VerifyCluster(cfg.servers, cfg.replication, cfg.lease, cfg.forward_timeout, cfg.defect,
-                            cfg.work_dir)
+                            cfg.work_dir, managers=cfg.managers, etcd_binary=cfg.etcd_binary)
     history = History()
     stop = threading.Event()
     jobs: list[Job] = []
@@ -259,10 +261,12 @@ def _check_replicas(verdict: Verdict, cluster: VerifyCluster, replication: int, 
 def _manager_log_findings(verdict: Verdict, cluster: VerifyCluster) -> None:
     """Blocks the manager re-created empty (every replica declared dead): a loss the schedule
     never causes by itself (it keeps R - 1 replicas down at most), so say what the host did."""
-    try:
-        text = (cluster.local.work_dir / "manager.log").read_text(errors="replace")
-    except OSError:
-        return
+    text = ""
+    for log in sorted(cluster.local.work_dir.glob("m*.log")):        # manager.log, or m0.log ...
+        try:
+            text += log.read_text(errors="replace")
+        except OSError:
+            pass
     lines = [x for x in text.splitlines() if "lost their last replica" in x]
     verdict.lease_expiries = sum("lease expired" in x for x in text.splitlines())
     if lines:
@@ -319,4 +323,4 @@ def summary(verdicts: list[Verdict]) -> Verdict:
     return total
 
 
-__all__ = ["LIFECYCLE_JOBS", "RunConfig", "SHORT_FORM", "run_schedule", "short_form", "summary"]
+__all__ = ["LIFECYCLE_JOBS", "REPLICA_KINDS", "RunConfig", "SHORT_FORM", "run_schedule", "short_form", "summary"]

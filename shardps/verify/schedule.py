@@ -14,7 +14,10 @@ its next fault, so no block ever has more than R - 1 replicas down). Kinds:
   over); SIGCONT it (fenced, it rejoins empty and blocks are copied back).
 * ``restart-during-copy``: restart a server; while blocks are being copied to it, kill -9 it
   and start it again.
-* ``manager``: kill -9 the manager; pushes go on; start it again (it reloads its state).
+* ``manager``: kill -9 the manager (with ``--managers``: the leading replica); pushes go on;
+  start it again (it reloads its state; a replica follows the leader elected meanwhile).
+* ``etcd-partition`` (with ``--managers`` only): cut the leading replica's link to etcd for a
+  while (it stays reachable to everyone else: it resigns and a follower takes over), heal.
 
 The first server (``s0``) is never a victim: it is the RSS witness, alive for the whole run.
 """
@@ -30,6 +33,7 @@ from typing import Callable
 from shardps.verify.cluster import VerifyCluster, placement
 
 KINDS = ("kill", "double-kill", "pause", "restart-during-copy", "manager")
+REPLICA_KINDS = ("etcd-partition",)           # need manager replicas on etcd
 
 
 @dataclass
@@ -66,7 +70,7 @@ def draw(seed: int, count: int, victims: list[str], lease: float, kinds=KINDS,
             ep = Episode(kind, two, gap_limit + rng.uniform(1.0, 3.0), rng.uniform(1.0, 3.0))
         elif kind == "pause":
             ep = Episode(kind, two[:1], lease + rng.uniform(1.0, 2.0), rng.uniform(1.0, 3.0))
-        elif kind == "manager":
+        elif kind in ("manager", "etcd-partition"):
             ep = Episode(kind, [], rng.uniform(1.0, 3.0), rng.uniform(1.0, 3.0))
         else:
             ep = Episode(kind, two[:1], rng.uniform(0.0, 0.5), rng.uniform(1.0, 3.0))
@@ -178,11 +182,20 @@ class Executor:
         self.cluster.start_manager()
         self.wait_restored(ep, "manager restart", self.cluster.live())
 
+    def _etcd_partition(self, ep: Episode) -> None:
+        self.cluster.cut_leader_from_etcd()
+        try:
+            self.sleep(ep.delay)
+        finally:
+            self.cluster.heal_etcd()
+        self.wait_restored(ep, "the leader cut off from etcd, healed", self.cluster.live())
+
     def heal(self, ep: Episode) -> None:
         """After an abort: every server and the manager up again."""
         for name in list(self.cluster.paused):
             self.cluster.resume(name)
-        if self.cluster.local.manager is None or not self.cluster.local.manager.alive:
+        self.cluster.heal_etcd()
+        if not self.cluster.managers_alive():
             self.cluster.start_manager()
         for name in list(self.cluster.down):
             self.cluster.restart(name)

@@ -1,5 +1,6 @@
-"""A TCP proxy on loopback that a test can cut and heal: a partition between two processes
-without network namespaces (for example a manager replica and etcd)."""
+"""A TCP proxy on loopback that can be cut and healed: a partition between two processes
+without network namespaces (the fault-schedule verifier and the manager-HA tests put one
+between each manager replica and etcd)."""
 
 from __future__ import annotations
 
