@@ -94,7 +94,10 @@ class ResourceManagerService:
         stats = {"primary_blocks": req.primary_blocks, "backup_blocks": req.replica_blocks,
                  "bytes": req.bytes}
         now = self.rt.now()
-        self.rt.change(lambda s: s.server_heartbeat(req.name, req.incarnation, req.epoch, stats, now))
+        # no read-your-writes wait: a heartbeat held while another change's map is installed
+        # (3 s on a server that died unnoticed) would delay the next one past the lease
+        self.rt.change(lambda s: s.server_heartbeat(req.name, req.incarnation, req.epoch, stats, now),
+                       wait_published=False)
         with self.rt.lock:
             retired = self.rt.state.servers[req.name].retired
             floors = self.rt.state.token_floors()
