@@ -105,11 +105,6 @@ class VerifyCluster:
             self.local.cleanup()
 
     @property
-    def replicated(self) -> bool:
-        """Whether the manager runs as replicas on etcd."""
-        return self.etcd is not None
-
-    @property
     def manager_address(self) -> str:
         return self.local.manager_address
 
