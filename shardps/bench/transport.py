@@ -339,7 +339,9 @@ def _ps_step(cfg: BenchConfig, progress) -> dict[str, float]:
     """A ctr-sized step against 2 server processes, one client: this step's push (the
     distinct rows of a 13,312-id Zipf batch x 16, and a 27,000-parameter dense table) and
     the next step's pull, as one ``exchange_async`` and as a ``push_many`` then a
-    ``pull_many``; medians over ``transport_rounds`` interleaved rounds of 20 steps."""
+    ``pull_many``; medians over ``transport_rounds`` interleaved rounds of 20 steps, and CPU
+    milliseconds per step (``_client_cpu_ms``: this process; ``_server_cpu_ms``: both
+    servers) over all of them."""
     from shardps import kernels
     from shardps.local import LocalCluster
     from shardps.tables import adagrad, adam
@@ -352,7 +354,9 @@ def _ps_step(cfg: BenchConfig, progress) -> dict[str, float]:
         return kernels.unique_inverse((rng.zipf(1.2, 13_312) % 1_000_000).astype(np.int64))[0]
 
     samples: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}                # way -> [client, servers] CPU seconds
     with LocalCluster(servers=2) as cluster:
+        pids = [s.popen.pid for s in cluster.servers.values()]
         with PSClient(cluster.manager_address, "transport-step") as c:
             c.create_job()
             c.join(heartbeat=False)
@@ -374,13 +378,23 @@ def _ps_step(cfg: BenchConfig, progress) -> dict[str, float]:
             for r in range(cfg.transport_rounds):
                 for key, fn in (ways.items() if r % 2 == 0 else reversed(ways.items())):
                     times = []
-                    for _ in range(20):
-                        u, v = batch(), batch()
+                    steps = [(batch(), batch()) for _ in range(20)]
+                    spent = cpu.setdefault(key, [0.0, 0.0])
+                    client0, servers0 = time.process_time(), sum(_proc_cpu_seconds(p) for p in pids)
+                    for u, v in steps:
                         t0 = time.perf_counter()
                         fn(u, v)
                         times.append((time.perf_counter() - t0) * 1e3)
+                    spent[0] += time.process_time() - client0
+                    spent[1] += sum(_proc_cpu_seconds(p) for p in pids) - servers0
                     samples.setdefault(key, []).append(median(times))
     out = {k: median(v) for k, v in samples.items()}
-    progress(f"a ctr step against 2 servers: exchange {out['transport_ps_step_exchange_ms']:.2f} ms, "
-             f"push then pull {out['transport_ps_step_push_pull_ms']:.2f} ms")
+    for key, (client, servers) in cpu.items():
+        n = 20 * cfg.transport_rounds
+        out[key.replace("_ms", "_client_cpu_ms")] = client / n * 1e3
+        out[key.replace("_ms", "_server_cpu_ms")] = servers / n * 1e3
+    progress(f"a ctr step against 2 servers: exchange {out['transport_ps_step_exchange_ms']:.2f} ms "
+             f"(CPU: client {out['transport_ps_step_exchange_client_cpu_ms']:.2f} ms, servers "
+             f"{out['transport_ps_step_exchange_server_cpu_ms']:.2f} ms), push then pull "
+             f"{out['transport_ps_step_push_pull_ms']:.2f} ms")
     return out
