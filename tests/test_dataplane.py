@@ -382,3 +382,52 @@ def test_abandon_fails_the_calls_in_flight_to_an_address_at_once():
         answer.set()
         pool.close()
         srv.stop()
+
+
+def test_requests_started_on_several_servers_are_served_at_once_before_any_reply_is_read():
+    """``start`` sends and returns; each server works on its request while the caller has
+    not read a reply yet, and ``finish`` (in any order) reads each reply. Both handlers wait
+    until both requests arrived: with a call that waited for its reply before the next was
+    sent, neither would answer."""
+    arrived = threading.Barrier(2, timeout=10)
+
+    def meet(method, header, payload, call):
+        if header.startswith(b"to "):
+            arrived.wait()                    # both requests are in before either answers
+        return header, [payload]
+
+    servers = [DataPlaneServer(meet).start() for _ in range(2)]
+    pool = DataPlanePool()
+    try:
+        sent = [pool.start(s.address, ECHO, f"to {i}".encode(), [bytes([i]) * 3], timeout=10)
+                for i, s in enumerate(servers)]
+        replies = [pool.finish(s) for s in reversed(sent)]
+        assert [(h, bytes(p)) for h, p in replies] == [(b"to 1", b"\x01" * 3), (b"to 0", b"\x00" * 3)]
+        # the connections went back to the pool: the next calls reuse them
+        assert [bytes(pool.call(s.address, ECHO, b"again", [], timeout=5)[0]) for s in servers] == [b"again"] * 2
+    finally:
+        pool.close()
+        for s in servers:
+            s.stop()
+
+
+def test_a_started_request_holds_its_connection_until_finished(server):
+    """Between ``start`` and ``finish`` no other call uses the connection (its reply would
+    be read as the other's); a failing ``finish`` gives the connection back too."""
+    conn = DataPlaneConnection(server.address)
+    try:
+        sent = conn.start(ECHO, b"first", [b"1"], timeout=10)
+        other: list = []
+        t = threading.Thread(target=lambda: other.append(conn.call(ECHO, b"second", [b"2"], timeout=10)))
+        t.start()
+        t.join(0.3)
+        assert t.is_alive() and not other     # waits for the connection
+        assert conn.finish(sent)[0] == b"first"
+        t.join(10)
+        assert other and other[0][0] == b"second"
+        failing = conn.start(ECHO + 1, b"not_found", [], timeout=10)
+        with pytest.raises(NotFound, match="table 'emb'"):
+            conn.finish(failing)
+        assert conn.call(ECHO, b"after", [], timeout=10)[0] == b"after"
+    finally:
+        conn.close()

@@ -11,6 +11,7 @@ import socket
 import ssl
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import grpc
@@ -43,6 +44,17 @@ def _error(frame: "frames.Frame", what: str) -> ShardpsError:
     code = _STATUS_BY_NUMBER.get(frame.prefix.status, grpc.StatusCode.UNKNOWN)
     return from_rpc_error(_Failure(code, bytes(frame.message).decode("utf-8", "replace"),
                                    bytes(frame.header).decode("ascii", "replace")), what)
+
+
+@dataclass
+class Sent:
+    """A request ``DataPlaneConnection.start`` sent; ``frame``: the answer already read where
+    sending broke."""
+
+    method: int
+    deadline: float | None
+    request_id: int
+    frame: "frames.Frame | None"
 
 
 class DataPlaneConnection:
@@ -97,22 +109,43 @@ class DataPlaneConnection:
         when the timeout passes (both close the connection; the next call reconnects);
         ``ResourceExhausted`` for a frame over either side's ``max_frame_bytes`` (not sent).
         """
+        return self.finish(self.start(method, header, payload, timeout))
+
+    def start(self, method: int | str, header=b"", payload: Iterable = (), timeout: float | None = None
+              ) -> "Sent":
+        """The first half of ``call``: send the request and return without waiting for the
+        reply, which ``finish`` reads. The connection is held (other calls on it wait) until
+        ``finish`` returns, which must follow, on any thread. Sending to several servers
+        first and reading their replies after lets them work at once from one thread.
+        Raises as ``call`` (then nothing is held)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         mid = method if type(method) is int and 0 < method <= frames.MAX_METHOD_ID else frames.method_id(method)
         parts = [b""]                           # the prefix goes first
         hlen = frames.add_views(parts, (header,)) if header else 0
         plen = frames.add_views(parts, payload)
-        with self._lock:
+        self._lock.acquire()
+        try:
             if hlen + plen > self._limit:
                 raise self._too_large(mid, hlen + plen)
             if self._sock is None or self._peer_closed():
                 self._connect(deadline, mid)
                 if hlen + plen > self._limit:   # the server's limit, known after HELLO
                     raise self._too_large(mid, hlen + plen)
-            frame = self._exchange(mid, parts, hlen, plen, deadline)
+            return Sent(mid, deadline, *self._send_request(mid, parts, hlen, plen, deadline))
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def finish(self, sent: "Sent") -> tuple[bytes, memoryview]:
+        """The second half of ``call``: wait for the reply of ``sent`` (from ``start`` on
+        this connection) and release the connection. Returns and raises as ``call``."""
+        try:
+            frame = sent.frame if sent.frame is not None else self._read_reply(sent)
             if frame.prefix.status != _OK:
-                raise _error(frame, self._what(mid))
+                raise _error(frame, self._what(sent.method))
             return bytes(frame.header), frame.payload.toreadonly()
+        finally:
+            self._lock.release()
 
     def connect(self, timeout: float | None = None) -> None:
         """Connect now (and say HELLO) instead of on the first call. Raises as ``call``."""
@@ -206,6 +239,14 @@ class DataPlaneConnection:
     def _exchange(self, mid: int, parts: list, hlen: int, plen: int, deadline: float | None) -> frames.Frame:
         """Send ``parts`` (``parts[0]`` is replaced by the prefix; then the header's view, if
         any, then the payload's) and read the reply."""
+        rid, frame = self._send_request(mid, parts, hlen, plen, deadline)
+        return frame if frame is not None else self._read_reply(Sent(mid, deadline, rid, None))
+
+    def _send_request(self, mid: int, parts: list, hlen: int, plen: int, deadline: float | None
+                      ) -> tuple[int, frames.Frame | None]:
+        """Send ``parts`` (as ``_exchange``): ``(request id, None)``, or ``(request id, the
+        server's answer)`` where sending broke and the server had answered (it may refuse a
+        request and close)."""
         rid = self._next_id
         self._next_id += 1
         timeout_ms = 0
@@ -222,8 +263,15 @@ class DataPlaneConnection:
             # the server may have refused the request and closed: read its answer if it is there
             frame = self._read(time.monotonic() + 0.5, mid, after_send_error=exc)
             self._disconnect()
-            return frame
-        frame = self._read(deadline, mid)
+            return rid, frame
+        return rid, None
+
+    def _read_reply(self, sent: "Sent") -> frames.Frame:
+        """Read the reply to the request ``sent``."""
+        mid, rid = sent.method, sent.request_id
+        if self._sock is None:
+            raise Unavailable(f"{self._what(mid)}: the connection was closed before the reply")
+        frame = self._read(sent.deadline, mid)
         p = frame.prefix
         if not p.flags & frames.FLAG_REPLY or (p.request_id != rid and p.request_id != 0):
             self._disconnect()
@@ -337,12 +385,30 @@ class DataPlanePool:
         """``DataPlaneConnection.call`` on a free connection to ``address``; blocking, within
         ``timeout`` including the wait for a connection. Returns ``(header, payload copy)``,
         or ``consume(header, payload_view)``'s result. Raises as ``DataPlaneConnection.call``."""
+        return self.finish(self.start(address, method, header, payload, timeout), consume)
+
+    def start(self, address: str, method: int | str, header=b"", payload: Iterable = (),
+              timeout: float | None = None) -> tuple[DataPlaneConnection, Sent]:
+        """The first half of ``call``: send the request on a free connection to ``address``
+        and return ``(connection, sent)`` for ``finish``, which must follow (it gives the
+        connection back). Raises as ``call`` (then nothing is held)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         conn = self._acquire(address, deadline)
-        broken = False
         try:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            head, view = conn.call(method, header, payload, remaining)
+            return conn, conn.start(method, header, payload, remaining)
+        except BaseException as exc:
+            self._release(address, conn, isinstance(exc, Unavailable))
+            raise
+
+    def finish(self, started: tuple[DataPlaneConnection, Sent],
+               consume: Callable[[bytes, memoryview], Any] | None = None):
+        """The second half of ``call``: read the reply of ``started`` (from ``start``); returns
+        and raises as ``call``."""
+        conn, sent = started
+        broken = False
+        try:
+            head, view = conn.finish(sent)
             if consume is not None:
                 return consume(head, view)
             return head, memoryview(bytes(view))
@@ -350,7 +416,7 @@ class DataPlanePool:
             broken = True
             raise
         finally:
-            self._release(address, conn, broken)
+            self._release(conn.address, conn, broken)
 
     def abandon(self, address: str) -> int:
         """Close every connection to ``address``, idle or in use: a call in flight on one

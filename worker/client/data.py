@@ -32,7 +32,7 @@ from shardps.metrics import WorkerMetrics, labelled
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc.codec import CHUNK_BYTES, byte_view
 from shardps.shardmap import ShardMapView
-from shardps.worker.client.fanout import RETRYABLE, Fanout, MapSource, Send, attempt_timeout, in_parallel
+from shardps.worker.client.fanout import RETRYABLE, Fanout, MapSource, Send, attempt_timeout, capture, in_parallel
 from shardps.worker.client.membership import Session
 from shardps.worker.client.transport import Payload, Transport
 from shardps.worker.routing import Piece, live_servers, route
@@ -302,30 +302,44 @@ class DataPath:
             # their pulls wait for that report
             report_only = [s for s in live_servers(view) if s not in pushes] if report_step else []
             deferred_pulls = [p for s in report_only for p in pulls.pop(s, [])]
-            exchange = getattr(self.transport, "exchange", None)
+            start = getattr(self.transport, "exchange_start", None)
 
-            def one(server: str) -> None:
+            def begin(server: str):
+                """Send ``server`` its exchange; what ``end`` needs, or None (not sent)."""
                 pp, lp = pushes.get(server), pulls.get(server)
-                address = view.address(server)
-                if pp is not None and lp and exchange is not None:
-                    header, arrays = self._push_request(pp, view, seq, ps.GRADIENT, presult.clock)
-                    request, pheader, expected = self._pull_request(lp, view, lresult.clock)
+                if pp is None or not lp or start is None:
+                    return None
+                header, arrays = self._push_request(pp, view, seq, ps.GRADIENT, presult.clock)
+                request, pheader, expected = self._pull_request(lp, view, lresult.clock)
+                sent = start(server, view.address(server), header, arrays, request,
+                             attempt_timeout(deadline, header.payload_bytes + (expected or 0)))
+                return None if sent is None else (server, sent, lp, pheader)
 
-                    def consume(ack, head, payload):
-                        push_send.acknowledged(ack)
-                        pull_send.place(server, lp, head, payload, pheader)
-                        return True
-                    if exchange(server, address, header, arrays, request,
-                                attempt_timeout(deadline, header.payload_bytes + (expected or 0)),
-                                consume):
-                        return
+            def end(begun) -> None:
+                server, sent, lp, pheader = begun
+
+                def consume(ack, head, payload):
+                    push_send.acknowledged(ack)
+                    pull_send.place(server, lp, head, payload, pheader)
+                self.transport.exchange_finish(sent, consume)   # type: ignore[attr-defined]
+
+            def separately(server: str) -> None:
+                """A push then a pull (a server without the data plane's exchange)."""
+                pp, lp = pushes.get(server), pulls.get(server)
                 if pp is not None:
-                    push_send(server, address, pp, view)
+                    push_send(server, view.address(server), pp, view)
                 if lp:
-                    pull_send(server, address, lp, view)
+                    pull_send(server, view.address(server), lp, view)
 
             servers = sorted(set(pushes) | set(pulls))
-            outcomes = in_parallel(self.fanout.executor, one, servers)
+            # every exchange is sent before any reply is read: the servers work at once, and
+            # this thread reads the replies in turn (no thread hand-offs); the rest in parallel
+            begun = [capture(begin, server) for server in servers]
+            outcomes = [capture(end, got) if ok and got is not None else (ok, got) for ok, got in begun]
+            rest = [i for i, (ok, got) in enumerate(begun) if ok and got is None]
+            for i, outcome in zip(rest, in_parallel(self.fanout.executor, separately,
+                                                    [servers[i] for i in rest])):
+                outcomes[i] = outcome
             retry_push, retry_pull = [], list(deferred_pulls)
             for server, (ok, err) in zip(servers, outcomes):
                 if ok:

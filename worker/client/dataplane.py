@@ -12,6 +12,7 @@ listens on another port) and the data path's retry asks again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -70,17 +71,34 @@ class DataPlaneTransport:
                  timeout, consume):
         """Push then pull in one round trip; ``consume(ack, pull header, payload)``. Returns
         None (the caller then sends a Push and a Pull) where the server has no data plane."""
+        started = self.exchange_start(server, address, push, payload, pull, timeout)
+        return None if started is None else self.exchange_finish(started, consume)
+
+    def exchange_start(self, server, address, push: ps.PushHeader, payload, pull: ps.PullRequest,
+                       timeout) -> tuple | None:
+        """The first half of ``exchange``: send the request and return at once, with what
+        ``exchange_finish`` (which must follow, on any thread) needs to read the reply; None
+        where the server has no data plane (nothing was sent). Raises as ``exchange``."""
         dp = self._address(address, timeout)
         if not dp:
             return None
         ids, pull.data = pull.data, b""
         head = ps.ExchangeHeader(push=push, pull=pull).SerializeToString()
+        buffers = list(payload) + ([ids] if ids else [])
+        started = time.perf_counter()
+        with self._observed(address, "Exchange", started, only_failures=True):
+            return address, started, self.pool.start(dp, "Exchange", head, buffers, timeout=timeout)
+
+    def exchange_finish(self, started: tuple, consume):
+        """The second half of ``exchange``: read the reply of ``exchange_start``'s request,
+        ``consume(ack, pull header, payload)`` it and return its result."""
+        address, began, sent = started
 
         def use(raw: bytes, view: memoryview):
             reply = ps.ExchangeReply.FromString(raw)
             return consume(reply.ack, reply.pull, Payload([view]))
-        buffers = list(payload) + ([ids] if ids else [])
-        return self._call(dp, address, "Exchange", head, buffers, timeout, use, server)
+        with self._observed(address, "Exchange", began):
+            return self.pool.finish(sent, use)
 
     def abandon(self, address: str) -> None:
         """Close the data-plane connections to the server at gRPC ``address`` (calls in
@@ -98,13 +116,19 @@ class DataPlaneTransport:
     # --- internals ---
     def _call(self, dp: str, address: str, method: str, head: bytes, buffers: list, timeout,
               consume, server: str):
-        started = time.perf_counter()
-        code = "OK"
-        try:
+        with self._observed(address, method, time.perf_counter()):
             if consume is None:
                 raw, _ = self.pool.call(dp, method, head, buffers, timeout=timeout)
                 return raw
             return self.pool.call(dp, method, head, buffers, timeout=timeout, consume=consume)
+
+    @contextlib.contextmanager
+    def _observed(self, address: str, method: str, started: float, only_failures: bool = False):
+        """Count the call in the client's metrics (``only_failures``: unless it succeeds) and
+        forget the server's data-plane address when the call finds it unavailable."""
+        code = "OK"
+        try:
+            yield
         except Unavailable:
             code = "UNAVAILABLE"
             with self._lock:
@@ -114,7 +138,8 @@ class DataPlaneTransport:
             code = getattr(exc, "code", "UNKNOWN")
             raise
         finally:
-            self.fallback.observe(method, "dataplane", code, started)
+            if code != "OK" or not only_failures:
+                self.fallback.observe(method, "dataplane", code, started)
 
     def _address(self, address: str, timeout: float) -> str:
         """The data-plane address of the server at gRPC ``address`` ("" where it has none)."""
