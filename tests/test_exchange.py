@@ -97,3 +97,37 @@ def test_a_newer_map_abandons_the_calls_to_servers_it_declares_dead():
     assert abandon_dead(t, old, new) == ["s1", "s2"]
     assert t.abandoned == ["s1-4:7071", "s2-4:7071"]
     assert abandon_dead(t, new, new) == [] and len(t.abandoned) == 2
+
+
+def test_split_phase_sends_every_request_before_reading_any_reply_and_keeps_the_order():
+    """``fanout.split_phase``: every ``begin`` runs before the first ``end``, on the calling
+    thread; outcomes come back in the items' order, a failure in either half is captured
+    for its item only, and items ``begin`` declines go to ``otherwise``."""
+    import threading
+    from concurrent import futures
+
+    from shardps.errors import Unavailable
+    from shardps.worker.client.fanout import split_phase
+
+    log, here = [], threading.get_ident()
+
+    def begin(item):
+        assert threading.get_ident() == here
+        log.append(("begin", item))
+        if item == "b-fails":
+            raise Unavailable("b-fails is down")
+        return None if item == "no-split" else item
+
+    def end(item):
+        log.append(("end", item))
+        if item == "e-fails":
+            raise Unavailable("e-fails broke")
+        return item.upper()
+
+    items = ["a", "b-fails", "no-split", "e-fails", "z"]
+    with futures.ThreadPoolExecutor(2) as pool:
+        out = split_phase(pool, items, begin, end, lambda item: f"{item} separately")
+    assert [kind for kind, _ in log[:5]] == ["begin"] * 5 and {k for k, _ in log[5:]} == {"end"}
+    assert out[0] == (True, "A") and out[4] == (True, "Z") and out[2] == (True, "no-split separately")
+    assert not out[1][0] and "b-fails is down" in str(out[1][1])
+    assert not out[3][0] and "e-fails broke" in str(out[3][1])

@@ -32,7 +32,7 @@ from shardps.metrics import WorkerMetrics, labelled
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc.codec import CHUNK_BYTES, byte_view
 from shardps.shardmap import ShardMapView
-from shardps.worker.client.fanout import RETRYABLE, Fanout, MapSource, Send, attempt_timeout, capture, in_parallel
+from shardps.worker.client.fanout import RETRYABLE, Fanout, MapSource, Send, attempt_timeout, split_phase
 from shardps.worker.client.membership import Session
 from shardps.worker.client.transport import Payload, Transport
 from shardps.worker.routing import Piece, live_servers, route
@@ -246,7 +246,7 @@ class DataPath:
         rows = sparse_bytes = 0
         for p in ps_:
             seg = header.segments.add(table=p.table)
-            self._add_base_versions(seg, p, view)
+            add_base_versions(seg, p, view.table(self.job, p.table).spec, self._versions)
             assert p.values is not None           # a push piece carries its values
             if p.dense:
                 seg.range.start, seg.range.stop = p.start, p.stop
@@ -332,14 +332,7 @@ class DataPath:
                     pull_send(server, view.address(server), lp, view)
 
             servers = sorted(set(pushes) | set(pulls))
-            # every exchange is sent before any reply is read: the servers work at once, and
-            # this thread reads the replies in turn (no thread hand-offs); the rest in parallel
-            begun = [capture(begin, server) for server in servers]
-            outcomes = [capture(end, got) if ok and got is not None else (ok, got) for ok, got in begun]
-            rest = [i for i, (ok, got) in enumerate(begun) if ok and got is None]
-            for i, outcome in zip(rest, in_parallel(self.fanout.executor, separately,
-                                                    [servers[i] for i in rest])):
-                outcomes[i] = outcome
+            outcomes = split_phase(self.fanout.executor, servers, begin, end, separately)
             retry_push, retry_pull = [], list(deferred_pulls)
             for server, (ok, err) in zip(servers, outcomes):
                 if ok:
@@ -358,14 +351,15 @@ class DataPath:
             self.session.end_push(seq)
         return presult, self._finish_pull(lresult, stored)
 
-    def _add_base_versions(self, seg, p: Piece, view: ShardMapView) -> None:
-        """The versions at which this worker last pulled the blocks it now pushes: the servers
-        measure how many updates arrived in between (shardps_push_intervening_updates)."""
-        if not self._versions or not p.dense:
-            return        # sparse pushes skip it: finding their blocks costs a hash per row
-        spec = view.table(self.job, p.table).spec
-        blocks = range(p.start // spec.block_size, (p.stop - 1) // spec.block_size + 1)
-        for b in blocks:
-            v = self._versions.get((p.table, b))
-            if v is not None:
-                seg.base_versions.add(table=p.table, block=b, version=v)
+
+
+def add_base_versions(seg, p: Piece, spec, versions: dict[tuple[str, int], int]) -> None:
+    """Add to push segment ``seg`` the versions (of ``versions``: (table, block) -> version)
+    at which this worker last pulled the blocks piece ``p`` pushes (table ``spec``): the
+    servers measure how many updates arrived in between (shardps_push_intervening_updates)."""
+    if not versions or not p.dense:
+        return        # sparse pushes skip it: finding their blocks costs a hash per row
+    for b in range(p.start // spec.block_size, (p.stop - 1) // spec.block_size + 1):
+        v = versions.get((p.table, b))
+        if v is not None:
+            seg.base_versions.add(table=p.table, block=b, version=v)

@@ -74,6 +74,21 @@ def in_parallel(executor: futures.Executor, fn, items: list) -> list:
     return [capture(fn, items[0])] + [f.result() for f in others]
 
 
+def split_phase(executor: futures.Executor, items: list, begin, end, otherwise) -> list:
+    """``capture`` outcomes, in ``items``' order, of a call to each item in two halves:
+    ``begin(item)`` sends (returning what ``end`` needs, or None where the item has no
+    split-phase call), then ``end(begun)`` reads the reply. Every request is sent before any
+    reply is read, all on the calling thread: the servers work at once, and no thread
+    hand-off or GIL contention is paid per call. Items ``begin`` declined run
+    ``otherwise(item)`` as ``in_parallel`` does."""
+    begun = [capture(begin, item) for item in items]
+    outcomes = [capture(end, got) if ok and got is not None else (ok, got) for ok, got in begun]
+    rest = [i for i, (ok, got) in enumerate(begun) if ok and got is None]
+    for i, outcome in zip(rest, in_parallel(executor, otherwise, [items[i] for i in rest])):
+        outcomes[i] = outcome
+    return outcomes
+
+
 class Fanout:
     """Routing, parallel sends and re-routing of one call's pieces. Thread-safe (no state
     of its own between calls); ``run`` blocks until every piece succeeded."""
