@@ -247,3 +247,31 @@ def test_lookahead_is_one_in_sync_jobs_and_bounded(make_cluster, client_factory)
     assert m.lookahead == 1
     with pytest.raises(InvalidArgument, match="lookahead=9"):
         PSModel(_Scalar(), c, lookahead=9)
+
+
+def test_a_pull_no_exchange_carried_reads_this_workers_push_in_flight(make_cluster, client_factory):
+    """Lookahead 2: step 1's values were not carried by any exchange, so it pulls them
+    itself; that pull reads step 0's push although the push is still in flight (the push is
+    large, so without waiting for it the small pull overtakes it at the server)."""
+    cluster = make_cluster(1)
+    c = client_factory(cluster.address, job="ryw")
+    c.create_job()
+    c.join(heartbeat=False)
+
+    class _Wide(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.big = nn.Parameter(torch.zeros(4_000_000))
+            self.w = nn.Parameter(torch.zeros(1))
+
+    module = _Wide()
+    m = PSModel(module, c, optimizer=sgd(1.0), overlap=True, lookahead=2)
+    m.create_tables()
+    got = []
+    for _ in range(3):
+        m.pull()
+        got.append((float(module.w.detach()), float(module.big.detach()[-1])))
+        (module.w.sum() + module.big.sum()).backward()
+        m.push()
+    m.settle()
+    assert got == [(0.0, 0.0), (-1.0, -1.0), (-1.0, -1.0)]

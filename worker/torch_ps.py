@@ -172,6 +172,9 @@ class PSModel:
                 wanted.append((emb, emb._wanted))
             emb._wanted = None
         if names or wanted:
+            # read-your-writes: a pull no exchange carried sees this worker's earlier pushes
+            # (the one in flight would otherwise race it to the server)
+            self.flush()
             self._set_clock(self.step)
             res = self.client.pull_many([(n,) for n in names] + [(emb.table, ids) for emb, ids in wanted],
                                         clock=self.step)
