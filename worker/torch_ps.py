@@ -149,7 +149,8 @@ class PSModel:
         the rows of every announced lookup (``features`` for the collections, see
         ``prefetch``; ``request_prefetch`` of single embeddings), all in one ``pull_many``:
         one call per server. With ``overlap``, what the last push's exchange carried is used
-        and only what it lacks is pulled."""
+        and only what it lacks is pulled; that pull first waits for the push in flight, so it
+        reads every earlier push of this worker."""
         if features is not None:
             self.prefetch(features)
         started = time.perf_counter()
