@@ -246,7 +246,7 @@ class DataPath:
         rows = sparse_bytes = 0
         for p in ps_:
             seg = header.segments.add(table=p.table)
-            add_base_versions(seg, p, view.table(self.job, p.table).spec, self._versions)
+            add_base_versions(seg, p, view, self.job, self._versions)
             assert p.values is not None           # a push piece carries its values
             if p.dense:
                 seg.range.start, seg.range.stop = p.start, p.stop
@@ -353,12 +353,14 @@ class DataPath:
 
 
 
-def add_base_versions(seg, p: Piece, spec, versions: dict[tuple[str, int], int]) -> None:
+def add_base_versions(seg, p: Piece, view: ShardMapView, job: str,
+                      versions: dict[tuple[str, int], int]) -> None:
     """Add to push segment ``seg`` the versions (of ``versions``: (table, block) -> version)
-    at which this worker last pulled the blocks piece ``p`` pushes (table ``spec``): the
-    servers measure how many updates arrived in between (shardps_push_intervening_updates)."""
+    at which this worker last pulled the blocks piece ``p`` of ``job`` pushes: the servers
+    measure how many updates arrived in between (shardps_push_intervening_updates)."""
     if not versions or not p.dense:
         return        # sparse pushes skip it: finding their blocks costs a hash per row
+    spec = view.table(job, p.table).spec
     for b in range(p.start // spec.block_size, (p.stop - 1) // spec.block_size + 1):
         v = versions.get((p.table, b))
         if v is not None:

@@ -67,18 +67,12 @@ class DataPlaneTransport:
         return self._call(dp, address, "Pull", request.SerializeToString(), [ids] if ids else [],
                           timeout, use, server)
 
-    def exchange(self, server, address, push: ps.PushHeader, payload, pull: ps.PullRequest,
-                 timeout, consume):
-        """Push then pull in one round trip; ``consume(ack, pull header, payload)``. Returns
-        None (the caller then sends a Push and a Pull) where the server has no data plane."""
-        started = self.exchange_start(server, address, push, payload, pull, timeout)
-        return None if started is None else self.exchange_finish(started, consume)
-
     def exchange_start(self, server, address, push: ps.PushHeader, payload, pull: ps.PullRequest,
                        timeout) -> tuple | None:
-        """The first half of ``exchange``: send the request and return at once, with what
+        """Send an Exchange (push then pull in one round trip) and return at once, with what
         ``exchange_finish`` (which must follow, on any thread) needs to read the reply; None
-        where the server has no data plane (nothing was sent). Raises as ``exchange``."""
+        where the server has no data plane (nothing was sent: the caller then sends a Push
+        and a Pull). Raises as ``push``."""
         dp = self._address(address, timeout)
         if not dp:
             return None
@@ -90,8 +84,8 @@ class DataPlaneTransport:
             return address, started, self.pool.start(dp, "Exchange", head, buffers, timeout=timeout)
 
     def exchange_finish(self, started: tuple, consume):
-        """The second half of ``exchange``: read the reply of ``exchange_start``'s request,
-        ``consume(ack, pull header, payload)`` it and return its result."""
+        """Read the reply of ``exchange_start``'s request, ``consume(ack, pull header,
+        payload)`` it and return its result."""
         address, began, sent = started
 
         def use(raw: bytes, view: memoryview):
