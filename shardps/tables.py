@@ -113,8 +113,13 @@ class OptimizerConfig:
         return 1e-10 if self.kind is OptimizerKind.ADAGRAD else 1e-8
 
     def validate(self) -> None:
+        def number(name: str, value) -> float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise InvalidArgument(f"optimizer {name}={value!r}: must be a number")
+            return float(value)
+
         def finite_nonneg(name: str, value: float) -> None:
-            if not (math.isfinite(value) and value >= 0):
+            if not (math.isfinite(number(name, value)) and value >= 0):
                 raise InvalidArgument(f"optimizer {name}={value!r}: must be a finite number >= 0")
 
         finite_nonneg("lr", self.lr)
@@ -126,8 +131,10 @@ class OptimizerConfig:
         finite_nonneg("eps", self.effective_eps)
         for name in ("beta1", "beta2"):
             value = getattr(self, name)
-            if not (0.0 <= value < 1.0):
+            if not (0.0 <= number(name, value) < 1.0):
                 raise InvalidArgument(f"optimizer {name}={value!r}: must lie in [0, 1)")
+        if not isinstance(self.nesterov, bool):
+            raise InvalidArgument(f"optimizer nesterov={self.nesterov!r}: must be True or False")
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise InvalidArgument(
                 f"optimizer nesterov=True needs momentum > 0 and dampening = 0 "
@@ -290,6 +297,7 @@ def sparse_table(name: str, dim: int, num_rows: int = 0, init: Initializer | Non
     return TableSpec(name, TableKind.SPARSE, (num_rows, dim), init or zeros(), num_blocks=num_blocks)
 
 
+MAX_CLOCK = 1 << 40       # a worker's completed steps: far beyond any real run, below int64 overflow
 MAX_ADMIT_AFTER = 255      # the admission sketch's counters are 8-bit
 
 

@@ -165,7 +165,7 @@ def test_the_data_plane_checks_the_tables_entries(make_cluster, client_factory):
     b = client_factory(cluster.address, job="team-b", token=tokens["team-b"])
     a.create_dense("w", (8,), optimizer=sgd(1.0))
     b.create_dense("w", (8,), optimizer=sgd(1.0))
-    a.push_dense("w", np.ones(8))
+    a.push_dense("w", np.ones(8, np.float32))
     b_before = b.pull_dense("w").copy()
     epoch = a.refresh_map().epoch
     server = next(iter(cluster.servers.values()))

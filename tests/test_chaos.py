@@ -366,7 +366,7 @@ def test_a_paused_server_is_routed_around_while_it_stays_paused(chaos, monkeypat
 
     def push_loop(client):
         while not stop.is_set():
-            client.push_rows("counters", ids, -np.ones((240, 1)), timeout=20)
+            client.push_rows("counters", ids, -np.ones((240, 1), np.float32), timeout=20)
             acks.append(time.monotonic())
 
     threads = [__import__("threading").Thread(target=push_loop, args=(w,), daemon=True) for w in workers]

@@ -44,7 +44,7 @@ def test_several_tables_in_one_request_and_state_dict(cluster, client_factory):
     c.create_job()
     c.create_dense("a", (10,), optimizer=sgd(1.0))
     c.create_sparse("b", 2, optimizer=sgd(1.0))
-    c.push_many([("a", np.ones(10)), ("b", [5, 6], np.ones((2, 2)))])
+    c.push_many([("a", np.ones(10, np.float32)), ("b", [5, 6], np.ones((2, 2), np.float32))])
     res = c.pull_many([("a",), ("b", [6, 5, 6]), ("a", 2, 4)])
     np.testing.assert_allclose(res.values[0], -np.ones(10))
     np.testing.assert_allclose(res.values[1], -np.ones((3, 2)))
@@ -65,7 +65,7 @@ def test_requests_above_4mib_work_and_futures(cluster, client_factory, shared_me
     np.testing.assert_allclose(c.pull_dense_async("big").result(timeout=60), -grad)
     ids = np.arange(100_000)
     c.create_sparse("rows", 32, optimizer=sgd(1.0))              # a 12.8 MiB sparse pull too
-    c.push_rows("rows", ids, np.ones((100_000, 32)))
+    c.push_rows("rows", ids, np.ones((100_000, 32), np.float32))
     np.testing.assert_allclose(c.pull_rows("rows", ids), -np.ones((100_000, 32)))
 
 
@@ -83,11 +83,11 @@ def test_learning_rate_change_takes_effect_on_the_next_push(cluster, client_fact
     c = client_factory(cluster.address)
     c.create_job()
     c.create_dense("w", (4,), optimizer=sgd(0.1))
-    c.push_dense("w", np.ones(4))
+    c.push_dense("w", np.ones(4, np.float32))
     np.testing.assert_allclose(c.pull_dense("w"), -0.1 * np.ones(4), rtol=1e-6)
     cfg = c.update_config("w", lr=0.5)
     assert cfg.optimizer.lr == 0.5 and cfg.version == 2
-    c.push_dense("w", np.ones(4))
+    c.push_dense("w", np.ones(4, np.float32))
     np.testing.assert_allclose(c.pull_dense("w"), -0.6 * np.ones(4), rtol=1e-6)
     with pytest.raises(InvalidArgument, match="cannot change"):
         c.update_config("w", momentum=0.9)
@@ -140,7 +140,7 @@ def test_pull_results_carry_their_own_clock_wait_and_staleness(cluster, client_f
     assert a.waited_seconds >= 0 and a.min_clock == b.min_clock == 0
     c.pull_many([("w",)], clock=2)
     assert (c.clock, c.last_staleness) == (2, 2)
-    assert c.push_dense("w", np.ones(8), clock=0).clock == 0
+    assert c.push_dense("w", np.ones(8, np.float32), clock=0).clock == 0
     with pytest.raises(AttributeError):
         c.clock = 7            # a worker names its clock per call
 
@@ -183,7 +183,7 @@ def test_a_transport_plugs_in_and_refusals_are_rerouted(cluster, client_factory)
     c.create_dense("w", (4096,), optimizer=sgd(1.0), block_size=256)
     servers = {r[0] for r in c.table("w").replicas}
     assert len(servers) == 2, "the table should span both servers"
-    ack = c.push_dense("w", np.ones(4096))
+    ack = c.push_dense("w", np.ones(4096, np.float32))
     assert ack.duplicate_blocks == 0 and len(ack.versions) == 16
     np.testing.assert_allclose(c.pull_dense("w"), -np.ones(4096))
     for kind in ("push", "pull"):       # each server: refused once, then served

@@ -37,7 +37,7 @@ def test_a_second_failure_after_rereplication_leaves_pushes_flowing(make_cluster
 
     def push():
         nonlocal pushes
-        c.push_rows("counters", ids, -np.ones((240, 1)))
+        c.push_rows("counters", ids, -np.ones((240, 1), np.float32))
         pushes += 1
 
     push()
@@ -64,14 +64,14 @@ def test_install_drops_copy_destinations_once_listed(make_cluster, client_factor
     c.create_job()
     c.join(heartbeat=False)
     c.create_dense("w", (64 * 30,), optimizer=sgd(1.0), block_size=64)
-    c.push_dense("w", np.ones(64 * 30))
+    c.push_dense("w", np.ones(64 * 30, np.float32))
     cluster.add_server("s2")
     rt = cluster.manager.runtime
     wait_for("rebalance onto s2", lambda: settled(cluster) and any(
         "s2" in b.replicas for b in rt.state.tables[("test", "w")].blocks), 30, interval=0.05)
     for name, s in cluster.servers.items():
         assert not s.node.extra, f"{name} still forwards to copy destinations {s.node.extra}"
-    c.push_dense("w", np.ones(64 * 30))
+    c.push_dense("w", np.ones(64 * 30, np.float32))
     assert replicas_equal(cluster, "test", "w") == 30
 
 
@@ -89,11 +89,11 @@ def test_sync_push_for_an_applied_step_is_refused_not_dropped(make_cluster, clie
     server keeps a pending gradient for a step it applied."""
     cluster = make_cluster(2)
     c = _sync_client(cluster, client_factory)
-    c.push_dense("w", np.ones(1000), clock=0)            # step 0: applied (1 live worker)
+    c.push_dense("w", np.ones(1000, np.float32), clock=0)            # step 0: applied (1 live worker)
     np.testing.assert_array_equal(c.pull_dense("w"), -np.ones(1000))
     with pytest.raises(FailedPrecondition, match="step 0 .*already applied"):
-        c.push_dense("w", np.ones(1000), clock=0)        # as the README loop did: same step
-    c.push_dense("w", np.ones(1000), clock=1)            # the next step is applied
+        c.push_dense("w", np.ones(1000, np.float32), clock=0)        # as the README loop did: same step
+    c.push_dense("w", np.ones(1000, np.float32), clock=1)            # the next step is applied
     np.testing.assert_array_equal(c.pull_dense("w"), -2 * np.ones(1000))
     for name, s in cluster.servers.items():
         pending = {k: dict(b.pending) for k, b in s.node.blocks.items() if b.pending}
@@ -106,7 +106,7 @@ def test_sync_push_without_a_session_is_refused(make_cluster, client_factory):
     _sync_client(cluster, client_factory)
     outsider = client_factory(cluster.address, job="bsp")
     with pytest.raises(FailedPrecondition, match="join"):
-        outsider.push_dense("w", np.ones(1000))
+        outsider.push_dense("w", np.ones(1000, np.float32))
     for s in cluster.servers.values():
         assert not any(b.pending for b in s.node.blocks.values())
 
@@ -126,10 +126,10 @@ def test_restore_returns_only_when_every_block_is_readable(make_cluster, client_
     c.create_sparse("e", 4, optimizer=sgd(1.0), num_blocks=24)
     ids = np.arange(0, 2400, 7)
     c.push_dense("w", np.arange(64 * 24, dtype=np.float32))
-    c.push_rows("e", ids, np.ones((ids.shape[0], 4)))
+    c.push_rows("e", ids, np.ones((ids.shape[0], 4), np.float32))
     saved = c.state_dict()
     path = c.checkpoint().path
-    c.push_dense("w", np.ones(64 * 24))                 # training goes on after the checkpoint
+    c.push_dense("w", np.ones(64 * 24, np.float32))                 # training goes on after the checkpoint
 
     loading, gate = threading.Event(), threading.Event()
     for s in cluster.servers.values():
@@ -172,7 +172,7 @@ def test_a_retried_sync_push_of_an_applied_step_is_a_duplicate_not_refused(make_
     cluster = make_cluster(2)
     c = _sync_client(cluster, client_factory)
     view = c.refresh_map()
-    piece = rq.dense_push(0, c.table("w"), np.ones(1000), 0)
+    piece = rq.dense_push(0, c.table("w"), np.ones(1000, np.float32), 0)
     seq = c._session.begin_push()
     sent = []
     for server, pieces in route(view, c.job, [piece]).items():
@@ -200,8 +200,8 @@ def test_a_late_piece_of_a_push_that_reported_its_step_is_applied_in_the_next_st
     server = next(iter(cluster.servers))
     address = view.address(server)
     seq = c._session.begin_push()
-    first = rq.dense_push(0, c.table("w"), np.ones(500), 0)       # blocks 0-1
-    late = rq.dense_push(0, c.table("w"), np.ones(500), 500)      # blocks 2-3, arriving later
+    first = rq.dense_push(0, c.table("w"), np.ones(500, np.float32), 0)       # blocks 0-1
+    late = rq.dense_push(0, c.table("w"), np.ones(500, np.float32), 500)      # blocks 2-3, arriving later
     for piece in (first, late):
         header, arrays = c._data._push_request([piece], view, seq, ps.GRADIENT, 0)
         c._transport.push(server, address, header, arrays, 10)
@@ -210,6 +210,6 @@ def test_a_late_piece_of_a_push_that_reported_its_step_is_applied_in_the_next_st
     np.testing.assert_array_equal(got[:500], -np.ones(500))      # step 0: the first part
     np.testing.assert_array_equal(got[500:], np.zeros(500))     # the late part waits for step 1
     with pytest.raises(FailedPrecondition, match="step 0 .*already applied"):
-        c.push_dense("w", np.ones(1000), clock=0)                # a new push for step 0
-    c.push_dense("w", np.zeros(1000), clock=1)                   # step 1 applies the late part
+        c.push_dense("w", np.ones(1000, np.float32), clock=0)                # a new push for step 0
+    c.push_dense("w", np.zeros(1000, np.float32), clock=1)                   # step 1 applies the late part
     np.testing.assert_array_equal(c.pull_dense("w"), -np.ones(1000))

@@ -35,7 +35,8 @@ def test_an_exchange_pushes_then_pulls_one_call_per_server(make_cluster, client_
     c = client_factory(cluster.address)
     ids = _job(c)
     before = {m: _calls(c, m) for m in ("Exchange", "Push", "Pull")}
-    pushed, pulled = c.exchange_async([("w", np.ones(400)), ("e", ids, np.ones((ids.shape[0], 4)))],
+    pushed, pulled = c.exchange_async([("w", np.ones(400, np.float32)),
+                                       ("e", ids, np.ones((ids.shape[0], 4), np.float32))],
                                       [("w",), ("e", ids)], clock=0).result()
     np.testing.assert_array_equal(pulled.values[0], -np.ones(400))       # the push, then the pull
     np.testing.assert_array_equal(pulled.values[1], -np.ones((ids.shape[0], 4)))
@@ -62,7 +63,7 @@ def test_sync_steps_through_exchanges_equal_one_large_batch(make_cluster, client
     b.refresh_map()
     expected = np.zeros(200, np.float32)
     for step in range(3):
-        ga, gb = np.full(200, step + 1.0), np.full(200, 2.0 * (step + 1))
+        ga, gb = np.full(200, step + 1.0, np.float32), np.full(200, 2.0 * (step + 1), np.float32)
         fa = a.exchange_async([("w", ga)], [("w",)], clock=step, report_step=True)
         fb = b.exchange_async([("w", gb)], [("w",)], clock=step, report_step=True)
         (_, ra), (_, rb) = fa.result(timeout=30), fb.result(timeout=30)

@@ -39,8 +39,8 @@ def test_fuzz_admin_rpcs(make_cluster, client_factory, tmp_path):
     assert tokens[VICTIM] and tokens[OTHER], "the manager issued no job tokens"
     victim = client_factory(cluster.address, VICTIM, token=tokens[VICTIM], timeout=10.0)
     create_data_job(victim, create_job=False)
-    victim.push_dense("w", np.ones(70))
-    victim.push_rows("e", [1, 2, 3], np.ones((3, 3)))
+    victim.push_dense("w", np.ones(70, np.float32))
+    victim.push_rows("e", [1, 2, 3], np.ones((3, 3), np.float32))
     shard_map = admin.cluster_map().msg
     servers = {s.name: s.address for s in shard_map.servers}
     manager = channels.channel(cluster.address)

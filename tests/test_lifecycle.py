@@ -164,14 +164,14 @@ def test_policy_is_refused_by_the_manager_and_changed_while_training(make_cluste
                       mg.UpdateTableConfigRequest(job="lc", table="e", config=bad), 10)
     ids = np.arange(2000)
     for step in range(1, 4):
-        c.push_rows("e", ids, np.ones((2000, 4)), clock=step)
+        c.push_rows("e", ids, np.ones((2000, 4), np.float32), clock=step)
     assert sum(int(r.block_counts.sum()) for r in _server_rows(cluster)) == 2000
     row_bytes = _server_rows(cluster)[0].row_bytes()
     budget = 8 * (SKETCH_BYTES + 100 * row_bytes)               # 100 rows a block
     set_lifecycle(c, "e", LifecyclePolicy(admit_after=2, budget_bytes=budget))
     few = ids[:64]
     assert set(sparse_block_of(few, 8).tolist()) == set(range(8))     # one push reaches every block
-    c.push_rows("e", few, np.ones((64, 4)), clock=4)           # one eviction pass per block
+    c.push_rows("e", few, np.ones((64, 4), np.float32), clock=4)           # one eviction pass per block
     counts = sum(r.block_counts for r in _server_rows(cluster))
     assert (counts <= 100).all() and (counts >= 90).all(), counts
 
@@ -183,7 +183,7 @@ def test_backups_stay_identical_after_admission_and_eviction(make_cluster, clien
     row_bytes = None
     for step in range(1, 25):
         ids = np.unique(rng.zipf(1.3, 600) % 5000)
-        c.push_rows("e", ids, rng.standard_normal((ids.shape[0], 4)), clock=step)
+        c.push_rows("e", ids, rng.standard_normal((ids.shape[0], 4)).astype(np.float32), clock=step)
         if step == 8:
             row_bytes = _server_rows(cluster)[0].row_bytes()
             set_lifecycle(c, "e", LifecyclePolicy(admit_after=2, ttl_steps=6,
@@ -203,7 +203,7 @@ def test_checkpoint_restore_onto_more_servers_keeps_counters_and_decisions(make_
 
     def run(c, steps):
         for step in steps:
-            c.push_rows("e", stream[step], np.full((stream[step].shape[0], 4), 0.1), clock=step + 1)
+            c.push_rows("e", stream[step], np.full((stream[step].shape[0], 4), 0.1, np.float32), clock=step + 1)
 
     def stored(cluster):
         return sorted(i for r in _server_rows(cluster) for i in r.index.stored()[0].tolist())
@@ -238,7 +238,7 @@ def test_status_and_metrics_show_budget_use_and_row_counters(make_cluster, clien
     c = _setup(cluster, client_factory, LifecyclePolicy(admit_after=2, budget_bytes=8 * (SKETCH_BYTES + 20 * 48)))
     ids = np.arange(3000)
     for step in (1, 2):
-        c.push_rows("e", ids, np.ones((3000, 4)), clock=step)
+        c.push_rows("e", ids, np.ones((3000, 4), np.float32), clock=step)
     c.pull_rows("e", np.arange(2900, 3100))                  # 100 stored or evicted, 100 never pushed
     nodes = fetch_node_statuses(c.cluster_status())
     (row,) = budget_rows(nodes)

@@ -118,7 +118,7 @@ def test_get_block_digests_rpc_shows_identical_replicas_after_eviction(make_clus
     rng = np.random.default_rng(1)
     for step in range(1, 20):
         ids = np.unique(rng.zipf(1.3, 600) % 5000)
-        c.push_rows("e", ids, rng.standard_normal((ids.shape[0], 4)), clock=step)
+        c.push_rows("e", ids, rng.standard_normal((ids.shape[0], 4)).astype(np.float32), clock=step)
     held: dict = {}
     for name, server in cluster.servers.items():
         with grpc.insecure_channel(server.address) as ch:

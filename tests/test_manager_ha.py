@@ -353,7 +353,7 @@ class Counter:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self.client.push_dense("c", -np.ones(16), timeout=10)
+                self.client.push_dense("c", -np.ones(16, np.float32), timeout=10)
                 self.acked += 1
                 self.acks.append(time.monotonic())
             except ShardpsError:

@@ -29,7 +29,7 @@ def test_servers_install_changes_and_hold_the_managers_map(make_cluster, client_
     c = client_factory(cluster.address, "a")
     c.create_job()
     c.create_sparse("e", 4, optimizer=sgd(0.1), num_blocks=12)
-    c.push_rows("e", np.arange(100), np.ones((100, 4)))
+    c.push_rows("e", np.arange(100), np.ones((100, 4), np.float32))
     cluster.add_server("s3")                               # a join: the list and the blocks move
     cluster.wait_serving(4)
     wait_for("the join's moves", lambda: rt.pending_moves == 0 and all(

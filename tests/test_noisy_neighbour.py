@@ -68,7 +68,7 @@ lock = threading.Lock()
 with PSClient(manager, "flooder", timeout=10) as c:
     c.create_job()
     c.create_dense("big", (1 << 16,), optimizer=sgd(0.001))
-    c.push_dense("big", np.zeros(1 << 16))
+    c.push_dense("big", np.zeros(1 << 16, np.float32))
     grad = np.full(1 << 16, 1e-3, np.float32)
     print("flooding", flush=True)
 
@@ -119,7 +119,7 @@ def test_a_flooding_job_is_refused_while_another_jobs_pulls_keep_their_latency(t
             PSClient(cluster.manager_address, "victim", timeout=10) as victim:
         victim.create_job()
         victim.create_dense("w", (4096,), optimizer=sgd(0.1))
-        victim.push_dense("w", np.zeros(4096))
+        victim.push_dense("w", np.zeros(4096, np.float32))
         _pull_latencies(victim, 50)                               # warm up
         flooder = subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", FLOODER, cluster.manager_address],
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE,

@@ -262,7 +262,7 @@ def provoke_stale_epoch_and_bad_request(cluster, on_new_server) -> dict:
     with PSClient(cluster.manager_address, "probe", timeout=30.0) as c:
         c.create_job()
         c.create_dense("w", (64 * 100,), optimizer=sgd(0.1), block_size=64)
-        c.push_dense("w", np.ones(64 * 100))
+        c.push_dense("w", np.ones(64 * 100, np.float32))
         old_epoch = c.shard_map.epoch
     # No client is open while LocalCluster forks: gRPC's fork handlers can deadlock a fork
     # made while this process has channels in use.

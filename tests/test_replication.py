@@ -53,8 +53,8 @@ def test_backups_apply_exactly_what_primaries_apply(make_cluster, client_factory
     c.create_sparse("e", 8, optimizer=sgd(0.1), num_blocks=16)
     rng = np.random.default_rng(0)
     for _ in range(5):
-        c.push_dense("d", rng.standard_normal(5000))
-        c.push_rows("e", rng.integers(0, 10_000, 300), rng.standard_normal((300, 8)))
+        c.push_dense("d", rng.standard_normal(5000).astype(np.float32))
+        c.push_rows("e", rng.integers(0, 10_000, 300), rng.standard_normal((300, 8)).astype(np.float32))
     assert replicas_equal(cluster, "test", "d") == 10
     assert replicas_equal(cluster, "test", "e") == 16
 
@@ -67,12 +67,12 @@ def test_failover_keeps_acknowledged_pushes_and_restores_r(make_cluster, client_
     c.create_sparse("counters", 1, optimizer=sgd(1.0), num_blocks=12)
     ids = np.arange(200)
     for _ in range(5):
-        c.push_rows("counters", ids, -np.ones((200, 1)))
+        c.push_rows("counters", ids, -np.ones((200, 1), np.float32))
     victim = "s1"
     cluster.servers[victim].stop()          # gone without a goodbye
     killed = time.monotonic()
     for _ in range(5):
-        c.push_rows("counters", ids, -np.ones((200, 1)))
+        c.push_rows("counters", ids, -np.ones((200, 1), np.float32))
     recovered = time.monotonic() - killed
     np.testing.assert_array_equal(c.pull_rows("counters", ids)[:, 0], np.full(200, 10.0))
     print(f"recovery (in-process, lease 1 s): {recovered:.2f}s")
@@ -92,18 +92,18 @@ def test_new_server_takes_blocks_and_drain_empties_one(make_cluster, client_fact
     c.create_job()
     c.join(heartbeat=False)
     c.create_dense("w", (64 * 60,), optimizer=sgd(1.0), block_size=64)
-    c.push_dense("w", np.ones(64 * 60))
+    c.push_dense("w", np.ones(64 * 60, np.float32))
     rt = cluster.manager.runtime
     cluster.add_server("s2")
     wait(lambda: settled(cluster) and any("s2" in b.replicas for b in rt.state.tables[("test", "w")].blocks),
          what="rebalance onto s2")
-    c.push_dense("w", np.ones(64 * 60))
+    c.push_dense("w", np.ones(64 * 60, np.float32))
     np.testing.assert_array_equal(c.pull_dense("w"), -2 * np.ones(64 * 60))
     assert replicas_equal(cluster, "test", "w") == 60
     rt.change(lambda s: s.drain_server("s0"))
     wait(lambda: rt.state.servers["s0"].retired and settled(cluster), what="s0 drained")
     assert all("s0" not in b.replicas for b in rt.state.tables[("test", "w")].blocks)
-    c.push_dense("w", np.ones(64 * 60))
+    c.push_dense("w", np.ones(64 * 60, np.float32))
     np.testing.assert_array_equal(c.pull_dense("w"), -3 * np.ones(64 * 60))
     assert replicas_equal(cluster, "test", "w") == 60
 
@@ -114,7 +114,7 @@ def test_empty_sparse_blocks_copy_to_a_new_server(make_cluster, client_factory):
     c = client_factory(cluster.address)
     c.create_job()
     c.create_sparse("e", 4, optimizer=sgd(1.0), num_blocks=32)
-    c.push_rows("e", [1, 2, 3], np.ones((3, 4)))            # most blocks stay empty
+    c.push_rows("e", [1, 2, 3], np.ones((3, 4), np.float32))            # most blocks stay empty
     rt = cluster.manager.runtime
     cluster.add_server("s2")
     wait(lambda: settled(cluster) and any("s2" in b.replicas for b in rt.state.tables[("test", "e")].blocks),

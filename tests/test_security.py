@@ -34,7 +34,7 @@ def test_jobs_are_isolated_by_their_tokens(secure, client_factory, caplog):
     a = client_factory(secure.address, job="team-a", token=token_a)
     a.join(heartbeat=False)
     a.create_dense("w", (8,), optimizer=sgd(1.0))
-    a.push_dense("w", np.ones(8))
+    a.push_dense("w", np.ones(8, np.float32))
     b = client_factory(secure.address, job="team-b", token=token_b)
     b.create_dense("w", (8,), optimizer=sgd(1.0))
     # B's token on A's job: every operation is refused
@@ -91,12 +91,12 @@ def test_job_quota_refuses_growth_beyond_it(make_cluster, client_factory):
     with pytest.raises(ResourceExhausted, match="quota_bytes=65536"):
         c.create_dense("big", (100_000,), optimizer=sgd(0.1))
     c.create_sparse("e", 16, optimizer=sgd(0.1))
-    c.push_rows("e", np.arange(200), np.ones((200, 16)))          # ~15 KiB: fits
+    c.push_rows("e", np.arange(200), np.ones((200, 16), np.float32))          # ~15 KiB: fits
     before = c.pull_rows("e", np.arange(200))
     with pytest.raises(ResourceExhausted, match="quota"):
-        c.push_rows("e", np.arange(1000, 3000), np.ones((2000, 16)))
+        c.push_rows("e", np.arange(1000, 3000), np.ones((2000, 16), np.float32))
     np.testing.assert_array_equal(c.pull_rows("e", np.arange(200)), before)
-    c.push_rows("e", np.arange(200), np.ones((200, 16)))          # existing rows still update
+    c.push_rows("e", np.arange(200), np.ones((200, 16), np.float32))          # existing rows still update
 
 
 def test_a_stalled_push_stream_is_cancelled(cluster):
@@ -156,7 +156,7 @@ def test_a_job_cannot_replace_another_jobs_checkpoint_nor_write_outside_the_root
     secure.manager.service.checkpoints.default_dir = str(root)
     (a, _), (b, _) = _jobs(secure, client_factory, "team-a", "team-b")
     a.create_dense("w", (8,), optimizer=sgd(1.0))
-    a.push_dense("w", np.ones(8))
+    a.push_dense("w", np.ones(8, np.float32))
     path_a = a.checkpoint_barrier(1, b"state of team-a")
     path_bx = b.checkpoint_barrier(1, b"", checkpoint_id="x")       # B's own, legitimately
     before, outside = _tree(root / os.path.relpath(path_a, root)), _tree(tmp_path)

@@ -39,7 +39,7 @@ def test_stale_epoch_refused_then_retry_succeeds(make_cluster, client_factory):
     assert moved >= 20, f"only {moved} of 100 blocks moved to the new server"
     # the client still routes with its old map: some servers refuse, it refreshes and retries
     assert c.shard_map.epoch == old_epoch
-    c.push_dense("w", np.ones(6400))
+    c.push_dense("w", np.ones(6400, np.float32))
     assert c.shard_map.epoch > old_epoch
     retries = c.metrics.registry.get_sample_value("shardps_client_retries_total", {"reason": "StaleEpoch"})
     assert retries >= 1, "the client never saw a stale-epoch refusal"

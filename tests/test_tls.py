@@ -30,8 +30,8 @@ def test_mutual_tls_cluster_serves_only_clients_with_certificates(make_cluster, 
     c.create_job()
     c.create_dense("w", (1000,), optimizer=sgd(1.0))
     c.create_sparse("e", 8, optimizer=sgd(1.0))
-    c.push_dense("w", np.ones(1000))                    # primary -> backup over mTLS too
-    c.push_rows("e", [1, 2], np.ones((2, 8)))
+    c.push_dense("w", np.ones(1000, np.float32))                    # primary -> backup over mTLS too
+    c.push_rows("e", [1, 2], np.ones((2, 8), np.float32))
     np.testing.assert_array_equal(c.pull_dense("w"), -np.ones(1000))
     # the data calls went over the servers' data plane, under the same certificates
     assert sum(s.data_plane.connections for s in cluster.servers.values()) > 0

@@ -184,7 +184,7 @@ def test_an_expired_token_is_refused_with_unauthenticated_naming_the_expiry(make
     assert 0 < expires - time.time() <= 2.5
     a = client_factory(cluster.address, job="team-a", token=short)
     a.create_dense("w", (8,), optimizer=sgd(1.0))
-    a.push_dense("w", np.ones(8))
+    a.push_dense("w", np.ones(8, np.float32))
     _wait(lambda: time.time() >= expires, 5, "the short token's expiry")
     with pytest.raises(Unauthenticated, match="expired at"):
         a.pull_dense("w")
@@ -200,7 +200,7 @@ def test_revoke_refuses_old_tokens_on_the_manager_at_once_and_on_every_server_wi
     other = client_factory(cluster.address, job="team-b", token=ADMIN).create_job()
     a = client_factory(cluster.address, job="team-a", token=old)
     a.create_dense("w", (64,), optimizer=sgd(1.0))     # blocks on every server
-    a.push_dense("w", np.ones(64))                       # data-plane connections now open
+    a.push_dense("w", np.ones(64, np.float32))                       # data-plane connections now open
     assert all(_on_server(s, old)[0] == "OK" for s in cluster.servers.values())
 
     assert main(["job", "revoke", "team-a", "--manager", cluster.address, "--token", ADMIN,
@@ -221,7 +221,7 @@ def test_revoke_refuses_old_tokens_on_the_manager_at_once_and_on_every_server_wi
         a.pull_dense("w")                                  # its open data-plane connection too
     fresh = client_factory(cluster.address, job="team-a", token=new)
     np.testing.assert_array_equal(fresh.pull_dense("w"), -np.ones(64))
-    fresh.push_dense("w", np.ones(64))
+    fresh.push_dense("w", np.ones(64, np.float32))
     assert _on_manager(cluster, other)[0] == "OK"          # another job's tokens: untouched
     assert all(_on_server(s, other)[0] == "OK" for s in cluster.servers.values())
     # a job ended and created again under its name does not accept the old job's tokens
@@ -252,7 +252,7 @@ def test_the_signing_key_rotates_without_a_restart(make_cluster, client_factory,
         _wait(lambda s=server: _on_server(s, t2)[0] == "OK", 5, f"{server.name} accepting k2")
         assert _on_server(server, t1)[0] == "OK"
     assert _on_manager(cluster, t1)[0] == "OK"
-    a.push_dense("w", np.ones(16))                          # k1's token, still on the data plane
+    a.push_dense("w", np.ones(16, np.float32))                          # k1's token, still on the data plane
 
     _replace(keys, k2 + b"\n")                              # k1 retired
     _wait(lambda: _on_manager(cluster, t1)[0] == "UNAUTHENTICATED", 5, "the manager retiring k1")
@@ -262,6 +262,6 @@ def test_the_signing_key_rotates_without_a_restart(make_cluster, client_factory,
     code, details = _on_manager(cluster, t1)
     assert "not among the keys this cluster accepts" in details, details
     with pytest.raises(Unauthenticated, match="retired"):
-        a.push_dense("w", np.ones(16))                      # cached on its connection: refused
+        a.push_dense("w", np.ones(16, np.float32))                      # cached on its connection: refused
     b = client_factory(cluster.address, job="team-a", token=t2)
     np.testing.assert_array_equal(b.pull_dense("w"), -np.ones(16))

@@ -30,14 +30,13 @@ from shardps.rpc.codec import byte_view
 from shardps.server.blocks import BlockKey
 from shardps.shardmap import ShardMapView, TableView
 from shardps.tables import (
+    MAX_CLOCK,
     TableKind,
     check_ids,
     check_range,
     coalesce,
     dense_blocks_of_range,
 )
-
-MAX_CLOCK = 1 << 40          # steps: far beyond any real run, far below int64 overflow
 
 
 @dataclass(frozen=True)

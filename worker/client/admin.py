@@ -18,7 +18,7 @@ import grpc
 
 from shardps import mapdelta
 from shardps.convert import config_from_proto, config_to_proto, consistency_to_proto, spec_to_proto
-from shardps.errors import DeadlineExceeded, NotFound
+from shardps.errors import DeadlineExceeded, InvalidArgument, NotFound
 from shardps.metrics import WorkerMetrics
 from shardps.protos.v1 import manager_pb2 as mg
 from shardps.rpc import channels
@@ -32,11 +32,18 @@ from shardps.tables import (
     OptimizerConfig,
     TableConfig,
     TableSpec,
-    dense_table,
-    sparse_table,
 )
+from shardps.worker.client import requests
 
 log = logging.getLogger("shardps.client")
+
+
+def check_name(name) -> str:
+    """A table name argument: InvalidArgument unless it is a string (the manager checks the
+    rest of the name's rule, ``shardps.names``)."""
+    if not isinstance(name, str):
+        raise InvalidArgument(f"table name {name!r}: must be a string")
+    return name
 
 
 def parse_consistency(text: str) -> Consistency:
@@ -175,6 +182,13 @@ class Admin:
         """Create a table (idempotent for an identical spec; AlreadyExists otherwise) and
         wait for the shard map that places it. ``lifecycle``: a sparse table's memory budget,
         admission and TTL (docs/memory-budget.md)."""
+        for what, value, cls in (("optimizer", optimizer, OptimizerConfig), ("lifecycle", lifecycle, LifecyclePolicy)):
+            if value is not None and not isinstance(value, cls):
+                raise InvalidArgument(f"table {spec.name!r}: {what}={value!r} must be a {cls.__name__} "
+                                      f"(or None)")
+        if not isinstance(allow_non_finite, bool):
+            raise InvalidArgument(f"table {spec.name!r}: allow_non_finite={allow_non_finite!r} must be "
+                                  f"True or False")
         config = TableConfig(optimizer or OptimizerConfig(), allow_non_finite,
                              lifecycle=lifecycle or LifecyclePolicy())
         spec.validate()
@@ -188,7 +202,7 @@ class Admin:
         """The table's spec, config and placement from the client's map (refreshed if
         unknown; NotFound if the manager does not know it either)."""
         try:
-            return self.view().table(self.job, name)
+            return self.view().table(self.job, check_name(name))
         except NotFound:
             return self.refresh_map().table(self.job, name)
 
@@ -202,9 +216,20 @@ class Admin:
         ``allow_non_finite`` or ``lifecycle`` (a LifecyclePolicy), while training runs; what
         is not named keeps its value. Returns after every server installed the new config:
         the next push uses it."""
-        t = self.refresh_map().table(self.job, name)
+        t = self.refresh_map().table(self.job, check_name(name))
+        settable = sorted({f.name for f in dataclasses.fields(OptimizerConfig)} - {"kind"})
+        unknown = sorted(set(changes) - set(settable) - {"allow_non_finite", "lifecycle"})
+        if unknown:
+            raise InvalidArgument(f"update_config of table {name!r}: unknown setting(s) {unknown}; "
+                                  f"the settable ones are {settable + ['allow_non_finite', 'lifecycle']}")
         allow = changes.pop("allow_non_finite", t.config.allow_non_finite)
         lifecycle = changes.pop("lifecycle", t.config.lifecycle)
+        if not isinstance(allow, bool):
+            raise InvalidArgument(f"update_config of table {name!r}: allow_non_finite={allow!r} must be "
+                                  f"True or False")
+        if not isinstance(lifecycle, LifecyclePolicy):
+            raise InvalidArgument(f"update_config of table {name!r}: lifecycle={lifecycle!r} must be a "
+                                  f"LifecyclePolicy")
         optimizer = dataclasses.replace(t.config.optimizer, **changes)
         config = dataclasses.replace(t.config, optimizer=optimizer, allow_non_finite=allow,
                                      lifecycle=lifecycle, version=0)
@@ -254,10 +279,50 @@ class Admin:
             time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
 
-class TableCalls:
-    """The table calls of ``PSClient`` (a mixin: they delegate to its ``_admin``)."""
+class ManagerCalls:
+    """The manager calls of ``PSClient``: jobs, tables, the shard map, operations (a mixin:
+    they delegate to its ``_admin``)."""
 
     _admin: Admin
+
+    @property
+    def shard_map(self) -> ShardMapView:
+        return self._admin.shard_map
+
+    def refresh_map(self, min_epoch: int = 0, timeout: float | None = None) -> ShardMapView:
+        """Fetch the published shard map (waiting for ``min_epoch`` if given)."""
+        return self._admin.refresh_map(min_epoch, timeout)
+
+    def create_job(self, consistency: str | Consistency = "async", staleness: int = 0,
+                   quota_bytes: int = 0, timeout: float | None = None, token_ttl_seconds: float = 0.0) -> str:
+        """Create this client's job (idempotent with the same consistency); its token ("" without
+        authentication) lasts ``token_ttl_seconds`` (0: the manager's default)."""
+        return self._admin.create_job(consistency, staleness, quota_bytes, timeout, token_ttl_seconds)
+
+    def end_job(self, timeout: float | None = None) -> None:
+        self._admin.end_job(timeout)
+
+    def checkpoint(self, directory: str = "", timeout: float | None = 600.0) -> mg.CheckpointResponse:
+        """Admin: cut a consistent checkpoint of this job now (live workers join in)."""
+        return self._admin.checkpoint(directory, timeout)
+
+    def restore(self, path: str = "", timeout: float | None = 600.0) -> mg.RestoreResponse:
+        """Admin: recreate this job's tables from a checkpoint onto the current servers."""
+        return self._admin.restore(path, timeout)
+
+    def drain_server(self, name: str, timeout: float | None = None) -> mg.DrainServerResponse:
+        """Admin: move every block off server ``name`` (in the background), then retire it."""
+        return self._admin.drain_server(name, timeout)
+
+    def cluster_status(self, timeout: float | None = None) -> mg.ClusterStatus:
+        return self._admin.cluster_status(timeout)
+
+    def wait_for_workers(self, count: int, timeout: float | None = None) -> int:
+        """Block until the job's worker group has at least ``count`` members; returns how many
+        joined. Raises DeadlineExceeded naming how many had joined. (In SYNC, a worker that
+        joins late starts at the group's current step; earlier steps averaged over the
+        workers present then.)"""
+        return self._admin.wait_for_workers(count, timeout)
 
     def create_table(self, spec: TableSpec, optimizer: OptimizerConfig | None = None,
                      allow_non_finite: bool = False, timeout: float | None = None,
@@ -268,11 +333,11 @@ class TableCalls:
 
     def create_dense(self, name: str, shape, optimizer: OptimizerConfig | None = None,
                      init: Initializer | None = None, block_size: int = 0, **kw) -> TableView:
-        return self.create_table(dense_table(name, shape, init, block_size), optimizer, **kw)
+        return self.create_table(requests.dense_spec(name, shape, init, block_size), optimizer, **kw)
 
     def create_sparse(self, name: str, dim: int, num_rows: int = 0, optimizer: OptimizerConfig | None = None,
                       init: Initializer | None = None, num_blocks: int = 0, **kw) -> TableView:
-        return self.create_table(sparse_table(name, dim, num_rows, init, num_blocks), optimizer, **kw)
+        return self.create_table(requests.sparse_spec(name, dim, num_rows, init, num_blocks), optimizer, **kw)
 
     def table(self, name: str) -> TableView:
         """The table's spec, config and placement from the client's map (refreshed if unknown)."""

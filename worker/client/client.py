@@ -47,10 +47,9 @@ from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc import channels
 from shardps.rpc.codec import CHUNK_BYTES
 from shardps.rpc.stubs import ManagerStub, StubPool
-from shardps.shardmap import ShardMapView
 from shardps.tables import Consistency
 from shardps.worker.client import requests as rq
-from shardps.worker.client.admin import Admin, TableCalls
+from shardps.worker.client.admin import Admin, ManagerCalls
 from shardps.worker.client.data import DataPath, PullResult, PushResult
 from shardps.worker.client.dataplane import DataPlaneTransport
 from shardps.worker.client.export import export
@@ -59,7 +58,7 @@ from shardps.worker.client.membership import GroupMember, Membership, Session
 from shardps.worker.client.transport import GrpcTransport, Transport
 
 
-class PSClient(TableCalls):
+class PSClient(ManagerCalls):
     """Client of one job on a shardps cluster. See the module docstring for the contract.
 
     ``transport``: how data calls reach a server (default: each server's socket data plane,
@@ -147,24 +146,7 @@ class PSClient(TableCalls):
         """``PullResult.staleness`` of the pull that completed last (any thread)."""
         return self._data.last_pull.staleness
 
-    @property
-    def shard_map(self) -> ShardMapView:
-        return self._admin.shard_map
-
-    def refresh_map(self, min_epoch: int = 0, timeout: float | None = None) -> ShardMapView:
-        """Fetch the published shard map (waiting for ``min_epoch`` if given)."""
-        return self._admin.refresh_map(min_epoch, timeout)
-
     # ================================================================== jobs, groups, operations
-    def create_job(self, consistency: str | Consistency = "async", staleness: int = 0,
-                   quota_bytes: int = 0, timeout: float | None = None, token_ttl_seconds: float = 0.0) -> str:
-        """Create this client's job (idempotent with the same consistency); its token ("" without
-        authentication) lasts ``token_ttl_seconds`` (0: the manager's default)."""
-        return self._admin.create_job(consistency, staleness, quota_bytes, timeout, token_ttl_seconds)
-
-    def end_job(self, timeout: float | None = None) -> None:
-        self._admin.end_job(timeout)
-
     def join(self, name: str = "", rank_hint: int = -1, previous_session: str = "",
              heartbeat: bool = True, timeout: float | None = None) -> Membership:
         """Join the job's worker group; starts a background heartbeat (about once a second)
@@ -188,21 +170,6 @@ class PSClient(TableCalls):
         """This rank's local state from the checkpoint the job was restored from, and its step."""
         return self._member.worker_state(timeout)
 
-    def checkpoint(self, directory: str = "", timeout: float | None = 600.0) -> mg.CheckpointResponse:
-        """Admin: cut a consistent checkpoint of this job now (live workers join in)."""
-        return self._admin.checkpoint(directory, timeout)
-
-    def restore(self, path: str = "", timeout: float | None = 600.0) -> mg.RestoreResponse:
-        """Admin: recreate this job's tables from a checkpoint onto the current servers."""
-        return self._admin.restore(path, timeout)
-
-    def drain_server(self, name: str, timeout: float | None = None) -> mg.DrainServerResponse:
-        """Admin: move every block off server ``name`` (in the background), then retire it."""
-        return self._admin.drain_server(name, timeout)
-
-    def cluster_status(self, timeout: float | None = None) -> mg.ClusterStatus:
-        return self._admin.cluster_status(timeout)
-
     # ================================================================== data: pulls
     def pull_dense(self, table: str, start: int = 0, stop: int | None = None,
                    timeout: float | None = None, clock: int | None = None) -> np.ndarray:
@@ -215,8 +182,7 @@ class PSClient(TableCalls):
         return self._calls.submit(self._pull_dense_call(table, start, stop, timeout, clock))
 
     def _pull_dense_call(self, table, start, stop, timeout, clock):
-        whole = start == 0 and stop is None
-        return self._pull_call([rq.dense_pull(0, self.table(table), start, stop, whole)], timeout, clock, True)
+        return self._pull_call([rq.dense_pull(0, self.table(table), start, stop, None)], timeout, clock, True)
 
     def pull_rows(self, table: str, ids, timeout: float | None = None, clock: int | None = None) -> np.ndarray:
         """Rows of ``ids`` (int64, any order, repeats allowed): float32 ``[len(ids), dim]``.
@@ -240,11 +206,13 @@ class PSClient(TableCalls):
         return self._calls.submit(self._pull_many_call(requests, timeout, clock))
 
     def _pull_many_call(self, requests, timeout, clock):
-        return self._pull_call([rq.many_pull(i, self.table(r[0]), r) for i, r in enumerate(requests)],
+        return self._pull_call([rq.many_pull(i, self.table(r[0]), r)
+                                for i, r in enumerate(rq.request_list(requests, "pull"))],
                                timeout, clock, False)
 
     def _pull_call(self, parts: list, timeout, clock, values_only: bool):
         """A function running the pull of ``parts`` ((piece, output, finish) per item)."""
+        rq.check_call(timeout, clock)
         pieces = [p for p, _, _ in parts]
 
         def run():
@@ -258,8 +226,9 @@ class PSClient(TableCalls):
         """``push_many(push_requests, clock=clock, report_step=...)`` then ``pull_many(
         pull_requests, clock=clock + 1)`` in one round trip per server (each server applies
         the push, then serves the pull). The future's result: ``(PushResult, PullResult)``."""
-        pushes = [rq.many_push(i, self.table(r[0]), r) for i, r in enumerate(push_requests)]
-        pulls = [rq.many_pull(i, self.table(r[0]), r) for i, r in enumerate(pull_requests)]
+        rq.check_call(timeout, clock)
+        pushes = [rq.many_push(i, self.table(r[0]), r) for i, r in enumerate(rq.request_list(push_requests, "push"))]
+        pulls = [rq.many_pull(i, self.table(r[0]), r) for i, r in enumerate(rq.request_list(pull_requests, "pull"))]
 
         def run():
             pushed, pulled = self._data.exchange(pushes, [p for p, _, _ in pulls], [o for _, o, _ in pulls],
@@ -269,12 +238,14 @@ class PSClient(TableCalls):
         return self._calls.submit(run)
 
     # ================================================================== data: pushes
-    def push_dense(self, table: str, grad, start: int = 0, timeout: float | None = None,
+    def push_dense(self, table: str, grad, start: int | None = None, timeout: float | None = None,
                    clock: int | None = None) -> PushResult:
-        """Push a gradient for the flat range starting at ``start`` (``grad`` of any shape)."""
+        """Push a float32 gradient: of the whole table (in the table's shape, or flat), or,
+        with ``start=``, of the flat range beginning there (flat, or whole rows beginning at
+        a row boundary). Another shape or dtype is refused (InvalidArgument)."""
         return self._push_call([rq.dense_push(0, self.table(table), grad, start)], timeout, clock)()
 
-    def push_dense_async(self, table: str, grad, start: int = 0, timeout: float | None = None,
+    def push_dense_async(self, table: str, grad, start: int | None = None, timeout: float | None = None,
                          clock: int | None = None) -> futures.Future:
         return self._calls.submit(self._push_call([rq.dense_push(0, self.table(table), grad, start)],
                                                   timeout, clock))
@@ -302,10 +273,11 @@ class PSClient(TableCalls):
         return self._calls.submit(self._push_many_call(requests, timeout, clock, report_step))
 
     def _push_many_call(self, requests, timeout, clock, report_step):
-        pieces = [rq.many_push(i, self.table(r[0]), r) for i, r in enumerate(requests)]
+        pieces = [rq.many_push(i, self.table(r[0]), r) for i, r in enumerate(rq.request_list(requests, "push"))]
         return self._push_call(pieces, timeout, clock, report_step)
 
     def _push_call(self, pieces, timeout, clock, report_step: bool = False, kind: int = ps.GRADIENT):
+        rq.check_call(timeout, clock)
         return lambda: self._data.push(pieces, kind, timeout, clock, report_step)
 
     def initialize_dense(self, table: str, values, timeout: float | None = None) -> PushResult:
@@ -338,13 +310,6 @@ class PSClient(TableCalls):
         ``next_step`` on leaving (not when the block raised)."""
         yield self._data.step
         self.next_step(timeout)
-
-    def wait_for_workers(self, count: int, timeout: float | None = None) -> int:
-        """Block until the job's worker group has at least ``count`` members; returns how many
-        joined. Raises DeadlineExceeded naming how many had joined. (In SYNC, a worker that
-        joins late starts at the group's current step; earlier steps averaged over the
-        workers present then.)"""
-        return self._admin.wait_for_workers(count, timeout)
 
     def report_step(self, clock: int, timeout: float | None = None) -> None:
         """Tell every server this worker finished step ``clock`` without sending data."""

@@ -2,14 +2,22 @@
 ``Piece`` objects and output arrays out. Pure (numpy and the table's view).
 
 * Dense ranges are flat and half-open: ``0 <= start < stop <= numel``.
-* Sparse ids are int64, any order, repeats allowed. Pulls send each distinct id once (and
-  spread the rows back); pushes sum the rows of repeated ids before sending.
-* Values are float32 (anything ``np.asarray`` or a torch tensor converts); gradient rows are
-  ``[len(ids), dim]``.
+* A whole dense table's gradient (or initial values) has the table's shape, or is flat with
+  its ``numel`` elements; a sub-range's gradient (``start=`` given) is flat, or whole rows of
+  the table (``[k, *shape[1:]]``) starting at a row boundary. Anything else (a half-size
+  gradient, a transposed one) is refused: a push never lands on rows by accident.
+* Sparse ids are integers, any order, repeats allowed. Pulls send each distinct id once (and
+  spread the rows back); pushes sum the rows of repeated ids before sending. Gradient rows
+  are ``[len(ids), dim]`` (or ``ids.shape + (dim,)``).
+* Values are float32 arrays (numpy or torch): another dtype is refused, never cast, so a
+  float64 or integer gradient is a clear error instead of a silent conversion. Plain Python
+  lists and numbers are taken as float32.
+* Every refusal is ``InvalidArgument`` naming the table, what was expected and what was given.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import numpy as np
@@ -17,16 +25,34 @@ import numpy as np
 from shardps import kernels
 from shardps.errors import InvalidArgument
 from shardps.shardmap import TableView
-from shardps.tables import TableKind, coalesce
+from shardps.tables import MAX_CLOCK, Initializer, TableKind, TableSpec, coalesce, dense_table, sparse_table
 from shardps.worker.routing import Piece
 
 Finish = Callable[[np.ndarray], np.ndarray]       # pulled values -> what the caller gets
 
 
-def as_float32(values) -> np.ndarray:
+def _dtype_name(values) -> str | None:
+    """The dtype of a numpy array or torch tensor as numpy names it (None: no dtype)."""
+    dtype = getattr(values, "dtype", None)
+    if dtype is None:
+        return None
+    return str(dtype).removeprefix("torch.")
+
+
+def as_float32(values, t: TableView, what: str = "gradient") -> np.ndarray:
+    """``values`` as a C-contiguous float32 numpy array, without converting another dtype:
+    InvalidArgument naming the table when it is not float32 (or not numbers at all)."""
+    name = _dtype_name(values)
+    if name is not None and name != "float32":
+        raise InvalidArgument(f"{what} for table {t.name!r} has dtype {name}; the table holds "
+                              f"float32: convert it first (.astype(np.float32) / .float())")
     if hasattr(values, "detach"):            # a torch tensor: no torch import needed here
         values = values.detach().cpu().numpy()
-    return np.ascontiguousarray(values, dtype=np.float32)
+    try:
+        return np.ascontiguousarray(values, dtype=np.float32)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(f"{what} for table {t.name!r} is not an array of numbers "
+                              f"({type(values).__name__}: {exc})") from None
 
 
 def distinct(ids: np.ndarray) -> tuple[np.ndarray, Finish]:
@@ -40,15 +66,29 @@ def distinct(ids: np.ndarray) -> tuple[np.ndarray, Finish]:
 
 
 def as_ids(ids, t: TableView) -> np.ndarray:
+    """``ids`` flattened to int64; InvalidArgument naming the table unless they are integers."""
+    if t.spec.kind is not TableKind.SPARSE:
+        raise InvalidArgument(f"table {t.name!r} is dense: use pull_dense / push_dense")
     if hasattr(ids, "detach"):
         ids = ids.detach().cpu().numpy()
-    arr = np.asarray(ids)
-    if arr.dtype.kind not in "iu":
-        raise InvalidArgument(f"ids for table {t.name!r} must be integers, got dtype {arr.dtype}")
+    try:
+        arr = np.asarray(ids)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(f"ids for table {t.name!r} are not an array ({exc})") from None
+    if arr.dtype.kind not in "iu" or (arr.dtype.kind == "u" and arr.size and int(arr.max()) >= 1 << 63):
+        raise InvalidArgument(f"ids for table {t.name!r} must be int64 values, got dtype {arr.dtype}")
     return np.ascontiguousarray(arr.reshape(-1), dtype=np.int64)
 
 
+def as_index(value, what: str, t: TableView) -> int:
+    """An integer argument (a range bound): InvalidArgument naming it unless it is one."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise InvalidArgument(f"{what} for table {t.name!r} must be an integer, got {value!r}")
+    return int(value)
+
+
 def check_dense(t: TableView, start: int, stop: int) -> None:
+    start, stop = as_index(start, "start", t), as_index(stop, "stop", t)
     if t.spec.kind is not TableKind.DENSE:
         raise InvalidArgument(f"table {t.name!r} is sparse: use pull_rows / push_rows")
     if not (0 <= start < stop <= t.spec.numel):
@@ -56,12 +96,72 @@ def check_dense(t: TableView, start: int, stop: int) -> None:
                               f"0 <= start < stop <= {t.spec.numel}")
 
 
+def check_call(timeout, clock) -> None:
+    """A data call's ``timeout`` (None or seconds > 0) and ``clock`` (None or steps >= 0)."""
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not math.isfinite(timeout) or timeout <= 0):
+        raise InvalidArgument(f"timeout={timeout!r}: must be a finite number of seconds > 0 (or None)")
+    if clock is not None and (isinstance(clock, bool) or not isinstance(clock, (int, np.integer))
+                              or not 0 <= clock < MAX_CLOCK):
+        raise InvalidArgument(f"clock={clock!r}: must be an integer in [0, {MAX_CLOCK}), this worker's "
+                              f"completed steps (or None)")
+
+
+def _integer(value, what: str, name) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise InvalidArgument(f"table {name!r}: {what}={value!r} must be an integer")
+    return int(value)
+
+
+def _table_arguments(name, init) -> None:
+    if not isinstance(name, str):
+        raise InvalidArgument(f"table name {name!r}: must be a string")
+    if init is not None and not isinstance(init, Initializer):
+        raise InvalidArgument(f"table {name!r}: init={init!r} must be an Initializer (zeros(), "
+                              f"uniform(a, b), normal(mean, std), ...)")
+
+
+def dense_spec(name: str, shape, init: Initializer | None, block_size: int) -> TableSpec:
+    """``create_dense``'s arguments as a spec; InvalidArgument naming a mistyped one (the
+    spec's own rules are checked by ``TableSpec.validate``)."""
+    _table_arguments(name, init)
+    if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
+        shape = (shape,)
+    if not isinstance(shape, (tuple, list)):
+        raise InvalidArgument(f"dense table {name!r}: shape={shape!r} must be an integer or a tuple of them")
+    return dense_table(name, tuple(_integer(d, "shape", name) for d in shape), init,
+                       _integer(block_size, "block_size", name))
+
+
+def sparse_spec(name: str, dim: int, num_rows: int, init: Initializer | None, num_blocks: int) -> TableSpec:
+    """``create_sparse``'s arguments as a spec (as ``dense_spec``)."""
+    _table_arguments(name, init)
+    return sparse_table(name, _integer(dim, "dim", name), _integer(num_rows, "num_rows", name), init,
+                        _integer(num_blocks, "num_blocks", name))
+
+
+def request_list(requests, what: str) -> list:
+    """The requests of ``pull_many`` / ``push_many`` / an exchange: a sequence of non-empty
+    tuples (or lists) whose first item is a table name; InvalidArgument otherwise."""
+    if not isinstance(requests, (list, tuple)):
+        raise InvalidArgument(f"{what} requests must be a list of tuples, got {type(requests).__name__}")
+    for r in requests:
+        if not isinstance(r, (list, tuple)) or not r or not isinstance(r[0], str):
+            raise InvalidArgument(f"{what} request {r!r}: expected a tuple whose first item is a "
+                                  f"table name")
+    return list(requests)
+
+
 # ====================================================================== pulls
-def dense_pull(item: int, t: TableView, start: int, stop: int | None, whole: bool
+def dense_pull(item: int, t: TableView, start: int, stop: int | None, whole: bool | None
                ) -> tuple[Piece, np.ndarray, Finish]:
     """A pull of the flat range [start, stop) (``stop`` None: to the end); ``whole``: the
-    result takes the table's shape."""
-    stop = t.spec.numel if stop is None else stop
+    result takes the table's shape (None: when the range is the whole table, start 0 and
+    no stop)."""
+    start = as_index(start, "start", t)
+    if whole is None:
+        whole = start == 0 and stop is None
+    stop = t.spec.numel if stop is None else as_index(stop, "stop", t)
     check_dense(t, start, stop)
     shape = t.spec.shape if whole else None
     return (Piece(item, t.name, True, start, stop), np.empty(stop - start, np.float32),
@@ -76,29 +176,69 @@ def rows_pull(item: int, t: TableView, ids) -> tuple[Piece, np.ndarray, Finish]:
 
 def many_pull(item: int, t: TableView, request: tuple) -> tuple[Piece, np.ndarray, Finish]:
     """One request of ``pull_many``: ``(table,)``, ``(table, start, stop)`` or ``(table, ids)``."""
+    if not isinstance(request, (tuple, list)):
+        raise InvalidArgument(f"pull request {request!r}: expected (table,), (table, start, stop) "
+                              f"or (table, ids)")
     if t.spec.kind is TableKind.DENSE:
         if len(request) == 3:
             return dense_pull(item, t, request[1], request[2], whole=False)
-        return dense_pull(item, t, 0, None, whole=len(request) == 1)
+        if len(request) != 1:
+            raise InvalidArgument(f"pull request for dense table {t.name!r} has {len(request)} items: "
+                                  f"expected (table,) or (table, start, stop)")
+        return dense_pull(item, t, 0, None, whole=True)
+    if len(request) != 2:
+        raise InvalidArgument(f"pull request for sparse table {t.name!r} has {len(request)} items: "
+                              f"expected (table, ids)")
     return rows_pull(item, t, request[1])
 
 
 # ====================================================================== pushes
-def dense_push(item: int, t: TableView, grad, start: int = 0) -> Piece:
-    """A gradient (any shape, taken flat) for the range starting at ``start``."""
-    values = as_float32(grad).reshape(-1)
-    check_dense(t, start, start + values.shape[0])
-    return Piece(item, t.name, True, start, start + values.shape[0], values=values)
+def dense_push(item: int, t: TableView, grad, start: int | None = None) -> Piece:
+    """A gradient for the whole table (``start`` None: the table's shape, or flat with its
+    ``numel`` elements) or for the flat range beginning at ``start`` (flat, or whole rows of
+    the table beginning at a row boundary). Anything else is InvalidArgument."""
+    if t.spec.kind is not TableKind.DENSE:
+        raise InvalidArgument(f"table {t.name!r} is sparse: use pull_rows / push_rows")
+    values = as_float32(grad, t)
+    shape, given = tuple(t.spec.shape), tuple(values.shape)
+    if start is None:
+        if given != shape and given != (t.spec.numel,):
+            raise InvalidArgument(
+                f"gradient for dense table {t.name!r} has shape {given}; the table's shape is "
+                f"{shape}: push the whole table's gradient in its shape (or flat with "
+                f"{t.spec.numel} elements), or a sub-range with start=")
+        start = 0
+    else:
+        start = as_index(start, "start", t)
+        row = shape[1:]
+        row_numel = int(np.prod(row, dtype=np.int64)) if row else 1
+        if len(given) > 1 and (given[1:] != row or start % row_numel):
+            raise InvalidArgument(
+                f"gradient of shape {given} for dense table {t.name!r} (shape {shape}) at "
+                f"start={start}: a sub-range's gradient is flat, or whole rows of shape {row} "
+                f"beginning at a row boundary (a multiple of {row_numel})")
+    flat = values.reshape(-1)
+    check_dense(t, start, start + flat.shape[0])
+    return Piece(item, t.name, True, start, start + flat.shape[0], values=flat)
 
 
 def rows_push(item: int, t: TableView, ids, grads, allow_empty: bool = False) -> Piece:
-    """Gradient rows for ``ids``, repeated ids summed. ``allow_empty``: no ids with grads of
-    any shape (``push_rows`` accepts that)."""
+    """Gradient rows for ``ids``, repeated ids summed: ``[len(ids), dim]`` (or
+    ``ids.shape + (dim,)`` for a batch of ids). ``allow_empty``: no ids with grads of any
+    shape (``push_rows`` accepts that)."""
+    given_ids = ids
     ids = as_ids(ids, t)
     if allow_empty and not ids.shape[0]:
         grads = np.empty((0, t.spec.dim), np.float32)
     else:
-        grads = as_float32(grads).reshape(ids.shape[0], t.spec.dim)
+        grads = as_float32(grads, t)
+        n, dim = ids.shape[0], t.spec.dim
+        ids_shape = tuple(np.shape(given_ids)) if not hasattr(given_ids, "detach") else tuple(given_ids.shape)
+        if grads.shape not in ((n, dim), ids_shape + (dim,)):
+            raise InvalidArgument(
+                f"gradient rows for sparse table {t.name!r} have shape {tuple(grads.shape)}; "
+                f"{n} ids of a table with dim {dim} need ({n}, {dim})")
+        grads = grads.reshape(n, dim)
     ids, grads = coalesce(ids, grads)
     return Piece(item, t.name, False, ids=ids, positions=np.arange(ids.shape[0]), values=grads)
 
@@ -106,15 +246,27 @@ def rows_push(item: int, t: TableView, ids, grads, allow_empty: bool = False) ->
 def many_push(item: int, t: TableView, request: tuple) -> Piece:
     """One request of ``push_many``: ``(table, grad)``, ``(table, grad, start)`` (dense) or
     ``(table, ids, grads)`` (sparse)."""
+    if not isinstance(request, (tuple, list)):
+        raise InvalidArgument(f"push request {request!r}: expected (table, grad), (table, grad, "
+                              f"start) or (table, ids, grads)")
     if t.spec.kind is TableKind.DENSE:
-        return dense_push(item, t, request[1], request[2] if len(request) > 2 else 0)
+        if len(request) not in (2, 3):
+            raise InvalidArgument(f"push request for dense table {t.name!r} has {len(request)} "
+                                  f"items: expected (table, grad) or (table, grad, start)")
+        return dense_push(item, t, request[1], request[2] if len(request) > 2 else None)
+    if len(request) != 3:
+        raise InvalidArgument(f"push request for sparse table {t.name!r} has {len(request)} items: "
+                              f"expected (table, ids, grads)")
     return rows_push(item, t, request[1], request[2])
 
 
 def initial_values(t: TableView, values) -> Piece:
-    """The whole table's initial values (ASSIGNED tables)."""
-    flat = as_float32(values).reshape(-1)
-    if flat.shape[0] != t.spec.numel:
-        raise InvalidArgument(f"initial values of {t.name!r} have {flat.shape[0]} elements; "
-                              f"the table has {t.spec.numel}")
+    """The whole table's initial values (ASSIGNED tables): the table's shape, or flat."""
+    if t.spec.kind is not TableKind.DENSE:
+        raise InvalidArgument(f"table {t.name!r} is sparse: initial values are for dense tables")
+    arr = as_float32(values, t, "initial values")
+    if tuple(arr.shape) not in (tuple(t.spec.shape), (t.spec.numel,)):
+        raise InvalidArgument(f"initial values of {t.name!r} have shape {tuple(arr.shape)}; "
+                              f"the table's shape is {tuple(t.spec.shape)}")
+    flat = arr.reshape(-1)
     return Piece(0, t.name, True, 0, flat.shape[0], values=flat)
