@@ -169,6 +169,12 @@ class ManagerProcess:
         return self.net.address
 
     def start(self) -> "ManagerProcess":
+        if self.settings.replication < 2:
+            log.warning("replication %d: every block has one copy, so a server's death loses the "
+                        "values of the blocks it held (they are restored from the job's latest "
+                        "checkpoint where there is one; else requests touching them fail with "
+                        "DATA_LOSS). Run with --replication 2 (and two or more servers) to survive it",
+                        self.settings.replication)
         self.net.start()
         if self.replica is not None:
             self.net.health.set("", _SERVING)         # alive; the service only while leading
@@ -202,8 +208,10 @@ class _ManagerTerm:
                             worker_lease_seconds=s.worker_lease_seconds),
             runtime, metrics=proc.metrics, pool=StubPool(tls=proc._tls, metadata=proc._metadata),
             store=store)
+        checkpoints = CheckpointCoordinator(self.runtime, s.checkpoint_dir)
+        self.runtime.after_tick.append(checkpoints.recover_lost)      # lost blocks, from checkpoints
         self.service = ResourceManagerService(
-            self.runtime, CheckpointCoordinator(self.runtime, s.checkpoint_dir),
+            self.runtime, checkpoints,
             token_key=s.serving.token_keys(), token_ttl_seconds=s.token_ttl_seconds,
             revocations=getattr(proc._authenticate, "revocations", None))
         self.handler = self.service.handler(proc.metrics.grpc, proc._authenticate)

@@ -119,6 +119,8 @@ TABLE: dict[str, dict[str, Rule]] = {
                                   note="checkpoint_id follows shardps.names.CHECKPOINT_ID"),
         "Restore": Rule(ADMIN),
         "GetWorkerState": _job(mg.GetWorkerStateRequest),
+        "ResetLostBlocks": _job(mg.ResetLostBlocksRequest,
+                                note="a job accepts the loss of its own table's lost blocks"),
         "GetClusterStatus": Rule(ADMIN, answer=FULL, note="every job's groups and servers"),
     },
     HEALTH_SERVICE: {

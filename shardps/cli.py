@@ -66,7 +66,8 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
     add_serving(fs, "0.0.0.0:7070", 9100)
     fs.add("--state-dir", "", "directory for the manager's persisted state (empty: memory only)")
     fs.add("--checkpoint-dir", "", "default directory for checkpoints")
-    fs.add("--replication", 1, "copies of every block (R), on distinct servers")
+    fs.add("--replication", 2, "copies of every block (R), on distinct servers; 1 means a server's "
+           "death loses its blocks' values (restored from the latest checkpoint, else DATA_LOSS)")
     fs.add("--server-lease-seconds", 3.0, "a server is declared dead after this long without a heartbeat")
     fs.add("--worker-lease-seconds", 10.0, "a worker leaves its group after this long without a heartbeat")
     fs.add("--token-ttl-seconds", 7 * 24 * 3600.0, "lifetime of the job tokens it issues (CreateJob, "
@@ -106,7 +107,7 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
     fs.add("--port", 7070, "the manager's port on 127.0.0.1, where the README's examples connect "
            "(0: any free port)")
     fs.add("--workers", 0, "workers training --model (0: cluster only, runs until stopped)")
-    fs.add("--replication", 1, "copies of every block")
+    fs.add("--replication", 0, "copies of every block (0: 2 with two or more servers, else 1)")
     fs.add("--log-format", "human", "log lines: human or json", choices=["human", "json"])
     fs.add("--work-dir", "", "directory for state, logs and ready files (default: a temporary one)")
     fs.add("--secure", False, "mutual TLS and tokens: development certificates, an admin token, a "

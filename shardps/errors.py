@@ -78,6 +78,14 @@ class PermissionDenied(ShardpsError):
     code = "PERMISSION_DENIED"
 
 
+class DataLost(ShardpsError):
+    """Parameters are gone: every replica of the blocks the request touches died before
+    another copy existed. The message names the table, the blocks, the server and the ways
+    out (restore the job from a checkpoint, or reset the table's lost blocks)."""
+
+    code = "DATA_LOSS"
+
+
 class Internal(ShardpsError):
     """A bug in shardps: please report it with the message."""
 
@@ -96,6 +104,7 @@ ERRORS_BY_CODE: dict[str, type[ShardpsError]] = {
         DeadlineExceeded,
         Unauthenticated,
         PermissionDenied,
+        DataLost,
         Internal,
     )
 }

@@ -48,17 +48,23 @@ class Proc:
         return self.popen.poll() is None
 
 
+def default_replication(servers: int) -> int:
+    """R where the caller chose none: 2 wherever two or more servers run (a server's death
+    then loses nothing), else 1."""
+    return 2 if servers >= 2 else 1
+
+
 class LocalCluster:
     """A manager and N servers as child processes. Use as a context manager."""
 
-    def __init__(self, servers: int = 2, replication: int = 1, work_dir: str | None = None,
+    def __init__(self, servers: int = 2, replication: int | None = None, work_dir: str | None = None,
                  log_format: str = "human", server_lease_seconds: float | None = None,
                  manager_args: tuple = (), server_args: tuple = (), env: dict | None = None,
                  python: str = sys.executable, stream_logs: bool = False, host_of=None, wrap=None,
                  manager_port: int = 0, tls=None, token: str = "",
                  manager_replicas: Sequence[tuple[str, ...]] = ()):
         self.n_servers = servers
-        self.replication = replication
+        self.replication = replication or default_replication(servers)
         self._own_dir = work_dir is None
         self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="shardps-local-"))
         self.work_dir.mkdir(parents=True, exist_ok=True)
@@ -368,7 +374,11 @@ def run_local(args, worker_flags: list[str]) -> int:
             print(f"shardps local: {exc.message}", file=sys.stderr, flush=True)
             return 2
         print(f"shardps local: manager at {cluster.manager_address}; {args.servers} servers "
-              f"SERVING; logs in {cluster.work_dir}", flush=True)
+              f"SERVING, replication {cluster.replication}; logs in {cluster.work_dir}", flush=True)
+        if cluster.replication < 2 and args.servers >= 2:
+            print(f"shardps local: warning: replication {cluster.replication}: a server's death loses "
+                  f"the values of its blocks (restored from the latest checkpoint where there is one, "
+                  f"else DATA_LOSS); --replication 2 survives it", flush=True)
         if secured is not None:
             print(secured.instructions(cluster.manager_address, args.job, token_file), flush=True)
         if args.workers <= 0:

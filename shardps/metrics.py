@@ -171,6 +171,15 @@ class ManagerMetrics:
         self.unrestorable = Gauge("shardps_replication_unrestorable_blocks",
                                   "Under-replicated blocks that cannot get R replicas back: fewer than "
                                   "R servers may hold blocks (start servers).", registry=r)
+        self.lost_blocks = Gauge("shardps_lost_blocks",
+                                 "Blocks that lost every replica and are not recovered: requests "
+                                 "touching them fail with DATA_LOSS (restore a checkpoint or reset them).",
+                                 registry=r)
+        self.blocks_lost = Counter("shardps_blocks_lost_total", "Blocks that lost every replica.",
+                                   ["job"], registry=r)
+        self.blocks_recovered = Counter("shardps_blocks_recovered_total",
+                                        "Lost blocks served again, by how: restored (from a checkpoint) "
+                                        "or reset (initial values).", ["job", "how"], registry=r)
         self.moves = Counter("shardps_block_moves_total", "Blocks copied to a new replica.", registry=r)
         self.failovers = Counter("shardps_server_failures_total",
                                  "Servers declared dead (lease expired).", registry=r)
@@ -187,6 +196,7 @@ class ManagerMetrics:
         """Set the replication gauges from a ``ReplicationHealth`` (server/manager/records.py)."""
         self.under_replicated.set(health.under_replicated)
         self.unrestorable.set(health.unrestorable)
+        self.lost_blocks.set(health.lost)
 
 
 class WorkerMetrics:

@@ -154,7 +154,7 @@ class ManagerProcessSettings:
     serving: Serving = field(default_factory=lambda: Serving(listen="0.0.0.0:7070", metrics_port=9100))
     state_dir: str = ""
     checkpoint_dir: str = ""
-    replication: int = 1
+    replication: int = 2
     server_lease_seconds: float = 3.0
     worker_lease_seconds: float = 10.0
     token_ttl_seconds: float = 7 * 24 * 3600.0   # lifetime of the job tokens it issues

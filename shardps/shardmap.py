@@ -28,10 +28,25 @@ class TableView:
     since_epoch: np.ndarray    # uint64 per block
     fresh_epoch: np.ndarray    # uint64 per block: epoch at which it was (re)created empty
     server_index: dict = field(default_factory=dict, compare=False)   # name -> index in the map's servers
+    # blocks that lost every replica (BlockPlacement.lost_epoch), by block: their loss
+    # (None when the job's group no longer lists it); empty for almost every table
+    lost: dict[int, "LostBlock"] = field(default_factory=dict, compare=False)
 
     @property
     def name(self) -> str:
         return self.spec.name
+
+
+@dataclass(frozen=True)
+class LostBlock:
+    """How a block lost every replica, from the job's ``DataLoss`` record: ``pending`` while
+    the manager restores it from a checkpoint (requests: Unavailable), else lost for good
+    until restored or reset (requests: DataLost, naming ``server`` and ``detail``)."""
+
+    epoch: int
+    server: str = ""
+    pending: bool = False
+    detail: str = ""
 
 
 @dataclass(frozen=True)
@@ -55,10 +70,13 @@ class GroupView:
     members: tuple[Member, ...]
     membership_version: int
     quota_bytes: int = 0
+    clients: tuple[Member, ...] = ()          # sessions of clients outside the group
+    data_loss: tuple[pb.DataLoss, ...] = ()
 
     @property
     def writers(self) -> set[tuple[str, int]]:
-        return {(m.session, m.incarnation) for m in self.members}
+        """Every session whose pushes servers deduplicate: members' and clients'."""
+        return {(m.session, m.incarnation) for m in self.members + self.clients}
 
 
 class ShardMapView:
@@ -73,13 +91,23 @@ class ShardMapView:
         self.server_by_name = {s.name: s for s in self.servers}
         index = {s.name: i for i, s in enumerate(self.servers)}
         self.tables: dict[tuple[str, str], TableView] = {}
+        losses: dict[tuple[str, str, int], pb.DataLoss] = {}
+        for g in self.msg.groups:
+            for d in g.data_loss:
+                for b in d.blocks:
+                    losses[(g.job, d.table, b)] = d
         for t in self.msg.tables:
             n = len(t.blocks)
             primary = np.full(n, -1, dtype=np.int32)
             since = np.zeros(n, dtype=np.uint64)
             fresh = np.zeros(n, dtype=np.uint64)
             replicas = []
+            lost: dict[int, LostBlock] = {}
             for b, bp in enumerate(t.blocks):
+                if bp.lost_epoch:
+                    d = losses.get((t.job, t.spec.name, b))
+                    lost[b] = LostBlock(int(bp.lost_epoch)) if d is None else LostBlock(
+                        int(bp.lost_epoch), d.server, d.recovery == pb.DataLoss.PENDING, d.detail)
                 if any(i >= len(self.servers) for i in bp.replicas):
                     raise InvalidArgument(
                         f"shard map epoch {self.epoch}: block {b} of {t.spec.name!r} lists replica "
@@ -93,13 +121,14 @@ class ShardMapView:
             self.tables[(t.job, t.spec.name)] = TableView(
                 job=t.job, spec=spec_from_proto(t.spec), config=config_from_proto(t.config),
                 replicas=tuple(replicas), primary=primary, since_epoch=since, fresh_epoch=fresh,
-                server_index=index)
+                server_index=index, lost=lost)
         self.groups: dict[str, GroupView] = {}
         for g in self.msg.groups:
             mode, staleness = consistency_from_proto(g.consistency)
             members = tuple(Member(m.rank, m.session, m.incarnation, m.name) for m in g.members)
+            clients = tuple(Member(-1, m.session, m.incarnation, m.name) for m in g.clients)
             self.groups[g.job] = GroupView(g.job, mode, staleness, members, g.membership_version,
-                                           int(g.quota_bytes))
+                                           int(g.quota_bytes), clients, tuple(g.data_loss))
 
     def table(self, job: str, name: str) -> TableView:
         try:

@@ -23,8 +23,10 @@ class InProcessCluster:
 
     def __init__(self, servers: int = 2, replication: int = 1, lease: float = 3.0,
                  manager_kw: dict | None = None, server_kw: dict | None = None,
-                 server_settings: dict | None = None, serving_kw: dict | None = None):
+                 server_settings: dict | None = None, serving_kw: dict | None = None,
+                 manager_settings: dict | None = None):
         self.replication = replication
+        self.manager_settings = manager_settings or {}
         self.lease = lease
         self.manager_kw = manager_kw or {}
         self.server_kw = server_kw or {}
@@ -37,7 +39,7 @@ class InProcessCluster:
     def start(self) -> "InProcessCluster":
         self.manager = ManagerProcess(ManagerProcessSettings(
             serving=Serving(listen="127.0.0.1:0", metrics_port=-1, **self.serving_kw), replication=self.replication,
-            server_lease_seconds=self.lease), **self.manager_kw).start()
+            server_lease_seconds=self.lease, **self.manager_settings), **self.manager_kw).start()
         for i in range(self.n):
             self.add_server(f"s{i}")
         self.wait_serving(self.n)

@@ -22,6 +22,7 @@ from shardps.rpc.status import bind, proto_method
 from shardps.server.auth import Authenticator, issue_job_token
 from shardps.tables import sgd
 from tests.fuzz.admin import ADMIN, TOKEN_KEY, secure_cluster
+from tests.sessions import ClientSession
 
 
 def declared_rpcs() -> dict[str, set[str]]:
@@ -171,8 +172,10 @@ def test_the_data_plane_checks_the_tables_entries(make_cluster, client_factory):
     server = next(iter(cluster.servers.values()))
     seg = [pb.Segment(table="w", range=pb.Range(start=0, stop=8))]
 
+    session = ClientSession(cluster.address, "team-b", metadata=_md(tokens["team-b"]))
+
     def push(job):
-        return ps.PushHeader(header=pb.RequestHeader(job=job, epoch=epoch), segments=seg, payload_bytes=32)
+        return ps.PushHeader(header=session.header(epoch, job=job), segments=seg, payload_bytes=32)
 
     def pull(job):
         return ps.PullRequest(header=pb.RequestHeader(job=job, epoch=epoch), segments=seg)

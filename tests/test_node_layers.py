@@ -4,6 +4,7 @@ node's layers in memory; time is a fake clock."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -148,6 +149,14 @@ def header(epoch=1, session="", sequence=0, clock=0) -> pb.RequestHeader:
                             incarnation=1 if session else 0, sequence=sequence, clock=clock)
 
 
+_sequence = itertools.count(1)
+
+
+def push_header(epoch=1, clock=0) -> pb.RequestHeader:
+    """A push's header from a client outside the group (every GRADIENT push has a session)."""
+    return header(epoch, session="client", sequence=next(_sequence), clock=clock)
+
+
 def dense_seg(lo, hi, values=None, table="w"):
     seg = pb.Segment(table=table, range=pb.Range(start=lo, stop=hi))
     payload = b"" if values is None else np.asarray(values, dtype="<f4").tobytes()
@@ -277,9 +286,9 @@ def test_a_held_job_refuses_pushes_past_their_deadline():
     node.holds.hold(JOB, True, seconds=5)
     segments, payload = dense_seg(0, 8, np.ones(8))
     with pytest.raises(Unavailable, match="held for a checkpoint"):
-        node.push(header(), segments, payload, deadline=node.clock.now)
+        node.push(push_header(), segments, payload, deadline=node.clock.now)
     node.clock.now += 6                                           # the hold expired
-    node.push(header(), segments, payload, deadline=node.clock.now)
+    node.push(push_header(), segments, payload, deadline=node.clock.now)
     assert node.table.blocks[(JOB, "w", 0)].version == 1
 
 
@@ -289,7 +298,7 @@ def test_a_backup_that_reports_out_of_sync_gets_the_whole_block():
     node = Layers(peers=FakePeers(out_of_sync={"s1": [key]}))
     node.install(shard_map(1, [dense_w()]))
     segments, payload = dense_seg(0, 8, np.arange(8))
-    node.push(header(), segments, payload)
+    node.push(push_header(), segments, payload)
     assert [c[1] for c in node.peers.sent("replicate")] == ["s1"]
     (_, dest, epoch, snaps), = node.peers.sent("load_blocks")
     assert (dest, epoch) == ("s1", 1)
@@ -427,7 +436,7 @@ def test_sync_push_from_a_non_member_is_refused():
     node.install(shard_map(1, [dense_w(replicas=[["s0"]])], [G(["w0"], mode=Consistency.SYNC)]))
     segments, payload = dense_seg(0, 8, np.ones(8))
     with pytest.raises(FailedPrecondition, match="not a member"):
-        node.push(header(), segments, payload)
+        node.push(push_header(), segments, payload)
     assert node.table.blocks[(JOB, "w", 0)].version == 0
 
 

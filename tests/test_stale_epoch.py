@@ -12,6 +12,7 @@ from shardps.rpc import channels
 from shardps.rpc.codec import encode_chunk
 from shardps.rpc.stubs import ParameterServerStub
 from shardps.tables import sgd
+from tests.sessions import ClientSession
 
 
 def wait_rebalanced(cluster, name, timeout=30):
@@ -48,7 +49,7 @@ def test_stale_epoch_refused_then_retry_succeeds(make_cluster, client_factory):
     # the raw refusal: the block's new owner refuses a request made under the old epoch
     t_new = c.shard_map.table("test", "w")
     b = next(i for i, r in enumerate(t_new.replicas) if r[0] == "s2")
-    header = ps.PushHeader(header=pb.RequestHeader(job="test", epoch=old_epoch),
+    header = ps.PushHeader(header=ClientSession(cluster.address, "test").header(old_epoch),
                            segments=[pb.Segment(table="w", range=pb.Range(start=b * 64, stop=b * 64 + 64))],
                            payload_bytes=256)
     with channels.channel(cluster.servers["s2"].address) as ch:

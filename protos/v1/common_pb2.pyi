@@ -192,14 +192,48 @@ class ServerInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., state: _Optional[_Union[ServerState, str]] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class BlockPlacement(_message.Message):
-    __slots__ = ("replicas", "since_epoch", "fresh_epoch")
+    __slots__ = ("replicas", "since_epoch", "fresh_epoch", "lost_epoch")
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     SINCE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     FRESH_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LOST_EPOCH_FIELD_NUMBER: _ClassVar[int]
     replicas: _containers.RepeatedScalarFieldContainer[int]
     since_epoch: int
     fresh_epoch: int
-    def __init__(self, replicas: _Optional[_Iterable[int]] = ..., since_epoch: _Optional[int] = ..., fresh_epoch: _Optional[int] = ...) -> None: ...
+    lost_epoch: int
+    def __init__(self, replicas: _Optional[_Iterable[int]] = ..., since_epoch: _Optional[int] = ..., fresh_epoch: _Optional[int] = ..., lost_epoch: _Optional[int] = ...) -> None: ...
+
+class DataLoss(_message.Message):
+    __slots__ = ("epoch", "server", "table", "blocks", "lost_at_step", "recovery", "checkpoint", "checkpoint_step", "detail")
+    class Recovery(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        LOST: _ClassVar[DataLoss.Recovery]
+        RESTORED: _ClassVar[DataLoss.Recovery]
+        RESET: _ClassVar[DataLoss.Recovery]
+        PENDING: _ClassVar[DataLoss.Recovery]
+    LOST: DataLoss.Recovery
+    RESTORED: DataLoss.Recovery
+    RESET: DataLoss.Recovery
+    PENDING: DataLoss.Recovery
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SERVER_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOST_AT_STEP_FIELD_NUMBER: _ClassVar[int]
+    RECOVERY_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    server: str
+    table: str
+    blocks: _containers.RepeatedScalarFieldContainer[int]
+    lost_at_step: int
+    recovery: DataLoss.Recovery
+    checkpoint: str
+    checkpoint_step: int
+    detail: str
+    def __init__(self, epoch: _Optional[int] = ..., server: _Optional[str] = ..., table: _Optional[str] = ..., blocks: _Optional[_Iterable[int]] = ..., lost_at_step: _Optional[int] = ..., recovery: _Optional[_Union[DataLoss.Recovery, str]] = ..., checkpoint: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class TablePlacement(_message.Message):
     __slots__ = ("job", "spec", "config", "blocks")
@@ -226,18 +260,22 @@ class WorkerMember(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., session: _Optional[str] = ..., incarnation: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
 
 class WorkerGroup(_message.Message):
-    __slots__ = ("job", "consistency", "members", "membership_version", "quota_bytes")
+    __slots__ = ("job", "consistency", "members", "membership_version", "quota_bytes", "clients", "data_loss")
     JOB_FIELD_NUMBER: _ClassVar[int]
     CONSISTENCY_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_VERSION_FIELD_NUMBER: _ClassVar[int]
     QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    DATA_LOSS_FIELD_NUMBER: _ClassVar[int]
     job: str
     consistency: Consistency
     members: _containers.RepeatedCompositeFieldContainer[WorkerMember]
     membership_version: int
     quota_bytes: int
-    def __init__(self, job: _Optional[str] = ..., consistency: _Optional[_Union[Consistency, _Mapping]] = ..., members: _Optional[_Iterable[_Union[WorkerMember, _Mapping]]] = ..., membership_version: _Optional[int] = ..., quota_bytes: _Optional[int] = ...) -> None: ...
+    clients: _containers.RepeatedCompositeFieldContainer[WorkerMember]
+    data_loss: _containers.RepeatedCompositeFieldContainer[DataLoss]
+    def __init__(self, job: _Optional[str] = ..., consistency: _Optional[_Union[Consistency, _Mapping]] = ..., members: _Optional[_Iterable[_Union[WorkerMember, _Mapping]]] = ..., membership_version: _Optional[int] = ..., quota_bytes: _Optional[int] = ..., clients: _Optional[_Iterable[_Union[WorkerMember, _Mapping]]] = ..., data_loss: _Optional[_Iterable[_Union[DataLoss, _Mapping]]] = ...) -> None: ...
 
 class ShardMap(_message.Message):
     __slots__ = ("epoch", "servers", "tables", "groups", "replication", "changes")

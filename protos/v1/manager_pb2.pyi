@@ -227,18 +227,20 @@ class WatchShardMapRequest(_message.Message):
     def __init__(self, after_epoch: _Optional[int] = ..., changes: _Optional[bool] = ..., job: _Optional[str] = ...) -> None: ...
 
 class JoinWorkerGroupRequest(_message.Message):
-    __slots__ = ("job", "name", "rank_hint", "previous_session", "consistency")
+    __slots__ = ("job", "name", "rank_hint", "previous_session", "consistency", "client")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     RANK_HINT_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_SESSION_FIELD_NUMBER: _ClassVar[int]
     CONSISTENCY_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
     job: str
     name: str
     rank_hint: int
     previous_session: str
     consistency: _common_pb2.Consistency
-    def __init__(self, job: _Optional[str] = ..., name: _Optional[str] = ..., rank_hint: _Optional[int] = ..., previous_session: _Optional[str] = ..., consistency: _Optional[_Union[_common_pb2.Consistency, _Mapping]] = ...) -> None: ...
+    client: bool
+    def __init__(self, job: _Optional[str] = ..., name: _Optional[str] = ..., rank_hint: _Optional[int] = ..., previous_session: _Optional[str] = ..., consistency: _Optional[_Union[_common_pb2.Consistency, _Mapping]] = ..., client: _Optional[bool] = ...) -> None: ...
 
 class JoinWorkerGroupResponse(_message.Message):
     __slots__ = ("rank", "session", "incarnation", "group", "epoch", "lease_seconds", "heartbeat_seconds", "restored")
@@ -364,6 +366,22 @@ class RestoreResponse(_message.Message):
     tables: int
     def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., tables: _Optional[int] = ...) -> None: ...
 
+class ResetLostBlocksRequest(_message.Message):
+    __slots__ = ("job", "table")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    table: str
+    def __init__(self, job: _Optional[str] = ..., table: _Optional[str] = ...) -> None: ...
+
+class ResetLostBlocksResponse(_message.Message):
+    __slots__ = ("epoch", "blocks")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    blocks: int
+    def __init__(self, epoch: _Optional[int] = ..., blocks: _Optional[int] = ...) -> None: ...
+
 class GetWorkerStateRequest(_message.Message):
     __slots__ = ("job", "rank")
     JOB_FIELD_NUMBER: _ClassVar[int]
@@ -413,19 +431,21 @@ class WorkerStatus(_message.Message):
     def __init__(self, member: _Optional[_Union[_common_pb2.WorkerMember, _Mapping]] = ..., step: _Optional[int] = ..., samples_per_second: _Optional[float] = ..., loss: _Optional[float] = ..., heartbeat_age_seconds: _Optional[float] = ...) -> None: ...
 
 class GroupStatus(_message.Message):
-    __slots__ = ("job", "consistency", "workers", "tables")
+    __slots__ = ("job", "consistency", "workers", "tables", "data_loss")
     JOB_FIELD_NUMBER: _ClassVar[int]
     CONSISTENCY_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
+    DATA_LOSS_FIELD_NUMBER: _ClassVar[int]
     job: str
     consistency: _common_pb2.Consistency
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     tables: int
-    def __init__(self, job: _Optional[str] = ..., consistency: _Optional[_Union[_common_pb2.Consistency, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., tables: _Optional[int] = ...) -> None: ...
+    data_loss: _containers.RepeatedCompositeFieldContainer[_common_pb2.DataLoss]
+    def __init__(self, job: _Optional[str] = ..., consistency: _Optional[_Union[_common_pb2.Consistency, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., tables: _Optional[int] = ..., data_loss: _Optional[_Iterable[_Union[_common_pb2.DataLoss, _Mapping]]] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("epoch", "replication", "servers", "groups", "blocks", "under_replicated_blocks", "pending_moves")
+    __slots__ = ("epoch", "replication", "servers", "groups", "blocks", "under_replicated_blocks", "pending_moves", "lost_blocks")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     REPLICATION_FIELD_NUMBER: _ClassVar[int]
     SERVERS_FIELD_NUMBER: _ClassVar[int]
@@ -433,6 +453,7 @@ class ClusterStatus(_message.Message):
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     UNDER_REPLICATED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PENDING_MOVES_FIELD_NUMBER: _ClassVar[int]
+    LOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     replication: int
     servers: _containers.RepeatedCompositeFieldContainer[ServerStatus]
@@ -440,4 +461,5 @@ class ClusterStatus(_message.Message):
     blocks: int
     under_replicated_blocks: int
     pending_moves: int
-    def __init__(self, epoch: _Optional[int] = ..., replication: _Optional[int] = ..., servers: _Optional[_Iterable[_Union[ServerStatus, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupStatus, _Mapping]]] = ..., blocks: _Optional[int] = ..., under_replicated_blocks: _Optional[int] = ..., pending_moves: _Optional[int] = ...) -> None: ...
+    lost_blocks: int
+    def __init__(self, epoch: _Optional[int] = ..., replication: _Optional[int] = ..., servers: _Optional[_Iterable[_Union[ServerStatus, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupStatus, _Mapping]]] = ..., blocks: _Optional[int] = ..., under_replicated_blocks: _Optional[int] = ..., pending_moves: _Optional[int] = ..., lost_blocks: _Optional[int] = ...) -> None: ...

@@ -93,14 +93,17 @@ def plan_cut(msg: pb.ShardMap, job: str) -> CutPlan:
 
 
 def plan_load(msg: pb.ShardMap, job: str, blocks: dict[str, list]) -> dict[int, list]:
-    """Server index -> the snapshots (``blocks``: table -> snapshots in block order) it loads:
-    every replica ``msg`` lists for each block of ``job``."""
+    """Server index -> the snapshots (``blocks``: table -> snapshots in block order; None
+    for a block not to load) it loads: every replica ``msg`` lists for each block of ``job``
+    (of the tables ``blocks`` has)."""
     per_server: dict[int, list] = {}
     for t in msg.tables:
-        if t.job != job:
+        if t.job != job or t.spec.name not in blocks:
             continue
         snaps = blocks[t.spec.name]
         for b, bp in enumerate(t.blocks):
+            if snaps[b] is None:
+                continue
             for index in bp.replicas:
                 per_server.setdefault(index, []).append(snaps[b])
     return per_server

@@ -11,7 +11,8 @@ import time
 import grpc
 
 from shardps import names
-from shardps.errors import DeadlineExceeded, NotFound, ShardpsError, Unavailable
+from shardps.convert import spec_from_proto
+from shardps.errors import DeadlineExceeded, FailedPrecondition, NotFound, ShardpsError, Unavailable
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc.status import from_rpc_error
@@ -192,16 +193,17 @@ class CheckpointCoordinator:
                 self.rt.change(lambda s: s.restore_job(job, mode, staleness, tables, path,
                                                        ck.step, list(ck.workers)))
                 msg = self.rt.published
-                self._load(msg, job, ck)
+                self._load(msg, job, ck.blocks)
             finally:
                 self._hold(servers, job, False)
         log.info("job %s restored from %s (step %d) onto %d servers", job, path, ck.step, len(servers))
         return msg.epoch, ck.step, len(tables)
 
-    def _load(self, msg: pb.ShardMap, job: str, ck) -> None:
-        """Send checkpoint ``ck``'s blocks of ``job`` to every replica ``msg`` lists."""
+    def _load(self, msg: pb.ShardMap, job: str, blocks: dict[str, list]) -> None:
+        """Send ``blocks`` (table -> snapshots in block order; None: skip that block) of ``job``
+        to every replica ``msg`` lists."""
         from shardps.rpc.stubs import encode_snapshots
-        for index, snaps in plan_load(msg, job, ck.blocks).items():
+        for index, snaps in plan_load(msg, job, blocks).items():
             server = msg.servers[index]
             try:
                 self.rt.pool.get(server.address).LoadBlocks(
@@ -209,6 +211,66 @@ class CheckpointCoordinator:
                     metadata=self.rt.pool.metadata + (("x-shardps-source", "manager"),))
             except grpc.RpcError as err:
                 raise from_rpc_error(err, f"load blocks on {server.name}") from None
+
+    # ------------------------------------------------------------------ lost blocks
+    def recover_lost(self) -> None:
+        """Restore every job's pending lost blocks (``DataLoss`` PENDING) from the job's
+        latest checkpoint: hold the job's pushes, load the checkpoint's copies of those
+        blocks on every replica the map lists, then serve them again (the loss records say
+        from which checkpoint and step). A job without a usable checkpoint gives up: its
+        lost blocks then refuse requests with DATA_LOSS until they are restored or reset.
+        Called by the manager's reconcile loop (``ManagerRuntime.after_tick``)."""
+        with self.rt.lock:
+            pending = {d_job: self.rt.state.lost_blocks(d_job) for d_job, rec in self.rt.state.jobs.items()
+                       if any(d.recovery == "pending" for d in rec.data_loss)}
+        for job, lost in pending.items():
+            try:
+                path, ck = self._checkpoint_for(job, lost)
+                with self.rt.moves_lock:
+                    self._restore_blocks(job, lost, path, ck)
+            except ShardpsError as exc:
+                detail = f"not restored: {exc.message}"
+                log.error("job %s: %d lost block(s) cannot be restored (%s); requests touching them "
+                          "fail with DATA_LOSS until `shardps restore %s` or `shardps reset-lost %s TABLE`",
+                          job, sum(map(len, lost.values())), exc.message, job, job)
+                self.rt.change(lambda s, d=detail, j=job: s.give_up_recovery(j, d))
+
+    def _checkpoint_for(self, job: str, lost: dict[tuple[str, str], list[int]]):
+        """The latest checkpoint of ``job`` and its contents; NotFound / FailedPrecondition
+        when there is none, or when it lacks a lost table as it is now (another spec)."""
+        if not self.default_dir:
+            raise NotFound("the manager has no checkpoint directory (--checkpoint-dir)")
+        found = latest(self.default_dir, job)
+        if found is None:
+            raise NotFound(f"job {job!r} has no checkpoint under {self.default_dir}")
+        ck = read_checkpoint(found)
+        specs = {spec_from_proto(spec).name: spec_from_proto(spec) for spec, _ in ck.table_specs()}
+        with self.rt.lock:
+            current = {table: self.rt.state.table(job, table).spec for _, table in lost}
+        for table, spec in current.items():
+            if specs.get(table) != spec:
+                raise FailedPrecondition(f"checkpoint {found} does not hold table {table!r} as it is "
+                                         f"now (created again since?)")
+        return str(found), ck
+
+    def _restore_blocks(self, job: str, lost: dict[tuple[str, str], list[int]], path: str, ck) -> None:
+        """Load checkpoint ``ck``'s copies of ``lost`` blocks on their replicas, the job's
+        pushes held meanwhile, then mark them restored (moves_lock held: no block moves)."""
+        servers = live_servers(self.rt.published)
+        self._hold(servers, job, True)
+        try:
+            msg = self.rt.published
+            wanted = {table: set(blocks) for (_, table), blocks in lost.items()}
+            snaps = {table: [s if s.header.ref.block in wanted.get(table, ()) else None for s in blocks]
+                     for table, blocks in ck.blocks.items() if table in wanted}
+            self._load(msg, job, snaps)
+            for (_, table), blocks in lost.items():
+                self.rt.change(lambda s, t=table, b=blocks: s.recover_lost(job, t, b, "restored", path, ck.step))
+        finally:
+            self._hold(servers, job, False)
+        log.warning("job %s: %d lost block(s) of %s restored from checkpoint %s (step %d): their updates "
+                    "after step %d are lost", job, sum(map(len, lost.values())),
+                    sorted(t for _, t in lost), path, ck.step, ck.step)
 
     def worker_state(self, job: str, rank: int) -> tuple[bytes, int]:
         """The state worker ``rank`` of a restored ``job`` resumes from, and its step; the

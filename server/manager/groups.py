@@ -20,6 +20,18 @@ if TYPE_CHECKING:
 log = logging.getLogger("shardps.manager")
 
 
+def open_client(st: ManagerState, job_name: str, name: str, now: float) -> MemberRecord:
+    """A session for a client outside the worker group: its pushes are deduplicated like a
+    member's (servers keep the exactly-once records of every session the map lists), it has
+    no rank and no step of the group. Bumps the epoch (servers learn the writer)."""
+    job = st.job(job_name)
+    client = MemberRecord(-1, secrets.token_hex(8), 1, name, last_heartbeat=now)
+    job.clients[client.session] = client
+    st.bump()
+    log.info("client %s of job %s opened session %s", name or "(unnamed)", job_name, client.session)
+    return client
+
+
 def join(st: ManagerState, job_name: str, name: str, rank_hint: int, previous_session: str,
          consistency: Consistency | None, staleness: int, now: float) -> MemberRecord:
     job = st.job(job_name)
@@ -55,9 +67,12 @@ def join(st: ManagerState, job_name: str, name: str, rank_hint: int, previous_se
 
 
 def leave(st: ManagerState, job_name: str, session: str) -> int:
+    """A member leaves its group, or a client ends its session (idempotent)."""
     job = st.job(job_name)
     if session in job.members:
         remove_member(job, session)
+        st.bump()
+    elif job.clients.pop(session, None) is not None:
         st.bump()
     return job.membership_version
 
@@ -71,7 +86,7 @@ def remove_member(job: JobRecord, session: str) -> None:
 def worker_heartbeat(st: ManagerState, job_name: str, session: str, incarnation: int, step: int,
                      samples_per_second: float, loss: float, now: float) -> tuple[JobRecord, MemberRecord]:
     job = st.job(job_name)
-    m = job.members.get(session)
+    m = job.members.get(session) or job.clients.get(session)
     if m is None or m.incarnation != incarnation:
         raise NotFound(
             f"session {session!r} (incarnation {incarnation}) is not a member of job "
@@ -91,6 +106,11 @@ def expire_workers(st: ManagerState, now: float) -> list[str]:
                             m.rank, job.name)
                 remove_member(job, session)
                 changed.append(f"worker:{job.name}/{m.rank}")
+        for session, m in list(job.clients.items()):
+            if now - m.last_heartbeat > st.settings.worker_lease_seconds:
+                log.info("client session %s of job %s expired", session, job.name)
+                del job.clients[session]
+                changed.append(f"client:{job.name}/{session}")
     return changed
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from itertools import chain
 from typing import TYPE_CHECKING
 
+from shardps.server.manager import losses
 from shardps.server.manager.records import BlockRecord, Move, ServerState, TableRecord
 from shardps.server.placement import place_blocks, plan_changes, ring_hash
 
@@ -115,8 +116,11 @@ def _positions(st: ManagerState, blocks: list[BlockRecord]) -> list[tuple[TableR
 
 def remove_from_blocks(st: ManagerState, name: str, now: float) -> None:
     """Take ``name`` out of every replica list (promoting the next replica). Blocks left
-    with no replica at all are re-created empty on the least-loaded live nodes: their data
-    is lost. Touches ``name``'s blocks only (``HolderIndex``)."""
+    with no replica at all lost their values: they are placed again, empty, on the
+    least-loaded live nodes but marked lost (``lost_epoch``), so the servers refuse every
+    request touching them (DATA_LOSS) until they are restored from a checkpoint or reset;
+    each job gets a ``DataLossRecord`` per table. Touches ``name``'s blocks only
+    (``HolderIndex``)."""
     epoch = st.epoch + 1       # the epoch the caller's bump will publish
     idx = index(st)
     lost: list[BlockRecord] = []
@@ -128,6 +132,9 @@ def remove_from_blocks(st: ManagerState, name: str, now: float) -> None:
     others = [n for n in st.candidates() if n != name]
     if not lost:
         return
+    for b in lost:
+        b.lost_epoch = b.lost_epoch or epoch
+    losses.record_loss(st, _positions(st, lost), name, epoch)
     if not others:
         idx.orphans.extend(lost)
         return
@@ -135,11 +142,6 @@ def remove_from_blocks(st: ManagerState, name: str, now: float) -> None:
     for b, reps in zip(lost, place_blocks(len(lost), others, 1, seed=epoch, load=load)):
         b.replicas, b.fresh_epoch = reps, epoch
         idx.add(reps[0], b)
-    shown = ", ".join(f"{t.job}/{t.spec.name}/{i} on {t.blocks[i].replicas[0]}"
-                      for t, i in _positions(st, lost[:10]))
-    log.error("%d block(s) lost their last replica with %s: re-created empty (%s%s); restore "
-              "a checkpoint to recover their values", len(lost), name, shown,
-              ", ..." if len(lost) > 10 else "")
 
 
 def warn_if_short(st: ManagerState, what: str, nodes: list[str]) -> None:
@@ -164,9 +166,9 @@ def place_new(st: ManagerState, names: list[str], nodes: list[str]) -> dict[str,
 
 
 def replace_lost(st: ManagerState) -> int:
-    """Blocks left with no replica (every copy died) are re-created empty on live servers:
-    their values are lost until a checkpoint is restored. Returns how many. Looks at the
-    blocks that were left with none only (``HolderIndex.orphans``)."""
+    """Blocks left with no replica (every copy died, and no other server was live) are
+    placed again on live servers, still marked lost (``remove_from_blocks``). Returns how
+    many. Looks at the blocks that were left with none only (``HolderIndex.orphans``)."""
     nodes = st.candidates()
     idx = index(st)
     if not idx.orphans or not nodes:
@@ -179,10 +181,12 @@ def replace_lost(st: ManagerState) -> int:
     placed = place_blocks(len(lost), nodes, st.settings.replication, _all_replicas(st), seed=epoch)
     for b, reps in zip(lost, placed):
         b.replicas, b.since_epoch, b.fresh_epoch = reps, epoch, epoch
+        b.lost_epoch = b.lost_epoch or epoch
         for n in reps:
             idx.add(n, b)
-    log.error("%d blocks had lost every replica: re-created empty on %s (restore a "
-              "checkpoint to recover their values)", len(lost), nodes)
+    log.error("%d blocks that had lost every replica are placed again on %s, still lost: "
+              "requests touching them fail with DATA_LOSS until they are restored or reset",
+              len(lost), nodes)
     return len(lost)
 
 

@@ -46,6 +46,25 @@ class BlockRecord:
     replicas: list[str]
     since_epoch: int
     fresh_epoch: int
+    lost_epoch: int = 0         # every replica died at this epoch: no values (BlockPlacement)
+
+
+@dataclass
+class DataLossRecord:
+    """Blocks of one table that lost every replica at one epoch, and their recovery (the
+    proto's ``DataLoss``). ``recovery``: "pending" (the manager is looking for a checkpoint
+    to restore them from), "lost" (none: requests touching them get DATA_LOSS), "restored"
+    (from ``checkpoint`` at ``checkpoint_step``) or "reset" (back to their initial values)."""
+
+    epoch: int
+    server: str
+    table: str
+    blocks: list[int]
+    lost_at_step: int = 0
+    recovery: str = "pending"
+    checkpoint: str = ""
+    checkpoint_step: int = 0
+    detail: str = ""
 
 
 @dataclass
@@ -73,6 +92,9 @@ class MemberRecord:
     loss: float = 0.0
 
 
+MAX_DATA_LOSS = 16        # data-loss records kept per job (the oldest recovered ones go first)
+
+
 @dataclass
 class JobRecord:
     name: str
@@ -86,6 +108,8 @@ class JobRecord:
     restored_path: str = ""
     restored_step: int = 0
     restore_pending: list[int] = field(default_factory=list)   # ranks yet to fetch their state
+    clients: dict[str, MemberRecord] = field(default_factory=dict)     # sessions outside the group
+    data_loss: list[DataLossRecord] = field(default_factory=list)      # the last MAX_DATA_LOSS
 
     @property
     def token_generation(self) -> int:
@@ -116,6 +140,7 @@ class ReplicationHealth:
     servers: int             # servers that may hold blocks (live, not draining)
     under_replicated: int    # blocks with fewer than R replicas
     unrestorable: int        # of those, blocks that cannot get R back: fewer than R servers
+    lost: int = 0            # blocks that lost every replica and are not recovered
 
     @property
     def target_reachable(self) -> bool:

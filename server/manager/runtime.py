@@ -22,6 +22,7 @@ from collections import Counter
 from concurrent import futures
 from dataclasses import dataclass
 from itertools import chain
+from typing import Callable
 
 import grpc
 
@@ -92,6 +93,10 @@ class ManagerRuntime:
             -1, Counter(), Counter(), 0, ReplicationHealth(settings.replication, 0, 0, 0))
         self._last_tick = self.now()
         self.last_recovery: dict = {}
+        self._loss_counted: dict[tuple[str, str], int] = {}     # loss_counts already counted
+        # run at the end of every reconcile round, without the locks (the checkpoint
+        # coordinator's restore of lost blocks)
+        self.after_tick: list[Callable[[], None]] = []
         self._update_metrics()
 
     # ------------------------------------------------------------------ change + publish
@@ -231,6 +236,8 @@ class ManagerRuntime:
             self.change(lambda s: s.replace_lost())
         finally:
             self.moves_lock.release()
+        for fn in self.after_tick:
+            fn()
 
     @property
     def pending_moves(self) -> int:
@@ -320,19 +327,34 @@ class ManagerRuntime:
             epoch = st.epoch
             servers = [(r.name, r.state, r.live, r.last_heartbeat, r.bytes) for r in st.servers.values()]
             workers = [(job.name, len(job.members)) for job in st.jobs.values()]
-            replicas = moves.snapshot(st).replicas if epoch != self._counted[0] else None
+            snap = moves.snapshot(st) if epoch != self._counted[0] else None
             candidates = len(st.candidates())
-        if replicas is not None:
+        if snap is not None:
+            replicas = snap.replicas
             primaries = Counter(reps[0] for reps in replicas if reps)
             held = Counter(chain.from_iterable(replicas))
             r = self.settings.replication
             under = sum(1 for reps in replicas if len(reps) < r)
-            health = ReplicationHealth(r, candidates, under, under if candidates < r else 0)
+            lost = sum(1 for t in snap.tables for b in t.blocks if b.lost_epoch)
+            health = ReplicationHealth(r, candidates, under, under if candidates < r else 0, lost)
             self._counted = (epoch, primaries, held, len(replicas), health)
         _set_gauges(self.metrics, epoch, servers, workers, self._counted, now)
+        with self.lock:
+            counts = dict(self.state.loss_counts)
+        _count_losses(self.metrics, counts, self._loss_counted)
 
     def refresh_metrics(self) -> None:
         self._update_metrics()
+
+
+def _count_losses(m: ManagerMetrics, counts: dict[tuple[str, str], int], counted: dict) -> None:
+    """Advance the lost / recovered block counters to ``ManagerState.loss_counts``."""
+    for (what, job), n in counts.items():
+        seen = counted.get((what, job), 0)
+        if n > seen:
+            counter = m.blocks_lost.labels(job) if what == "lost" else m.blocks_recovered.labels(job, what)
+            counter.inc(n - seen)
+            counted[(what, job)] = n
 
 
 def _set_gauges(m: ManagerMetrics, epoch: int, servers: list, workers: list, counted: tuple,

@@ -69,6 +69,7 @@ class ResourceManagerService:
             "CheckpointBarrier": proto_method(u, scoped(self.checkpoint_barrier), mg.CheckpointBarrierRequest),
             "Restore": proto_method(u, self.restore, mg.RestoreRequest),
             "GetWorkerState": proto_method(u, scoped(self.get_worker_state), mg.GetWorkerStateRequest),
+            "ResetLostBlocks": proto_method(u, scoped(self.reset_lost_blocks), mg.ResetLostBlocksRequest),
         }
 
     def handler(self, metrics=None, authenticate=None) -> grpc.GenericRpcHandler:
@@ -225,8 +226,11 @@ class ResourceManagerService:
         consistency, staleness = (consistency_from_proto(req.consistency)
                                   if req.consistency.mode else (None, 0))
         now = self.rt.now()
-        member = self.rt.change(lambda s: s.join(req.job, req.name, req.rank_hint,
-                                                 req.previous_session, consistency, staleness, now))
+        if req.client:
+            member = self.rt.change(lambda s: s.open_client(req.job, req.name, now))
+        else:
+            member = self.rt.change(lambda s: s.join(req.job, req.name, req.rank_hint,
+                                                     req.previous_session, consistency, staleness, now))
         msg = self.rt.published
         group = next((g for g in msg.groups if g.job == req.job), pb.WorkerGroup(job=req.job))
         with self.rt.lock:
@@ -234,7 +238,7 @@ class ResourceManagerService:
             restored = member.rank in job.restore_pending
         s = self.rt.settings
         return mg.JoinWorkerGroupResponse(
-            rank=member.rank, session=member.session, incarnation=member.incarnation, group=group,
+            rank=max(0, member.rank), session=member.session, incarnation=member.incarnation, group=group,
             epoch=msg.epoch, lease_seconds=s.worker_lease_seconds,
             heartbeat_seconds=s.worker_heartbeat_seconds, restored=restored)
 
@@ -249,7 +253,7 @@ class ResourceManagerService:
             job, member = s.worker_heartbeat(req.job, req.session, req.incarnation, req.step,
                                              req.samples_per_second, req.loss, now)
             return mg.WorkerHeartbeatResponse(membership_version=job.membership_version,
-                                              world_size=len(job.members), rank=member.rank,
+                                              world_size=len(job.members), rank=max(0, member.rank),
                                               epoch=self.rt.published.epoch)
         resp = self.rt.change(beat, wait_published=False)
         resp.checkpoint_id = self.checkpoints.requested(req.job)
@@ -273,6 +277,17 @@ class ResourceManagerService:
         names.check(names.JOB, req.job, "job")
         epoch, step, tables = self.checkpoints.restore(req.job, req.path)
         return mg.RestoreResponse(epoch=epoch, step=step, tables=tables)
+
+    def reset_lost_blocks(self, req, call) -> mg.ResetLostBlocksResponse:
+        names.check(names.TABLE, req.table, "table")
+        with self.rt.lock:
+            blocks = self.rt.state.lost_blocks(req.job).get((req.job, req.table), [])
+            self.rt.state.table(req.job, req.table)             # NotFound for an unknown one
+        n = self.rt.change(lambda s: s.recover_lost(req.job, req.table, blocks, "reset"))
+        if n:
+            log.warning("job %s: %d lost block(s) of table %s reset to their initial values on request",
+                        req.job, n, req.table)
+        return mg.ResetLostBlocksResponse(epoch=self.rt.published.epoch, blocks=n)
 
     def get_worker_state(self, req, call) -> mg.GetWorkerStateResponse:
         state, step = self.checkpoints.worker_state(req.job, req.rank)
@@ -308,6 +323,14 @@ def _job_of(req, principal) -> str:
     return req.job
 
 
+def data_loss_proto(records) -> list[pb.DataLoss]:
+    """The proto's ``DataLoss`` of a job's ``DataLossRecord`` list."""
+    from shardps.server.manager.state import RECOVERY
+    return [pb.DataLoss(epoch=d.epoch, server=d.server, table=d.table, blocks=d.blocks,
+                        lost_at_step=d.lost_at_step, recovery=RECOVERY[d.recovery], checkpoint=d.checkpoint,
+                        checkpoint_step=d.checkpoint_step, detail=d.detail) for d in records]
+
+
 def cluster_status(rt: ManagerRuntime) -> mg.ClusterStatus:
     with rt.lock:
         st = rt.state
@@ -320,6 +343,7 @@ def cluster_status(rt: ManagerRuntime) -> mg.ClusterStatus:
         for t in st.tables.values():
             for b in t.blocks:
                 msg.blocks += 1
+                msg.lost_blocks += 1 if b.lost_epoch else 0
                 for i, n in enumerate(b.replicas):
                     d = primaries if i == 0 else backups
                     d[n] = d.get(n, 0) + 1
@@ -342,5 +366,6 @@ def cluster_status(rt: ManagerRuntime) -> mg.ClusterStatus:
                                                      incarnation=m.incarnation, name=m.name),
                               step=m.step, samples_per_second=m.samples_per_second, loss=m.loss,
                               heartbeat_age_seconds=max(0.0, now - m.last_heartbeat))
+            g.data_loss.extend(data_loss_proto(job.data_loss))
         return msg
 

@@ -9,19 +9,21 @@ installs the new map on the servers and only then shows it to clients.
 
 The decisions live beside this class, as functions of the state: ``servers.py`` (server
 membership and leases), ``groups.py`` (worker groups), ``moves.py`` (placement of blocks and
-block moves). The methods below delegate to them, so callers use one object.
+block moves), ``losses.py`` (blocks that lost every replica). The methods below delegate
+to them, so callers use one object.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import Sequence
 
 from shardps.convert import config_to_proto, consistency_to_proto, spec_to_proto
 from shardps.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.server import optimizers
-from shardps.server.manager import groups, moves, servers
+from shardps.server.manager import groups, losses, moves, servers
 from shardps.server.manager.records import (
     BlockRecord,
     JobRecord,
@@ -39,6 +41,8 @@ from shardps.server.placement import block_name
 from shardps.tables import Consistency, TableConfig, TableSpec, validate_job_name
 
 log = logging.getLogger("shardps.manager")
+RECOVERY = {"lost": pb.DataLoss.LOST, "restored": pb.DataLoss.RESTORED, "reset": pb.DataLoss.RESET,
+            "pending": pb.DataLoss.PENDING}
 
 
 class ManagerState:
@@ -57,6 +61,9 @@ class ManagerState:
         # Which blocks each server holds, for a server's death (moves.HolderIndex; not
         # persisted, built on first use)
         self.holders: moves.HolderIndex | None = None
+        # blocks lost and recovered since start, by (what, job): what is "lost", "restored"
+        # or "reset" (the metrics' counters; not persisted)
+        self.loss_counts: Counter[tuple[str, str]] = Counter()
 
     # ------------------------------------------------------------------ epochs
     def bump(self) -> int:
@@ -208,11 +215,23 @@ class ManagerState:
         return rec.config
 
     def delete_table(self, job: str, name: str) -> bool:
-        self.job(job)
+        rec = self.job(job)
         if self.tables.pop((job, name), None) is None:
             return False
+        rec.data_loss = [d for d in rec.data_loss if d.table != name]
         self.bump()
         return True
+
+    # ------------------------------------------------------------------ lost blocks
+    def lost_blocks(self, job: str | None = None) -> dict[tuple[str, str], list[int]]:
+        return losses.lost_blocks(self, job)
+
+    def recover_lost(self, job: str, table: str, blocks: Sequence[int], how: str,
+                     checkpoint: str = "", checkpoint_step: int = 0) -> int:
+        return losses.recover_lost(self, job, table, blocks, how, checkpoint, checkpoint_step)
+
+    def give_up_recovery(self, job: str, detail: str) -> None:
+        losses.give_up_recovery(self, job, detail)
 
     def restore_job(self, job: str, consistency: Consistency, staleness: int,
                     tables: list[tuple[TableSpec, TableConfig]], path: str, step: int,
@@ -240,6 +259,9 @@ class ManagerState:
             out.append(rec)
         job_rec.restored_path, job_rec.restored_step = str(path), step
         job_rec.restore_pending = sorted(ranks)
+        for d in job_rec.data_loss:
+            if d.recovery in ("lost", "pending"):
+                d.recovery, d.checkpoint, d.checkpoint_step, d.detail = "restored", str(path), step, ""
         return out
 
     # ------------------------------------------------------------------ blocks (moves.py)
@@ -258,6 +280,9 @@ class ManagerState:
              consistency: Consistency | None, staleness: int, now: float) -> MemberRecord:
         return groups.join(self, job_name, name, rank_hint, previous_session, consistency,
                            staleness, now)
+
+    def open_client(self, job_name: str, name: str, now: float) -> MemberRecord:
+        return groups.open_client(self, job_name, name, now)
 
     def leave(self, job_name: str, session: str) -> int:
         return groups.leave(self, job_name, session)
@@ -283,12 +308,19 @@ class ManagerState:
             tp = msg.tables.add(job=job, spec=spec_to_proto(t.spec), config=config_to_proto(t.config))
             for b in t.blocks:
                 tp.blocks.add(replicas=[index[r] for r in b.replicas],
-                              since_epoch=b.since_epoch, fresh_epoch=b.fresh_epoch)
+                              since_epoch=b.since_epoch, fresh_epoch=b.fresh_epoch, lost_epoch=b.lost_epoch)
         for name, rec in sorted(self.jobs.items()):
             g = msg.groups.add(job=name, consistency=consistency_to_proto(rec.consistency, rec.staleness),
                                membership_version=rec.membership_version, quota_bytes=rec.quota_bytes)
             for m in sorted(rec.members.values(), key=lambda m: m.rank):
                 g.members.add(rank=m.rank, session=m.session, incarnation=m.incarnation, name=m.name)
+            for m in sorted(rec.clients.values(), key=lambda m: m.session):
+                g.clients.add(session=m.session, incarnation=m.incarnation, name=m.name)
+            for d in rec.data_loss:
+                g.data_loss.add(epoch=d.epoch, server=d.server, table=d.table, blocks=d.blocks,
+                                lost_at_step=d.lost_at_step, recovery=RECOVERY[d.recovery],
+                                checkpoint=d.checkpoint, checkpoint_step=d.checkpoint_step,
+                                detail=d.detail)
         self._map_cache = msg
         return msg
 
@@ -303,4 +335,5 @@ class ManagerState:
         r = self.settings.replication
         nodes = len(self.candidates())
         under = sum(1 for t in self.tables.values() for b in t.blocks if len(b.replicas) < r)
-        return ReplicationHealth(r, nodes, under, under if nodes < r else 0)
+        lost = sum(1 for t in self.tables.values() for b in t.blocks if b.lost_epoch)
+        return ReplicationHealth(r, nodes, under, under if nodes < r else 0, lost)

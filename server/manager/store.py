@@ -10,6 +10,7 @@ restart when the state is loaded.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import os
 import tempfile
@@ -20,6 +21,7 @@ from shardps.convert import config_from_proto, config_to_proto, spec_from_proto,
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.server.manager.records import (
     BlockRecord,
+    DataLossRecord,
     JobRecord,
     ManagerSettings,
     MemberRecord,
@@ -47,16 +49,21 @@ def to_dict(state: ManagerState) -> dict:
                   "restored_path": j.restored_path, "restored_step": j.restored_step,
                   "restore_pending": j.restore_pending,
                   "departed": j.departed,
-                  "members": [{"rank": m.rank, "session": m.session,
-                               "incarnation": m.incarnation, "name": m.name}
-                              for m in j.members.values()]}
+                  "members": [_member(m) for m in j.members.values()],
+                  "clients": [_member(m) for m in j.clients.values()],
+                  "data_loss": [dataclasses.asdict(d) for d in j.data_loss]}
                  for j in state.jobs.values()],
         "tables": [{"job": t.job,
                     "spec": _b64(spec_to_proto(t.spec)),
                     "config": _b64(config_to_proto(t.config)),
-                    "blocks": [[b.replicas, b.since_epoch, b.fresh_epoch] for b in t.blocks]}
+                    "blocks": [[b.replicas, b.since_epoch, b.fresh_epoch] + ([b.lost_epoch] if b.lost_epoch else [])
+                               for b in t.blocks]}
                    for t in state.tables.values()],
     }
+
+
+def _member(m: MemberRecord) -> dict:
+    return {"rank": m.rank, "session": m.session, "incarnation": m.incarnation, "name": m.name}
 
 
 def from_dict(data: dict, settings: ManagerSettings, now: float) -> ManagerState:
@@ -79,11 +86,16 @@ def from_dict(data: dict, settings: ManagerSettings, now: float) -> ManagerState
         for m in j["members"]:
             job.members[m["session"]] = MemberRecord(m["rank"], m["session"], m["incarnation"],
                                                      m["name"], last_heartbeat=now)
+        for m in j.get("clients", []):
+            job.clients[m["session"]] = MemberRecord(m["rank"], m["session"], m["incarnation"],
+                                                     m["name"], last_heartbeat=now)
+        job.data_loss = [DataLossRecord(**d) for d in j.get("data_loss", [])]
         state.jobs[job.name] = job
     for t in data["tables"]:
         spec = spec_from_proto(_unb64(pb.TableSpec, t["spec"]))
         config = config_from_proto(_unb64(pb.TableConfig, t["config"]))
-        blocks = [BlockRecord(list(r), int(s), int(f)) for r, s, f in t["blocks"]]
+        blocks = [BlockRecord(list(b[0]), int(b[1]), int(b[2]), int(b[3]) if len(b) > 3 else 0)
+                  for b in t["blocks"]]
         state.tables[(t["job"], spec.name)] = TableRecord(t["job"], spec, config, blocks)
     return state
 

@@ -156,6 +156,12 @@ class PushApplier:
             self.check_writer(header)
             parsed = parse_segments(table.view, table.name, self.limits, header, segments, payload,
                                     with_values=True)
+            if kind == GRADIENT and not (header.session and header.sequence):
+                raise InvalidArgument(
+                    f"a GRADIENT push of job {header.job!r} without a session and a sequence number "
+                    f"(session={header.session!r}, sequence={header.sequence}) cannot be deduplicated "
+                    f"when it is retried: open a session with JoinWorkerGroup (as a member, or with "
+                    f"client=true) and number the pushes from 1 (common.proto, RequestHeader)")
             parts = split(table.name, table.view.epoch, header, parsed, True, table.loaded)
             t1 = time.perf_counter()
             group = table.view.groups.get(header.job)
@@ -200,7 +206,7 @@ class PushApplier:
         group = self.table.view.groups.get(header.job)
         if group is None:
             return
-        for m in group.members:
+        for m in group.members + group.clients:
             if m.session == header.session:
                 if m.incarnation != header.incarnation:
                     raise FailedPrecondition(

@@ -24,7 +24,7 @@ import numpy as np
 
 from shardps import dtypes, kernels
 from shardps.dtypes import WireDType
-from shardps.errors import InvalidArgument, NotFound, ResourceExhausted, StaleEpoch, Unavailable
+from shardps.errors import DataLost, InvalidArgument, NotFound, ResourceExhausted, StaleEpoch, Unavailable
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.rpc.codec import byte_view
 from shardps.server.blocks import BlockKey
@@ -272,6 +272,7 @@ def sparse_blocks(server: str, epoch: int, header: pb.RequestHeader, segment: Se
     mine = t.server_index.get(server)
     if mine is None or not ((t.primary[blocks] == mine).all()
                             and (t.since_epoch[blocks] <= np.uint64(header.epoch)).all()
+                            and not (t.lost and any(int(b) in t.lost for b in blocks))
                             and all(loaded((t.job, spec.name, int(b))) for b in blocks)):
         check_owned(server, epoch, header, [Part((t.job, spec.name, int(b)), t) for b in blocks], loaded)
     return blocks
@@ -290,6 +291,8 @@ def owned(server: str, header: pb.RequestHeader, parts: list[Part],
         if not loaded(part.key):
             return False
     for t, blocks in by_table.values():
+        if t.lost and any(b in t.lost for b in blocks):
+            return False
         mine = t.server_index.get(server)
         bs = np.asarray(blocks, dtype=np.int64)
         if mine is None or not ((t.primary[bs] == mine).all()
@@ -301,7 +304,10 @@ def owned(server: str, header: pb.RequestHeader, parts: list[Part],
 def check_owned(server: str, epoch: int, header: pb.RequestHeader, parts: list[Part],
                 loaded: Callable[[BlockKey], bool]) -> None:
     """StaleEpoch unless ``server`` is each part's primary and the block did not move after
-    the request's epoch; Unavailable if ``loaded(key)`` says its state is not here yet."""
+    the request's epoch; DataLost (Unavailable while the manager restores them) if blocks
+    lost every replica; Unavailable if ``loaded(key)`` says its state is not here yet."""
+    lost = sorted({(part.table.job, part.table.name, part.key[2]) for part in parts
+                   if part.key[2] in part.table.lost})
     for part in parts:
         t, b = part.table, part.key[2]
         reps = t.replicas[b]
@@ -313,7 +319,27 @@ def check_owned(server: str, epoch: int, header: pb.RequestHeader, parts: list[P
             raise StaleEpoch(
                 f"block {b} of table {t.name!r} moved at epoch {int(t.since_epoch[b])}, after "
                 f"the request's epoch {header.epoch}: refresh the shard map and retry")
+    if lost:
+        table = next(p.table for p in parts if (p.table.job, p.table.name) == lost[0][:2])
+        raise lost_blocks_error(table, [k[2] for k in lost if k[:2] == lost[0][:2]])
+    for part in parts:
+        t, b = part.table, part.key[2]
         if not loaded(part.key):
             raise Unavailable(
                 f"block {b} of table {t.name!r} is assigned to {server} but its state has "
                 f"not been loaded yet: retry shortly")
+
+
+def lost_blocks_error(t: TableView, blocks: list[int]) -> DataLost | Unavailable:
+    """The refusal of a request touching ``blocks`` of ``t`` that lost every replica."""
+    first = t.lost[blocks[0]]
+    shown = f"{blocks[:10]}{' ...' if len(blocks) > 10 else ''}"
+    what = (f"block(s) {shown} of table {t.name!r} of job {t.job!r} lost every replica"
+            f"{f' with server {first.server}' if first.server else ''} at epoch {first.epoch}")
+    if first.pending:
+        return Unavailable(f"{what}; the manager is restoring them from the job's latest checkpoint: "
+                           f"retry shortly")
+    why = f" ({first.detail})" if first.detail else ""
+    return DataLost(f"{what}: their values are gone{why}. Restore the job from a checkpoint "
+                    f"(shardps restore {t.job}), or accept the loss (shardps reset-lost {t.job} {t.name}, "
+                    f"or PSClient.reset_lost({t.name!r})): the blocks then start from their initial values")

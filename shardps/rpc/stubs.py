@@ -96,6 +96,7 @@ class ManagerStub:
                                        mg.CheckpointBarrierResponse)
         self.Restore = unary("Restore", mg.RestoreRequest, mg.RestoreResponse)
         self.GetWorkerState = unary("GetWorkerState", mg.GetWorkerStateRequest, mg.GetWorkerStateResponse)
+        self.ResetLostBlocks = unary("ResetLostBlocks", mg.ResetLostBlocksRequest, mg.ResetLostBlocksResponse)
 
 
 class StubPool:

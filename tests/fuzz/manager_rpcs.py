@@ -130,7 +130,8 @@ def manager_request(data, w: World, method: str, tmp: str):
     if method == "JoinWorkerGroup":
         return mg.JoinWorkerGroupRequest(job=one_of(w, job_any), name=one_of(w, ["", "w1", "w2", "n" * 300]),
                                          rank_hint=one_of(w, [-1, 0, 3, 2 ** 31 - 1, -(2 ** 31)]),
-                                         previous_session=one_of(w, session), consistency=draw_consistency(w))
+                                         previous_session=one_of(w, session), consistency=draw_consistency(w),
+                                         client=coin(w))
     if method == "LeaveWorkerGroup":
         return mg.LeaveWorkerGroupRequest(job=one_of(w, job_any), session=one_of(w, session))
     if method == "WorkerHeartbeat":
@@ -150,6 +151,8 @@ def manager_request(data, w: World, method: str, tmp: str):
         return mg.GetWorkerStateRequest(job=one_of(w, job_any), rank=one_of(w, [0, 2 ** 32 - 1]))
     if method == "GetClusterStatus":
         return mg.GetClusterStatusRequest()
+    if method == "ResetLostBlocks":         # no block of the fuzz is lost: it resets none
+        return mg.ResetLostBlocksRequest(job=one_of(w, job_any), table=one_of(w, table))
     if method == "RegisterServer":    # only refusable ones here: a name or an address is missing
         return mg.RegisterServerRequest(name=one_of(w, ["", "s9"]), address="",
                                         boot_id=one_of(w, session))

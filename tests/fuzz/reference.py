@@ -182,6 +182,9 @@ class Reference:
         segments = self._parse(v, hdr, h.segments, payload, with_values=True)
         if segments is None:
             return v
+        if kind == ps.GRADIENT and not (hdr.session and hdr.sequence):
+            v.bad(INVALID, "a GRADIENT push without a session and a sequence (cannot be deduplicated)")
+            return v
         parts = self._parts(v, server, hdr, segments, pull=False)
         if parts is None or not v.ok:
             return v

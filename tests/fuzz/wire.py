@@ -67,6 +67,7 @@ RM_REQUESTS = {   # name -> request class (every ResourceManager RPC is unary ex
     "WorkerHeartbeat": mg.WorkerHeartbeatRequest, "Checkpoint": mg.CheckpointRequest,
     "CheckpointBarrier": mg.CheckpointBarrierRequest, "Restore": mg.RestoreRequest,
     "GetWorkerState": mg.GetWorkerStateRequest, "GetClusterStatus": mg.GetClusterStatusRequest,
+    "ResetLostBlocks": mg.ResetLostBlocksRequest,
 }
 PS_REQUESTS = {"ProbeSharedMemory": ps.ProbeSharedMemoryRequest,
                "InstallShardMap": ps.InstallShardMapRequest, "CopyBlocks": ps.CopyBlocksRequest,

@@ -20,6 +20,7 @@ from shardps import mapdelta
 from shardps.convert import config_from_proto, config_to_proto, consistency_to_proto, spec_to_proto
 from shardps.errors import DeadlineExceeded, InvalidArgument, NotFound
 from shardps.metrics import WorkerMetrics
+from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import manager_pb2 as mg
 from shardps.rpc import channels
 from shardps.rpc.status import from_rpc_error
@@ -69,7 +70,7 @@ class Admin:
         self._map = ShardMapView()
         self._map_lock = threading.Lock()
         # called with (old, new) each time the client's map moves forward, outside the lock
-        self.map_listeners: list[Callable[[ShardMapView, ShardMapView], object]] = []
+        self.map_listeners: list[Callable[[ShardMapView, ShardMapView], object]] = [self._report_losses]
 
     # ================================================================== the one call
     def call(self, what: str, fn, request, timeout: float | None = None, *, idempotent: bool = False):
@@ -143,6 +144,32 @@ class Admin:
                 except Exception:
                     log.exception("a shard-map listener failed (epoch %d -> %d)", old.epoch, new.epoch)
         return new
+
+    def data_loss(self) -> list[pb.DataLoss]:
+        """This job's blocks lost with their servers and what became of them, from the
+        client's map (``DataLoss`` in common.proto)."""
+        group = self._map.groups.get(self.job)
+        return list(group.data_loss) if group is not None else []
+
+    def _report_losses(self, old: ShardMapView, new: ShardMapView) -> None:
+        """Log each loss of this job's blocks, and its recovery, once, when a map shows it."""
+        before = {(d.epoch, d.table, d.recovery) for d in
+                  (old.groups[self.job].data_loss if self.job in old.groups else ())}
+        group = new.groups.get(self.job)
+        for d in group.data_loss if group is not None else ():
+            if (d.epoch, d.table, d.recovery) in before or d.recovery == pb.DataLoss.PENDING:
+                continue
+            what = (f"job {self.job!r}: {len(d.blocks)} block(s) of table {d.table!r} lost every replica "
+                    f"with server {d.server} at epoch {d.epoch} (step {d.lost_at_step})")
+            if d.recovery == pb.DataLoss.RESTORED:
+                log.warning("%s; restored from checkpoint %s at step %d: their updates of steps %d-%d are "
+                            "lost", what, d.checkpoint, d.checkpoint_step, d.checkpoint_step + 1, d.lost_at_step)
+            elif d.recovery == pb.DataLoss.RESET:
+                log.warning("%s; reset: they start again from their initial values", what)
+            else:
+                log.error("%s: their values are gone (%s); calls touching them fail with DataLost until "
+                          "`shardps restore %s` or `shardps reset-lost %s %s`", what, d.detail or "no checkpoint",
+                          self.job, self.job, d.table)
 
     def cluster_map(self, timeout: float | None = None) -> ShardMapView:
         """The whole published map, every job's tables and groups (a job token still gets
@@ -256,6 +283,14 @@ class Admin:
         self.refresh_map(min_epoch=resp.epoch)
         return resp
 
+    def reset_lost(self, table: str, timeout: float | None = None) -> int:
+        """Accept the loss of ``table``'s lost blocks: they start again from their initial
+        values. Returns how many were reset (0: none was lost)."""
+        resp = self.call("ResetLostBlocks", self.stub.ResetLostBlocks, mg.ResetLostBlocksRequest(
+            job=self.job, table=check_name(table)), timeout, idempotent=True)
+        self.refresh_map(min_epoch=resp.epoch)
+        return resp.blocks
+
     def drain_server(self, name: str, timeout: float | None = None) -> mg.DrainServerResponse:
         """Move every block off server ``name`` (in the background), then retire it."""
         return self.call("DrainServer", self.stub.DrainServer, mg.DrainServerRequest(name=name), timeout,
@@ -316,6 +351,19 @@ class ManagerCalls:
 
     def cluster_status(self, timeout: float | None = None) -> mg.ClusterStatus:
         return self._admin.cluster_status(timeout)
+
+    def reset_lost(self, table: str, timeout: float | None = None) -> int:
+        """Accept the loss of ``table``'s blocks that lost every replica (calls touching them
+        raise ``DataLost`` until then): they start again from their initial values. The way
+        out when the job has no checkpoint (``restore`` is the other). Returns how many."""
+        return self._admin.reset_lost(table, timeout)
+
+    @property
+    def data_loss(self) -> list:
+        """This job's blocks lost with their servers and their recovery (``DataLoss`` of
+        common.proto: table, blocks, server, step, and the checkpoint step they were restored
+        to); each is also logged once when the client's map first shows it."""
+        return self._admin.data_loss()
 
     def wait_for_workers(self, count: int, timeout: float | None = None) -> int:
         """Block until the job's worker group has at least ``count`` members; returns how many

@@ -14,9 +14,9 @@ Contract:
 * Data calls fan out in parallel to the servers that own the touched blocks; a server that
   answers FAILED_PRECONDITION (stale epoch) or UNAVAILABLE makes the client refresh its shard
   map and re-send just that server's share, until the deadline. Pushes keep their sequence
-  number across retries, so a retried push is applied once: this needs a session (``join``).
-  A client that has not joined is not deduplicated, and a retry after an UNAVAILABLE push
-  (whose outcome is unknown) may apply it twice on some blocks.
+  number across retries, so a retried push is applied once. Every push carries a session:
+  the worker group's (``join``), or, for a client that did not join, its own, opened at its
+  first push and ended by ``close`` (common.proto, ``RequestHeader``).
 * ``clock=`` on data calls is this worker's number of completed steps (SYNC / SSP jobs:
   pulls wait as the consistency model requires, pushes report the step); default 0.
 * Sparse ids are int64 (any order, repeats allowed): pulls send each distinct id once, pushes
@@ -81,6 +81,7 @@ class PSClient(ManagerCalls):
                             default_timeout=timeout, closed=self._closed)
         self._session = Session()
         self._member = GroupMember(self._admin, self._session)
+        self._session.opener = self._member.open_client     # a session at the first push (exactly-once)
         self._calls = futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ps-call")
         self._rpcs = futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ps-rpc")
         if transport is None:
@@ -123,7 +124,8 @@ class PSClient(ManagerCalls):
     @property
     def membership(self) -> Membership | None:
         """This client's place in the worker group (None before ``join`` / after ``leave``)."""
-        return self._session.membership
+        m = self._session.membership
+        return None if m is None or m.client else m
 
     @property
     def progress(self) -> dict:

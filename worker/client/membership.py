@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
+from typing import Callable
 
 from shardps.errors import FailedPrecondition, NotFound, ShardpsError
 from shardps.protos.v1 import common_pb2 as pb
@@ -33,20 +34,24 @@ class Membership:
     incarnation: int
     world_size: int
     restored: bool = False
+    client: bool = False        # a client's session outside the group (no rank): see open_client
 
 
 class Session:
     """The membership and the exactly-once sequence numbers of one client. Thread-safe.
 
-    Sequence numbers start at 1 for each membership; 0 means "not a member: not
-    deduplicated". A push takes its number once (``begin_push``) and keeps it across
-    retries; ``end_push`` marks it finished, successful or not."""
+    Sequence numbers start at 1 for each membership. A push takes its number once
+    (``begin_push``) and keeps it across retries; ``end_push`` marks it finished, successful
+    or not. A client that is not a member gets a session of its own at its first push
+    (``opener``: ``GroupMember.open_client``), so every push is deduplicated."""
 
-    def __init__(self):
+    def __init__(self, opener: Callable[[], object] | None = None):
         self._lock = threading.Lock()
+        self._open_lock = threading.Lock()
         self._membership: Membership | None = None
         self._next_seq = 1
         self._in_flight: set[int] = set()
+        self.opener = opener
 
     @property
     def membership(self) -> Membership | None:
@@ -64,7 +69,12 @@ class Session:
             self._membership = membership
 
     def begin_push(self) -> int:
-        """The sequence number of a new push (0 when not a member)."""
+        """The sequence number of a new push; opens a client session first when this client
+        has none (0 only without an ``opener``: not deduplicated)."""
+        if self._membership is None and self.opener is not None:
+            with self._open_lock:               # one opener at a time; the others find it open
+                if self._membership is None:
+                    self.opener()
         with self._lock:
             seq = self._next_seq if self._membership is not None else 0
             if seq:
@@ -90,6 +100,8 @@ class Session:
 
 def after_heartbeat(m: Membership, resp: mg.WorkerHeartbeatResponse) -> Membership:
     """The membership a heartbeat reply leaves (rank and world size may change)."""
+    if m.client:
+        return m
     if resp.world_size != m.world_size or resp.rank != m.rank:
         return Membership(resp.rank, m.session, m.incarnation, resp.world_size, m.restored)
     return m
@@ -120,22 +132,56 @@ class GroupMember:
              heartbeat: bool = True, timeout: float | None = None) -> Membership:
         """Join the job's worker group (waits for the shard map that lists this member);
         starts the heartbeat thread unless ``heartbeat`` is False or it runs already."""
+        self.close_client()                  # a client's own session gives way to the member's
         a = self.admin
         resp = a.call("JoinWorkerGroup", a.stub.JoinWorkerGroup, mg.JoinWorkerGroupRequest(
             job=self.job, name=name, rank_hint=rank_hint, previous_session=previous_session), timeout)
         m = Membership(resp.rank, resp.session, resp.incarnation, len(resp.group.members), resp.restored)
         self.session.start(m)
         a.refresh_map(min_epoch=resp.epoch)
-        if heartbeat and self._heartbeat is None:
-            self._heartbeat_every = resp.heartbeat_seconds or 1.0
-            self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="ps-heartbeat",
-                                               daemon=True)
-            self._heartbeat.start()
+        if heartbeat:
+            self._start_heartbeats(resp.heartbeat_seconds)
         return m
+
+    def open_client(self, timeout: float | None = None) -> Membership:
+        """A session for this client outside the worker group (its pushes are deduplicated
+        like a member's), kept by the heartbeat thread; ``Session.begin_push`` calls this at
+        the first push of a client that did not join."""
+        a = self.admin
+        resp = a.call("JoinWorkerGroup", a.stub.JoinWorkerGroup, mg.JoinWorkerGroupRequest(
+            job=self.job, client=True), timeout)
+        m = Membership(-1, resp.session, resp.incarnation, len(resp.group.members), client=True)
+        self.session.start(m)
+        # no map refresh: the servers installed the map naming the session before this
+        # returned, and a push routed with an older map is refused and re-routed as always
+        self._start_heartbeats(resp.heartbeat_seconds)
+        return m
+
+    def _start_heartbeats(self, every: float) -> None:
+        if self._heartbeat is None or self._stop.is_set():
+            self._stop = threading.Event()          # a stopped loop keeps its own, set
+            self._heartbeat_every = every or 1.0
+            self._heartbeat = threading.Thread(target=self._heartbeat_loop, args=(self._stop,),
+                                               name="ps-heartbeat", daemon=True)
+            self._heartbeat.start()
+
+    def close_client(self, timeout: float = 0.5) -> None:
+        """End this client's own session, if it has one (best effort: it expires anyway)."""
+        m = self.membership
+        if m is None or not m.client:
+            return
+        self.session.update(None)
+        try:
+            a = self.admin
+            a.call("LeaveWorkerGroup", a.stub.LeaveWorkerGroup,
+                   mg.LeaveWorkerGroupRequest(job=self.job, session=m.session), timeout)
+        except ShardpsError as exc:
+            log.debug("ending client session %s failed (it expires by itself): %s", m.session, exc.message)
 
     def leave(self, timeout: float | None = None) -> None:
         """Stop heartbeats and leave the group (SYNC/SSP groups stop waiting for this
-        worker). A client that is not a member only stops its heartbeats."""
+        worker). A client that is not a member only stops its heartbeats (and ends its own
+        session)."""
         m = self.membership
         self._stop.set()
         if m is not None:
@@ -163,11 +209,16 @@ class GroupMember:
             a.refresh_map()
         return resp
 
-    def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(self._heartbeat_every):
+    def _heartbeat_loop(self, stop: threading.Event) -> None:
+        while not stop.wait(self._heartbeat_every):
             try:
                 self.heartbeat()
             except NotFound as exc:
+                m = self.membership
+                if m is not None and m.client:
+                    log.warning("client session lost (%s): the next push opens another", exc.message)
+                    self.session.update(None)
+                    continue
                 log.error("worker membership lost (%s): rejoining", exc.message)
                 try:
                     m = self.membership
@@ -204,7 +255,9 @@ class GroupMember:
         return resp.worker_state, resp.step
 
     def close(self) -> None:
-        """Stop the heartbeat thread (waits up to 5 s for it). Does not leave the group."""
+        """Stop the heartbeat thread (waits up to 5 s for it) and end a client's own session.
+        Does not leave the group."""
+        self.close_client()
         self._stop.set()
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=5)
