@@ -190,6 +190,17 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
     fs.add("--path", "", "checkpoint directory (default: the job's newest one on the manager)")
     p.set_defaults(func=cmd_restore)
 
+    p, fs = _sub(sub, "reset-lost", "accept the loss of a table's lost blocks",
+                 "Blocks that lost every replica (their servers died before another copy existed)\n"
+                 "refuse every call with DATA_LOSS until they are restored (`shardps restore JOB`)\n"
+                 "or reset: this makes TABLE's lost blocks start again from their initial values.\n"
+                 "`shardps status` lists what each job lost.", environ)
+    p.add_argument("job")
+    p.add_argument("table")
+    add_common(fs)
+    fs.add("--manager", "127.0.0.1:7070", MANAGER_HELP)
+    p.set_defaults(func=cmd_reset_lost)
+
     p = sub.add_parser("dev-certs", help="make a development CA and TLS certificates",
                        description="Write a development CA, a server certificate (for the manager and\n"
                                    "servers) and a client certificate (for workers and the CLI) for\n"
@@ -409,6 +420,14 @@ def cmd_checkpoint(args) -> int:
         resp = client.checkpoint(args.dir)
         print(f"{resp.path} (step {resp.step}, {resp.tables} tables, {resp.bytes} bytes)")
     return _admin_command(args, "checkpoint", checkpoint, args.job)
+
+
+def cmd_reset_lost(args) -> int:
+    def reset(client):
+        n = client.reset_lost(args.table)
+        print(f"job {args.job}, table {args.table}: {n} lost block(s) reset to their initial values"
+              if n else f"job {args.job}, table {args.table}: no lost block")
+    return _admin_command(args, "reset-lost", reset, args.job)
 
 
 def cmd_restore(args) -> int:

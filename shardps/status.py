@@ -34,9 +34,35 @@ def replication_shortfall(st: mg.ClusterStatus) -> tuple[int, int]:
     return servers, (st.under_replicated_blocks if servers < st.replication else 0)
 
 
+_RECOVERY = {pb.DataLoss.LOST: "LOST", pb.DataLoss.RESTORED: "RESTORED", pb.DataLoss.RESET: "RESET",
+             pb.DataLoss.PENDING: "RESTORING"}
+
+
+def data_loss_lines(job: str, losses) -> list[str]:
+    """One line per ``DataLoss`` of ``job``: what was lost, when, and what became of it."""
+    out = []
+    for d in losses:
+        blocks = f"{list(d.blocks[:8])}{' ...' if len(d.blocks) > 8 else ''}"
+        head = (f"  {_RECOVERY.get(d.recovery, '?'):<9} table {d.table}: {len(d.blocks)} block(s) {blocks} lost "
+                f"with server {d.server} at epoch {d.epoch} (step {d.lost_at_step})")
+        if d.recovery == pb.DataLoss.RESTORED:
+            head += f"; restored from {d.checkpoint} at step {d.checkpoint_step}: later updates to them are lost"
+        elif d.recovery == pb.DataLoss.RESET:
+            head += "; reset to their initial values"
+        elif d.recovery == pb.DataLoss.LOST:
+            head += (f": requests touching them fail with DATA_LOSS ({d.detail or 'no checkpoint'}): "
+                     f"shardps restore {job}, or shardps reset-lost {job} {d.table}")
+        out.append(head)
+    return out
+
+
 def format_status(st: mg.ClusterStatus) -> str:
     parts = [f"epoch {st.epoch}   replication {st.replication}   blocks {st.blocks}   "
-             f"under-replicated {st.under_replicated_blocks}"]
+             f"under-replicated {st.under_replicated_blocks}   lost {st.lost_blocks}"]
+    if st.replication < 2:
+        parts.append(f"warning: replication {st.replication}: a server's death loses the values of the "
+                     f"blocks it holds (restored from the job's latest checkpoint, if any); run the "
+                     f"manager with --replication 2 to survive it")
     servers, unrestorable = replication_shortfall(st)
     if servers < st.replication:
         parts.append(f"replication {st.replication} cannot be restored: {servers} server(s) can hold "
@@ -59,6 +85,8 @@ def format_status(st: mg.ClusterStatus) -> str:
         if wrows:
             parts.append(_table(["RANK", "WORKER", "INC", "STEP", "AHEAD", "SAMPLES/S", "LOSS", "HEARTBEAT"],
                                 wrows))
+        if g.data_loss:
+            parts += ["data lost with servers:"] + data_loss_lines(g.job, g.data_loss)
     return "\n".join(parts)
 
 

@@ -66,3 +66,19 @@ def test_cluster_status_after_losing_servers_below_r(make_cluster, client_factor
     st = wait_for("s1 declared dead", s1_dead, timeout=30, interval=0.1)
     assert st.under_replicated_blocks == 8
     assert "replication 2 cannot be restored: 1 server(s) can hold blocks; 8 blocks" in format_status(st)
+
+
+def test_status_warns_at_replication_1_and_lists_each_jobs_lost_blocks():
+    st = _status(1, [pb.SERVING, pb.DEAD], under=0)
+    st.lost_blocks = 3
+    g = st.groups.add(job="a", tables=1)
+    g.data_loss.add(epoch=9, server="s1", table="emb", blocks=[1, 4, 6], lost_at_step=120,
+                    recovery=pb.DataLoss.LOST, detail="job 'a' has no checkpoint under /ck")
+    g.data_loss.add(epoch=5, server="s2", table="w", blocks=[0], lost_at_step=80,
+                    recovery=pb.DataLoss.RESTORED, checkpoint="/ck/a/step-60", checkpoint_step=60)
+    text = format_status(st)
+    assert "lost 3" in text and "warning: replication 1" in text
+    assert "LOST      table emb: 3 block(s) [1, 4, 6] lost with server s1 at epoch 9 (step 120)" in text
+    assert "no checkpoint under /ck" in text and "shardps reset-lost a emb" in text
+    assert "restored from /ck/a/step-60 at step 60" in text
+    assert "warning" not in format_status(_status(2, [pb.SERVING, pb.SERVING], under=0))
