@@ -115,7 +115,7 @@ def test_a_flooding_job_is_refused_while_another_jobs_pulls_keep_their_latency(t
     from shardps.worker import PSClient, sgd
     limits = ("--job-max-requests-per-second", str(RATE), "--job-max-bytes-in-flight", str(BYTES_IN_FLIGHT))
     alone, flooded = [], []
-    with LocalCluster(servers=2, work_dir=str(tmp_path / "c"), server_args=limits) as cluster, \
+    with LocalCluster(servers=2, replication=1, work_dir=str(tmp_path / "c"), server_args=limits) as cluster, \
             PSClient(cluster.manager_address, "victim", timeout=10) as victim:
         victim.create_job()
         victim.create_dense("w", (4096,), optimizer=sgd(0.1))

@@ -29,6 +29,7 @@ import yaml
 
 from shardps.bench.common import free_port
 from tests.debian import debian_binary
+from tests.sessions import ClientSession
 from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -275,7 +276,7 @@ def provoke_stale_epoch_and_bad_request(cluster, on_new_server) -> dict:
             return next((b + 1 for b, r in enumerate(t.replicas)
                          if r and r[0] == "s2" and int(t.since_epoch[b]) > old_epoch), None)
         b = wait_for("a block of probe/w moved to s2", moved_block, timeout=30) - 1
-        header = ps.PushHeader(header=pb.RequestHeader(job="probe", epoch=old_epoch),
+        header = ps.PushHeader(header=ClientSession(cluster.manager_address, "probe").header(old_epoch),
                                segments=[pb.Segment(table="w", range=pb.Range(start=b * 64, stop=b * 64 + 64))],
                                payload_bytes=256)
         with channels.channel(cluster.servers["s2"].address) as ch:
@@ -284,7 +285,7 @@ def provoke_stale_epoch_and_bad_request(cluster, on_new_server) -> dict:
                                                                 np.ones(64, np.float32).tobytes())]), timeout=10)
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()
         seen["stale_epoch"] = err.value.details()
-        bad = np.ones(64 * 100)
+        bad = np.ones(64 * 100, np.float32)
         bad[3] = np.nan
         with pytest.raises(InvalidArgument) as err:
             c.push_dense("w", bad)

@@ -35,7 +35,7 @@ def run(cfg: BenchConfig, progress) -> dict[str, float]:
 
     out: dict[str, float] = {}
     points = sorted(set(cfg.curve_points))
-    with LocalCluster(servers=points[0][0]) as cluster:
+    with LocalCluster(servers=points[0][0], replication=1) as cluster:
         for servers, workers in points:
             while len(cluster.servers) < servers:
                 cluster.start_server(f"s{len(cluster.servers)}")

@@ -110,7 +110,7 @@ def run(cfg: BenchConfig, progress) -> dict[str, float]:
                 r.call("create_dense", f"d{mib}", mib * MIB // 4, cfg.seed)
         for servers in cfg.dense_servers:
             progress(f"starting a shardps cluster of {servers} server(s)")
-            with LocalCluster(servers=servers) as cluster:
+            with LocalCluster(servers=servers, replication=1) as cluster:
                 for prefix, shm, wire in _variants(servers):
                     with PSClient(cluster.manager_address, f"bench-dense-{prefix}-{wire}", wire_dtype=wire,
                                   timeout=300.0, shared_memory=shm) as client:

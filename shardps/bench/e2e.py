@@ -5,10 +5,12 @@
 ``e2e_train_samples`` samples (fixed seeds), Adagrad(0.05) on the embedding and Adam(2e-3) on
 the MLP, AUC on 50,000 held-out samples. One torch thread per process.
 
-* ``ps_async`` / ``ps_sync``: a ``LocalCluster`` of ``e2e_servers`` servers and
-  ``e2e_workers`` real ``shardps worker`` processes (``--mode async`` / ``sync``); the
+* ``ps_async`` / ``ps_sync``: a ``LocalCluster`` of ``e2e_servers`` servers at replication 1
+  and ``e2e_workers`` real ``shardps worker`` processes (``--mode async`` / ``sync``); the
   optimizers run on the servers. AUC: the mean of the workers' (they evaluate the final
-  parameters after their own last step).
+  parameters after their own last step). ``ps_async_r2``: ``ps_async`` at replication 2
+  (every push applied on two servers: the default wherever two or more servers run).
+  ``e2e_<name>_replication`` records each run's replication.
 * ``ddp`` / ``ddp_sparse``: ``shardps.bench.ddp``, DDP over gloo with ``e2e_workers`` ranks,
   ``nn.Embedding(sparse=False)`` / ``(sparse=True)``. The dense one trains on a data set of
   ``e2e_ddp_dense_train_samples`` samples (same generator and seeds) when that is set (``--quick``: it runs at a few
@@ -83,15 +85,19 @@ def run(cfg: BenchConfig, progress) -> dict[str, float]:
         if split:
             progress(f"  {name} worker loop: {split}" + (f"; server time: {server}" if server else ""))
 
-    for mode in ("async", "sync"):
+    runs = [("async", 1, "ps_async"), ("sync", 1, "ps_sync")]
+    if cfg.e2e_servers >= 2:
+        runs.append(("async", 2, "ps_async_r2"))          # every block on two servers
+    for mode, replication, name in runs:
         t0 = time.monotonic()
-        with LocalCluster(servers=cfg.e2e_servers) as cluster:
+        with LocalCluster(servers=cfg.e2e_servers, replication=replication) as cluster:
             before = ps_runs.server_phase_seconds(cluster)
             results = ps_runs.train(cluster, f"e2e-{mode}", w, worker_args(mode, rows, n), cfg.process_timeout_s)
             after = ps_runs.server_phase_seconds(cluster)
         summary = ps_runs.summarize(results)
         summary.update(ps_runs.server_shares(before, after, cfg.e2e_servers, summary["wall_seconds"]))
-        record(f"ps_{mode}", summary, time.monotonic() - t0)
+        record(name, summary, time.monotonic() - t0)
+        out[f"e2e_{name}_replication"] = float(replication)
     n_dense = cfg.e2e_ddp_dense_train_samples or n
     for name, sparse, samples in (("ddp_sparse", True, n), ("ddp", False, n_dense)):
         t0 = time.monotonic()

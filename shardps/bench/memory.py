@@ -94,7 +94,7 @@ def _server_growth(cfg: BenchConfig, kind: str, progress, env: dict | None = Non
     from shardps.worker.client import PSClient
 
     optimizer = adam(1e-3) if kind == "adam" else sgd(0.01)
-    with LocalCluster(servers=1, env=env) as cluster, PSClient(cluster.manager_address, f"bench-mem-{kind}",
+    with LocalCluster(servers=1, replication=1, env=env) as cluster, PSClient(cluster.manager_address, f"bench-mem-{kind}",
                                                       timeout=300.0) as client:
         start_client(client)
         server = cluster.servers["s0"]
@@ -132,7 +132,7 @@ def _worker_peaks(cfg: BenchConfig, progress) -> dict[str, float]:
     steps, n = cfg.mem_worker_steps, cfg.mem_worker_train_samples
     peaks: dict[str, list[float]] = {}
     for rows in cfg.mem_worker_rows:
-        with LocalCluster(servers=2) as cluster:
+        with LocalCluster(servers=2, replication=1) as cluster:
             results = ps_runs.train(cluster, f"mem-{rows}", cfg.mem_workers,
                                     worker_args("async", rows, n, steps), cfg.process_timeout_s)
         peaks.setdefault("ps", []).append(results[0]["peak_rss_kb"] / 1024.0)

@@ -78,7 +78,7 @@ def _one_cluster(cfg: BenchConfig, servers: int, rpcs: dict, times: dict, out: d
     n = cfg.sparse_ids
     progress(f"starting a shardps cluster of {servers} server(s)")
     modes = [("ps", True)] + ([("ps_tcp", False)] if servers == 1 else [])
-    with LocalCluster(servers=servers) as cluster:
+    with LocalCluster(servers=servers, replication=1) as cluster:
         clients = {prefix: start_client(PSClient(cluster.manager_address, "bench-sparse", timeout=300.0,
                                                  shared_memory=shm)) for prefix, shm in modes}
         try:

@@ -303,7 +303,7 @@ def _ps_small_call(cfg: BenchConfig, progress) -> dict[str, float]:
 
     n = cfg.transport_small_calls
     samples: dict[str, list[float]] = {}
-    with LocalCluster(servers=1) as cluster:
+    with LocalCluster(servers=1, replication=1) as cluster:
         server_pid = next(iter(cluster.servers.values())).popen.pid
         clients = {"ps": PSClient(cluster.manager_address, "transport-bench"),
                    "ps_grpc": PSClient(cluster.manager_address, "transport-bench", data_plane=False)}
@@ -355,7 +355,7 @@ def _ps_step(cfg: BenchConfig, progress) -> dict[str, float]:
 
     samples: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}                # way -> [client, servers] CPU seconds
-    with LocalCluster(servers=2) as cluster:
+    with LocalCluster(servers=2, replication=1) as cluster:
         pids = [s.popen.pid for s in cluster.servers.values()]
         with PSClient(cluster.manager_address, "transport-step") as c:
             c.create_job()
