@@ -94,8 +94,8 @@ def _server_growth(cfg: BenchConfig, kind: str, progress, env: dict | None = Non
     from shardps.worker.client import PSClient
 
     optimizer = adam(1e-3) if kind == "adam" else sgd(0.01)
-    with LocalCluster(servers=1, replication=1, env=env) as cluster, PSClient(cluster.manager_address, f"bench-mem-{kind}",
-                                                      timeout=300.0) as client:
+    with LocalCluster(servers=1, replication=1, env=env) as cluster, \
+            PSClient(cluster.manager_address, f"bench-mem-{kind}", timeout=300.0) as client:
         start_client(client)
         server = cluster.servers["s0"]
         pid = server.info["pid"]
