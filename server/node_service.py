@@ -15,6 +15,7 @@ from shardps.errors import InvalidArgument, ResourceExhausted, ShardpsError
 from shardps.metrics import labelled
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
+from shardps.rpc import messages
 from shardps.rpc.codec import CHUNK_BYTES, assemble, decode_chunk, encode_chunk, split_payload, write_into
 from shardps.rpc.status import Method, bind, grpc_code, proto_method
 from shardps.rpc.stubs import encode_snapshots
@@ -198,15 +199,15 @@ class ParameterServerService:
                                       f"payload_bytes {header.payload_bytes}")
             payload = self.read_shared_memory(header.shared_memory, header.header.job)
         with self.admission.admit(header.header.job, len(payload)):
-            return self.node.push(header.header, header.kind, header.segments, payload, call.deadline)
+            return messages.push_ack(self.node.push(messages.push_request(header, payload), call.deadline))
 
     def pull(self, request: ps.PullRequest, call):
         check_job(call.principal, request.header.job)
         ref = request.reply_shared_memory
         out_buffer = self._open_shared(ref, request.header.job) if ref.name else None
         with self.admission.admit(request.header.job):
-            header, arrays = self.node.pull(request.header, request.segments, request.data, call.deadline,
-                                            out_buffer=out_buffer)
+            reply, arrays = self.node.pull(messages.pull_request(request), call.deadline, out_buffer=out_buffer)
+            header = messages.pull_header(reply)
         chunk = max(MIN_CHUNK_BYTES, min(request.chunk_bytes or CHUNK_BYTES, MAX_CHUNK_BYTES))
         if header.in_shared_memory:            # written straight into the client's memory
             yield encode_chunk(header.SerializeToString(), None)
@@ -293,7 +294,7 @@ class ParameterServerService:
             raise ResourceExhausted(f"Push: {len(payload)} bytes; the limit max_request_bytes is "
                                     f"{self.node.limits.max_request_bytes}: split the request")
         with self.admission.admit(header.header.job, len(payload)):
-            return self.node.push(header.header, header.kind, header.segments, payload, call.deadline)
+            return messages.push_ack(self.node.push(messages.push_request(header, payload), call.deadline))
 
     def _dp_pull(self, request: ps.PullRequest, ids: memoryview, call):
         names.check(names.JOB, request.header.job, "header.job")
@@ -301,8 +302,9 @@ class ParameterServerService:
         if request.reply_shared_memory.name:
             raise InvalidArgument("data plane: the reply travels in the frame, not in shared memory")
         with self.admission.admit(request.header.job):
-            return self.node.pull(request.header, request.segments, ids if len(ids) else request.data,
-                                  call.deadline)
+            reply, arrays = self.node.pull(messages.pull_request(request, ids if len(ids) else None),
+                                           call.deadline)
+            return messages.pull_header(reply), arrays
 
     # --- shared-memory fast path (same host) ---
     def probe_shared_memory(self, request, call) -> ps.ProbeSharedMemoryResponse:

@@ -12,9 +12,11 @@ import pytest
 
 from shardps.convert import config_to_proto, consistency_to_proto, spec_to_proto
 from shardps.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, StaleEpoch, Unavailable
+from shardps.messages import PullRequest, PushRequest
 from shardps.metrics import NodeMetrics
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
+from shardps.rpc import messages
 from shardps.server.node import NodeLimits, ServerNode, snapshot_block
 from shardps.server.node.apply import JobHolds, PushApplier
 from shardps.server.node.decode import check_header, parse_segments, split
@@ -98,8 +100,28 @@ class Layers:
             self.table.install(ShardMapView(msg), self.steps.set_groups_locked)
         self.steps.apply_all_ready()
 
-    def push(self, hdr, segments, payload, kind=ps.GRADIENT, deadline=None) -> ps.PushAck:
-        return self.pusher.push(hdr, kind, segments, payload, deadline)
+    def push(self, hdr, segments, payload, kind=ps.GRADIENT, deadline=None):
+        return self.pusher.push(push_request(hdr, kind, segments, payload), deadline)
+
+    def pull(self, hdr, segments, ids=b"", deadline=None):
+        return self.reader.pull(pull_request(hdr, segments, ids), deadline)
+
+
+def push_request(hdr: pb.RequestHeader, kind, segments, payload) -> PushRequest:
+    """The plain request the node's door makes of these messages (shardps.rpc.messages)."""
+    return messages.push_request(ps.PushHeader(header=hdr, kind=kind, segments=segments), payload)
+
+
+def pull_request(hdr: pb.RequestHeader, segments, ids=b"") -> PullRequest:
+    return messages.pull_request(ps.PullRequest(header=hdr, segments=segments), ids)
+
+
+def plain(hdr: pb.RequestHeader):
+    return messages.header(hdr)
+
+
+def sels(segments) -> list:
+    return [messages.selection(s) for s in segments]
 
 
 # ---------------------------------------------------------------------- shard maps
@@ -190,29 +212,29 @@ def view():
 ])
 def test_decode_rejects_bad_segments_naming_the_value(view, segments, payload, error, names):
     with pytest.raises(error, match=names.replace("[", r"\[")):
-        parse_segments(view, "s0", NodeLimits(), header(), segments, payload, with_values=True)
+        parse_segments(view, "s0", NodeLimits(), plain(header()), sels(segments), payload, with_values=True)
 
 
 def test_decode_checks_header_and_limits(view):
     with pytest.raises(InvalidArgument, match="header.clock=-1"):
-        check_header(header(clock=-1))
+        check_header(plain(header(clock=-1)))
     segments, payload = dense_seg(0, 8, np.ones(8))
     with pytest.raises(ResourceExhausted, match="max_segments is 0"):
-        parse_segments(view, "s0", NodeLimits(max_segments=0), header(), segments, payload, True)
+        parse_segments(view, "s0", NodeLimits(max_segments=0), plain(header()), sels(segments), payload, True)
     segments, payload = rows_seg([1, 2, 3], np.ones((3, 2)))
     with pytest.raises(ResourceExhausted, match="max_rows"):
-        parse_segments(view, "s0", NodeLimits(max_rows=2), header(), segments, payload, True)
+        parse_segments(view, "s0", NodeLimits(max_rows=2), plain(header()), sels(segments), payload, True)
 
 
 def test_split_refuses_blocks_this_node_does_not_serve(view):
     segments, payload = dense_seg(0, 8, np.ones(8))
-    parsed = parse_segments(view, "s1", NodeLimits(), header(), segments, payload, True)
+    parsed = parse_segments(view, "s1", NodeLimits(), plain(header()), sels(segments), payload, True)
     with pytest.raises(StaleEpoch, match="served by s0, not s1"):
-        split("s1", 1, header(), parsed, True, lambda key: True)
-    parsed = parse_segments(view, "s0", NodeLimits(), header(), segments, payload, True)
+        split("s1", 1, plain(header()), parsed, True, lambda key: True)
+    parsed = parse_segments(view, "s0", NodeLimits(), plain(header()), sels(segments), payload, True)
     with pytest.raises(Unavailable, match="not been loaded"):
-        split("s0", 1, header(), parsed, True, lambda key: False)
-    parts = split("s0", 1, header(), parsed, True, lambda key: True)
+        split("s0", 1, plain(header()), parsed, True, lambda key: False)
+    parts = split("s0", 1, plain(header()), parsed, True, lambda key: True)
     assert [(p.key, p.lo, p.hi) for p in parts] == [((JOB, "w", 0), 0, 8)]
 
 
@@ -258,7 +280,7 @@ def test_exactly_once_the_same_writer_twice_applies_once():
     blk = node.table.blocks[(JOB, "w", 0)]
     np.testing.assert_array_equal(blk.values, -np.ones(8))
     assert (first.duplicate_blocks, again.duplicate_blocks) == (0, 1)
-    assert blk.version == 1 and again.versions[0].version == 1
+    assert blk.version == 1 and list(again.versions[0].versions) == [1]
     node.push(header(session="w0", sequence=2), segments, payload)
     np.testing.assert_array_equal(blk.values, -2 * np.ones(8))
 
@@ -413,7 +435,7 @@ def test_a_sync_pull_counts_as_its_workers_report_of_the_step_before():
     node.push(header(session="w0", sequence=1, clock=0), segments, payload)
     assert node.steps.clocks[JOB].applied_steps == 0
     segments, _ = dense_seg(0, 8)
-    out, arrays = node.reader.pull(header(session="w1", clock=1), segments, b"", deadline=node.clock.now)
+    out, arrays = node.pull(header(session="w1", clock=1), segments, b"", deadline=node.clock.now)
     assert node.steps.clocks[JOB].applied_steps == 1
     np.testing.assert_array_equal(np.frombuffer(arrays[0], dtype="<f4"), np.full(8, -1.0))   # -2 / 2
 
@@ -452,7 +474,7 @@ def test_the_facade_exposes_its_layers_state():
     node.peers = other                    # the server process sets its transport later
     assert node.forwarder.peers is other
     segments, payload = dense_seg(0, 8, np.ones(8))
-    node.push(header(session="w0", sequence=1), ps.GRADIENT, segments, payload)
+    node.push(push_request(header(session="w0", sequence=1), ps.GRADIENT, segments, payload))
     assert other.sent("replicate") and not peers.calls
     assert node.usage()["primary_blocks"] == 1
     assert node.drop_tables(JOB) == 1 and not node.blocks

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Sequence, cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from shardps.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
+from shardps.messages import GRADIENT, INITIALIZE, PUSH_KIND_UNSPECIFIED, Header, PushAck, PushRequest, Versions
 from shardps.metrics import NodeMetrics, labelled
-from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc.codec import byte_view
 from shardps.server import lifecycle_ops, optimizers
@@ -41,7 +41,6 @@ if TYPE_CHECKING:
     from shardps.server.node.replication import Forwarder
     from shardps.server.node.steps import SyncSteps
 
-GRADIENT, INITIALIZE = ps.GRADIENT, ps.INITIALIZE
 
 
 def logical_bytes(blk: AnyBlock, t: TableView) -> int:
@@ -130,8 +129,7 @@ class PushApplier:
         self.metrics = metrics
         self._now = clock
 
-    def push(self, header: pb.RequestHeader, kind: int, segments: Sequence[pb.Segment],
-             payload, deadline: float | None = None) -> ps.PushAck:
+    def push(self, request: PushRequest, deadline: float | None = None) -> PushAck:
         """Apply a push (gradients, or initial values) to this node's blocks and their backups.
 
         Blocks while the job is held for a checkpoint and while backups apply the forwarded
@@ -139,7 +137,8 @@ class PushApplier:
         ResourceExhausted / FailedPrecondition; a raised error means nothing was
         acknowledged (a retry is safe). Nothing held on entry.
         """
-        if kind not in (GRADIENT, INITIALIZE, ps.PUSH_KIND_UNSPECIFIED):
+        header, kind, segments, payload = request.header, request.kind, request.segments, request.payload
+        if kind not in (GRADIENT, INITIALIZE, PUSH_KIND_UNSPECIFIED):
             raise InvalidArgument(f"push kind {kind}: unknown (use GRADIENT or INITIALIZE)")
         kind = kind or GRADIENT
         self.holds.wait_unheld(header.job, deadline)
@@ -198,7 +197,7 @@ class PushApplier:
                     self.steps.apply_ready(header.job)
         return ack
 
-    def check_writer(self, header: pb.RequestHeader) -> None:
+    def check_writer(self, header: Header) -> None:
         """A session's pushes are accepted only from its current incarnation: an older one
         gets FailedPrecondition (it is fenced). Gate held shared."""
         if not header.session:
@@ -216,12 +215,12 @@ class PushApplier:
         # not (or no longer) a member under this map: accept; the block record still dedups
 
     def apply_parts(self, parts: list[Part], kind: int, writer: Writer, sync: bool,
-                    step: int, parsed: list[Segment]) -> ps.PushAck:
+                    step: int, parsed: list[Segment]) -> PushAck:
         """Check, apply and forward ``parts`` under their blocks' locks (gate shared). Every
         precondition (INITIALIZE shape, initial values, SYNC step open, quota, owed resyncs)
         is checked before the first block changes; a backup that misses the ops raises
         Unavailable after they were applied here (see replication.Forwarder)."""
-        ack = ps.PushAck()
+        ack = PushAck()
         if not parts:
             return ack
         parts.sort(key=lambda p: p.key)
@@ -289,8 +288,14 @@ class PushApplier:
             if duplicates:
                 self.metrics.duplicates.labels(parts[0].key[0]).inc(duplicates)
             self.forwarder.forward_locked(ops, unique)
+            by_table: dict[str, Versions] = {}
             for blk in unique:
-                ack.versions.add(table=blk.key[1], block=blk.key[2], version=blk.version)
+                entry = by_table.get(blk.key[1])
+                if entry is None:
+                    entry = by_table[blk.key[1]] = Versions(blk.key[1], [], [])
+                entry.blocks.append(blk.key[2])
+                entry.versions.append(blk.version)
+            ack.versions = list(by_table.values())
             ack.duplicate_blocks = duplicates
         return ack
 

@@ -25,7 +25,7 @@ import numpy as np
 from shardps import dtypes, kernels
 from shardps.dtypes import WireDType
 from shardps.errors import DataLost, InvalidArgument, NotFound, ResourceExhausted, StaleEpoch, Unavailable
-from shardps.protos.v1 import common_pb2 as pb
+from shardps.messages import RANGE, ROWS, Header, Selection
 from shardps.rpc.codec import byte_view
 from shardps.server.blocks import BlockKey
 from shardps.shardmap import ShardMapView, TableView
@@ -115,7 +115,7 @@ def all_finite(values: np.ndarray) -> bool:
     return bool(np.isfinite(values).all())
 
 
-def check_header(header: pb.RequestHeader) -> None:
+def check_header(header: Header) -> None:
     """Bounds every header field can be checked against without the map."""
     if not 0 <= header.clock < MAX_CLOCK:
         raise InvalidArgument(f"header.clock={header.clock}: a worker's completed steps must "
@@ -134,8 +134,8 @@ def table_of(view: ShardMapView, server: str, job: str, name: str) -> TableView:
     return t
 
 
-def parse_segments(view: ShardMapView, server: str, limits: NodeLimits, header: pb.RequestHeader,
-                   segments: Sequence[pb.Segment], payload, with_values: bool) -> list[Segment]:
+def parse_segments(view: ShardMapView, server: str, limits: NodeLimits, header: Header,
+                   segments: Sequence[Selection], payload, with_values: bool) -> list[Segment]:
     """Decode and validate every segment against the payload. Nothing is stored."""
     if not header.job:
         raise InvalidArgument("request header has no job: set header.job")
@@ -155,13 +155,13 @@ def parse_segments(view: ShardMapView, server: str, limits: NodeLimits, header: 
     for i, seg in enumerate(segments):
         t = table_of(view, server, header.job, seg.table)
         spec = t.spec
-        which = seg.WhichOneof("selector")
-        s = Segment(t, wire, base_versions={bv.block: bv.version for bv in seg.base_versions})
+        which = seg.selector
+        s = Segment(t, wire, base_versions=seg.base_versions)
         if spec.kind is TableKind.DENSE:
-            if which != "range":
+            if which != RANGE:
                 raise InvalidArgument(
                     f"segment {i} for dense table {spec.name!r} must select a range, got {which}")
-            s.lo, s.hi = int(seg.range.start), int(seg.range.stop)
+            s.lo, s.hi = int(seg.start), int(seg.stop)
             check_range(spec, s.lo, s.hi)
             count = s.hi - s.lo
             if with_values:
@@ -173,17 +173,17 @@ def parse_segments(view: ShardMapView, server: str, limits: NodeLimits, header: 
                 s.values = dtypes.decode(view_payload[offset:offset + nbytes], wire, count)
                 offset += nbytes
         else:
-            if which != "rows":
+            if which != ROWS:
                 raise InvalidArgument(
                     f"segment {i} for sparse table {spec.name!r} must select rows, got {which}")
-            if seg.rows.all_stored:
-                if with_values or seg.rows.count:
+            if seg.all_stored:
+                if with_values or seg.count:
                     raise InvalidArgument(
                         f"segment {i} ({spec.name!r}): all_stored is for pulls, with count 0")
                 s.all_stored = True
                 parsed.append(s)
                 continue
-            count = int(seg.rows.count)
+            count = int(seg.count)
             rows += count
             if rows > limits.max_rows:
                 raise ResourceExhausted(
@@ -222,7 +222,7 @@ def parse_segments(view: ShardMapView, server: str, limits: NodeLimits, header: 
     return parsed
 
 
-def split(server: str, epoch: int, header: pb.RequestHeader, segments: list[Segment],
+def split(server: str, epoch: int, header: Header, segments: list[Segment],
           for_push: bool, loaded: Callable[[BlockKey], bool], sparse: bool = True) -> list[Part]:
     """Cut segments into per-block parts and check that ``server`` serves every block
     (``check_owned``; ``epoch`` is the server's, for the messages). ``sparse=False``: leave
@@ -260,7 +260,7 @@ def split(server: str, epoch: int, header: pb.RequestHeader, segments: list[Segm
     return parts
 
 
-def sparse_blocks(server: str, epoch: int, header: pb.RequestHeader, segment: Segment,
+def sparse_blocks(server: str, epoch: int, header: Header, segment: Segment,
                   loaded: Callable[[BlockKey], bool]) -> np.ndarray:
     """The blocks (ascending) a sparse segment's ids fall in, checked as ``split`` checks
     them: what a pull needs, without cutting the ids per block."""
@@ -278,7 +278,7 @@ def sparse_blocks(server: str, epoch: int, header: pb.RequestHeader, segment: Se
     return blocks
 
 
-def owned(server: str, header: pb.RequestHeader, parts: list[Part],
+def owned(server: str, header: Header, parts: list[Part],
           loaded: Callable[[BlockKey], bool]) -> bool:
     """Whether ``check_owned`` would pass: one vectorised check per table (the common
     case); False sends the caller to ``check_owned`` for the error naming the block."""
@@ -301,7 +301,7 @@ def owned(server: str, header: pb.RequestHeader, parts: list[Part],
     return True
 
 
-def check_owned(server: str, epoch: int, header: pb.RequestHeader, parts: list[Part],
+def check_owned(server: str, epoch: int, header: Header, parts: list[Part],
                 loaded: Callable[[BlockKey], bool]) -> None:
     """StaleEpoch unless ``server`` is each part's primary and the block did not move after
     the request's epoch; DataLost (Unavailable while the manager restores them) if blocks

@@ -40,6 +40,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from shardps import kernels, mapdelta
+from shardps.messages import PullReply, PullRequest, PushAck, PushRequest
 from shardps.metrics import NodeMetrics
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
@@ -161,15 +162,14 @@ class ServerNode:
         return view.epoch
 
     # ================================================================== data path
-    def push(self, header: pb.RequestHeader, kind: int, segments: Sequence[pb.Segment],
-             payload, deadline: float | None = None) -> ps.PushAck:
+    def push(self, request: PushRequest, deadline: float | None = None) -> PushAck:
         """See ``PushApplier.push``."""
-        return self.pusher.push(header, kind, segments, payload, deadline)
+        return self.pusher.push(request, deadline)
 
-    def pull(self, header: pb.RequestHeader, segments: Sequence[pb.Segment], ids_payload,
-             deadline: float | None = None, out_buffer=None) -> tuple[ps.PullHeader, list[np.ndarray]]:
+    def pull(self, request: PullRequest, deadline: float | None = None,
+             out_buffer=None) -> tuple[PullReply, list[np.ndarray]]:
         """See ``PullReader.pull``."""
-        return self.reader.pull(header, segments, ids_payload, deadline, out_buffer)
+        return self.reader.pull(request, deadline, out_buffer)
 
     def apply_replicated(self, epoch: int, source: str, ops: Sequence[ps.BlockOp],
                          payload) -> tuple[int, list[BlockKey]]:

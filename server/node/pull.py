@@ -10,16 +10,15 @@ again. The response is bounded by ``NodeLimits.max_response_bytes`` (ResourceExh
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Sequence, cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from shardps import dtypes
 from shardps.dtypes import WireDType
 from shardps.errors import ResourceExhausted
+from shardps.messages import Layout, PullReply, PullRequest, Versions
 from shardps.metrics import NodeMetrics, labelled
-from shardps.protos.v1 import common_pb2 as pb
-from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.server.blocks import BlockKey, BlockLocks, DenseBlock, SparseBlock
 from shardps.server.node.decode import NodeLimits, check_header, parse_segments, sparse_blocks, split
 from shardps.server.node.table import BlockTable
@@ -41,9 +40,9 @@ class PullReader:
         self.metrics = metrics
         self._now = clock
 
-    def pull(self, header: pb.RequestHeader, segments: Sequence[pb.Segment], ids_payload,
-             deadline: float | None = None, out_buffer=None) -> tuple[ps.PullHeader, list[np.ndarray]]:
-        """Read values; returns the header and the wire-encoded arrays, in segment order.
+    def pull(self, request: PullRequest, deadline: float | None = None,
+             out_buffer=None) -> tuple[PullReply, list[np.ndarray]]:
+        """Read values; returns the reply and the wire-encoded arrays, in segment order.
 
         ``out_buffer`` (a writable buffer, e.g. a shared-memory region): float32 values are
         written straight into it (``header.in_shared_memory`` is then set and the returned
@@ -54,7 +53,8 @@ class PullReader:
         DeadlineExceeded if the wait outlasts ``deadline``. Nothing held on entry.
         """
         started = time.perf_counter()       # phases: shardps_server_phase_seconds
-        header_out = ps.PullHeader()
+        header, segments, ids_payload = request.header, request.segments, request.ids
+        header_out = PullReply()
         table = self.table
         check_header(header)
         with table.gate.shared():          # a malformed pull is refused before it waits
@@ -145,16 +145,22 @@ class PullReader:
                             else np.empty((0, s.table.spec.dim), np.float32))
                     outputs.append(ids.astype("<i8"))
                     outputs.append(dtypes.encode(rows, s.dtype))
-                    header_out.segments.add(dtype=s.dtype.value, elements=rows.size, ids=ids.shape[0])
+                    header_out.segments.append(Layout(s.dtype.value, rows.size, ids.shape[0]))
                     continue
                 if not in_place:
                     outputs.append(dtypes.encode(out, s.dtype))
-                header_out.segments.add(dtype=s.dtype.value, elements=out.size)
+                header_out.segments.append(Layout(s.dtype.value, out.size))
             if in_place:
                 header_out.in_shared_memory = True
                 header_out.payload_bytes = out_bytes
+            by_table: dict[str, Versions] = {}
             for key, v in sorted(versions.items()):
-                header_out.versions.add(table=key[1], block=key[2], version=v)
+                entry = by_table.get(key[1])
+                if entry is None:
+                    entry = by_table[key[1]] = Versions(key[1], [], [])
+                entry.blocks.append(key[2])
+                entry.versions.append(v)
+            header_out.versions = list(by_table.values())
             t3 = time.perf_counter()
         phases = self.metrics.phase_seconds
         labelled(phases, "decode").inc(decoding + t1 - t0)

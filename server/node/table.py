@@ -39,6 +39,7 @@ import os
 import threading
 
 from shardps.errors import Unavailable
+from shardps.messages import Header
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.server.blocks import AnyBlock, BlockKey, DenseBlock, SparseBlock, SparseRows, new_block
 from shardps.shardmap import ShardMapView, TableView
@@ -267,13 +268,13 @@ class BlockTable:
         listed = list(t.replicas[key[2]][1:])
         return listed + sorted(self.extra.get(key, set()) - set(listed))
 
-    def member(self, header: pb.RequestHeader) -> bool:
+    def member(self, header: Header) -> bool:
         """Whether the request's session is a live member of its job's group."""
         group = self.view.groups.get(header.job)
         return bool(header.session) and group is not None and any(
             m.session == header.session for m in group.members)
 
-    def check_epoch(self, header: pb.RequestHeader) -> None:
+    def check_epoch(self, header: Header) -> None:
         """Unavailable if the request comes from a map newer than this node's."""
         if header.epoch > self.view.epoch:
             raise Unavailable(

@@ -36,6 +36,7 @@ PARTS = {
     "dense": "shardps.bench.dense",
     "sparse": "shardps.bench.sparse",
     "e2e": "shardps.bench.e2e",
+    "scale": "shardps.bench.scale",
     "memory": "shardps.bench.memory",
     "curves": "shardps.bench.curves",
     "placement": "shardps.bench.placement_sim",

@@ -42,6 +42,8 @@ class BenchConfig:
     e2e_ddp_dense_train_samples: int = 0   # 0: e2e_train_samples (the dense DDP baseline is slow)
     e2e_workers: int = 2
     e2e_servers: int = 2
+    # scale: the ctr model at the (workers, servers) points the cores fit (shardps/bench/scale.py)
+    scale_train_samples: int = 200_000
     # memory
     mem_dense_params: int = 10_000_000
     mem_sparse_rows: int = 1_000_000
@@ -127,6 +129,7 @@ TINY = BenchConfig(
     e2e_train_samples=4_096,
     e2e_workers=1,
     e2e_servers=1,
+    scale_train_samples=4_096,
     mem_dense_params=1 << 18,
     mem_sparse_rows=10_000,
     mem_push_elements=1 << 16,

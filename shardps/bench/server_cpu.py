@@ -26,8 +26,8 @@ import numpy as np
 
 from shardps import kernels, tables
 from shardps.convert import config_to_proto, spec_to_proto
+from shardps.messages import GRADIENT, ROWS, Header, PullRequest, PushRequest, Selection
 from shardps.protos.v1 import common_pb2 as pb
-from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.server import storage
 from shardps.server.node import ServerNode
 
@@ -49,8 +49,8 @@ def _node(rows: int, dim: int, blocks: int) -> ServerNode:
     return node
 
 
-def _segment(ids: np.ndarray) -> list[pb.Segment]:
-    return [pb.Segment(table=TABLE, rows=pb.RowSelection(count=ids.shape[0]))]
+def _segment(ids: np.ndarray) -> list[Selection]:
+    return [Selection(TABLE, ROWS, count=ids.shape[0])]
 
 
 @contextmanager
@@ -77,7 +77,7 @@ def measure(variant: str, rows: int, blocks: int, batch: int, rounds: int, seed:
     rng = np.random.default_rng(seed)
     with _variant(variant):
         node = _node(rows, 16, blocks)
-        header = pb.RequestHeader(job=JOB, epoch=1, session="w0", incarnation=1)
+        header = Header(JOB, epoch=1, session="w0", incarnation=1)
         work = []
         for _ in range(rounds + 5):
             ids = np.unique(rng.integers(0, rows, batch)).astype("<i8")
@@ -85,9 +85,9 @@ def measure(variant: str, rows: int, blocks: int, batch: int, rounds: int, seed:
         spent = 0.0
         for i, (ids, grads) in enumerate(work):
             t0 = time.thread_time()
-            node.pull(pb.RequestHeader(job=JOB, epoch=1), _segment(ids), ids.tobytes())
+            node.pull(PullRequest(Header(JOB, epoch=1), _segment(ids), ids.tobytes()))
             header.sequence = i + 1
-            node.push(header, ps.GRADIENT, _segment(ids), ids.tobytes() + grads.tobytes())
+            node.push(PushRequest(header, GRADIENT, _segment(ids), ids.tobytes() + grads.tobytes()))
             if i >= 5:                                         # the first rounds warm up
                 spent += time.thread_time() - t0
     return spent / rounds * 1e3

@@ -89,6 +89,43 @@ def run(cfg: BenchConfig, progress) -> dict[str, float]:
     out.update(_call_costs(cfg, progress))
     out.update(_ps_small_call(cfg, progress))
     out.update(_ps_step(cfg, progress))
+    out.update(_ctr_compute(cfg, progress))
+    compute = out["transport_ctr_step_compute_cpu_ms"]
+    data_path = out["transport_ps_step_exchange_client_cpu_ms"] + out["transport_ps_step_exchange_server_cpu_ms"]
+    out["ratio_transport_step_cpu_over_compute"] = data_path / compute
+    out["ratio_transport_ps_small_rtt_over_raw"] = (out["transport_ps_small_rtt_us"]
+                                                    / out["transport_raw_small_rtt_us"])
+    progress(f"data path CPU per ctr step {data_path:.2f} ms = {data_path / compute:.2f} x the step's "
+             f"compute ({compute:.2f} ms)")
+    return out
+
+
+def _ctr_compute(cfg: BenchConfig, progress, steps: int = 60) -> dict[str, float]:
+    """``transport_ctr_step_compute_cpu_ms``: the CPU of one ctr training step's forward and
+    backward on one thread (a batch of 512 samples of the ctr data, the rows it touches as a
+    sparse ``nn.Embedding``, the MLP 416-64-1, BCE), median over ``steps`` steps: what a
+    worker computes per step, against which the data path's CPU per step is a ratio."""
+    import torch
+    from torch import nn
+
+    from shardps.worker.models import ctr
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    rows = 1_000_000
+    ids, clicks, _ = ctr.generate(512 * (steps + 10), rows, seed=1000)
+    model = ctr.CTRModel(rows, nn.Embedding(rows, ctr.DIM, sparse=True))
+    x, y = torch.from_numpy(ids), torch.from_numpy(clicks)
+    times = []
+    for i in range(steps + 10):
+        b = slice(i * 512, (i + 1) * 512)
+        t0 = time.thread_time()
+        model.zero_grad(set_to_none=True)
+        ctr.bce(model(x[b]), y[b]).backward()
+        if i >= 10:
+            times.append(time.thread_time() - t0)
+    out = {"transport_ctr_step_compute_cpu_ms": median(times) * 1e3}
+    progress(f"a ctr step's forward and backward: {out['transport_ctr_step_compute_cpu_ms']:.2f} ms of CPU "
+             f"(one thread)")
     return out
 
 
@@ -336,22 +373,24 @@ def _ps_small_call(cfg: BenchConfig, progress) -> dict[str, float]:
 
 
 def _ps_step(cfg: BenchConfig, progress) -> dict[str, float]:
-    """A ctr-sized step against 2 server processes, one client: this step's push (the
-    distinct rows of a 13,312-id Zipf batch x 16, and a 27,000-parameter dense table) and
-    the next step's pull, as one ``exchange_async`` and as a ``push_many`` then a
-    ``pull_many``; medians over ``transport_rounds`` interleaved rounds of 20 steps, and CPU
-    milliseconds per step (``_client_cpu_ms``: this process; ``_server_cpu_ms``: both
-    servers) over all of them."""
+    """A ctr step against 2 server processes (replication 1), one client: this step's push
+    (the distinct rows of a batch of 512 samples of the ctr data, 26 ids each: about 1,780
+    rows x 16, and a 27,000-parameter dense table) and the next batch's pull, as one
+    ``exchange_async`` and as a ``push_many`` then a ``pull_many``; medians over
+    ``transport_rounds`` interleaved rounds of 20 steps, and CPU milliseconds per step
+    (``_client_cpu_ms``: this process; ``_server_cpu_ms``: both servers) over all of them."""
     from shardps import kernels
     from shardps.local import LocalCluster
-    from shardps.tables import adagrad, adam
+    from shardps.tables import adagrad, adam, normal
     from shardps.worker.client import PSClient
+    from shardps.worker.models import ctr
 
-    rng = np.random.default_rng(0)
+    batches = ctr.generate(512 * 400, 1_000_000, seed=1000)[0].reshape(400, -1)
+    turn = iter(range(1 << 30))
     dense_grad = np.ones(27_000, np.float32)
 
     def batch() -> np.ndarray:
-        return kernels.unique_inverse((rng.zipf(1.2, 13_312) % 1_000_000).astype(np.int64))[0]
+        return kernels.unique_inverse(batches[next(turn) % batches.shape[0]])[0]
 
     samples: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}                # way -> [client, servers] CPU seconds
@@ -360,7 +399,8 @@ def _ps_step(cfg: BenchConfig, progress) -> dict[str, float]:
         with PSClient(cluster.manager_address, "transport-step") as c:
             c.create_job()
             c.join(heartbeat=False)
-            c.create_sparse("emb", 16, num_rows=1_000_000, optimizer=adagrad(0.05))
+            c.create_sparse("emb", 16, num_rows=1_000_000, optimizer=adagrad(0.05),
+                            init=normal(0.0, 0.01, seed=7))          # as the ctr model's
             c.create_dense("mlp", (27_000,), optimizer=adam(1e-3))
 
             def exchange(u, v):

@@ -1,0 +1,109 @@
+"""The data requests a server node takes and the replies it returns, as plain values.
+
+The wire contract is ``protos/v1`` (``RequestHeader``, ``Segment``, ``PushHeader``,
+``PullRequest``, ``PushAck``, ``PullHeader``); ``shardps.rpc.messages`` turns those messages
+into these values at the node's door and these replies back into messages, so the node never
+sees protobuf (as in ps-lite, where only the van knows the wire). Bulk bytes stay where they
+arrived: ``payload`` / ``ids`` are views into the receive buffer, valid while the request is
+served.
+
+Plain dataclasses with slots; no logic beyond naming the fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# Segment selectors (``Segment.selector`` in common.proto)
+RANGE, ROWS = "range", "rows"
+# Push kinds (``PushKind``; the numbers are the proto's)
+PUSH_KIND_UNSPECIFIED, GRADIENT, INITIALIZE = 0, 1, 2
+
+
+@dataclass(slots=True)
+class Header:
+    """``RequestHeader``: who sends the request, under which map, at which step."""
+
+    job: str
+    epoch: int = 0
+    session: str = ""
+    incarnation: int = 0
+    sequence: int = 0
+    acked_below: int = 0
+    clock: int = 0
+    wire_dtype: int = 0              # a ``WireDType`` value (0: unspecified, FLOAT32)
+
+
+@dataclass(slots=True)
+class Selection:
+    """One table's part of a request (``Segment``): a flat dense range ``[start, stop)`` or
+    ``count`` sparse ids (``all_stored``: every row the server stores, pulls only).
+    ``selector`` is RANGE, ROWS or None (none set: refused by the node).
+    ``base_versions``: push only, block -> version the worker pulled it at."""
+
+    table: str
+    selector: str | None = None
+    start: int = 0
+    stop: int = 0
+    count: int = 0
+    all_stored: bool = False
+    base_versions: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class PushRequest:
+    """A push: ``segments`` describe ``payload`` (concatenated in segment order)."""
+
+    header: Header
+    kind: int
+    segments: list[Selection]
+    payload: object = b""            # a bytes-like object
+
+
+@dataclass(slots=True)
+class PullRequest:
+    """A pull: the sparse segments' ids, concatenated in segment order, are ``ids``."""
+
+    header: Header
+    segments: list[Selection]
+    ids: object = b""                # a bytes-like object
+
+
+@dataclass(slots=True)
+class Versions:
+    """Versions of blocks of one table: ``blocks[i]`` is at ``versions[i]`` (sequences of
+    ints: lists or integer arrays)."""
+
+    table: str
+    blocks: Any
+    versions: Any
+
+
+@dataclass(slots=True)
+class PushAck:
+    """What a push's server acknowledged (``PushAck``)."""
+
+    versions: list[Versions] = field(default_factory=list)
+    duplicate_blocks: int = 0
+
+
+@dataclass(slots=True)
+class Layout:
+    """One segment's part of a pull's reply payload (``SegmentLayout``)."""
+
+    dtype: int
+    elements: int
+    ids: int = 0
+
+
+@dataclass(slots=True)
+class PullReply:
+    """A pull's reply (``PullHeader``); its payload travels beside it as arrays."""
+
+    segments: list[Layout] = field(default_factory=list)
+    versions: list[Versions] = field(default_factory=list)
+    payload_bytes: int = 0
+    min_clock: int = 0
+    in_shared_memory: bool = False
+    waited_seconds: float = 0.0
