@@ -18,16 +18,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from shardps import kernels
 from shardps.errors import FailedPrecondition, InvalidArgument
 from shardps.server import optimizers
 from shardps.server.storage import DIRECT_INDEX_MAX_ROWS, MAPPED_MIN_BYTES, SparseRows, storage, stored
 from shardps.tables import InitKind, TableConfig, TableKind, TableSpec, dense_initial_values
 
 __all__ = ["DIRECT_INDEX_MAX_ROWS", "MAPPED_MIN_BYTES", "AnyBlock", "Block", "BlockKey", "DenseBlock", "SparseBlock",
-           "SparseRows", "Writer", "WriterRecord", "decode_metadata", "encode_metadata", "new_block", "storage",
-           "stored"]
+           "SparseRows", "Writer", "WriterRecord", "applied_any", "decode_metadata", "encode_metadata", "new_block",
+           "remember_all", "storage", "stored"]
 
 BlockKey = tuple[str, str, int]   # (job, table, block index)
+_ROW0 = np.zeros(1, dtype=np.int64)
 
 
 @dataclass
@@ -41,15 +43,24 @@ class WriterRecord:
     acked_below: int = 0
     applied: set[int] = field(default_factory=set)
 
+    # ``applied`` may also hold sequences below ``acked_below`` (they are seen either way);
+    # they are dropped when it grows past this, and never written (``live``)
+    PRUNE_AT = 16
+
     def seen(self, sequence: int) -> bool:
         return sequence < self.acked_below or sequence in self.applied
 
     def add(self, sequence: int, acked_below: int) -> None:
         if acked_below > self.acked_below:
             self.acked_below = acked_below
-            self.applied = {s for s in self.applied if s >= acked_below}
         if sequence >= self.acked_below:
             self.applied.add(sequence)
+            if len(self.applied) > self.PRUNE_AT:
+                self.applied = self.live()
+
+    def live(self) -> set[int]:
+        """The applied sequences a retry may still carry (at or above ``acked_below``)."""
+        return {s for s in self.applied if s >= self.acked_below}
 
 
 @dataclass(frozen=True)
@@ -105,7 +116,7 @@ class Block:
     def _metadata(self) -> dict:
         return {
             "version": self.version,
-            "writers": [[s, inc, rec.acked_below, sorted(rec.applied)]
+            "writers": [[s, inc, rec.acked_below, sorted(rec.live())]
                         for (s, inc), rec in self.writers.items()],
         }
 
@@ -170,7 +181,14 @@ class DenseBlock(Block):
         values = self._materialise(config)
         a, b = lo - self.start, hi - self.start
         self.step += 1
-        if a == 0 and b == self.size:
+        if kernels.AVAILABLE:
+            # the range as one row of the compiled update (one pass, in place); the block's
+            # step is the row's step count
+            steps = np.array([self.step - 1], dtype=np.int32)
+            kernels.apply_rows(config.optimizer, values[a:b].reshape(1, -1),
+                               {k: v[a:b].reshape(1, -1) for k, v in self.state.items()}, steps,
+                               _ROW0, np.asarray(grad, dtype=np.float32).reshape(1, -1))
+        elif a == 0 and b == self.size:
             optimizers.apply(config.optimizer, values, grad, self.state, self.step)
         else:   # a partial push updates only its elements; the block's step still counts it
             part_state = {k: v[a:b] for k, v in self.state.items()}
@@ -323,6 +341,38 @@ class SparseBlock(Block):
 
 # What a block table holds: a block of either kind (``isinstance`` tells which).
 AnyBlock = DenseBlock | SparseBlock
+
+
+def applied_any(blocks, writer: Writer) -> bool:
+    """Whether any of ``blocks`` already applied ``writer``'s push (``Block.already_applied``
+    in one loop; locks held)."""
+    if not writer.tracked:
+        return False
+    key, seq = (writer.session, writer.incarnation), writer.sequence
+    for blk in blocks:
+        record = blk.writers.get(key)
+        if record is not None and (seq < record.acked_below or seq in record.applied):
+            return True
+    return False
+
+
+def remember_all(blocks, writer: Writer) -> None:
+    """``Block.remember`` of ``writer`` on every one of ``blocks`` in one loop (locks held)."""
+    if not writer.tracked:
+        return
+    key, seq, low = (writer.session, writer.incarnation), writer.sequence, writer.acked_below
+    prune = WriterRecord.PRUNE_AT
+    for blk in blocks:                  # WriterRecord.add, inlined: dozens of blocks a push
+        record = blk.writers.get(key)
+        if record is None:
+            record = blk.writers[key] = WriterRecord()
+        if low > record.acked_below:
+            record.acked_below = low
+        if seq >= record.acked_below:
+            applied = record.applied
+            applied.add(seq)
+            if len(applied) > prune:
+                record.applied = record.live()
 
 
 class BlockLocks:

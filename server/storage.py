@@ -10,12 +10,12 @@ from __future__ import annotations
 import collections
 import mmap
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from shardps import kernels
-from shardps.server import optimizers
+from shardps.server import optimizers, storage_kernels
 from shardps.tables import InitKind, TableConfig, TableSpec, sparse_block_of
 
 if TYPE_CHECKING:
@@ -218,6 +218,15 @@ class SparseRows:
     def read(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Rows of ``ids`` (any order, repeats allowed): stored or initial, ``[n, dim]``
         (written into ``out`` if given)."""
+        if self.life is None and kernels.AVAILABLE and isinstance(self.index, _DirectIndex):
+            if out is None:
+                out = np.empty((ids.shape[0], self.dim), dtype=np.float32)
+            missing = storage_kernels.gather(self.index.slot_of, self.rows.data, ids, out)
+            if missing.shape[0]:
+                absent = ids[missing]
+                out[missing] = (self.recent.read(absent) if self.recent is not None
+                                else kernels.initial_values(self.spec.init, absent, self.dim))
+            return out
         slots = self.lookup(ids)
         missing = slots < 0
         if not missing.any():
@@ -316,14 +325,40 @@ class SparseRows:
             tick = int(self.lifecycle().now[sparse_block_of(ids[:1], self.spec.num_blocks)].max(initial=0)) + 1
         return lifecycle.apply_push(self, config, ids, grad.reshape(-1, self.dim), tick, wall)
 
+    def _assign(self, ids: np.ndarray) -> np.ndarray:
+        """Slots of ``ids`` (unique), new rows stored at their initial values (compiled:
+        bounded tables, no lifecycle state)."""
+        worst = self.used + max(0, ids.shape[0] - self.free.shape[0])
+        for pages in [self.rows, *self.state.values(), self.row_steps]:
+            if pages is not None:
+                pages.ensure(worst)
+        index = cast(_DirectIndex, self.index)
+        got = storage_kernels.assign(index.slot_of, ids, self.free, self.used, worst, self.block_counts)
+        assert got is not None          # every array holds ``worst`` slots
+        slots, new_pos, taken, self.used = got
+        if taken:
+            self.free = self.free[taken:]
+        if new_pos.shape[0]:
+            new_ids, new_slots = ids[new_pos], slots[new_pos]
+            self.rows.put(new_slots, self.recent.insert(new_ids) if self.recent is not None
+                          else kernels.initial_values(self.spec.init, new_ids, self.dim))
+            for pages in self.state.values():
+                pages.put(new_slots, pages.fill)
+            if self.row_steps is not None:
+                self.row_steps.put(new_slots, 0)
+        return slots
+
     def apply_rows(self, config: TableConfig, ids: np.ndarray, grad: np.ndarray) -> np.ndarray:
         """Apply ``grad`` ``[n, dim]`` to rows ``ids`` (unique), storing new rows first (no
         lifecycle decisions). Returns their slots."""
         self._ensure_state(config)
-        slots = self.lookup(ids)
-        missing = slots < 0
-        if missing.any():
-            slots[missing] = self.insert(ids[missing], config)
+        if kernels.AVAILABLE and isinstance(self.index, _DirectIndex) and self.ticks is None:
+            slots = self._assign(ids)
+        else:
+            slots = self.lookup(ids)
+            missing = slots < 0
+            if missing.any():
+                slots[missing] = self.insert(ids[missing], config)
         if kernels.AVAILABLE:       # one fused pass over the rows, in place
             kernels.apply_rows(config.optimizer, self.rows.data, {k: v.data for k, v in self.state.items()},
                                self.row_steps.data if self.row_steps is not None else None,

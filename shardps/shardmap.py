@@ -31,6 +31,8 @@ class TableView:
     # blocks that lost every replica (BlockPlacement.lost_epoch), by block: their loss
     # (None when the job's group no longer lists it); empty for almost every table
     lost: dict[int, "LostBlock"] = field(default_factory=dict, compare=False)
+    # int32 per block: how many replicas it has (more than 1: the primary forwards to backups)
+    replica_counts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32), compare=False)
 
     @property
     def name(self) -> str:
@@ -121,7 +123,8 @@ class ShardMapView:
             self.tables[(t.job, t.spec.name)] = TableView(
                 job=t.job, spec=spec_from_proto(t.spec), config=config_from_proto(t.config),
                 replicas=tuple(replicas), primary=primary, since_epoch=since, fresh_epoch=fresh,
-                server_index=index, lost=lost)
+                server_index=index, lost=lost,
+                replica_counts=np.fromiter((len(r) for r in replicas), np.int32, n))
         self.groups: dict[str, GroupView] = {}
         for g in self.msg.groups:
             mode, staleness = consistency_from_proto(g.consistency)

@@ -32,6 +32,7 @@ from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc.codec import byte_view
 from shardps.server import lifecycle_ops, optimizers
 from shardps.server.blocks import AnyBlock, BlockKey, BlockLocks, DenseBlock, SparseBlock, Writer
+from shardps.server.node import fast
 from shardps.server.node.decode import NodeLimits, Part, Segment, check_header, parse_segments, split
 from shardps.server.node.table import BlockTable, EpochGate
 from shardps.shardmap import ShardMapView, TableView
@@ -161,29 +162,16 @@ class PushApplier:
                     f"(session={header.session!r}, sequence={header.sequence}) cannot be deduplicated "
                     f"when it is retried: open a session with JoinWorkerGroup (as a member, or with "
                     f"client=true) and number the pushes from 1 (common.proto, RequestHeader)")
-            parts = split(table.name, table.view.epoch, header, parsed, True, table.loaded)
-            t1 = time.perf_counter()
             group = table.view.groups.get(header.job)
             sync = group is not None and group.consistency is Consistency.SYNC and kind == GRADIENT
-            if sync and parts and not table.member(header):
-                raise FailedPrecondition(
-                    f"job {header.job!r} is SYNC: its pushes are applied as steps of its worker "
-                    f"group, and session {header.session!r} is not a member under epoch "
-                    f"{table.view.epoch}: join the group (PSClient.join) before pushing")
-            if sync and table.member(header):
-                clock = self.steps.clocks.get(header.job)
-                if clock is not None and not clock.adopt(int(header.clock), pushing=True):
-                    # a SYNC worker pushes step t only after pulling step t, which waited for
-                    # step t - 1: a clock further ahead is not a real worker's
-                    raise FailedPrecondition(
-                        f"SYNC push for step {header.clock} while this server has applied "
-                        f"{clock.applied_steps} steps: a worker pushes step t after pulling it")
-            ack = self.apply_parts(parts, kind, writer, sync, int(header.clock), parsed)
-            labelled(self.metrics.phase_seconds, "decode").inc(t1 - t0)
-            labelled(self.metrics.phase_seconds, "optimizer").inc(time.perf_counter() - t1)
-            if parts:
-                optimizer = parts[0].table.config.optimizer.kind.name
-                self.metrics.update_seconds.labels(optimizer).observe(self._now() - started)
+            plan = fast.admit_push(table, header.job, header.epoch, kind, parsed) if parsed else None
+            t1 = time.perf_counter()
+            ack = None if plan is None else fast.apply_push(plan, writer, self.forwarder.forward_locked,
+                                                             self._updates_between)
+            if plan is not None and ack is not None:
+                self._observe(started, plan.units[0].table.config.optimizer.kind.name, t0, t1)
+            else:
+                ack, sync = self._push_parts(header, kind, writer, parsed, sync, started, t0)
         nbytes = len(byte_view(payload)) if payload is not None else 0
         labelled(self.metrics.request_bytes, "Push").observe(nbytes)
         labelled(self.metrics.bytes, "in").inc(nbytes)
@@ -196,6 +184,39 @@ class PushApplier:
                 if sync:
                     self.steps.apply_ready(header.job)
         return ack
+
+    def _observe(self, started: float, optimizer: str, t0: float, t1: float) -> None:
+        labelled(self.metrics.phase_seconds, "decode").inc(t1 - t0)
+        labelled(self.metrics.phase_seconds, "optimizer").inc(time.perf_counter() - t1)
+        self.metrics.update_seconds.labels(optimizer).observe(self._now() - started)
+
+    def _updates_between(self, key: BlockKey, updates: int) -> None:
+        labelled(self.metrics.updates_between, key[0]).observe(max(0, updates))
+
+    def _push_parts(self, header: Header, kind: int, writer: Writer, parsed: list[Segment],
+                    sync: bool, started: float, t0: float) -> tuple[PushAck, bool]:
+        """The general path of ``push`` (gate held shared): split into per-block parts,
+        SYNC admission, ``apply_parts``. Returns (ack, whether the push was SYNC)."""
+        table = self.table
+        parts = split(table.name, table.view.epoch, header, parsed, True, table.loaded)
+        t1 = time.perf_counter()
+        if sync and parts and not table.member(header):
+            raise FailedPrecondition(
+                f"job {header.job!r} is SYNC: its pushes are applied as steps of its worker "
+                f"group, and session {header.session!r} is not a member under epoch "
+                f"{table.view.epoch}: join the group (PSClient.join) before pushing")
+        if sync and table.member(header):
+            clock = self.steps.clocks.get(header.job)
+            if clock is not None and not clock.adopt(int(header.clock), pushing=True):
+                # a SYNC worker pushes step t only after pulling step t, which waited for
+                # step t - 1: a clock further ahead is not a real worker's
+                raise FailedPrecondition(
+                    f"SYNC push for step {header.clock} while this server has applied "
+                    f"{clock.applied_steps} steps: a worker pushes step t after pulling it")
+        ack = self.apply_parts(parts, kind, writer, sync, int(header.clock), parsed)
+        if parts:
+            self._observe(started, parts[0].table.config.optimizer.kind.name, t0, t1)
+        return ack, sync
 
     def check_writer(self, header: Header) -> None:
         """A session's pushes are accepted only from its current incarnation: an older one
@@ -253,7 +274,7 @@ class PushApplier:
             fresh = [blk for blk in unique if id(blk) not in applied]
             if sync and fresh:          # a retry of an applied push is a duplicate, not late
                 step = self.steps.check_step_open(parts[0].key[0], step, fresh, writer)
-            self.check_quota(parts, blocks, applied)
+            check_quota(self.table, parts, blocks, applied)
             for blk in unique:
                 if self.table.needs_resync.get(blk.key):
                     self.forwarder.resync_locked(blk)
@@ -337,40 +358,6 @@ class PushApplier:
                                       np.ascontiguousarray(part.values, dtype=np.float32)]))
         return out
 
-    def check_quota(self, parts: list[Part], blocks: list[AnyBlock], applied: set[int]) -> None:
-        """RESOURCE_EXHAUSTED when this push would store more of its job than the job's
-        quota allows on this server (the quota is shared by servers in proportion to the
-        block replicas they hold); ``applied``: ids of the blocks that already applied it.
-        Block locks are held."""
-        job = parts[0].key[0]
-        view = self.table.view
-        group = view.groups.get(job)
-        if group is None or not group.quota_bytes:
-            return
-        new = 0
-        for part, blk in zip(parts, blocks):
-            if id(blk) in applied:
-                continue
-            row_bytes = 4 * (1 + len(optimizers.state_names(part.table.config.optimizer)))
-            if isinstance(blk, DenseBlock):
-                if blk.values is None:
-                    new += blk.size * row_bytes
-            else:
-                assert part.ids is not None           # a sparse part carries its ids
-                new += int((blk.lookup(part.ids) < 0).sum()) * (blk.dim * row_bytes + 12)
-        if not new:
-            return
-        held = self.table.held(job)
-        total = sum(len(reps) for (j, _), t in view.tables.items() if j == job for reps in t.replicas)
-        share = group.quota_bytes * len(held) // max(1, total)
-        usage = sum(logical_bytes(b, view.tables[(k[0], k[1])]) for k, b in held
-                    if (k[0], k[1]) in view.tables)
-        if usage + new > share:
-            raise ResourceExhausted(
-                f"job {job!r} is over its storage quota (quota_bytes={group.quota_bytes}; this server "
-                f"holds {len(held)} of its {total} block replicas, a share of {share} bytes): it stores "
-                f"{usage} bytes and this push would add {new}: raise the quota or delete tables")
-
     def apply_one(self, blk: AnyBlock, part: Part, kind: int, writer: Writer, sync: bool,
                   step: int) -> tuple[ps.BlockOp, list[np.ndarray]]:
         """Apply one part to its block (lock held); returns the op to forward to backups."""
@@ -401,3 +388,38 @@ class PushApplier:
             apply_gradient(blk, t, arrays, op)
         op.version = blk.version
         return op, arrays
+
+
+def check_quota(table: BlockTable, parts: list[Part], blocks: list[AnyBlock], applied: set[int]) -> None:
+    """RESOURCE_EXHAUSTED when this push would store more of its job than the job's
+    quota allows on this server (the quota is shared by servers in proportion to the
+    block replicas they hold); ``applied``: ids of the blocks that already applied it.
+    Block locks are held."""
+    job = parts[0].key[0]
+    view = table.view
+    group = view.groups.get(job)
+    if group is None or not group.quota_bytes:
+        return
+    new = 0
+    for part, blk in zip(parts, blocks):
+        if id(blk) in applied:
+            continue
+        row_bytes = 4 * (1 + len(optimizers.state_names(part.table.config.optimizer)))
+        if isinstance(blk, DenseBlock):
+            if blk.values is None:
+                new += blk.size * row_bytes
+        else:
+            assert part.ids is not None           # a sparse part carries its ids
+            new += int((blk.lookup(part.ids) < 0).sum()) * (blk.dim * row_bytes + 12)
+    if not new:
+        return
+    held = table.held(job)
+    total = sum(len(reps) for (j, _), t in view.tables.items() if j == job for reps in t.replicas)
+    share = group.quota_bytes * len(held) // max(1, total)
+    usage = sum(logical_bytes(b, view.tables[(k[0], k[1])]) for k, b in held
+                if (k[0], k[1]) in view.tables)
+    if usage + new > share:
+        raise ResourceExhausted(
+            f"job {job!r} is over its storage quota (quota_bytes={group.quota_bytes}; this server "
+            f"holds {len(held)} of its {total} block replicas, a share of {share} bytes): it stores "
+            f"{usage} bytes and this push would add {new}: raise the quota or delete tables")

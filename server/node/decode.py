@@ -27,6 +27,7 @@ from shardps.dtypes import WireDType
 from shardps.errors import DataLost, InvalidArgument, NotFound, ResourceExhausted, StaleEpoch, Unavailable
 from shardps.messages import RANGE, ROWS, Header, Selection
 from shardps.rpc.codec import byte_view
+from shardps.server import storage_kernels
 from shardps.server.blocks import BlockKey
 from shardps.shardmap import ShardMapView, TableView
 from shardps.tables import (
@@ -266,9 +267,12 @@ def sparse_blocks(server: str, epoch: int, header: Header, segment: Segment,
     them: what a pull needs, without cutting the ids per block."""
     t, spec = segment.table, segment.table.spec
     assert segment.ids is not None                   # a sparse segment carries its ids
-    touched = np.zeros(spec.num_blocks, dtype=bool)
-    touched[kernels.sparse_block_of(segment.ids, spec.num_blocks)] = True
-    blocks = np.flatnonzero(touched)
+    if kernels.AVAILABLE:
+        blocks = np.flatnonzero(storage_kernels.scan(segment.ids, 0, spec.num_blocks)[2])
+    else:
+        touched = np.zeros(spec.num_blocks, dtype=bool)
+        touched[kernels.sparse_block_of(segment.ids, spec.num_blocks)] = True
+        blocks = np.flatnonzero(touched)
     mine = t.server_index.get(server)
     if mine is None or not ((t.primary[blocks] == mine).all()
                             and (t.since_epoch[blocks] <= np.uint64(header.epoch)).all()

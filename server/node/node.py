@@ -44,7 +44,7 @@ from shardps.messages import PullReply, PullRequest, PushAck, PushRequest
 from shardps.metrics import NodeMetrics
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
-from shardps.server import lifecycle
+from shardps.server import lifecycle, storage_kernels
 from shardps.server.blocks import BlockKey
 from shardps.server.node.apply import JobHolds, PushApplier, forget_departed_writers
 from shardps.server.node.decode import NodeLimits
@@ -53,6 +53,13 @@ from shardps.server.node.replication import BackupApplier, BlockSnapshot, Forwar
 from shardps.server.node.steps import SyncSteps
 from shardps.server.node.table import BlockTable
 from shardps.shardmap import ShardMapView
+
+
+def _warm_up() -> None:
+    """Compile (or load from numba's cache) the kernels of the data path."""
+    kernels.warm_up()
+    if kernels.AVAILABLE:
+        storage_kernels.warm_up()
 
 
 def _table_attr(name: str, doc: str) -> property:
@@ -67,7 +74,7 @@ class ServerNode:
         self.name = name
         self.limits = limits
         # the kernels' first use would otherwise land in the first requests (~0.3 s)
-        threading.Thread(target=kernels.warm_up, name="kernels-warm-up", daemon=True).start()
+        threading.Thread(target=_warm_up, name="kernels-warm-up", daemon=True).start()
         self.metrics = metrics or NodeMetrics()
         self._now = clock
         self.incarnation = 0

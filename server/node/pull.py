@@ -111,7 +111,8 @@ class PullReader:
                 else:
                     values.append(np.empty(shape, dtype=np.float32))
             stored: dict[int, list] = {i: [] for i, s in enumerate(parsed) if s.all_stored}
-            versions: dict[BlockKey, int] = {}
+            versions: dict[BlockKey, int] = {}          # of dense and exported blocks
+            sparse_versions: list[Versions] = []
             for part in parts:
                 s, out = parsed[part.segment], values[part.segment]
                 blk = table.blocks[part.key]
@@ -125,7 +126,8 @@ class PullReader:
             for seg_index, block_indexes in sparse_blocks_of.items():
                 # one vectorised read of every block of the segment, consistent across them
                 t = parsed[seg_index].table
-                blks = [table.blocks[(t.job, t.name, int(b))] for b in block_indexes]
+                held, job, name = table.blocks, t.job, t.name
+                blks = [held[(job, name, b)] for b in block_indexes.tolist()]
                 if not blks:
                     continue
                 with BlockLocks(blks):
@@ -134,8 +136,7 @@ class PullReader:
                     assert s.ids is not None            # a sparse segment carries its ids
                     with table_rows.lock:
                         table_rows.read(s.ids, out=values[seg_index])
-                    for blk in blks:
-                        versions[blk.key] = blk.version
+                    sparse_versions.append(Versions(name, block_indexes, [blk.version for blk in blks]))
             t2 = time.perf_counter()
             for i, (s, out) in enumerate(zip(parsed, values)):
                 if s.all_stored:
@@ -160,7 +161,7 @@ class PullReader:
                     entry = by_table[key[1]] = Versions(key[1], [], [])
                 entry.blocks.append(key[2])
                 entry.versions.append(v)
-            header_out.versions = list(by_table.values())
+            header_out.versions = list(by_table.values()) + sparse_versions
             t3 = time.perf_counter()
         phases = self.metrics.phase_seconds
         labelled(phases, "decode").inc(decoding + t1 - t0)

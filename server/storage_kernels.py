@@ -1,0 +1,133 @@
+"""Compiled loops of ``storage.SparseRows`` over a direct id -> slot index (bounded tables):
+one pass per request instead of a handful of numpy passes and fancy-indexed temporaries.
+
+* ``gather``: the stored rows of ``ids`` into ``out`` (one copy per row, straight into the
+  reply), and the positions of the ids that have no row (their initial values are filled by
+  the caller);
+* ``scan``: a request's ids checked against the table's bounds, their blocks, and whether
+  they are unique and ascending, in one pass;
+* ``assign``: the slot of every id, storing the missing ones (a free slot first, else the next
+  unused one) and counting them per block; the positions of the new ones are returned so the
+  caller can write their initial values and optimizer state.
+
+Both release the GIL. Compiled with numba as ``shardps.kernels`` is (``_JIT``: cached,
+``nogil``, numpy's error model); callers check ``kernels.AVAILABLE`` and keep their numpy
+code for machines without numba.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from shardps.kernels import _JIT, _splitmix64, njit
+
+
+@njit(**_JIT)
+def _gather(slot_of, rows, ids, out, missing):
+    """Rows of ``ids`` into ``out``; positions without a row into ``missing``. Returns how
+    many are missing."""
+    n, d = out.shape
+    m = 0
+    for i in range(n):
+        s = slot_of[ids[i]]
+        if s < 0:
+            missing[m] = i
+            m += 1
+            continue
+        for j in range(d):
+            out[i, j] = rows[s, j]
+    return m
+
+
+@njit(**_JIT)
+def _assign(slot_of, ids, free, used, capacity, num_blocks, block_counts, slots, new_pos):
+    """Slots of ``ids`` (unique) into ``slots``, storing missing ids (``free`` slots first, in
+    order, then ``used``, ``used + 1``, ...). Returns (new ids, free slots taken, used), or
+    new = -1 when ``capacity`` would be exceeded (nothing stored)."""
+    n = ids.shape[0]
+    need = 0
+    for i in range(n):
+        if slot_of[ids[i]] < 0:
+            need += 1
+    n_free = free.shape[0]
+    if need > n_free + capacity - used:
+        return -1, 0, used
+    m = 0
+    taken = 0
+    nb = np.uint64(num_blocks)
+    for i in range(n):
+        x = ids[i]
+        s = slot_of[x]
+        if s < 0:
+            if taken < n_free:
+                s = free[taken]
+                taken += 1
+            else:
+                s = used
+                used += 1
+            slot_of[x] = s
+            block_counts[np.int64(_splitmix64(np.uint64(x)) % nb)] += 1
+            new_pos[m] = i
+            m += 1
+        slots[i] = s
+    return m, taken, used
+
+
+@njit(**_JIT)
+def _scan(ids, num_rows, num_blocks, blocks, counts):
+    """Block of each id into ``blocks`` and rows per block into ``counts``. Returns -1 - i
+    for the first id out of [0, num_rows) (num_rows 0: any id), else 1 when the ids are
+    strictly increasing (unique and sorted) and 0 when they are not."""
+    nb = np.uint64(num_blocks)
+    increasing = 1
+    prev = np.int64(0)
+    for i in range(ids.shape[0]):
+        x = ids[i]
+        if num_rows > 0 and (x < 0 or x >= num_rows):
+            return -1 - i
+        if i > 0 and x <= prev:
+            increasing = 0
+        prev = x
+        b = np.int64(_splitmix64(np.uint64(x)) % nb)
+        blocks[i] = b
+        counts[b] += 1
+    return increasing
+
+
+def scan(ids: np.ndarray, num_rows: int, num_blocks: int) -> tuple[int, np.ndarray, np.ndarray]:
+    """(status, block of each id, rows per block) of a sparse segment's ids in one pass:
+    status 1: the ids are unique and ascending; 0: they are not; -1 - i: id ``i`` is out of
+    [0, num_rows)."""
+    blocks = np.empty(ids.shape[0], dtype=np.int64)
+    counts = np.zeros(num_blocks, dtype=np.int64)
+    return _scan(ids, num_rows, num_blocks, blocks, counts), blocks, counts
+
+
+def gather(slot_of: np.ndarray, rows: np.ndarray, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Positions (int64) of the ``ids`` without a stored row; the others' rows are in ``out``."""
+    missing = np.empty(ids.shape[0], dtype=np.int64)
+    m = _gather(slot_of, rows, ids, out, missing)
+    return missing[:m]
+
+
+def assign(slot_of: np.ndarray, ids: np.ndarray, free: np.ndarray, used: int,
+           capacity: int, block_counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, int] | None:
+    """(slots, positions of the new ids, free slots taken from the front of ``free``, used)
+    after storing the missing ``ids``; None when ``capacity`` is too small (nothing changed)."""
+    slots = np.empty(ids.shape[0], dtype=np.int64)
+    new_pos = np.empty(ids.shape[0], dtype=np.int64)
+    m, taken, used = _assign(slot_of, ids, free, used, capacity, block_counts.shape[0],
+                             block_counts, slots, new_pos)
+    if m < 0:
+        return None
+    return slots, new_pos[:m], taken, used
+
+
+def warm_up() -> None:
+    """Compile (or load from the cache) with the argument types SparseRows uses."""
+    slot_of = np.full(4, -1, dtype=np.int32)
+    rows = np.zeros((4, 2), np.float32)
+    ids = np.arange(2, dtype=np.int64)
+    gather(slot_of, rows, ids, np.empty((2, 2), np.float32))
+    assign(slot_of, ids, np.empty(0, np.int64), 0, 4, np.zeros(2, np.int64))
+    scan(ids, 4, 2)

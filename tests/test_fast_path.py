@@ -1,0 +1,104 @@
+"""The common push (``server/node/fast.py``) leaves exactly what the general path leaves:
+the same values, optimizer state, versions and exactly-once records, on the primary and on
+its backups. The same pushes go through both: the general path takes ids that are not
+ascending (the fast path admits only unique, ascending ids), the fast path the same ids
+sorted."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from shardps.server.digest import block_digest
+from shardps.server.node import fast, snapshot_block
+from shardps.tables import TableConfig, adagrad, adam, normal, sparse_table
+from tests.test_node_layers import FakePeers, G, Layers, T, dense_seg, dense_w, header, rows_seg, shard_map
+
+ROWS, DIM = 500, 4
+
+
+def _cluster(replicas, optimizer):
+    """A primary s0 (and its backup s1, delivering in memory) with a sparse table "e" of 8
+    blocks and a dense table "w" of 2 blocks."""
+    peers = FakePeers()
+    primary, backup = Layers("s0", peers), Layers("s1")
+    peers.nodes["s1"] = backup
+    sparse = T(sparse_table("e", DIM, num_rows=ROWS, num_blocks=8, init=normal(0.0, 0.1, seed=3)),
+               [list(replicas)] * 8, TableConfig(optimizer=optimizer))
+    msg = shard_map(1, [sparse, dense_w(replicas=[replicas] * 2, config=TableConfig(optimizer=optimizer))],
+                    [G(["w0"])])
+    primary.install(msg)
+    backup.install(msg)
+    return primary, backup
+
+
+def _pushes(seed: int, n: int = 12):
+    rng = np.random.default_rng(seed)
+    for seq in range(1, n + 1):
+        ids = rng.choice(ROWS, size=40, replace=False)
+        grads = rng.standard_normal((40, DIM)).astype(np.float32)
+        yield seq, ids, grads, rng.standard_normal(16).astype(np.float32)
+
+
+def _run(node: Layers, ascending: bool, seed: int) -> int:
+    """Apply the pushes of ``seed`` to ``node``; returns how many took the fast path."""
+    taken = 0
+    for seq, ids, grads, dense in _pushes(seed):
+        order = np.argsort(ids) if ascending else np.argsort(-ids)     # never ascending: general path
+        e_seg, e_payload = rows_seg(ids[order], grads[order])
+        w_seg, w_payload = dense_seg(0, 16, dense)
+        request_header = header(session="w0", sequence=seq)
+        request_header.acked_below = seq
+        plan_before = fast.admit_push
+        admitted = []
+
+        def watch(*a, **kw):
+            plan = plan_before(*a, **kw)
+            admitted.append(plan is not None)
+            return plan
+        fast.admit_push = watch
+        try:
+            node.push(request_header, w_seg + e_seg, w_payload + e_payload)
+        finally:
+            fast.admit_push = plan_before
+        taken += sum(admitted)
+    return taken
+
+
+def _state(node: Layers) -> dict:
+    out = {}
+    for key, blk in sorted(node.table.blocks.items()):
+        snap = snapshot_block(blk)
+        out[key] = (block_digest(blk), snap.header.version, snap.header.metadata)
+    return out
+
+
+@pytest.mark.parametrize("optimizer", [adagrad(0.1), adam(0.01)], ids=["adagrad", "adam"])
+@pytest.mark.parametrize("replicas", [("s0",), ("s0", "s1")], ids=["R=1", "R=2"])
+def test_the_fast_path_leaves_what_the_general_path_leaves(replicas, optimizer):
+    fast_primary, fast_backup = _cluster(replicas, optimizer)
+    slow_primary, slow_backup = _cluster(replicas, optimizer)
+    assert _run(fast_primary, True, seed=5) == 12
+    assert _run(slow_primary, False, seed=5) == 0
+    assert _state(fast_primary) == _state(slow_primary)
+    if len(replicas) > 1:
+        assert _state(fast_backup) == _state(slow_backup) == _state(fast_primary)
+        assert fast_primary.peers.sent("replicate") and not fast_primary.peers.sent("load_blocks")
+
+
+def test_a_retried_push_takes_the_general_path_and_is_counted_a_duplicate():
+    primary, _ = _cluster(("s0",), adagrad(0.1))
+    segments, payload = rows_seg([1, 2, 3], np.ones((3, DIM), np.float32))
+    first = primary.push(header(session="w0", sequence=1), segments, payload)
+    again = primary.push(header(session="w0", sequence=1), segments, payload)
+    assert first.duplicate_blocks == 0 and again.duplicate_blocks == len(again.versions[0].blocks) > 0
+    assert [list(v.versions) for v in first.versions] == [list(v.versions) for v in again.versions]
+
+
+def test_dense_and_sparse_versions_in_the_ack_follow_the_blocks():
+    primary, _ = _cluster(("s0",), adagrad(0.1))
+    segments, payload = dense_seg(0, 16, np.ones(16))
+    for seq in (1, 2):
+        ack = primary.push(header(session="w0", sequence=seq), segments, payload)
+    assert [(v.table, list(v.blocks), list(v.versions)) for v in ack.versions] == [("w", [0, 1], [2, 2])]
+    assert [blk.version for key, blk in sorted(primary.table.blocks.items()) if key[1] == "w"] == [2, 2]
