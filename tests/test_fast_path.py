@@ -40,29 +40,25 @@ def _pushes(seed: int, n: int = 12):
         yield seq, ids, grads, rng.standard_normal(16).astype(np.float32)
 
 
-def _run(node: Layers, ascending: bool, seed: int) -> int:
+def _run(node: Layers, ascending: bool, seed: int, monkeypatch) -> int:
     """Apply the pushes of ``seed`` to ``node``; returns how many took the fast path."""
-    taken = 0
+    admitted: list[bool] = []
+    admit = fast.admit_push
+
+    def watch(*a, **kw):
+        plan = admit(*a, **kw)
+        admitted.append(plan is not None)
+        return plan
+    monkeypatch.setattr(fast, "admit_push", watch)
     for seq, ids, grads, dense in _pushes(seed):
         order = np.argsort(ids) if ascending else np.argsort(-ids)     # never ascending: general path
         e_seg, e_payload = rows_seg(ids[order], grads[order])
         w_seg, w_payload = dense_seg(0, 16, dense)
         request_header = header(session="w0", sequence=seq)
         request_header.acked_below = seq
-        plan_before = fast.admit_push
-        admitted = []
-
-        def watch(*a, **kw):
-            plan = plan_before(*a, **kw)
-            admitted.append(plan is not None)
-            return plan
-        fast.admit_push = watch
-        try:
-            node.push(request_header, w_seg + e_seg, w_payload + e_payload)
-        finally:
-            fast.admit_push = plan_before
-        taken += sum(admitted)
-    return taken
+        node.push(request_header, w_seg + e_seg, w_payload + e_payload)
+    monkeypatch.setattr(fast, "admit_push", admit)
+    return sum(admitted)
 
 
 def _state(node: Layers) -> dict:
@@ -75,11 +71,11 @@ def _state(node: Layers) -> dict:
 
 @pytest.mark.parametrize("optimizer", [adagrad(0.1), adam(0.01)], ids=["adagrad", "adam"])
 @pytest.mark.parametrize("replicas", [("s0",), ("s0", "s1")], ids=["R=1", "R=2"])
-def test_the_fast_path_leaves_what_the_general_path_leaves(replicas, optimizer):
+def test_the_fast_path_leaves_what_the_general_path_leaves(replicas, optimizer, monkeypatch):
     fast_primary, fast_backup = _cluster(replicas, optimizer)
     slow_primary, slow_backup = _cluster(replicas, optimizer)
-    assert _run(fast_primary, True, seed=5) == 12
-    assert _run(slow_primary, False, seed=5) == 0
+    assert _run(fast_primary, True, 5, monkeypatch) == 12
+    assert _run(slow_primary, False, 5, monkeypatch) == 0
     assert _state(fast_primary) == _state(slow_primary)
     if len(replicas) > 1:
         assert _state(fast_backup) == _state(slow_backup) == _state(fast_primary)
