@@ -98,3 +98,20 @@ def test_dense_and_sparse_versions_in_the_ack_follow_the_blocks():
         ack = primary.push(header(session="w0", sequence=seq), segments, payload)
     assert [(v.table, list(v.blocks), list(v.versions)) for v in ack.versions] == [("w", [0, 1], [2, 2])]
     assert [blk.version for key, blk in sorted(primary.table.blocks.items()) if key[1] == "w"] == [2, 2]
+
+
+def test_a_push_with_a_block_not_initialized_is_refused_whole():
+    """An ASSIGNED dense table before its INITIALIZE: the push is refused and its other
+    segments are not applied (found by the data-path fuzzer)."""
+    from shardps.errors import FailedPrecondition
+    from shardps.tables import assigned, dense_table
+    primary = Layers("s0")
+    sparse = T(sparse_table("e", DIM, num_rows=ROWS, num_blocks=2), [["s0"]] * 2)
+    waiting = T(dense_table("a", (8,), init=assigned(), block_size=8), [["s0"]])
+    primary.install(shard_map(1, [sparse, waiting], [G(["w0"])]))
+    e_seg, e_payload = rows_seg([1, 2], np.ones((2, DIM), np.float32))
+    a_seg, a_payload = dense_seg(0, 8, np.ones(8), table="a")
+    with pytest.raises(FailedPrecondition, match="INITIALIZE"):
+        primary.push(header(session="w0", sequence=1), e_seg + a_seg, e_payload + a_payload)
+    assert all(blk.version == 0 for blk in primary.table.blocks.values())
+    assert all(blk.count == 0 for key, blk in primary.table.blocks.items() if key[1] == "e")

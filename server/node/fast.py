@@ -113,12 +113,14 @@ def admit_push(table: BlockTable, job: str, epoch: int, kind: int, parsed: list[
 
 def apply_push(plan: FastPush, writer: Writer, forward, updates_between) -> PushAck | None:
     """Apply an admitted push; None (nothing changed) when a block already applied it (a
-    retry: the general path counts its duplicates). ``forward(ops, blocks)`` sends the
+    retry: the general path counts its duplicates) or a dense block has no initial values
+    yet (the general path refuses the push whole). ``forward(ops, blocks)`` sends the
     blocks' operations to their backups (``Forwarder.forward_locked``); ``updates_between``
     (block key, updates) observes the versions pushed against (dense ``base_versions``)."""
     with BlockLocks(plan.blocks):
-        if applied_any(plan.blocks, writer):
-            return None
+        if applied_any(plan.blocks, writer) or any(
+                not blk.initialized for u in plan.units if u.ids is None for blk in u.objects):  # type: ignore[union-attr]
+            return None             # a retry, or a block without its initial values: general path
         ops: list = []
         for u in plan.units:
             t = u.table
