@@ -115,3 +115,13 @@ def test_a_push_with_a_block_not_initialized_is_refused_whole():
         primary.push(header(session="w0", sequence=1), e_seg + a_seg, e_payload + a_payload)
     assert all(blk.version == 0 for blk in primary.table.blocks.values())
     assert all(blk.count == 0 for key, blk in primary.table.blocks.items() if key[1] == "e")
+
+
+def test_a_pull_naming_a_table_twice_locks_each_block_once():
+    primary, _ = _cluster(("s0",), adagrad(0.1))
+    e1, i1 = rows_seg([1, 2, 3])
+    e2, i2 = rows_seg([3, 4])
+    w1, _ = dense_seg(0, 8)
+    w2, _ = dense_seg(4, 16)
+    reply, values = primary.pull(header(), e1 + w1 + e2 + w2, i1 + i2)
+    assert [v.shape for v in values] == [(3, DIM), (8,), (2, DIM), (12,)]

@@ -1,4 +1,4 @@
-"""The common push, admitted whole, computed table by table, committed block by block.
+"""The common request, admitted whole, computed table by table, committed block by block.
 
 Most pushes are ASYNC gradients of sparse rows and dense ranges, on blocks this node serves
 and holds, of tables without lifecycle policies, from a writer whose push is new. For those:
@@ -12,6 +12,10 @@ and holds, of tables without lifecycle policies, from a writer whose push is new
   dense range as before, then commits: every block's version, the writer's exactly-once
   record, the forwarding of the same operations to the backups, the acknowledgement.
 
+``read_pull`` does the same for the common pull (float32 values of dense ranges and sparse
+rows, not an export): ownership checked per table at once, every block locked at once, each
+sparse table's rows gathered in one compiled pass.
+
 Same results, same replicas, same records as the general path (the tests run both).
 """
 
@@ -21,7 +25,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shardps.messages import PushAck, Versions
+from shardps.dtypes import WireDType
+from shardps.messages import Layout, PullReply, PushAck, Versions
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.server import storage_kernels
@@ -184,3 +189,55 @@ def _sparse_ops(u: Unit, values: np.ndarray, writer: Writer) -> list:
         out.append(_op(blk, t, writer, ps.BlockOp(id_count=ids.shape[0], element_count=rows.size),
                        [ids, rows]))
     return out
+
+
+def read_pull(table: BlockTable, epoch: int, parsed: list[Segment], reply: PullReply) -> list[np.ndarray] | None:
+    """The values of a pull routed with map ``epoch``, in the common case (gate held shared,
+    consistency wait done): one float32 array per segment, the segments' layouts and blocks' versions in ``reply``;
+    None for any other pull (an export, another wire dtype, a block not served here: the
+    general path, ``PullReader._read_parts``, reads it or raises)."""
+    if table.missing:
+        return None
+    held, name = table.blocks, table.name
+    plan = []
+    every: list[AnyBlock] = []
+    for s in parsed:
+        t = s.table
+        mine = t.server_index.get(name)
+        if s.all_stored or s.dtype is not WireDType.FLOAT32 or mine is None or t.lost:
+            return None
+        if t.spec.kind is TableKind.DENSE:
+            blocks = np.fromiter(dense_blocks_of_range(t.spec, s.lo, s.hi), np.int64)
+        else:
+            assert s.ids is not None
+            status, _, counts = storage_kernels.scan(s.ids, t.spec.num_rows, t.spec.num_blocks)
+            if status < 0:
+                return None
+            blocks = np.flatnonzero(counts)
+        if not _owned(t, mine, blocks, epoch):
+            return None
+        objects: list = [held.get((t.job, t.name, b)) for b in blocks.tolist()]
+        if any(blk is None for blk in objects):
+            return None
+        plan.append((s, t, blocks, objects))
+        every.extend(objects)
+    if len(plan) > 1:           # a table named twice: each block locked once
+        every = list({id(blk): blk for blk in every}.values())
+    every.sort(key=lambda blk: blk.key)
+    outputs = []
+    with BlockLocks(every):
+        for s, t, blocks, objects in plan:
+            if s.ids is None:
+                out = np.empty(s.hi - s.lo, dtype=np.float32)
+                for blk in objects:
+                    lo, hi = max(s.lo, blk.start), min(s.hi, blk.stop)
+                    blk.read(lo, hi, out=out[lo - s.lo:hi - s.lo])
+            else:
+                rows = objects[0].table_rows
+                out = np.empty((s.ids.shape[0], t.spec.dim), dtype=np.float32)
+                with rows.lock:
+                    rows.read(s.ids, out=out)
+            outputs.append(out)
+            reply.segments.append(Layout(WireDType.FLOAT32.value, out.size))
+            reply.versions.append(Versions(t.name, blocks, [blk.version for blk in objects]))
+    return outputs

@@ -17,10 +17,11 @@ import numpy as np
 from shardps import dtypes
 from shardps.dtypes import WireDType
 from shardps.errors import ResourceExhausted
-from shardps.messages import Layout, PullReply, PullRequest, Versions
+from shardps.messages import Header, Layout, PullReply, PullRequest, Versions
 from shardps.metrics import NodeMetrics, labelled
 from shardps.server.blocks import BlockKey, BlockLocks, DenseBlock, SparseBlock
-from shardps.server.node.decode import NodeLimits, check_header, parse_segments, sparse_blocks, split
+from shardps.server.node import fast
+from shardps.server.node.decode import NodeLimits, Segment, check_header, parse_segments, sparse_blocks, split
 from shardps.server.node.table import BlockTable
 from shardps.tables import Consistency
 
@@ -91,77 +92,13 @@ class PullReader:
                 raise ResourceExhausted(
                     f"pull would return {out_bytes} bytes; the limit max_response_bytes is "
                     f"{self.limits.max_response_bytes}: pull smaller ranges")
-            parts = split(table.name, table.view.epoch, header, parsed, False, table.loaded, sparse=False)
-            sparse_blocks_of = {i: sparse_blocks(table.name, table.view.epoch, header, s, table.loaded)
-                                for i, s in enumerate(parsed) if not s.dense and not s.all_stored}
             t1 = time.perf_counter()
-            in_place = (out_buffer is not None and out_bytes <= len(out_buffer)
-                        and all(not s.all_stored and s.dtype is WireDType.FLOAT32 for s in parsed))
-            values: list = []      # per segment: its rows, or None for an all_stored one
-            pos = 0
-            for s in parsed:
-                if s.all_stored:
-                    values.append(None)
-                    continue
-                shape = (s.hi - s.lo,) if s.dense else (cast(np.ndarray, s.ids).shape[0], s.table.spec.dim)
-                if in_place:
-                    n = int(np.prod(shape))
-                    values.append(np.frombuffer(out_buffer, dtype="<f4", count=n, offset=pos).reshape(shape))
-                    pos += 4 * n
-                else:
-                    values.append(np.empty(shape, dtype=np.float32))
-            stored: dict[int, list] = {i: [] for i, s in enumerate(parsed) if s.all_stored}
-            versions: dict[BlockKey, int] = {}          # of dense and exported blocks
-            sparse_versions: list[Versions] = []
-            for part in parts:
-                s, out = parsed[part.segment], values[part.segment]
-                blk = table.blocks[part.key]
-                with blk.lock:
-                    if s.dense:
-                        cast(DenseBlock, blk).read(part.lo, part.hi, out=out[part.lo - s.lo:part.hi - s.lo])
-                    else:
-                        meta, arrays = blk.snapshot()
-                        stored[part.segment].append((arrays["ids"], arrays["values"]))
-                    versions[part.key] = blk.version
-            for seg_index, block_indexes in sparse_blocks_of.items():
-                # one vectorised read of every block of the segment, consistent across them
-                t = parsed[seg_index].table
-                held, job, name = table.blocks, t.job, t.name
-                blks = [held[(job, name, b)] for b in block_indexes.tolist()]
-                if not blks:
-                    continue
-                with BlockLocks(blks):
-                    s = parsed[seg_index]
-                    table_rows = cast(SparseBlock, blks[0]).table_rows
-                    assert s.ids is not None            # a sparse segment carries its ids
-                    with table_rows.lock:
-                        table_rows.read(s.ids, out=values[seg_index])
-                    sparse_versions.append(Versions(name, block_indexes, [blk.version for blk in blks]))
+            fast_values = fast.read_pull(table, header.epoch, parsed, header_out) if out_buffer is None else None
             t2 = time.perf_counter()
-            for i, (s, out) in enumerate(zip(parsed, values)):
-                if s.all_stored:
-                    got = stored[i]
-                    ids = np.concatenate([g[0] for g in got]) if got else np.empty(0, np.int64)
-                    rows = (np.concatenate([g[1] for g in got]) if got
-                            else np.empty((0, s.table.spec.dim), np.float32))
-                    outputs.append(ids.astype("<i8"))
-                    outputs.append(dtypes.encode(rows, s.dtype))
-                    header_out.segments.append(Layout(s.dtype.value, rows.size, ids.shape[0]))
-                    continue
-                if not in_place:
-                    outputs.append(dtypes.encode(out, s.dtype))
-                header_out.segments.append(Layout(s.dtype.value, out.size))
-            if in_place:
-                header_out.in_shared_memory = True
-                header_out.payload_bytes = out_bytes
-            by_table: dict[str, Versions] = {}
-            for key, v in sorted(versions.items()):
-                entry = by_table.get(key[1])
-                if entry is None:
-                    entry = by_table[key[1]] = Versions(key[1], [], [])
-                entry.blocks.append(key[2])
-                entry.versions.append(v)
-            header_out.versions = list(by_table.values()) + sparse_versions
+            if fast_values is not None:
+                outputs = fast_values
+            else:
+                t1, t2 = self._read_parts(header, parsed, header_out, outputs, out_buffer, out_bytes)
             t3 = time.perf_counter()
         phases = self.metrics.phase_seconds
         labelled(phases, "decode").inc(decoding + t1 - t0)
@@ -174,3 +111,82 @@ class PullReader:
         labelled(self.metrics.request_rows, "Pull").observe(
             sum(s.ids.shape[0] for s in parsed if s.ids is not None))
         return header_out, outputs
+
+    def _read_parts(self, header: Header, parsed: list[Segment], header_out: PullReply, outputs: list,
+                    out_buffer, out_bytes: int) -> tuple[float, float]:
+        """The general read (gate held shared): block by block, exports, other wire dtypes,
+        replies written into ``out_buffer``. Fills ``outputs`` and ``header_out``; returns
+        when its lookup phase started and ended (the phase metrics)."""
+        table = self.table
+        parts = split(table.name, table.view.epoch, header, parsed, False, table.loaded, sparse=False)
+        sparse_blocks_of = {i: sparse_blocks(table.name, table.view.epoch, header, s, table.loaded)
+                            for i, s in enumerate(parsed) if not s.dense and not s.all_stored}
+        t1 = time.perf_counter()
+        in_place = (out_buffer is not None and out_bytes <= len(out_buffer)
+                    and all(not s.all_stored and s.dtype is WireDType.FLOAT32 for s in parsed))
+        values: list = []      # per segment: its rows, or None for an all_stored one
+        pos = 0
+        for s in parsed:
+            if s.all_stored:
+                values.append(None)
+                continue
+            shape = (s.hi - s.lo,) if s.dense else (cast(np.ndarray, s.ids).shape[0], s.table.spec.dim)
+            if in_place:
+                n = int(np.prod(shape))
+                values.append(np.frombuffer(out_buffer, dtype="<f4", count=n, offset=pos).reshape(shape))
+                pos += 4 * n
+            else:
+                values.append(np.empty(shape, dtype=np.float32))
+        stored: dict[int, list] = {i: [] for i, s in enumerate(parsed) if s.all_stored}
+        versions: dict[BlockKey, int] = {}          # of dense and exported blocks
+        sparse_versions: list[Versions] = []
+        for part in parts:
+            s, out = parsed[part.segment], values[part.segment]
+            blk = table.blocks[part.key]
+            with blk.lock:
+                if s.dense:
+                    cast(DenseBlock, blk).read(part.lo, part.hi, out=out[part.lo - s.lo:part.hi - s.lo])
+                else:
+                    meta, arrays = blk.snapshot()
+                    stored[part.segment].append((arrays["ids"], arrays["values"]))
+                versions[part.key] = blk.version
+        for seg_index, block_indexes in sparse_blocks_of.items():
+            # one vectorised read of every block of the segment, consistent across them
+            t = parsed[seg_index].table
+            held, job, name = table.blocks, t.job, t.name
+            blks = [held[(job, name, b)] for b in block_indexes.tolist()]
+            if not blks:
+                continue
+            with BlockLocks(blks):
+                s = parsed[seg_index]
+                table_rows = cast(SparseBlock, blks[0]).table_rows
+                assert s.ids is not None            # a sparse segment carries its ids
+                with table_rows.lock:
+                    table_rows.read(s.ids, out=values[seg_index])
+                sparse_versions.append(Versions(name, block_indexes, [blk.version for blk in blks]))
+        t2 = time.perf_counter()
+        for i, (s, out) in enumerate(zip(parsed, values)):
+            if s.all_stored:
+                got = stored[i]
+                ids = np.concatenate([g[0] for g in got]) if got else np.empty(0, np.int64)
+                rows = (np.concatenate([g[1] for g in got]) if got
+                        else np.empty((0, s.table.spec.dim), np.float32))
+                outputs.append(ids.astype("<i8"))
+                outputs.append(dtypes.encode(rows, s.dtype))
+                header_out.segments.append(Layout(s.dtype.value, rows.size, ids.shape[0]))
+                continue
+            if not in_place:
+                outputs.append(dtypes.encode(out, s.dtype))
+            header_out.segments.append(Layout(s.dtype.value, out.size))
+        if in_place:
+            header_out.in_shared_memory = True
+            header_out.payload_bytes = out_bytes
+        by_table: dict[str, Versions] = {}
+        for key, v in sorted(versions.items()):
+            entry = by_table.get(key[1])
+            if entry is None:
+                entry = by_table[key[1]] = Versions(key[1], [], [])
+            entry.blocks.append(key[2])
+            entry.versions.append(v)
+        header_out.versions = list(by_table.values()) + sparse_versions
+        return t1, t2
