@@ -5,6 +5,7 @@ encodes the answer; and ``GrpcPeers``, the node's calls to other nodes.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -12,11 +13,13 @@ from google.protobuf.message import DecodeError
 
 from shardps import authz, names
 from shardps.errors import InvalidArgument, ResourceExhausted, ShardpsError
+from shardps.messages import PullReply, PullRequest, PushAck, PushRequest
 from shardps.metrics import labelled
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
-from shardps.rpc import messages
+from shardps.rpc import messages, packed
 from shardps.rpc.codec import CHUNK_BYTES, assemble, decode_chunk, encode_chunk, split_payload, write_into
+from shardps.rpc.frames import FLAG_PACKED
 from shardps.rpc.status import Method, bind, grpc_code, proto_method
 from shardps.rpc.stubs import encode_snapshots
 from shardps.server import digest, lifecycle
@@ -116,6 +119,23 @@ _REFUSAL_REASONS = {"StaleEpoch": "stale_epoch", "InvalidArgument": "invalid", "
 
 
 _DP_PUSH, _DP_PULL, _DP_EXCHANGE = (authz.TABLE[SERVICE][m] for m in ("Push", "Pull", "Exchange"))
+
+
+@dataclass
+class _Exchange:
+    """An exchange's two requests, as the authorization table names their jobs
+    (``push.header.job``, ``pull.header.job``)."""
+
+    push: PushRequest
+    pull: PullRequest
+
+
+def _push_from_proto(header: ps.PushHeader, payload) -> tuple[PushRequest, int]:
+    """A data-plane push whose header is protobuf: the plain request and the payload bytes
+    it declares (its payload travels in the frame: never in shared memory)."""
+    if header.shared_memory.name:
+        raise InvalidArgument("data plane: the payload travels in the frame, not in shared memory")
+    return messages.push_request(header, payload), int(header.payload_bytes)
 
 
 def _scoped(rule: authz.Rule, call, request):
@@ -229,7 +249,8 @@ class ParameterServerService:
         names.check(names.JOB, request.job, "job")
         check_job(call.principal, request.job)
         return ps.OpenDataPlaneResponse(address=self.data_plane_address,
-                                        max_frame_bytes=self.data_plane_max_frame_bytes)
+                                        max_frame_bytes=self.data_plane_max_frame_bytes,
+                                        packed=bool(self.data_plane_address))
 
     data_plane_address = ""               # set by the process that serves a data plane
     data_plane_max_frame_bytes = 0
@@ -260,51 +281,62 @@ class ParameterServerService:
             labelled(g.handling, *labels).observe(time.perf_counter() - started)
 
     def _data_plane(self, method, header: bytes, payload: memoryview, call):
+        packed_form = bool(call.flags & FLAG_PACKED)
         try:
             if method == "Push":
-                push = _scoped(_DP_PUSH, call, ps.PushHeader.FromString(header))
-                return self._dp_push(push, payload, call).SerializeToString(), None
+                push, declared = (packed.read_push(header, payload) if packed_form
+                                  else _push_from_proto(ps.PushHeader.FromString(header), payload))
+                ack = self._dp_push(_scoped(_DP_PUSH, call, push), declared, call)
+                return (packed.push_ack(ack) if packed_form
+                        else messages.push_ack(ack).SerializeToString()), None
             if method == "Pull":
-                head, arrays = self._dp_pull(_scoped(_DP_PULL, call, ps.PullRequest.FromString(header)),
-                                             payload, call)
-                return head.SerializeToString(), arrays
+                pull = (packed.read_pull(header, payload) if packed_form
+                        else messages.pull_request(ps.PullRequest.FromString(header), payload or None))
+                reply, arrays = self._dp_pull(_scoped(_DP_PULL, call, pull), call)
+                return (packed.pull_reply(reply) if packed_form
+                        else messages.pull_header(reply).SerializeToString()), arrays
             if method == "Exchange":
-                request = _scoped(_DP_EXCHANGE, call, ps.ExchangeHeader.FromString(header))
-                split = int(request.push.payload_bytes)
-                if split > len(payload):
-                    raise InvalidArgument(f"Exchange: push.payload_bytes={split} but the frame "
-                                          f"carries {len(payload)} payload bytes")
-                ack = self._dp_push(request.push, payload[:split], call)
-                head, arrays = self._dp_pull(request.pull, payload[split:], call)
-                return ps.ExchangeReply(ack=ack, pull=head).SerializeToString(), arrays
+                if packed_form:
+                    push, pull = packed.read_exchange(header, payload)
+                    declared = len(push.payload)
+                else:
+                    request = ps.ExchangeHeader.FromString(header)
+                    declared = int(request.push.payload_bytes)
+                    if declared > len(payload):
+                        raise InvalidArgument(f"Exchange: push.payload_bytes={declared} but the frame "
+                                              f"carries {len(payload)} payload bytes")
+                    push, _ = _push_from_proto(request.push, payload[:declared])
+                    pull = messages.pull_request(request.pull, payload[declared:] or None)
+                _scoped(_DP_EXCHANGE, call, _Exchange(push, pull))
+                ack = self._dp_push(push, declared, call)
+                reply, arrays = self._dp_pull(pull, call)
+                return (packed.exchange_reply(ack, reply) if packed_form else ps.ExchangeReply(
+                    ack=messages.push_ack(ack), pull=messages.pull_header(reply)).SerializeToString()), arrays
             raise InvalidArgument(f"data plane: unknown method {method!r}: Push, Pull or Exchange")
         except ShardpsError as exc:
             self._refused(exc)
             raise
 
-    def _dp_push(self, header: ps.PushHeader, payload: memoryview, call) -> ps.PushAck:
-        names.check(names.JOB, header.header.job, "header.job")
-        check_job(call.principal, header.header.job)
-        if header.shared_memory.name:
-            raise InvalidArgument("data plane: the payload travels in the frame, not in shared memory")
-        if header.payload_bytes and header.payload_bytes != len(payload):
-            raise InvalidArgument(f"Push: the header declares {header.payload_bytes} payload bytes; "
+    def _dp_push(self, push: PushRequest, declared: int, call) -> PushAck:
+        job = push.header.job
+        names.check(names.JOB, job, "header.job")
+        check_job(call.principal, job)
+        payload = push.payload
+        if declared and declared != len(payload):
+            raise InvalidArgument(f"Push: the header declares {declared} payload bytes; "
                                   f"the frame carries {len(payload)}")
         if len(payload) > self.node.limits.max_request_bytes:
             raise ResourceExhausted(f"Push: {len(payload)} bytes; the limit max_request_bytes is "
                                     f"{self.node.limits.max_request_bytes}: split the request")
-        with self.admission.admit(header.header.job, len(payload)):
-            return messages.push_ack(self.node.push(messages.push_request(header, payload), call.deadline))
+        with self.admission.admit(job, len(payload)):
+            return self.node.push(push, call.deadline)
 
-    def _dp_pull(self, request: ps.PullRequest, ids: memoryview, call):
-        names.check(names.JOB, request.header.job, "header.job")
-        check_job(call.principal, request.header.job)
-        if request.reply_shared_memory.name:
-            raise InvalidArgument("data plane: the reply travels in the frame, not in shared memory")
-        with self.admission.admit(request.header.job):
-            reply, arrays = self.node.pull(messages.pull_request(request, ids if len(ids) else None),
-                                           call.deadline)
-            return messages.pull_header(reply), arrays
+    def _dp_pull(self, pull: PullRequest, call) -> tuple[PullReply, list]:
+        job = pull.header.job
+        names.check(names.JOB, job, "header.job")
+        check_job(call.principal, job)
+        with self.admission.admit(job):
+            return self.node.pull(pull, call.deadline)
 
     # --- shared-memory fast path (same host) ---
     def probe_shared_memory(self, request, call) -> ps.ProbeSharedMemoryResponse:

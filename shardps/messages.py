@@ -58,7 +58,7 @@ class PushRequest:
     header: Header
     kind: int
     segments: list[Selection]
-    payload: object = b""            # a bytes-like object
+    payload: Any = b""               # a bytes-like object (or, on a client, a list of arrays)
 
 
 @dataclass(slots=True)
@@ -67,7 +67,7 @@ class PullRequest:
 
     header: Header
     segments: list[Selection]
-    ids: object = b""                # a bytes-like object
+    ids: Any = b""                   # a bytes-like object (or, on a client, a list of arrays)
 
 
 @dataclass(slots=True)

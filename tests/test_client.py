@@ -110,7 +110,7 @@ def test_unreachable_manager_raises_with_advice(client_factory):
 
 def test_exactly_once_retry_of_the_same_push(cluster, client_factory):
     """A push re-sent with the same (session, incarnation, sequence) is applied once."""
-    from shardps.protos.v1 import parameter_server_pb2 as ps
+    from shardps.messages import GRADIENT
     from shardps.worker.routing import Piece
     c = client_factory(cluster.address)
     c.create_job()
@@ -120,9 +120,9 @@ def test_exactly_once_retry_of_the_same_push(cluster, client_factory):
     session = c._session
     with session._lock:
         seq = session._next_seq
-    first = c._data.push([piece], ps.GRADIENT, None, None, False)
+    first = c._data.push([piece], GRADIENT, None, None, False)
     session._next_seq = seq      # simulate a retry of the same push after a lost ack
-    again = c._data.push([piece], ps.GRADIENT, None, None, False)
+    again = c._data.push([piece], GRADIENT, None, None, False)
     assert first.duplicate_blocks == 0 and again.duplicate_blocks == 10
     np.testing.assert_allclose(c.pull_dense("w"), -np.ones(100))
 
@@ -159,13 +159,22 @@ class _FlakyTransport:
         if self.calls.count((kind, server)) == 1:
             raise StaleEpoch(f"{kind} to {server}: injected")
 
-    def push(self, server, address, header, payload, timeout):
+    def push(self, server, address, request, timeout):
         self._refuse_first("push", server)
-        return self.inner.push(server, address, header, payload, timeout)
+        return self.inner.push(server, address, request, timeout)
 
     def pull(self, server, address, request, reply_bytes, timeout, consume):
         self._refuse_first("pull", server)
         return self.inner.pull(server, address, request, reply_bytes, timeout, consume)
+
+    def exchange_start(self, server, address, push, pull, timeout):
+        return None
+
+    def exchange_finish(self, started, consume):
+        raise AssertionError("no exchange started")
+
+    def abandon(self, address):
+        self.inner.abandon(address)
 
     def close(self):
         self.inner.close()

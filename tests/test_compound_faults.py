@@ -167,7 +167,7 @@ def test_a_retried_sync_push_of_an_applied_step_is_a_duplicate_not_refused(make_
     """An exchange whose push was applied but whose pull was refused (a map change) is sent
     again with the same sequence number; by then its step is applied. The retry must be
     acknowledged as a duplicate: refusing it failed the job (found by the e2e bench)."""
-    from shardps.protos.v1 import parameter_server_pb2 as ps
+    from shardps.messages import GRADIENT
     from shardps.worker.client import requests as rq
     cluster = make_cluster(2)
     c = _sync_client(cluster, client_factory)
@@ -176,13 +176,13 @@ def test_a_retried_sync_push_of_an_applied_step_is_a_duplicate_not_refused(make_
     seq = c._session.begin_push()
     sent = []
     for server, pieces in route(view, c.job, [piece]).items():
-        header, arrays = c._data._push_request(pieces, view, seq, ps.GRADIENT, 0)
-        sent.append((server, view.address(server), header, arrays))
-    for server, address, header, arrays in sent:                 # step 0 applied here
-        assert c._transport.push(server, address, header, arrays, 10).duplicate_blocks == 0
+        request = c._data._push_request(pieces, view, seq, GRADIENT, 0)
+        sent.append((server, view.address(server), request))
+    for server, address, request in sent:                        # step 0 applied here
+        assert c._transport.push(server, address, request, 10).duplicate_blocks == 0
     np.testing.assert_array_equal(c.pull_dense("w"), -np.ones(1000))
-    for server, address, header, arrays in sent:                 # the same push again
-        assert c._transport.push(server, address, header, arrays, 10).duplicate_blocks > 0
+    for server, address, request in sent:                        # the same push again
+        assert c._transport.push(server, address, request, 10).duplicate_blocks > 0
     c._session.end_push(seq)
     np.testing.assert_array_equal(c.pull_dense("w"), -np.ones(1000))
 
@@ -192,7 +192,7 @@ def test_a_late_piece_of_a_push_that_reported_its_step_is_applied_in_the_next_st
     its old primary, re-routed here) after the first part reported the step and closed it.
     The late part, same sequence number, goes into the next step: applied, never lost. A new
     push for the closed step is still refused (found by the e2e bench's SYNC job)."""
-    from shardps.protos.v1 import parameter_server_pb2 as ps
+    from shardps.messages import GRADIENT
     from shardps.worker.client import requests as rq
     cluster = make_cluster(1)
     c = _sync_client(cluster, client_factory)               # w: 1000 values in 4 blocks
@@ -203,8 +203,7 @@ def test_a_late_piece_of_a_push_that_reported_its_step_is_applied_in_the_next_st
     first = rq.dense_push(0, c.table("w"), np.ones(500, np.float32), 0)       # blocks 0-1
     late = rq.dense_push(0, c.table("w"), np.ones(500, np.float32), 500)      # blocks 2-3, arriving later
     for piece in (first, late):
-        header, arrays = c._data._push_request([piece], view, seq, ps.GRADIENT, 0)
-        c._transport.push(server, address, header, arrays, 10)
+        c._transport.push(server, address, c._data._push_request([piece], view, seq, GRADIENT, 0), 10)
     c._session.end_push(seq)
     got = c.pull_dense("w")
     np.testing.assert_array_equal(got[:500], -np.ones(500))      # step 0: the first part

@@ -74,11 +74,11 @@ class LosesFirstAck:
 
     def __init__(self, inner):
         self.inner = inner
-        self.headers: list[pb.RequestHeader] = []
+        self.headers: list = []
 
-    def push(self, server, address, header, payload, timeout):
-        ack = self.inner.push(server, address, header, payload, timeout)
-        self.headers.append(header.header)
+    def push(self, server, address, request, timeout):
+        ack = self.inner.push(server, address, request, timeout)
+        self.headers.append(request.header)
         if len(self.headers) == 1:
             raise Unavailable("the acknowledgement was lost")
         return ack

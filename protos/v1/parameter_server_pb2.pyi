@@ -394,12 +394,14 @@ class OpenDataPlaneRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ...) -> None: ...
 
 class OpenDataPlaneResponse(_message.Message):
-    __slots__ = ("address", "max_frame_bytes")
+    __slots__ = ("address", "max_frame_bytes", "packed")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     address: str
     max_frame_bytes: int
-    def __init__(self, address: _Optional[str] = ..., max_frame_bytes: _Optional[int] = ...) -> None: ...
+    packed: bool
+    def __init__(self, address: _Optional[str] = ..., max_frame_bytes: _Optional[int] = ..., packed: _Optional[bool] = ...) -> None: ...
 
 class ExchangeHeader(_message.Message):
     __slots__ = ("push", "pull")

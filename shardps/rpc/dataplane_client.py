@@ -92,8 +92,8 @@ class DataPlaneConnection:
     def connected(self) -> bool:
         return self._sock is not None
 
-    def call(self, method: int | str, header=b"", payload: Iterable = (), timeout: float | None = None
-             ) -> tuple[bytes, memoryview]:
+    def call(self, method: int | str, header=b"", payload: Iterable = (), timeout: float | None = None,
+             flags: int = 0) -> tuple[bytes, memoryview]:
         """Send one request and wait for its reply: ``(reply header bytes, reply payload)``.
 
         Blocking, for at most ``timeout`` seconds (None: no limit; the server sees the same
@@ -109,10 +109,10 @@ class DataPlaneConnection:
         when the timeout passes (both close the connection; the next call reconnects);
         ``ResourceExhausted`` for a frame over either side's ``max_frame_bytes`` (not sent).
         """
-        return self.finish(self.start(method, header, payload, timeout))
+        return self.finish(self.start(method, header, payload, timeout, flags))
 
-    def start(self, method: int | str, header=b"", payload: Iterable = (), timeout: float | None = None
-              ) -> "Sent":
+    def start(self, method: int | str, header=b"", payload: Iterable = (), timeout: float | None = None,
+              flags: int = 0) -> "Sent":
         """The first half of ``call``: send the request and return without waiting for the
         reply, which ``finish`` reads. The connection is held (other calls on it wait) until
         ``finish`` returns, which must follow, on any thread. Sending to several servers
@@ -131,7 +131,7 @@ class DataPlaneConnection:
                 self._connect(deadline, mid)
                 if hlen + plen > self._limit:   # the server's limit, known after HELLO
                     raise self._too_large(mid, hlen + plen)
-            return Sent(mid, deadline, *self._send_request(mid, parts, hlen, plen, deadline))
+            return Sent(mid, deadline, *self._send_request(mid, parts, hlen, plen, deadline, flags))
         except BaseException:
             self._lock.release()
             raise
@@ -242,8 +242,8 @@ class DataPlaneConnection:
         rid, frame = self._send_request(mid, parts, hlen, plen, deadline)
         return frame if frame is not None else self._read_reply(Sent(mid, deadline, rid, None))
 
-    def _send_request(self, mid: int, parts: list, hlen: int, plen: int, deadline: float | None
-                      ) -> tuple[int, frames.Frame | None]:
+    def _send_request(self, mid: int, parts: list, hlen: int, plen: int, deadline: float | None,
+                      flags: int = 0) -> tuple[int, frames.Frame | None]:
         """Send ``parts`` (as ``_exchange``): ``(request id, None)``, or ``(request id, the
         server's answer)`` where sending broke and the server had answered (it may refuse a
         request and close)."""
@@ -252,7 +252,7 @@ class DataPlaneConnection:
         timeout_ms = 0
         if deadline is not None:
             timeout_ms = max(1, min(0xFFFFFFFF, math.ceil((deadline - time.monotonic()) * 1000)))
-        parts[0] = frames.pack_prefix(0, mid, 0, rid, timeout_ms, 0, hlen, plen)
+        parts[0] = frames.pack_prefix(flags, mid, 0, rid, timeout_ms, 0, hlen, plen)
         assert self._timer is not None          # connected
         try:
             frames.send_parts(self._timer, parts, deadline)
@@ -381,14 +381,15 @@ class DataPlanePool:
             self._release(address, conn, broken)
 
     def call(self, address: str, method: int | str, header=b"", payload: Iterable = (),
-             timeout: float | None = None, consume: Callable[[bytes, memoryview], Any] | None = None):
+             timeout: float | None = None, consume: Callable[[bytes, memoryview], Any] | None = None,
+             flags: int = 0):
         """``DataPlaneConnection.call`` on a free connection to ``address``; blocking, within
         ``timeout`` including the wait for a connection. Returns ``(header, payload copy)``,
         or ``consume(header, payload_view)``'s result. Raises as ``DataPlaneConnection.call``."""
-        return self.finish(self.start(address, method, header, payload, timeout), consume)
+        return self.finish(self.start(address, method, header, payload, timeout, flags), consume)
 
     def start(self, address: str, method: int | str, header=b"", payload: Iterable = (),
-              timeout: float | None = None) -> tuple[DataPlaneConnection, Sent]:
+              timeout: float | None = None, flags: int = 0) -> tuple[DataPlaneConnection, Sent]:
         """The first half of ``call``: send the request on a free connection to ``address``
         and return ``(connection, sent)`` for ``finish``, which must follow (it gives the
         connection back). Raises as ``call`` (then nothing is held)."""
@@ -396,7 +397,7 @@ class DataPlanePool:
         conn = self._acquire(address, deadline)
         try:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            return conn, conn.start(method, header, payload, remaining)
+            return conn, conn.start(method, header, payload, remaining, flags)
         except BaseException as exc:
             self._release(address, conn, isinstance(exc, Unavailable))
             raise

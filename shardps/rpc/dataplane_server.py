@@ -71,6 +71,7 @@ class DataPlaneCall:
     peer_certificate: dict | None = None
     principal: Any = None
     deadline: float | None = None
+    flags: int = 0                   # the request frame's flags (``frames.FLAG_PACKED``)
 
     def invocation_metadata(self) -> tuple:
         """The client's metadata pairs (what a grpc.ServicerContext returns)."""
@@ -311,7 +312,8 @@ class DataPlaneServer:
             names = self._names[p.method] = (name, f"/{self.service}/{name}")
         name, full = names
         call = DataPlaneCall(name, full, p.request_id, conn.peer, metadata, cert, None,
-                             time.monotonic() + p.timeout_ms / 1000.0 if p.timeout_ms else None)
+                             time.monotonic() + p.timeout_ms / 1000.0 if p.timeout_ms else None,
+                             p.flags & frames.FLAG_PACKED)
         status, message, header, plen = _OK, "", b"", 0
         parts: list = []
         pause = 0.0
@@ -342,12 +344,14 @@ class DataPlaneServer:
             message = f"internal error in {full}: {type(exc).__name__}: {exc}"
         if status != _OK:
             parts, plen = [], 0
-        self._reply(conn, p.method, p.request_id, status, message, header, parts, plen, tls)
+        self._reply(conn, p.method, p.request_id, status, message, header, parts, plen, tls,
+                    packed=bool(call.flags) and status == _OK)
         return pause
 
     def _reply(self, conn: _Connection, method: int, request_id: int, status: int, message: str,
-               header, parts: list, plen: int, tls: bool, close: bool = False) -> None:
-        """Send a reply: ``parts`` are the payload's byte views (``plen`` bytes in all)."""
+               header, parts: list, plen: int, tls: bool, close: bool = False, packed: bool = False) -> None:
+        """Send a reply: ``parts`` are the payload's byte views (``plen`` bytes in all);
+        ``packed``: its header is in the packed form (the request's was)."""
         out = [b""]
         msg = message.encode("utf-8", "replace") if message else b""
         if msg:
@@ -355,6 +359,8 @@ class DataPlaneServer:
         hlen = frames.add_views(out, (header,)) if header else 0
         out += parts
         flags = frames.FLAG_REPLY | frames.FLAG_CLOSE if close else frames.FLAG_REPLY
+        if packed:
+            flags |= frames.FLAG_PACKED
         out[0] = frames.pack_prefix(flags, method, status, request_id, 0, len(msg), hlen, plen)
         assert conn.timer is not None          # set before the connection's first frame
         frames.send_parts(conn.timer, out, time.monotonic() + self.limits.io_seconds)

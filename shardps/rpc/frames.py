@@ -19,7 +19,8 @@ offset    size  field
 0         2     magic ``b"SD"`` (shardps data plane)
 2         1     version (``VERSION``; a frame of another version is refused)
 3         1     flags: ``FLAG_REPLY`` (1) on replies, ``FLAG_CLOSE`` (2) when the sender
-                closes the connection after this frame
+                closes the connection after this frame, ``FLAG_PACKED`` (4) when the
+                header is in the packed form (``shardps.rpc.packed``) instead of protobuf
 4         2     method id (``METHOD_IDS``; ``HELLO`` = 0 opens every connection)
 6         2     status: a gRPC status code number (0 = OK); 0 in requests
 8         8     request id, chosen by the client, echoed by the reply
@@ -56,6 +57,7 @@ PREFIX = struct.Struct("<2sBBHHQIIIIQ")
 PREFIX_BYTES = PREFIX.size          # 40
 FLAG_REPLY = 1
 FLAG_CLOSE = 2
+FLAG_PACKED = 4
 
 HELLO = 0
 # The ParameterServer methods the data plane carries (ids are part of the wire format:

@@ -62,3 +62,54 @@ def pull_header(reply: m.PullReply) -> ps.PullHeader:
         out.segments.add(dtype=seg.dtype, elements=seg.elements, ids=seg.ids)
     _add_versions(out.versions, reply.versions)
     return out
+
+
+# ---------------------------------------------------------------------- the client's side
+def selection_message(seg, s: m.Selection) -> None:
+    """Fill the protobuf ``Segment`` ``seg`` from ``s``."""
+    seg.table = s.table
+    if s.selector == m.RANGE:
+        seg.range.start, seg.range.stop = s.start, s.stop
+    elif s.selector == m.ROWS:
+        if s.all_stored:
+            seg.rows.all_stored = True
+        else:
+            seg.rows.count = s.count
+    for block, version in s.base_versions.items():
+        seg.base_versions.add(table=s.table, block=block, version=version)
+
+
+def push_header(request: m.PushRequest, payload_bytes: int) -> ps.PushHeader:
+    out = ps.PushHeader(header=header_message(request.header), kind=request.kind,  # type: ignore[arg-type]
+                        payload_bytes=payload_bytes)
+    for s in request.segments:
+        selection_message(out.segments.add(), s)
+    return out
+
+
+def pull_message(request: m.PullRequest, chunk_bytes: int = 0, data: bytes = b"") -> ps.PullRequest:
+    """A ``PullRequest`` message; its ids in ``data`` (gRPC) or beside it (the data plane)."""
+    out = ps.PullRequest(header=header_message(request.header), chunk_bytes=chunk_bytes, data=data)
+    for s in request.segments:
+        selection_message(out.segments.add(), s)
+    return out
+
+
+def _versions(field) -> list[m.Versions]:
+    by_table: dict[str, m.Versions] = {}
+    for v in field:
+        entry = by_table.get(v.table)
+        if entry is None:
+            entry = by_table[v.table] = m.Versions(v.table, [], [])
+        entry.blocks.append(v.block)
+        entry.versions.append(v.version)
+    return list(by_table.values())
+
+
+def push_ack_plain(ack: ps.PushAck) -> m.PushAck:
+    return m.PushAck(_versions(ack.versions), ack.duplicate_blocks)
+
+
+def pull_reply_plain(head: ps.PullHeader) -> m.PullReply:
+    return m.PullReply([m.Layout(s.dtype, s.elements, s.ids) for s in head.segments], _versions(head.versions),
+                       head.payload_bytes, head.min_clock, head.in_shared_memory, head.waited_seconds)

@@ -41,17 +41,17 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from shardps.dtypes import WireDType
+from shardps.messages import GRADIENT, INITIALIZE
 from shardps.metrics import WorkerMetrics
 from shardps.protos.v1 import manager_pb2 as mg
-from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc import channels
 from shardps.rpc.codec import CHUNK_BYTES
+from shardps.rpc.dataplane_transport import DataPlaneTransport
 from shardps.rpc.stubs import ManagerStub, StubPool
 from shardps.tables import Consistency
 from shardps.worker.client import requests as rq
 from shardps.worker.client.admin import Admin, ManagerCalls
 from shardps.worker.client.data import DataPath, PullResult, PushResult
-from shardps.worker.client.dataplane import DataPlaneTransport
 from shardps.worker.client.export import export
 from shardps.worker.client.fanout import abandon_dead
 from shardps.worker.client.membership import GroupMember, Membership, Session
@@ -278,7 +278,7 @@ class PSClient(ManagerCalls):
         pieces = [rq.many_push(i, self.table(r[0]), r) for i, r in enumerate(rq.request_list(requests, "push"))]
         return self._push_call(pieces, timeout, clock, report_step)
 
-    def _push_call(self, pieces, timeout, clock, report_step: bool = False, kind: int = ps.GRADIENT):
+    def _push_call(self, pieces, timeout, clock, report_step: bool = False, kind: int = GRADIENT):
         rq.check_call(timeout, clock)
         return lambda: self._data.push(pieces, kind, timeout, clock, report_step)
 
@@ -286,7 +286,7 @@ class PSClient(ManagerCalls):
         """Write the initial values of an ASSIGNED table (the first writer wins; later calls
         are acknowledged and ignored). ``values`` covers the whole table."""
         piece = rq.initial_values(self.table(table), values)
-        return self._push_call([piece], timeout, None, kind=ps.INITIALIZE)()
+        return self._push_call([piece], timeout, None, kind=INITIALIZE)()
 
     # ================================================================== steps
     @property
@@ -315,7 +315,7 @@ class PSClient(ManagerCalls):
 
     def report_step(self, clock: int, timeout: float | None = None) -> None:
         """Tell every server this worker finished step ``clock`` without sending data."""
-        self._data.push([], ps.GRADIENT, timeout, clock, True)
+        self._data.push([], GRADIENT, timeout, clock, True)
 
     def server_clock(self, timeout: float | None = None) -> int:
         """The group's step as the servers see it (the largest applied / slowest clock)."""

@@ -7,13 +7,14 @@ caller's arrays.
   again; Unavailable / DeadlineExceeded of one attempt -> jittered backoff and route again;
   a block without a live replica -> poll the manager until one appears; all until the
   call's deadline (then DeadlineExceeded).
-* ``DataPath`` builds the requests (one ``ps.PushHeader`` / ``ps.PullRequest`` per server
-  and attempt, with the exactly-once numbers of ``membership.Session``), hands them to the
-  transport, and places the replies. Per-call results (versions, clock, waited seconds,
-  staleness) are returned in ``PushResult`` / ``PullResult``, never kept in shared fields.
+* ``DataPath`` builds the requests (one ``PushRequest`` / ``PullRequest`` of
+  ``shardps.messages`` per server and attempt, with the exactly-once numbers of
+  ``membership.Session``), hands them to the transport, and places the replies. Per-call
+  results (versions, clock, waited seconds, staleness) are returned in ``PushResult`` /
+  ``PullResult``, never kept in shared fields.
 
 The transport is the plug-in point: ``DataPath(transport=...)`` takes any ``Transport``
-(``transport.py``); ``GrpcTransport`` is the one implementation today.
+(``transport.py``): ``DataPlaneTransport`` and ``GrpcTransport`` (``shardps.rpc``) today.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ import numpy as np
 from shardps import dtypes
 from shardps.dtypes import WireDType
 from shardps.errors import DeadlineExceeded, Unavailable
+from shardps.messages import GRADIENT, RANGE, ROWS, PullReply, PullRequest, PushAck, PushRequest, Selection
 from shardps.metrics import WorkerMetrics, labelled
-from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc.codec import CHUNK_BYTES, byte_view
 from shardps.shardmap import ShardMapView
 from shardps.worker.client.fanout import RETRYABLE, Fanout, MapSource, Send, attempt_timeout, split_phase
@@ -118,20 +119,18 @@ class DataPath:
     def _pull_request(self, ps_: list[Piece], view: ShardMapView, clock: int):
         """(request, its header, expected reply bytes or None) for ``ps_`` to one server."""
         header = self._header(view, 0, clock)
-        request = ps.PullRequest(header=header, chunk_bytes=self.chunk_bytes)
+        segments = []
         ids = []
         for p in ps_:
-            seg = request.segments.add(table=p.table)
             if p.all_stored:
-                seg.rows.all_stored = True
+                segments.append(Selection(p.table, ROWS, all_stored=True))
             elif p.dense:
-                seg.range.start, seg.range.stop = p.start, p.stop
+                segments.append(Selection(p.table, RANGE, p.start, p.stop))
             else:
                 assert p.ids is not None          # a sparse piece carries its ids
-                seg.rows.count = p.rows
+                segments.append(Selection(p.table, ROWS, count=p.rows))
                 ids.append(p.ids.astype("<i8", copy=False))
-        if ids:
-            request.data = b"".join(byte_view(a) for a in ids)
+        request = PullRequest(header, segments, ids)
         item = self.wire_dtype.itemsize
         expected = None if any(p.all_stored for p in ps_) else sum(
             (p.stop - p.start) * item if p.dense else p.rows * view.table(self.job, p.table).spec.dim * item
@@ -144,7 +143,7 @@ class DataPath:
         def send(server: str, address: str, ps_: list[Piece], view: ShardMapView) -> None:
             request, header, expected = self._pull_request(ps_, view, result.clock)
 
-            def consume(head: ps.PullHeader, payload: Payload) -> None:
+            def consume(head: PullReply, payload: Payload) -> None:
                 self._place(server, ps_, head, payload, header, result, stored, lock)
 
             self.transport.pull(server, address, request, expected,
@@ -168,6 +167,9 @@ class DataPath:
         outputs = result.values
         labelled(self.metrics.bytes, "pulled").inc(len(payload))
         labelled(self.metrics.rows, "pulled").inc(sum(p.rows for p in ps_))
+        if len(head.segments) != len(ps_):
+            raise Unavailable(f"pull from {server}: {len(head.segments)} segments in the reply for "
+                              f"{len(ps_)} asked")
         for p, layout in zip(ps_, head.segments):
             wire = WireDType.parse(int(layout.dtype))
             got_ids = None
@@ -196,8 +198,9 @@ class DataPath:
                 result.staleness = max(result.staleness, max(0, result.clock - int(head.min_clock)))
             result.waited_seconds = max(result.waited_seconds, head.waited_seconds)
             for v in head.versions:
-                result.versions[(v.table, v.block)] = v.version
-                self._versions[(v.table, v.block)] = v.version
+                pairs = dict(zip(((v.table, int(b)) for b in v.blocks), (int(x) for x in v.versions)))
+                result.versions.update(pairs)
+                self._versions.update(pairs)
             result.min_clock = max(result.min_clock, int(head.min_clock))
 
     def server_clock(self, timeout: float | None = None) -> int:
@@ -206,7 +209,7 @@ class DataPath:
         view = self.maps.view()
         best = 0
         for name in live_servers(view):
-            request = ps.PullRequest(header=self._header(view, 0, 0))
+            request = PullRequest(self._header(view, 0, 0), [])
             best = max(best, self.transport.pull(name, view.address(name), request, None,
                                                  timeout or self.default_timeout,
                                                  lambda head, _payload: int(head.min_clock)))
@@ -215,8 +218,8 @@ class DataPath:
     # ================================================================== push
     def push(self, pieces: list[Piece], kind: int, timeout: float | None, clock: int | None,
              report_step: bool) -> PushResult:
-        """Send ``pieces`` (with values) as one push of ``kind`` (``ps.GRADIENT`` /
-        ``ps.INITIALIZE``): one sequence number, kept across retries. ``report_step``: also
+        """Send ``pieces`` (with values) as one push of ``kind`` (``GRADIENT`` /
+        ``INITIALIZE``): one sequence number, kept across retries. ``report_step``: also
         send an empty push to every live server, reporting step ``clock``."""
         deadline = self.deadline(timeout)
         result = PushResult(clock=self.step if clock is None else int(clock))
@@ -238,44 +241,41 @@ class DataPath:
             self._last_clock = result.clock
         return result
 
-    def _push_request(self, ps_: list[Piece], view: ShardMapView, seq: int, kind: int, clock: int):
-        """(header with payload_bytes, payload arrays) of ``ps_`` to one server."""
-        # (protobuf's stubs want the enum's ValueType for kind=; ours is the same number)
-        header = ps.PushHeader(header=self._header(view, seq, clock), kind=kind)  # type: ignore[arg-type]
+    def _push_request(self, ps_: list[Piece], view: ShardMapView, seq: int, kind: int, clock: int) -> PushRequest:
+        """The push of ``ps_`` to one server (its payload: the arrays, in segment order)."""
+        segments = []
         arrays = []
         rows = sparse_bytes = 0
         for p in ps_:
-            seg = header.segments.add(table=p.table)
-            add_base_versions(seg, p, view, self.job, self._versions)
             assert p.values is not None           # a push piece carries its values
             if p.dense:
-                seg.range.start, seg.range.stop = p.start, p.stop
+                segments.append(Selection(p.table, RANGE, p.start, p.stop,
+                                          base_versions=base_versions(p, view, self.job, self._versions)))
                 arrays.append(dtypes.encode(p.values, self.wire_dtype))
             else:
-                seg.rows.count = p.rows
+                segments.append(Selection(p.table, ROWS, count=p.rows))
                 rows += p.rows
                 arrays.append(np.ascontiguousarray(p.ids, dtype="<i8"))
                 arrays.append(dtypes.encode(p.values, self.wire_dtype))
                 sparse_bytes += arrays[-1].nbytes + arrays[-2].nbytes
-        header.payload_bytes = sum(a.nbytes for a in arrays)
-        labelled(self.metrics.bytes, "pushed").inc(header.payload_bytes)
+        labelled(self.metrics.bytes, "pushed").inc(sum(a.nbytes for a in arrays))
         labelled(self.metrics.rows, "pushed").inc(rows)
         labelled(self.metrics.sparse_bytes, "pushed").inc(sparse_bytes)
-        return header, arrays
+        return PushRequest(self._header(view, seq, clock), kind, segments, arrays)
 
     def _push_sender(self, seq: int, kind: int, result: PushResult, deadline: float) -> Send:
         lock = threading.Lock()
 
-        def acknowledged(ack: ps.PushAck) -> None:
+        def acknowledged(ack: PushAck) -> None:
             with lock:
                 for v in ack.versions:
-                    result.versions[(v.table, v.block)] = v.version
+                    result.versions.update(zip(((v.table, int(b)) for b in v.blocks), (int(x) for x in v.versions)))
                 result.duplicate_blocks += ack.duplicate_blocks
 
         def send(server: str, address: str, ps_: list[Piece], view: ShardMapView) -> None:
-            header, arrays = self._push_request(ps_, view, seq, kind, result.clock)
-            acknowledged(self.transport.push(server, address, header, arrays,
-                                             attempt_timeout(deadline, header.payload_bytes)))
+            request = self._push_request(ps_, view, seq, kind, result.clock)
+            acknowledged(self.transport.push(server, address, request,
+                                             attempt_timeout(deadline, payload_bytes(request))))
         send.acknowledged = acknowledged        # type: ignore[attr-defined]
         return send
 
@@ -294,7 +294,7 @@ class DataPath:
         stored: dict[int, list] = {}
         seq = self.session.begin_push()
         try:
-            push_send = self._push_sender(seq, ps.GRADIENT, presult, deadline)
+            push_send = self._push_sender(seq, GRADIENT, presult, deadline)
             pull_send = self._pull_sender(lresult, stored, deadline)
             view = self.maps.view()
             pushes, pulls = route(view, self.job, push_pieces), route(view, self.job, pull_pieces)
@@ -302,17 +302,17 @@ class DataPath:
             # their pulls wait for that report
             report_only = [s for s in live_servers(view) if s not in pushes] if report_step else []
             deferred_pulls = [p for s in report_only for p in pulls.pop(s, [])]
-            start = getattr(self.transport, "exchange_start", None)
 
             def begin(server: str):
                 """Send ``server`` its exchange; what ``end`` needs, or None (not sent)."""
                 pp, lp = pushes.get(server), pulls.get(server)
-                if pp is None or not lp or start is None:
+                if pp is None or not lp:
                     return None
-                header, arrays = self._push_request(pp, view, seq, ps.GRADIENT, presult.clock)
+                push_request = self._push_request(pp, view, seq, GRADIENT, presult.clock)
                 request, pheader, expected = self._pull_request(lp, view, lresult.clock)
-                sent = start(server, view.address(server), header, arrays, request,
-                             attempt_timeout(deadline, header.payload_bytes + (expected or 0)))
+                sent = self.transport.exchange_start(
+                    server, view.address(server), push_request, request,
+                    attempt_timeout(deadline, payload_bytes(push_request) + (expected or 0)))
                 return None if sent is None else (server, sent, lp, pheader)
 
             def end(begun) -> None:
@@ -321,7 +321,7 @@ class DataPath:
                 def consume(ack, head, payload):
                     push_send.acknowledged(ack)
                     pull_send.place(server, lp, head, payload, pheader)
-                self.transport.exchange_finish(sent, consume)   # type: ignore[attr-defined]
+                self.transport.exchange_finish(sent, consume)
 
             def separately(server: str) -> None:
                 """A push then a pull (a server without the data plane's exchange)."""
@@ -353,15 +353,21 @@ class DataPath:
 
 
 
-def add_base_versions(seg, p: Piece, view: ShardMapView, job: str,
-                      versions: dict[tuple[str, int], int]) -> None:
-    """Add to push segment ``seg`` the versions (of ``versions``: (table, block) -> version)
-    at which this worker last pulled the blocks piece ``p`` of ``job`` pushes: the servers
-    measure how many updates arrived in between (shardps_push_intervening_updates)."""
-    if not versions or not p.dense:
-        return        # sparse pushes skip it: finding their blocks costs a hash per row
+def base_versions(p: Piece, view: ShardMapView, job: str, versions: dict[tuple[str, int], int]) -> dict[int, int]:
+    """The versions (of ``versions``: (table, block) -> version) at which this worker last
+    pulled the blocks dense piece ``p`` of ``job`` pushes: the servers measure how many
+    updates arrived in between (shardps_push_intervening_updates). Sparse pushes skip it:
+    finding their blocks costs a hash per row."""
+    if not versions:
+        return {}
     spec = view.table(job, p.table).spec
+    out = {}
     for b in range(p.start // spec.block_size, (p.stop - 1) // spec.block_size + 1):
         v = versions.get((p.table, b))
         if v is not None:
-            seg.base_versions.add(table=p.table, block=b, version=v)
+            out[b] = v
+    return out
+
+
+def payload_bytes(request: PushRequest) -> int:
+    return sum(a.nbytes for a in request.payload)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from shardps.errors import FailedPrecondition, NotFound, ShardpsError
-from shardps.protos.v1 import common_pb2 as pb
+from shardps.messages import Header
 from shardps.protos.v1 import manager_pb2 as mg
 from shardps.worker.client.admin import Admin
 
@@ -87,15 +87,14 @@ class Session:
             with self._lock:
                 self._in_flight.discard(seq)
 
-    def header(self, job: str, epoch: int, sequence: int, clock: int, wire_dtype: int) -> pb.RequestHeader:
+    def header(self, job: str, epoch: int, sequence: int, clock: int, wire_dtype: int) -> Header:
         """The request header of one attempt of a data call."""
         m = self._membership
+        if m is None:
+            return Header(job, epoch, "", 0, sequence, 0, clock, wire_dtype)
         with self._lock:
             acked_below = min(self._in_flight) if self._in_flight else self._next_seq
-        return pb.RequestHeader(job=job, epoch=epoch, session=m.session if m else "",
-                                incarnation=m.incarnation if m else 0, sequence=sequence,
-                                acked_below=acked_below if m else 0, clock=clock,
-                                wire_dtype=wire_dtype)  # type: ignore[arg-type]  # an enum number
+        return Header(job, epoch, m.session, m.incarnation, sequence, acked_below, clock, wire_dtype)
 
 
 def after_heartbeat(m: Membership, resp: mg.WorkerHeartbeatResponse) -> Membership:

@@ -1,0 +1,203 @@
+"""``DataPlaneTransport``: the data path's ``Transport`` over the socket data plane
+(``shardps.rpc.dataplane``), gRPC where a server has none.
+
+Each server is asked once for its data-plane address (``OpenDataPlane``, job-scoped, over
+gRPC); then Push, Pull and Exchange go through a ``DataPlanePool`` (payloads of
+``SHM_PREFERRED_BYTES`` or more to a server on this host go through shared memory instead),
+with the same token in the connection's HELLO and the same TLS certificates. Their headers
+travel in the packed form (``shardps.rpc.packed``) to servers that speak it
+(``OpenDataPlaneResponse.packed``), as protobuf to the others. A server that answers
+UNIMPLEMENTED or an empty address is served by the ``GrpcTransport`` given as ``fallback``
+from then on; a data-plane call that fails with ``Unavailable`` forgets the address (a
+restarted server listens on another port) and the data path's retry asks again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from shardps.errors import Unavailable
+from shardps.messages import PullRequest, PushAck, PushRequest
+from shardps.protos.v1 import parameter_server_pb2 as ps
+from shardps.rpc import messages, packed
+from shardps.rpc.codec import byte_view
+from shardps.rpc.dataplane import DataPlanePool, client_ssl_context
+from shardps.rpc.frames import FLAG_PACKED
+from shardps.rpc.grpc_transport import GrpcTransport
+from shardps.rpc.payload import Payload
+from shardps.rpc.status import from_rpc_error
+
+log = logging.getLogger("shardps.client")
+# Payloads this large go through shared memory (the gRPC transport's same-host path) where the
+# server maps this process's memory: one copy instead of two through the loopback socket.
+SHM_PREFERRED_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class _Plane:
+    """A server's data plane: its address ("" where it has none) and whether it reads
+    packed headers."""
+
+    address: str
+    packed: bool = False
+
+
+_NONE = _Plane("")              # cached: this server has no data plane
+
+
+def _nbytes(buffers) -> int:
+    return sum(byte_view(b).nbytes for b in buffers)
+
+
+class DataPlaneTransport:
+    """``Transport`` (``shardps.worker.client.transport``) over the data plane. Thread-safe."""
+
+    def __init__(self, job: str, fallback: GrpcTransport, *, tls=None, metadata=(),
+                 connections_per_address: int = 4):
+        self.job = job
+        self.fallback = fallback
+        self.metadata = tuple(metadata)
+        self.pool = DataPlanePool(client_ssl_context(tls) if tls is not None else None,
+                                  server_hostname=getattr(tls, "server_name_override", "") or None,
+                                  connections_per_address=connections_per_address,
+                                  metadata=self.metadata)
+        self._lock = threading.Lock()
+        self._planes: dict[str, _Plane] = {}        # gRPC address -> its data plane
+
+    # --- Transport ---
+    def push(self, server, address, request: PushRequest, timeout) -> PushAck:
+        plane = self._plane(address, timeout)
+        payload = list(request.payload)
+        nbytes = _nbytes(payload)
+        if not plane.address or (nbytes >= SHM_PREFERRED_BYTES and self.fallback.shares_memory_with(address)):
+            return self.fallback.push(server, address, request, timeout)
+        if plane.packed:
+            raw = self._call(plane, address, "Push", packed.push(request, nbytes), payload, timeout, None)
+            return packed.read_push_ack(raw)
+        head = messages.push_header(request, nbytes).SerializeToString()
+        return messages.push_ack_plain(ps.PushAck.FromString(
+            self._call(plane, address, "Push", head, payload, timeout, None)))
+
+    def pull(self, server, address, request: PullRequest, reply_bytes, timeout, consume):
+        plane = self._plane(address, timeout)
+        big = (reply_bytes or 0) >= SHM_PREFERRED_BYTES
+        if not plane.address or (big and self.fallback.shares_memory_with(address)):
+            return self.fallback.pull(server, address, request, reply_bytes, timeout, consume)
+        ids = list(request.ids) if request.ids else []      # the ids travel raw, beside the header
+        if plane.packed:
+            def use(head: bytes, view: memoryview):
+                return consume(packed.read_pull_reply(head), Payload([view]))
+            return self._call(plane, address, "Pull", packed.pull(request), ids, timeout, use)
+
+        def use_proto(head: bytes, view: memoryview):
+            return consume(messages.pull_reply_plain(ps.PullHeader.FromString(head)), Payload([view]))
+        return self._call(plane, address, "Pull", messages.pull_message(request).SerializeToString(), ids,
+                          timeout, use_proto)
+
+    def exchange_start(self, server, address, push: PushRequest, pull: PullRequest, timeout) -> object | None:
+        """Send an Exchange (push then pull in one round trip) and return at once, with what
+        ``exchange_finish`` (which must follow, on any thread) needs to read the reply; None
+        where the server has no data plane (nothing was sent: the caller then sends a Push
+        and a Pull). Raises as ``push``."""
+        plane = self._plane(address, timeout)
+        if not plane.address:
+            return None
+        payload = list(push.payload)
+        nbytes = _nbytes(payload)
+        ids = list(pull.ids) if pull.ids else []
+        if plane.packed:
+            head = packed.exchange(push, nbytes, pull)
+        else:
+            head = ps.ExchangeHeader(push=messages.push_header(push, nbytes),
+                                     pull=messages.pull_message(pull)).SerializeToString()
+        started = time.perf_counter()
+        with self._observed(address, "Exchange", started, only_failures=True):
+            return (address, started, plane.packed,
+                    self.pool.start(plane.address, "Exchange", head, payload + ids, timeout=timeout,
+                                    flags=FLAG_PACKED if plane.packed else 0))
+
+    def exchange_finish(self, started, consume):
+        """Read the reply of ``exchange_start``'s request, ``consume(ack, pull reply,
+        payload)`` it and return its result."""
+        address, began, packed_form, sent = started
+
+        def use(raw: bytes, view: memoryview):
+            if packed_form:
+                ack, reply = packed.read_exchange_reply(raw)
+            else:
+                both = ps.ExchangeReply.FromString(raw)
+                ack, reply = messages.push_ack_plain(both.ack), messages.pull_reply_plain(both.pull)
+            return consume(ack, reply, Payload([view]))
+        with self._observed(address, "Exchange", began):
+            return self.pool.finish(sent, use)
+
+    def abandon(self, address: str) -> None:
+        """Close the data-plane connections to the server at gRPC ``address`` (calls in
+        flight on them fail with Unavailable at once) and forget its data-plane address."""
+        with self._lock:
+            plane = self._planes.pop(address, None)
+        if plane is not None and plane.address:
+            self.pool.abandon(plane.address)
+        self.fallback.abandon(address)
+
+    def close(self) -> None:
+        self.pool.close()
+        self.fallback.close()
+
+    # --- internals ---
+    def _call(self, plane: _Plane, address: str, method: str, head: bytes, buffers: list, timeout, consume):
+        with self._observed(address, method, time.perf_counter()):
+            flags = FLAG_PACKED if plane.packed else 0
+            if consume is None:
+                raw, _ = self.pool.call(plane.address, method, head, buffers, timeout=timeout, flags=flags)
+                return raw
+            return self.pool.call(plane.address, method, head, buffers, timeout=timeout, consume=consume,
+                                  flags=flags)
+
+    @contextlib.contextmanager
+    def _observed(self, address: str, method: str, started: float, only_failures: bool = False):
+        """Count the call in the client's metrics (``only_failures``: unless it succeeds) and
+        forget the server's data-plane address when the call finds it unavailable."""
+        code = "OK"
+        try:
+            yield
+        except Unavailable:
+            code = "UNAVAILABLE"
+            with self._lock:
+                self._planes.pop(address, None)      # ask again: it may have restarted
+            raise
+        except Exception as exc:
+            code = getattr(exc, "code", "UNKNOWN")
+            raise
+        finally:
+            if code != "OK" or not only_failures:
+                self.fallback.observe(method, "dataplane", code, started)
+
+    def _plane(self, address: str, timeout: float) -> _Plane:
+        """The data plane of the server at gRPC ``address`` (address "" where it has none)."""
+        with self._lock:
+            known = self._planes.get(address)
+        if known is not None:
+            return known
+        try:
+            call = self.fallback.pool.get(address).OpenDataPlane.future(
+                ps.OpenDataPlaneRequest(job=self.job), timeout=min(timeout, 5.0), metadata=self.metadata)
+            resp = self.fallback.in_flight.wait(address, call, f"OpenDataPlane on {address}")
+            found = _Plane(resp.address, resp.packed) if resp.address else _NONE
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.CANCELLED:     # abandoned: declared dead
+                raise from_rpc_error(err, f"OpenDataPlane on {address}") from None
+            if err.code() != grpc.StatusCode.UNIMPLEMENTED:
+                return _NONE                # not now (starting, unreachable): gRPC this time
+            found = _NONE
+        with self._lock:
+            self._planes[address] = found
+        if not found.address:
+            log.info("server at %s has no data plane: gRPC it is", address)
+        return found

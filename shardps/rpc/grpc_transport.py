@@ -1,0 +1,190 @@
+"""``GrpcTransport``: the data path's ``Transport`` (``shardps.worker.client.transport``) over
+gRPC streams of ``codec`` chunks, with the same-host shared-memory fast path
+(``shardps.rpc.shm``). Requests and replies are the plain values of ``shardps.messages``,
+turned into their protobuf messages (``shardps.rpc.messages``) here."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import grpc
+
+from shardps.errors import Unavailable
+from shardps.messages import PullRequest, PushAck, PushRequest
+from shardps.metrics import WorkerMetrics, labelled
+from shardps.protos.v1 import common_pb2 as pb
+from shardps.protos.v1 import parameter_server_pb2 as ps
+from shardps.rpc import messages, shm
+from shardps.rpc.codec import CHUNK_BYTES, byte_view, encode_chunk, split_payload, write_into
+from shardps.rpc.payload import Payload
+from shardps.rpc.status import from_rpc_error
+from shardps.rpc.stubs import SERVICE, InFlight, StubPool
+
+log = logging.getLogger("shardps.client")
+SHM_MIN_BYTES = 32 << 10       # payloads this large go through shared memory when possible
+
+
+class GrpcTransport:
+    """``Transport`` over gRPC (``StubPool``) with the shared-memory fast path: a payload of
+    ``SHM_MIN_BYTES`` or more to a server that proved it maps this process's memory goes
+    through a ``/dev/shm`` region; gRPC then carries only the control messages. Thread-safe."""
+
+    def __init__(self, job: str, pool: StubPool, metrics: WorkerMetrics, *, metadata=(),
+                 chunk_bytes: int = CHUNK_BYTES, shared_memory: bool = True):
+        self.job = job
+        self.pool = pool
+        self.metrics = metrics
+        self.metadata = tuple(metadata)
+        self.chunk_bytes = chunk_bytes
+        self._shm = shm.ClientRegions() if shared_memory and shm.available() else None
+        self._shm_ok: dict[str, bool] = {}
+        self._shm_proved: set[tuple[str, str]] = set()
+        self.in_flight = InFlight()                    # by address: abandon() cancels them
+
+    def push(self, server, address, request: PushRequest, timeout: float) -> PushAck:
+        arrays = list(request.payload)
+        header = messages.push_header(request, sum(byte_view(a).nbytes for a in arrays))
+        region = self._shared_memory_for(address, header.payload_bytes)
+        if region is not None:          # same host: write the bytes once, send a reference
+            view = region.view(0, header.payload_bytes)
+            write_into(view, arrays)
+            del view
+            header.shared_memory.name = region.name
+            header.shared_memory.length = header.payload_bytes
+            arrays = []
+        head = header.SerializeToString()
+
+        def chunks():
+            first = head
+            for piece in split_payload(arrays, self.chunk_bytes):
+                yield encode_chunk(first, piece)
+                first = None
+            if first is not None:
+                yield encode_chunk(first, None)
+
+        started = time.perf_counter()
+        code = "OK"
+        try:
+            call = self.pool.get(address).Push.future(chunks(), timeout=timeout, metadata=self.metadata)
+            return messages.push_ack_plain(self.in_flight.wait(address, call, f"push to {server}"))
+        except grpc.RpcError as err:
+            code = err.code().name
+            raise from_rpc_error(err, f"push to {server}") from None
+        finally:
+            if region is not None:
+                self._release(region)
+            self.observe("Push", "client_stream", code, started)
+
+    def pull(self, server, address, request: PullRequest, reply_bytes, timeout, consume):
+        region = self._shared_memory_for(address, reply_bytes) if reply_bytes else None
+        message = messages.pull_message(request, self.chunk_bytes,
+                                        b"".join(byte_view(a) for a in request.ids) if request.ids else b"")
+        if region is not None:
+            message.reply_shared_memory.name = region.name
+            message.reply_shared_memory.length = region.size
+        started = time.perf_counter()
+        code = "OK"
+        payload = None
+        try:
+            stream = self.pool.get(address).Pull(message, timeout=timeout, metadata=self.metadata)
+            with self.in_flight.tracking(address, stream):
+                head, payload = collect(stream)
+            if head.in_shared_memory:
+                assert region is not None           # the server writes only where we asked
+                payload = Payload([region.view(0, head.payload_bytes)])
+            return consume(messages.pull_reply_plain(head), payload)
+        except grpc.RpcError as err:
+            code = err.code().name
+            raise from_rpc_error(err, f"pull from {server}") from None
+        finally:
+            payload = None                  # drop views of the region before releasing it
+            if region is not None:
+                self._release(region)
+            self.observe("Pull", "server_stream", code, started)
+
+    def _release(self, region) -> None:
+        assert self._shm is not None        # regions come from it
+        self._shm.release(region)
+
+    def exchange_start(self, server, address, push, pull, timeout):
+        """gRPC has no exchange: None (the data path sends a push, then a pull)."""
+        return None
+
+    def exchange_finish(self, started, consume):
+        raise AssertionError("GrpcTransport.exchange_start never starts an exchange")
+
+    def observe(self, method: str, kind: str, code: str, started: float) -> None:
+        g = self.metrics.grpc
+        labelled(g.started, SERVICE, method, kind).inc()
+        labelled(g.handled, SERVICE, method, kind, code).inc()
+        labelled(g.handling, SERVICE, method, kind).observe(time.perf_counter() - started)
+
+    def abandon(self, address: str) -> None:
+        """Cancel the gRPC calls in flight to ``address`` (they raise Unavailable)."""
+        self.in_flight.abandon(address)
+
+    def close(self) -> None:
+        self.pool.close()
+        if self._shm is not None:
+            self._shm.close()
+
+    # --- the same-host fast path ---
+    def shares_memory_with(self, address: str) -> bool:
+        """Whether the server at ``address`` maps this process's shared memory (probed once;
+        False where shared memory is off or unavailable)."""
+        if self._shm is None:
+            return False
+        if address not in self._shm_ok:
+            region = self._shared_memory_for(address, SHM_MIN_BYTES)
+            if region is not None:
+                self._shm.release(region)
+        return bool(self._shm_ok.get(address))
+
+    def _shared_memory_for(self, address: str, nbytes: int):
+        """A shared-memory region of ``nbytes`` for a call to ``address``, or None when the
+        payload is small or the server cannot map our memory (another host or container).
+        Each region is proved to each server once (the server binds it to this job)."""
+        if self._shm is None or nbytes < SHM_MIN_BYTES or self._shm_ok.get(address) is False:
+            return None
+        region = self._shm.acquire(nbytes)
+        if (address, region.name) in self._shm_proved:
+            return region
+        if self._probe_shared_memory(address, region):
+            self._shm_proved.add((address, region.name))
+            self._shm_ok[address] = True
+            return region
+        self._shm_ok[address] = False
+        self._shm.release(region)
+        return None
+
+    def _probe_shared_memory(self, address: str, region) -> bool:
+        nonce = os.urandom(16)
+        region.view(0, 16)[:] = nonce
+        try:
+            resp = self.pool.get(address).ProbeSharedMemory(
+                ps.ProbeSharedMemoryRequest(ref=pb.SharedMemoryRef(name=region.name, offset=0, length=16),
+                                            nonce=nonce, job=self.job), timeout=5.0, metadata=self.metadata)
+        except grpc.RpcError:
+            return False
+        if not resp.usable:
+            log.debug("shared memory with %s unusable: %s", address, resp.reason)
+        return resp.usable
+
+
+def collect(stream) -> tuple[ps.PullHeader, Payload]:
+    """The header and payload of a Pull response stream (chunks decoded by
+    ``codec.decode_chunk``). Raises Unavailable for a stream without exactly one header."""
+    header = None
+    pieces = []
+    for chunk in stream:
+        if chunk.header is not None:
+            if header is not None:
+                raise Unavailable("pull stream carried two headers")
+            header = ps.PullHeader.FromString(chunk.header)
+        if len(chunk.data):
+            pieces.append(chunk.data)
+    if header is None:
+        raise Unavailable("pull stream ended without a header")
+    return header, Payload(pieces)
