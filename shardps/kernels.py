@@ -193,6 +193,22 @@ def _hash_unique(ids, table_bits):
     return first[:count], inverse
 
 
+@njit(**_JIT)
+def _increasing(ids):
+    for i in range(1, ids.shape[0]):
+        if ids[i] <= ids[i - 1]:
+            return False
+    return True
+
+
+def strictly_increasing(ids: np.ndarray) -> bool:
+    """Whether int64 ``ids`` are unique and ascending (``np.all(ids[1:] > ids[:-1])`` in one
+    pass without temporaries)."""
+    if not AVAILABLE or ids.dtype != np.int64:
+        return bool(ids.shape[0] <= 1 or np.all(ids[1:] > ids[:-1]))
+    return bool(_increasing(ids))
+
+
 def unique_inverse(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``np.unique(ids, return_inverse=True)`` for int64 ids: (sorted distinct ids, index of
     each id in them). Hashes the ids, then sorts only the distinct ones."""
@@ -298,6 +314,41 @@ def sparse_block_of(ids: np.ndarray, num_blocks: int) -> np.ndarray:
     return out
 
 
+@njit(**_JIT)
+def _route_rows(ids, num_blocks, primary, num_servers, order, starts):
+    nb = np.uint64(num_blocks)
+    n = ids.shape[0]
+    server = np.empty(n, dtype=np.int32)
+    for i in range(n):
+        b = np.int64(_splitmix64(np.uint64(ids[i])) % nb)
+        s = primary[b]
+        if s < 0:
+            return b                     # a block without a live replica
+        server[i] = s
+        starts[s + 1] += 1
+    for k in range(num_servers):
+        starts[k + 1] += starts[k]
+    fill = starts[:num_servers].copy()
+    for i in range(n):
+        s = server[i]
+        order[fill[s]] = i
+        fill[s] += 1
+    return -1
+
+
+def route_rows(ids: np.ndarray, num_blocks: int, primary: np.ndarray, num_servers: int
+               ) -> tuple[np.ndarray, np.ndarray] | int:
+    """Rows ``ids`` grouped by the server of their block (``primary``: the server index of
+    each block's primary), in one compiled pass: (order, starts), the positions of server
+    ``k``'s rows being ``order[starts[k]:starts[k + 1]]`` (ascending); or the index of the
+    first block without a live replica (primary -1)."""
+    order = np.empty(ids.shape[0], dtype=np.int64)
+    starts = np.zeros(num_servers + 1, dtype=np.int64)
+    missing = _route_rows(np.ascontiguousarray(ids, dtype=np.int64), num_blocks,
+                          np.ascontiguousarray(primary, dtype=np.int32), num_servers, order, starts)
+    return int(missing) if missing >= 0 else (order, starts)
+
+
 def group_by_key(keys: np.ndarray, num_keys: int) -> list[tuple[int, np.ndarray]]:
     """``shardps.tables.group_by_block`` for keys in [0, num_keys): [(key, positions of
     its rows, ascending)], keys ascending; a counting sort (one pass to count, one to place)
@@ -331,8 +382,10 @@ def warm_up() -> None:
     _adam(rows, np.zeros_like(rows), np.zeros_like(rows), np.zeros(2, np.int32), slots, grad,
           0.1, 0.9, 0.999, 1e-8, 0.0)
     unique_inverse(np.arange(128, dtype=np.int64))
+    strictly_increasing(np.arange(4, dtype=np.int64))
     for kind in (InitKind.UNIFORM, InitKind.NORMAL):
         initial_values(Initializer(kind), np.arange(2, dtype=np.int64), 2)
     group_by_key(sparse_block_of(np.arange(4, dtype=np.int64), 4), 4)
     group_by_key(np.zeros(4, np.int32), 4)          # clients group by server index (int32)
+    route_rows(np.arange(4, dtype=np.int64), 4, np.zeros(4, np.int32), 1)
     _WARM = True

@@ -70,6 +70,12 @@ def _no_replica(t: TableView, block: int) -> Unavailable:
 def _route_dense(t: TableView, p: Piece):
     bs = t.spec.block_size
     b0, b1 = p.start // bs, (p.stop - 1) // bs
+    if b0 == b1:                        # one block (a small table): no arrays to cut
+        server = int(t.primary[b0])
+        if server < 0:
+            raise _no_replica(t, b0)
+        yield server, p
+        return
     prim = t.primary[b0:b1 + 1]
     if (prim < 0).any():
         raise _no_replica(t, b0 + int(np.flatnonzero(prim < 0)[0]))
@@ -88,6 +94,22 @@ def _route_dense(t: TableView, p: Piece):
 def _route_sparse(t: TableView, p: Piece):
     assert p.ids is not None and p.positions is not None     # a sparse piece carries both
     if p.ids.shape[0] == 0:
+        return
+    if kernels.AVAILABLE:
+        got = kernels.route_rows(p.ids, t.spec.num_blocks, t.primary, len(t.server_index))
+        if isinstance(got, int):
+            raise _no_replica(t, got)
+        order, starts = got
+        bounds = starts.tolist()
+        for server in range(len(bounds) - 1):
+            a, z = bounds[server], bounds[server + 1]
+            if a == z:
+                continue
+            pos = order[a:z]
+            sub = Piece(p.item, p.table, False, ids=p.ids[pos], positions=p.positions[pos])
+            if p.values is not None:
+                sub.values = p.values[pos]
+            yield server, sub
         return
     blocks = kernels.sparse_block_of(p.ids, t.spec.num_blocks)
     servers = t.primary[blocks]

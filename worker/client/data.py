@@ -19,6 +19,7 @@ The transport is the plug-in point: ``DataPath(transport=...)`` takes any ``Tran
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from concurrent import futures
@@ -29,7 +30,7 @@ import numpy as np
 from shardps import dtypes
 from shardps.dtypes import WireDType
 from shardps.errors import DeadlineExceeded, Unavailable
-from shardps.messages import GRADIENT, RANGE, ROWS, PullReply, PullRequest, PushAck, PushRequest, Selection
+from shardps.messages import GRADIENT, RANGE, ROWS, PullReply, PullRequest, PushAck, PushRequest, Selection, Versions
 from shardps.metrics import WorkerMetrics, labelled
 from shardps.rpc.codec import CHUNK_BYTES, byte_view
 from shardps.shardmap import ShardMapView
@@ -198,7 +199,7 @@ class DataPath:
                 result.staleness = max(result.staleness, max(0, result.clock - int(head.min_clock)))
             result.waited_seconds = max(result.waited_seconds, head.waited_seconds)
             for v in head.versions:
-                pairs = dict(zip(((v.table, int(b)) for b in v.blocks), (int(x) for x in v.versions)))
+                pairs = _pairs(v)
                 result.versions.update(pairs)
                 self._versions.update(pairs)
             result.min_clock = max(result.min_clock, int(head.min_clock))
@@ -269,7 +270,7 @@ class DataPath:
         def acknowledged(ack: PushAck) -> None:
             with lock:
                 for v in ack.versions:
-                    result.versions.update(zip(((v.table, int(b)) for b in v.blocks), (int(x) for x in v.versions)))
+                    result.versions.update(_pairs(v))
                 result.duplicate_blocks += ack.duplicate_blocks
 
         def send(server: str, address: str, ps_: list[Piece], view: ShardMapView) -> None:
@@ -367,6 +368,13 @@ def base_versions(p: Piece, view: ShardMapView, job: str, versions: dict[tuple[s
         if v is not None:
             out[b] = v
     return out
+
+
+def _pairs(v: Versions) -> dict[tuple[str, int], int]:
+    """(table, block) -> version of one reply's ``Versions``."""
+    blocks = v.blocks.tolist() if hasattr(v.blocks, "tolist") else v.blocks
+    versions = v.versions.tolist() if hasattr(v.versions, "tolist") else v.versions
+    return dict(zip(zip(itertools.repeat(v.table), blocks), versions))
 
 
 def payload_bytes(request: PushRequest) -> int:

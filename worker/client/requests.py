@@ -31,6 +31,9 @@ from shardps.worker.routing import Piece
 Finish = Callable[[np.ndarray], np.ndarray]       # pulled values -> what the caller gets
 
 
+_F32 = np.dtype(np.float32)
+
+
 def _dtype_name(values) -> str | None:
     """The dtype of a numpy array or torch tensor as numpy names it (None: no dtype)."""
     dtype = getattr(values, "dtype", None)
@@ -42,6 +45,8 @@ def _dtype_name(values) -> str | None:
 def as_float32(values, t: TableView, what: str = "gradient") -> np.ndarray:
     """``values`` as a C-contiguous float32 numpy array, without converting another dtype:
     InvalidArgument naming the table when it is not float32 (or not numbers at all)."""
+    if type(values) is np.ndarray and values.dtype == _F32 and values.flags.c_contiguous:
+        return values                         # the common case, checked in a few nanoseconds
     name = _dtype_name(values)
     if name is not None and name != "float32":
         raise InvalidArgument(f"{what} for table {t.name!r} has dtype {name}; the table holds "
@@ -59,7 +64,7 @@ def distinct(ids: np.ndarray) -> tuple[np.ndarray, Finish]:
     """(each distinct id once, ascending; a function taking their rows to the rows of
     ``ids``). Ids already distinct and ascending (e.g. from ``torch.unique``) are neither
     sorted again nor gathered afterwards."""
-    if ids.shape[0] <= 1 or bool(np.all(ids[1:] > ids[:-1])):
+    if kernels.strictly_increasing(ids):
         return ids, lambda rows: rows
     unique, inverse = kernels.unique_inverse(ids)
     return unique, lambda rows: rows[inverse]
@@ -239,7 +244,8 @@ def rows_push(item: int, t: TableView, ids, grads, allow_empty: bool = False) ->
                 f"gradient rows for sparse table {t.name!r} have shape {tuple(grads.shape)}; "
                 f"{n} ids of a table with dim {dim} need ({n}, {dim})")
         grads = grads.reshape(n, dim)
-    ids, grads = coalesce(ids, grads)
+    if not kernels.strictly_increasing(ids):
+        ids, grads = coalesce(ids, grads)
     return Piece(item, t.name, False, ids=ids, positions=np.arange(ids.shape[0]), values=grads)
 
 
