@@ -312,7 +312,12 @@ class ParameterServerService:
                 reply, arrays = self._dp_pull(pull, call)
                 return (packed.exchange_reply(ack, reply) if packed_form else ps.ExchangeReply(
                     ack=messages.push_ack(ack), pull=messages.pull_header(reply)).SerializeToString()), arrays
-            raise InvalidArgument(f"data plane: unknown method {method!r}: Push, Pull or Exchange")
+            if method == "Replicate":           # primary -> backup (INTERNAL: the cluster's credential)
+                if len(payload) > self.node.limits.max_request_bytes:
+                    raise ResourceExhausted(f"Replicate: {len(payload)} bytes; the limit "
+                                            f"max_request_bytes is {self.node.limits.max_request_bytes}")
+                return self._replicate(ps.ReplicateHeader.FromString(header), payload).SerializeToString(), None
+            raise InvalidArgument(f"data plane: unknown method {method!r}: Push, Pull, Exchange or Replicate")
         except ShardpsError as exc:
             self._refused(exc)
             raise
@@ -378,6 +383,12 @@ class ParameterServerService:
             raise InvalidArgument("Replicate: empty stream")
         header, payload = collect_chunks(first, it, ps.ReplicateHeader,
                                          self.node.limits.max_request_bytes, "Replicate")
+        return self._replicate(header, payload)
+
+    def _replicate(self, header: ps.ReplicateHeader, payload) -> ps.ReplicateAck:
+        if header.payload_bytes and header.payload_bytes != len(payload):
+            raise InvalidArgument(f"Replicate: the header declares {header.payload_bytes} payload "
+                                  f"bytes; the request carries {len(payload)}")
         applied, stale = self.node.apply_replicated(header.epoch, header.source, header.ops, payload)
         ack = ps.ReplicateAck(applied=applied)
         for job, table, block in stale:

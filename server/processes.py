@@ -26,6 +26,7 @@ from shardps.metrics import ManagerMetrics, NodeMetrics
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import manager_pb2 as mg
 from shardps.rpc import channels
+from shardps.rpc.peers import NodePeers
 from shardps.rpc.status import from_rpc_error
 from shardps.rpc.stubs import GrpcPeers, StubPool
 from shardps.server.manager.checkpoints import CheckpointCoordinator
@@ -237,6 +238,16 @@ def _data_plane(settings: ServerProcessSettings, service: ParameterServerService
     return server
 
 
+def _peers(name: str, address_of, pool: StubPool, timeout: float, tls, metadata) -> NodePeers:
+    """How a node reaches its peers: replication over their data planes, the rest (and
+    peers without one) over gRPC, with the node's TLS and credential."""
+    from shardps.rpc.dataplane import DataPlanePool, client_ssl_context
+    planes = DataPlanePool(client_ssl_context(tls) if tls is not None else None,
+                           server_hostname=getattr(tls, "server_name_override", "") or None,
+                           connections_per_address=8, metadata=metadata, connect_timeout=timeout)
+    return NodePeers(GrpcPeers(name, address_of, pool, timeout), planes)
+
+
 class ServerProcess:
     """A server node: registers with the manager, heartbeats, serves its blocks."""
 
@@ -250,7 +261,8 @@ class ServerProcess:
                                     max_rows=settings.max_rows,
                                     forward_timeout=settings.forward_timeout),
             metrics=self.metrics)
-        self.node.peers = GrpcPeers(name, self.node.view_address, self.pool, settings.forward_timeout)
+        self.peers = _peers(name, self.node.view_address, self.pool, settings.forward_timeout, tls, metadata)
+        self.node.peers = self.peers
         self.service = ParameterServerService(self.node)
         from shardps.server.admission import Admission
         self.service.admission = Admission(settings.job_max_requests_per_second,
@@ -406,4 +418,5 @@ class ServerProcess:
             if t is not None:
                 t.join(timeout=1)     # a heartbeat in flight must not delay the stop
         self._manager.close()
+        self.peers.close()
         self.pool.close()

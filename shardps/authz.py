@@ -85,7 +85,7 @@ TABLE: dict[str, dict[str, Rule]] = {
                       note="opens a data-plane connection; each method is then checked by its entry"),
         "GetNodeStatus": Rule(AUTHENTICATED, answer=OWN_JOB,
                               note="a job token sees its own tables, clocks and totals only"),
-        "Replicate": Rule(INTERNAL, note="primary -> backup updates"),
+        "Replicate": Rule(INTERNAL, transports=_BOTH, note="primary -> backup updates"),
         "InstallShardMap": Rule(INTERNAL, note="manager -> server"),
         "CopyBlocks": Rule(INTERNAL, note="manager -> server: block moves"),
         "LoadBlocks": Rule(INTERNAL, note="server -> server: block moves, restores"),

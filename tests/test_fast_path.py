@@ -125,3 +125,12 @@ def test_a_pull_naming_a_table_twice_locks_each_block_once():
     w2, _ = dense_seg(4, 16)
     reply, values = primary.pull(header(), e1 + w1 + e2 + w2, i1 + i2)
     assert [v.shape for v in values] == [(3, DIM), (8,), (2, DIM), (12,)]
+
+
+def test_a_pull_with_a_segment_of_no_rows_answers_an_empty_array():
+    # the data-path fuzzer found the fast read indexing the blocks of a segment that has none
+    primary, _ = _cluster(("s0",), adagrad(0.1))
+    e1, i1 = rows_seg([5, 23, 48])
+    e2, i2 = rows_seg([])
+    _, values = primary.pull(header(), e1 + e2, i1 + i2)
+    assert [v.shape for v in values] == [(3, DIM), (0, DIM)]

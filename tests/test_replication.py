@@ -4,6 +4,7 @@ acknowledged push, re-replication restores R (real gRPC servers on loopback)."""
 import time
 
 import numpy as np
+import pytest
 
 from shardps.server.node import snapshot_block
 from shardps.tables import adam, sgd
@@ -44,8 +45,11 @@ def wait(cond, what: str, timeout: float = 30.0):
     wait_for(what, cond, timeout, interval=0.05)
 
 
-def test_backups_apply_exactly_what_primaries_apply(make_cluster, client_factory):
-    cluster = make_cluster(3, replication=2)
+@pytest.mark.parametrize("transport", ["dataplane", "client_stream"])
+def test_backups_apply_exactly_what_primaries_apply(make_cluster, client_factory, transport):
+    # servers forward over their peers' data planes; without one, over gRPC
+    cluster = make_cluster(3, replication=2,
+                           server_settings={} if transport == "dataplane" else {"data_plane_port": -1})
     c = client_factory(cluster.address)
     c.create_job()
     c.join(heartbeat=False)
@@ -57,6 +61,15 @@ def test_backups_apply_exactly_what_primaries_apply(make_cluster, client_factory
         c.push_rows("e", rng.integers(0, 10_000, 300), rng.standard_normal((300, 8)).astype(np.float32))
     assert replicas_equal(cluster, "test", "d") == 10
     assert replicas_equal(cluster, "test", "e") == 16
+    other = "client_stream" if transport == "dataplane" else "dataplane"
+    assert replicate_calls(cluster, transport) >= 10 and replicate_calls(cluster, other) == 0
+
+
+def replicate_calls(cluster, grpc_type: str) -> float:
+    """Replicate calls the cluster's servers answered OK over ``grpc_type``."""
+    return sum(s.metrics.registry.get_sample_value("grpc_server_handled_total", {
+        "grpc_service": "shardps.v1.ParameterServer", "grpc_method": "Replicate", "grpc_type": grpc_type,
+        "grpc_code": "OK"}) or 0.0 for s in cluster.servers.values())
 
 
 def test_failover_keeps_acknowledged_pushes_and_restores_r(make_cluster, client_factory):

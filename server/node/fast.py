@@ -233,10 +233,11 @@ def read_pull(table: BlockTable, epoch: int, parsed: list[Segment], reply: PullR
                     lo, hi = max(s.lo, blk.start), min(s.hi, blk.stop)
                     blk.read(lo, hi, out=out[lo - s.lo:hi - s.lo])
             else:
-                rows = objects[0].table_rows
                 out = np.empty((s.ids.shape[0], t.spec.dim), dtype=np.float32)
-                with rows.lock:
-                    rows.read(s.ids, out=out)
+                if objects:                     # no block: a segment of no rows
+                    rows = objects[0].table_rows
+                    with rows.lock:
+                        rows.read(s.ids, out=out)
             outputs.append(out)
             reply.segments.append(Layout(WireDType.FLOAT32.value, out.size))
             reply.versions.append(Versions(t.name, blocks, [blk.version for blk in objects]))

@@ -31,7 +31,16 @@ from shardps.metrics import NodeMetrics
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc.codec import byte_view
-from shardps.server.blocks import AnyBlock, BlockKey, DenseBlock, Writer, decode_metadata, encode_metadata
+from shardps.server.blocks import (
+    AnyBlock,
+    BlockKey,
+    BlockLocks,
+    DenseBlock,
+    Writer,
+    decode_metadata,
+    encode_metadata,
+    remember_all,
+)
 from shardps.server.node.apply import apply_gradient
 from shardps.server.node.table import BlockTable
 from shardps.shardmap import ShardMapView
@@ -227,10 +236,35 @@ class Forwarder:
         return key, blk
 
 
+def _decode_ops(ops: Sequence[ps.BlockOp], payload) -> list[Op]:
+    """Each op with its key and arrays (views of ``payload``: ids int64, values float32).
+    InvalidArgument if the payload does not match the ops."""
+    buf = byte_view(payload) if payload is not None else memoryview(b"")
+    offset = 0
+    out: list[Op] = []
+    for op in ops:
+        arrays = []
+        if op.kind in (ps.APPLY, ps.ACCUMULATE, ps.INITIAL):
+            for count, dtype, size in ((op.id_count, "<i8", 8), (op.element_count, "<f4", 4)):
+                if dtype == "<i8" and not count:
+                    continue
+                n = int(count) * size
+                if offset + n > len(buf):
+                    raise InvalidArgument(f"replicate payload has {len(buf)} bytes; op "
+                                          f"{(op.job, op.table, op.block)} needs {n} more after byte {offset}")
+                arrays.append(np.frombuffer(buf[offset:offset + n], dtype=dtype))
+                offset += n
+        out.append(((op.job, op.table, int(op.block)), op, arrays))
+    if offset != len(buf):
+        raise InvalidArgument(f"replicate payload has {len(buf)} bytes; ops describe {offset}")
+    return out
+
+
 class BackupApplier:
     """The backup's side: apply a primary's forwarded ops, load whole blocks.
 
-    Thread-safe; takes one block lock at a time, with nothing held on entry. No I/O.
+    Thread-safe; takes block locks in key order (``BlockLocks``), with nothing held on
+    entry. No I/O.
     """
 
     def __init__(self, table: BlockTable, steps: "SyncSteps"):
@@ -245,24 +279,19 @@ class BackupApplier:
         copied a staged block here), for blocks that did not move after ``epoch``: else
         StaleEpoch. InvalidArgument if the payload does not match the ops.
         """
-        buf = byte_view(payload) if payload is not None else memoryview(b"")
-        offset = 0
+        items = _decode_ops(ops, payload)
         applied = 0
         stale: list[BlockKey] = []
         view = self.table.view
-        for op in ops:
-            key = (op.job, op.table, int(op.block))
-            arrays = []
-            if op.kind in (ps.APPLY, ps.ACCUMULATE, ps.INITIAL):
-                for count, dtype, size in ((op.id_count, "<i8", 8), (op.element_count, "<f4", 4)):
-                    if dtype == "<i8" and not count:
-                        continue
-                    n = int(count) * size
-                    if offset + n > len(buf):
-                        raise InvalidArgument(f"replicate payload has {len(buf)} bytes; op {key} needs "
-                                              f"{n} more after byte {offset}")
-                    arrays.append(np.frombuffer(buf[offset:offset + n], dtype=dtype))
-                    offset += n
+        i = 0
+        while i < len(items):
+            run = self._sparse_run(view, items, i)
+            if run > 1:
+                applied += self._apply_sparse_run(view, source, epoch, items[i:i + run], stale)
+                i += run
+                continue
+            key, op, arrays = items[i]
+            i += 1
             blk = self.backup_block(view, key, source, epoch)
             with blk.lock:
                 if op.version != blk.version + 1:
@@ -294,9 +323,63 @@ class BackupApplier:
                     raise InvalidArgument(f"unknown block op kind {op.kind}")
                 blk.remember(writer)
                 applied += 1
-        if offset != len(buf):
-            raise InvalidArgument(f"replicate payload has {len(buf)} bytes; ops describe {offset}")
         return applied, stale
+
+    def _sparse_run(self, view: ShardMapView, items: list[Op], i: int) -> int:
+        """How many ops from ``items[i]`` on are plain APPLYs of one sparse table's blocks
+        by one writer under the config this node has (no lifecycle decisions): they are
+        applied as one (``_apply_sparse_run``). 0 or 1: apply ``items[i]`` alone."""
+        key, op, _ = items[i]
+        if op.kind != ps.APPLY or op.dropped_count or op.evicted_count:
+            return 0
+        t = view.tables.get((key[0], key[1]))
+        rows = self.table.sparse_rows.get((key[0], key[1]))
+        if (t is None or rows is None or rows.life is not None or t.config.lifecycle.enabled
+                or t.config.version != op.config_version):
+            return 0
+        w = op.writer
+        n = 1
+        seen = {key}
+        for k2, op2, _ in items[i + 1:]:
+            w2 = op2.writer
+            if (k2 in seen or k2[:2] != key[:2] or op2.kind != ps.APPLY or op2.dropped_count or op2.evicted_count
+                    or op2.config_version != op.config_version or w2.session != w.session
+                    or w2.incarnation != w.incarnation or w2.sequence != w.sequence
+                    or w2.acked_below != w.acked_below):
+                break
+            seen.add(k2)
+            n += 1
+        return n
+
+    def _apply_sparse_run(self, view: ShardMapView, source: str, epoch: int, run: list[Op],
+                          stale: list[BlockKey]) -> int:
+        """Apply the APPLY ops of ``_sparse_run`` with one compiled update of their rows;
+        blocks whose version does not follow on are reported in ``stale``. Returns how many
+        were applied."""
+        key0, op0, _ = run[0]
+        t = view.tables[(key0[0], key0[1])]
+        rows = self.table.sparse_rows[(key0[0], key0[1])]
+        blocks = [self.backup_block(view, key, source, epoch) for key, _, _ in run]
+        w = op0.writer
+        writer = Writer(w.session, w.incarnation, w.sequence, w.acked_below)
+        with BlockLocks(sorted(blocks, key=lambda blk: blk.key)):
+            fresh = []
+            for (key, op, arrays), blk in zip(run, blocks):
+                if op.version != blk.version + 1:
+                    stale.append(key)
+                else:
+                    fresh.append((blk, arrays))
+            if not fresh:
+                return 0
+            ids = np.concatenate([arrays[0] for _, arrays in fresh])
+            grad = np.concatenate([arrays[1] for _, arrays in fresh]).reshape(-1, t.spec.dim)
+            with rows.lock:
+                rows.apply_rows(t.config, ids, grad)
+            done = [blk for blk, _ in fresh]
+            for blk in done:
+                blk.version += 1
+            remember_all(done, writer)
+        return len(done)
 
     def backup_block(self, view: ShardMapView, key: BlockKey, source: str, epoch: int) -> AnyBlock:
         """The block ``source`` may forward ``key``'s ops to here, else StaleEpoch."""

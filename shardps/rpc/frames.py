@@ -62,7 +62,7 @@ FLAG_PACKED = 4
 HELLO = 0
 # The ParameterServer methods the data plane carries (ids are part of the wire format:
 # add, never renumber).
-METHOD_IDS = {"Push": 1, "Pull": 2, "Exchange": 3}
+METHOD_IDS = {"Push": 1, "Pull": 2, "Exchange": 3, "Replicate": 4}
 METHOD_NAMES = {v: k for k, v in METHOD_IDS.items()}
 MAX_METHOD_ID = 0xFFFF
 

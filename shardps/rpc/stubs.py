@@ -201,11 +201,21 @@ class GrpcPeers:
         except grpc.RpcError as err:
             raise from_rpc_error(err, what) from None
 
-    def _stub(self, node: str) -> ParameterServerStub:
+    def address(self, node: str) -> str:
+        """The gRPC address of ``node`` under the node's map; Unavailable if it has none."""
         try:
-            return self.pool.get(self.address_of(node))
+            return self.address_of(node)
         except KeyError:
             raise Unavailable(f"server {node!r} is not in the shard map") from None
+
+    def _stub(self, node: str) -> ParameterServerStub:
+        return self.pool.get(self.address(node))
+
+    def open_data_plane(self, address: str, job: str) -> ps.OpenDataPlaneResponse:
+        """Ask the server at ``address`` for its data plane (raises ``grpc.RpcError``)."""
+        call = self.pool.get(address).OpenDataPlane.future(
+            ps.OpenDataPlaneRequest(job=job), timeout=min(self.timeout, 5.0), metadata=self.pool.metadata)
+        return self.in_flight.wait(address, call, f"OpenDataPlane on {address}")
 
     def replicate(self, node, epoch, ops, arrays):
         header = ps.ReplicateHeader(epoch=epoch, source=self.node_name, ops=ops,

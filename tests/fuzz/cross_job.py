@@ -37,7 +37,8 @@ from tests.fuzz.world import World
 
 ATTACKER = OTHER
 FOREIGN = [VICTIM] * 6 + [UNKNOWN_JOB, "", SCRATCH_JOBS[0]]     # jobs that are not the attacker's
-DP_MESSAGES = {"Push": ps.PushHeader, "Pull": ps.PullRequest, "Exchange": ps.ExchangeHeader}
+DP_MESSAGES = {"Push": ps.PushHeader, "Pull": ps.PullRequest, "Exchange": ps.ExchangeHeader,
+               "Replicate": ps.ReplicateHeader}
 ANSWERS = {"GetShardMap": pb.ShardMap, "WatchShardMap": pb.ShardMap, "GetNodeStatus": ps.NodeStatus}
 
 
@@ -182,7 +183,12 @@ def run_data_plane(data, w: World, t: Tally, method: str, conns: dict) -> None:
     push = ps.PushHeader(header=pb.RequestHeader(job=ATTACKER, epoch=w.epoch()), segments=[seg],
                          payload_bytes=32)
     pull = ps.PullRequest(header=pb.RequestHeader(job=ATTACKER, epoch=w.epoch()), segments=[seg])
-    msg = {"Push": push, "Pull": pull, "Exchange": ps.ExchangeHeader(push=push, pull=pull)}[method]
+    # Replicate: a forged primary's op on the victim's block (only the cluster may send one)
+    forged = ps.ReplicateHeader(epoch=w.epoch(), source=one_of(w, sorted(w.servers)), payload_bytes=32,
+                                ops=[ps.BlockOp(job=VICTIM, table=seg.table, block=0, kind=ps.APPLY,
+                                                version=1, element_count=8)])
+    msg = {"Push": push, "Pull": pull, "Exchange": ps.ExchangeHeader(push=push, pull=pull),
+           "Replicate": forged}[method]
     aim(data, w, rule, msg)
     header = msg.SerializeToString()
     mutated = coin(w) and coin(w)
