@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 from concurrent import futures
+from typing import Callable
 
 import numpy as np
 import torch
@@ -62,6 +63,8 @@ class PSRows(nn.Module):
         self._planned: collections.deque[tuple] = collections.deque(maxlen=8)
         self.last_unique = 0                   # distinct ids of the last lookup
         self.clock = 0                         # the worker's completed steps, sent with pulls (PSModel sets it)
+        # PSModel's LookupPlanner.observe: sees each lookup's ids
+        self._observer: Callable[[PSRows, torch.Tensor], None] | None = None
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, table={self.table!r}"
@@ -105,6 +108,8 @@ class PSRows(nn.Module):
         if ids.dtype not in (torch.int32, torch.int64):
             raise InvalidArgument(f"{type(self).__name__} {self.table!r}: ids must be int32 or int64, "
                                   f"got {ids.dtype}")
+        if self._observer is not None:
+            self._observer(self, ids)
         flat = ids.reshape(-1)
         planned = self._take_plan(flat)
         if planned is not None:

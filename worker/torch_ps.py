@@ -48,6 +48,7 @@ from shardps.tables import OptimizerConfig, assigned, dense_table, sgd, sparse_t
 from shardps.worker.client import PSClient, PushResult
 from shardps.worker.embedding_bag import KeyedJaggedTensor, PSEmbeddingBagCollection
 from shardps.worker.embeddings import PSEmbedding, PSEmbeddingBag, PSRows
+from shardps.worker.lookups import LookupPlanner
 
 __all__ = ["PSModel", "PSLambdaLR", "PSEmbedding", "PSEmbeddingBag", "PSEmbeddingBagCollection",
            "KeyedJaggedTensor", "default_device"]
@@ -105,6 +106,14 @@ class PSModel:
         self._prefetch: collections.deque[tuple[int, futures.Future, list]] = collections.deque()
         self.timings = {"pull_wait": 0.0, "push_wait": 0.0, "barrier_wait": 0.0}
         self._base_lr: dict[str, float] = {}
+        # the plain loop's lookups, learned from one forward, fetched with the next pull
+        self.lookups = LookupPlanner()
+        self._deferred_pull = False
+        if self.embeddings:
+            for emb in self.embeddings.values():
+                emb._observer = self.lookups.observe
+            module.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+            module.register_forward_hook(self._after_forward, with_kwargs=True)
 
     def __call__(self, *args, **kwargs):
         """Run the wrapped module's forward."""
@@ -150,7 +159,31 @@ class PSModel:
         ``prefetch``; ``request_prefetch`` of single embeddings), all in one ``pull_many``:
         one call per server. With ``overlap``, what the last push's exchange carried is used
         and only what it lacks is pulled; that pull first waits for the push in flight, so it
-        reads every earlier push of this worker."""
+        reads every earlier push of this worker.
+
+        In the plain loop (no ``features``, no ``overlap``), once a forward has shown where
+        each embedding's ids come from (views of the forward's inputs: ``LookupPlanner``),
+        the pull waits for the next forward of the module and fetches the dense values and
+        those embeddings' rows there, together: one call per server instead of one per
+        table. ``push``, ``settle`` and ``state_dict`` complete a pull no forward took."""
+        if features is None and not self.overlap and self.lookups.learned and not self._prefetch:
+            self._deferred_pull = True
+            return
+        self._pull_now(features)
+
+    def _before_forward(self, module, args, kwargs) -> None:
+        self.lookups.begin(args, kwargs)
+        if self._deferred_pull:
+            for emb, ids in self.lookups.predict():
+                if emb._wanted is None:            # type: ignore[attr-defined]
+                    emb.request_prefetch(ids)      # type: ignore[attr-defined]
+            self._pull_now()
+
+    def _after_forward(self, module, args, kwargs, output) -> None:
+        self.lookups.end()
+
+    def _pull_now(self, features: KeyedJaggedTensor | None = None) -> None:
+        self._deferred_pull = False
         if features is not None:
             self.prefetch(features)
         started = time.perf_counter()
@@ -206,6 +239,8 @@ class PSModel:
         ``pull`` waits for it at once; with 2 it runs during the next step's compute (see
         ``lookahead``). Other workers' pushes may still be in flight (SYNC and SSP pulls wait
         as their model requires). Returns the acknowledgement without overlap, None with it."""
+        if self._deferred_pull:                    # pulled, then no forward: load the values
+            self._pull_now()
         started = time.perf_counter()
         requests: list[tuple] = []
         for name, p in self.dense.items():
@@ -291,7 +326,7 @@ class PSModel:
         and export)."""
         self.flush()
         self._prefetch.clear()
-        self.pull()
+        self._pull_now()
 
     # ------------------------------------------------------------------ schedules and export
     def set_lr(self, lr_of: Callable[[float], float]) -> None:

@@ -44,6 +44,8 @@ class BenchConfig:
     e2e_servers: int = 2
     # scale: the ctr model at the (workers, servers) points the cores fit (shardps/bench/scale.py)
     scale_train_samples: int = 200_000
+    # many tables: the plain loop on 12 single-hot tables (shardps/bench/many_tables.py)
+    many_tables_steps: int = 400
     # memory
     mem_dense_params: int = 10_000_000
     mem_sparse_rows: int = 1_000_000
@@ -130,6 +132,7 @@ TINY = BenchConfig(
     e2e_workers=1,
     e2e_servers=1,
     scale_train_samples=4_096,
+    many_tables_steps=5,
     mem_dense_params=1 << 18,
     mem_sparse_rows=10_000,
     mem_push_elements=1 << 16,

@@ -20,13 +20,15 @@ the MLP, AUC on 50,000 held-out samples. One torch thread per process.
   the same optimizers), in a child process.
 
 samples/s is aggregate: all workers' samples over the slowest one's training-loop time.
+``e2e_many_tables_*``: the plain ``PSModel`` loop on a model of 12 tables
+(``shardps.bench.many_tables``).
 """
 
 from __future__ import annotations
 
 import time
 
-from shardps.bench import ddp, ps_runs
+from shardps.bench import ddp, many_tables, ps_runs
 from shardps.bench.common import BenchError, Children, ratio, self_peak_rss_kb
 from shardps.bench.config import BenchConfig
 
@@ -105,6 +107,10 @@ def run(cfg: BenchConfig, progress) -> dict[str, float]:
         record(name, ddp.summarize(res), time.monotonic() - t0)
     t0 = time.monotonic()
     record("single", run_single(rows, n, cfg.process_timeout_s), time.monotonic() - t0)
+
+    t0 = time.monotonic()
+    out.update(many_tables.run(cfg, progress))           # the plain loop on many tables
+    progress(f"many tables took {time.monotonic() - t0:.0f}s")
 
     out["e2e_train_samples"] = float(n)
     out["e2e_ddp_train_samples"] = float(n_dense)

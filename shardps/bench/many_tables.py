@@ -1,0 +1,137 @@
+"""Many tables through the plain loop: a wide & deep style model with one single-hot
+``PSEmbedding`` per categorical field, trained with the README's loop (``model.pull()``,
+``model(x)``, ``backward``, ``model.push()``), one worker (this process) and two servers,
+against the same model in one process (``nn.Embedding(sparse=True)``).
+
+Model: ``many_tables_fields`` fields, each a Zipf(1.1) id over ``many_tables_rows`` rows into
+its own 8-wide table (Adagrad 0.05 on the servers / ``torch.optim.SparseAdagrad``... in one
+process: ``torch.optim.Adagrad`` over sparse gradients), concatenated into an MLP
+(fields x 8 - 64 - 1, Adam 2e-3), batch 256, labels from a fixed random logistic model of the
+ids. One torch thread.
+
+Keys: ``e2e_many_tables_{ps,single}_samples_per_s`` (the loop's samples over its wall time,
+after ``many_tables_warmup_steps``), ``e2e_many_tables_calls_per_step_per_server`` (the
+client's data calls: pushes, pulls and exchanges, per step and server, after the warm-up),
+``ratio_e2e_many_tables_ps_over_single``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from shardps.bench.common import ratio
+from shardps.bench.config import BenchConfig
+
+FIELDS, ROWS, DIM, BATCH, WARMUP = 12, 100_000, 8, 256, 20
+
+
+def _data(steps: int, fields: int, rows: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    ids = (rng.zipf(1.1, size=(steps, BATCH, fields)) - 1) % rows
+    weight = rng.standard_normal((fields, 64)).astype(np.float32)
+    signal = np.sin(ids[..., None] * 0.001 * weight).sum(axis=(-2, -1))
+    labels = (signal + rng.standard_normal(signal.shape) > 0).astype(np.float32)
+    return ids.astype(np.int64), labels
+
+
+def _model(fields: int, rows: int, make_table):
+    import torch
+    from torch import nn
+
+    class WideDeep(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fields = nn.ModuleList(make_table(i) for i in range(fields))
+            self.mlp = nn.Sequential(nn.Linear(fields * DIM, 64), nn.ReLU(), nn.Linear(64, 1))
+
+        def forward(self, x):
+            return self.mlp(torch.cat([emb(x[:, i]) for i, emb in enumerate(self.fields)], dim=1)).squeeze(1)
+
+    torch.manual_seed(0)
+    return WideDeep()
+
+
+def _calls(client) -> float:
+    return sum(s.value for m in client.metrics.registry.collect() if m.name == "grpc_client_handled"
+               for s in m.samples if s.name.endswith("_total")
+               and s.labels.get("grpc_method") in ("Push", "Pull", "Exchange"))
+
+
+def run_ps(ids: np.ndarray, labels: np.ndarray, fields: int, rows: int) -> tuple[float, float]:
+    """(samples/s, data calls per step per server) of the plain loop on two local servers."""
+    import torch
+    import torch.nn.functional as F
+
+    from shardps.local import LocalCluster
+    from shardps.tables import adagrad, adam, normal
+    from shardps.worker.client import PSClient
+    from shardps.worker.torch_ps import PSEmbedding, PSModel
+
+    with LocalCluster(servers=2, replication=1) as cluster, \
+            PSClient(cluster.manager_address, "many-tables") as client:
+        client.create_job()
+        client.join()
+        module = _model(fields, rows, lambda i: PSEmbedding(rows, DIM, table=f"field{i}", optimizer=adagrad(0.05),
+                                                            init=normal(0.0, 0.01, seed=i)))
+        model = PSModel(module, client, optimizer=adam(2e-3))
+        model.create_tables()
+        xs, ys = torch.from_numpy(ids), torch.from_numpy(labels)
+        for step in range(len(xs)):
+            if step == WARMUP:
+                calls0, t0 = _calls(client), time.perf_counter()
+            model.pull()
+            F.binary_cross_entropy_with_logits(model(xs[step]), ys[step]).backward()
+            model.push()
+        model.flush()
+        wall = time.perf_counter() - t0
+        steps = len(xs) - WARMUP
+        per_server = (_calls(client) - calls0) / steps / 2
+        client.leave()
+    return steps * BATCH / wall, per_server
+
+
+def run_single(ids: np.ndarray, labels: np.ndarray, fields: int, rows: int) -> float:
+    """Samples/s of the same model and optimizers in one process."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    def table(i):
+        emb = nn.Embedding(rows, DIM, sparse=True)
+        nn.init.normal_(emb.weight, 0.0, 0.01)
+        return emb
+    module = _model(fields, rows, table)
+    sparse = torch.optim.Adagrad([p for e in module.fields for p in e.parameters()], lr=0.05)
+    dense = torch.optim.Adam(module.mlp.parameters(), lr=2e-3)
+    xs, ys = torch.from_numpy(ids), torch.from_numpy(labels)
+    for step in range(len(xs)):
+        if step == WARMUP:
+            t0 = time.perf_counter()
+        F.binary_cross_entropy_with_logits(module(xs[step]), ys[step]).backward()
+        sparse.step()
+        dense.step()
+        sparse.zero_grad(set_to_none=True)
+        dense.zero_grad(set_to_none=True)
+    return (len(xs) - WARMUP) * BATCH / (time.perf_counter() - t0)
+
+
+def run(cfg: BenchConfig, progress) -> dict[str, float]:
+    import torch
+
+    steps = WARMUP + max(1, cfg.many_tables_steps)
+    ids, labels = _data(steps, FIELDS, ROWS)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        progress(f"many tables: {FIELDS} single-hot tables of {ROWS:,} x {DIM}, batch {BATCH}, {steps} steps")
+        ps, calls = run_ps(ids, labels, FIELDS, ROWS)
+        single = run_single(ids, labels, FIELDS, ROWS)
+    finally:
+        torch.set_num_threads(threads)
+    progress(f"many tables: shardps {ps:,.0f} samples/s ({calls:.2f} data calls per step per server), "
+             f"one process {single:,.0f} samples/s")
+    return {"e2e_many_tables_ps_samples_per_s": ps, "e2e_many_tables_single_samples_per_s": single,
+            "e2e_many_tables_calls_per_step_per_server": calls,
+            "ratio_e2e_many_tables_ps_over_single": ratio(ps, single)}

@@ -1,0 +1,128 @@
+"""The plain loop moves a step's rows in one pull per server: ``LookupPlanner`` learns where
+each embedding's ids come from, ``PSModel`` fetches them with the dense values before the
+forward, and a wrong prediction only costs a call (real servers on loopback)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from shardps.tables import sgd
+from shardps.worker.lookups import LookupPlanner, Recipe
+from shardps.worker.torch_ps import PSEmbedding, PSModel
+
+TABLES, ROWS, DIM, BATCH = 4, 1000, 4, 32
+
+
+@pytest.mark.parametrize("view", [lambda x: x, lambda x: x[:, 2], lambda x: x.t()[1],
+                                  lambda x: x[..., 1:3], lambda x: x[3:9, 0]])
+def test_a_view_of_an_input_is_cut_from_the_next_inputs(view):
+    old, new = torch.arange(40).reshape(10, 4), torch.arange(100, 140).reshape(10, 4)
+    recipe = Recipe.of(view(old), [torch.zeros(3), old])
+    assert recipe is not None and recipe.input == 1
+    assert torch.equal(recipe.cut([torch.zeros(3), new]), view(new))
+
+
+def test_computed_ids_and_other_layouts_are_not_predicted():
+    x = torch.arange(40).reshape(10, 4)
+    assert Recipe.of(x[:, 1] + 0, [x]) is None                       # not a view
+    assert Recipe.of(x[:, 1].long().clone(), [x]) is None
+    recipe = Recipe.of(x[:, 1], [x])
+    assert recipe is not None
+    assert recipe.cut([torch.arange(50).reshape(10, 5)]) is None       # another shape
+    assert recipe.cut([torch.arange(40).reshape(4, 10).t()]) is None   # another layout
+    assert recipe.cut([torch.arange(40, dtype=torch.int32).reshape(10, 4)]) is None
+    assert recipe.cut([]) is None
+
+
+def test_the_planner_predicts_tables_looked_up_once_from_the_last_forward():
+    p = LookupPlanner()
+    x = torch.arange(40).reshape(10, 4)
+    p.begin((x,), {})
+    assert p.predict() == []                                          # nothing learned yet
+    p.observe("a", x[:, 0])
+    p.observe("b", x[:, 1])
+    p.observe("b", x[:, 2])                                           # twice: pulled per lookup
+    p.observe("c", x[:, 3] * 2)                                       # computed
+    p.end()
+    y = torch.arange(100, 140).reshape(10, 4)
+    p.begin((), {"ids": y})
+    assert [(t, ids.tolist()) for t, ids in p.predict()] == [("a", y[:, 0].tolist())]
+    p.observe("x", y[:, 0])                                           # outside a forward: ignored after end
+    p.end()
+    assert set(p.recipes) == {"x"}
+
+
+class _Wide(nn.Module):
+    """One single-hot table per column of the input, and a dense head."""
+
+    def __init__(self, computed: bool = False):
+        super().__init__()
+        self.tables = nn.ModuleList(PSEmbedding(ROWS, DIM, table=f"t{i}") for i in range(TABLES))
+        self.head = nn.Linear(TABLES * DIM, 1)
+        self.computed = computed
+
+    def forward(self, x):
+        cols = [x[:, i] + 0 if self.computed else x[:, i] for i in range(TABLES)]
+        return self.head(torch.cat([t(c) for t, c in zip(self.tables, cols)], dim=1)).squeeze(1)
+
+
+def _train(cluster, client_factory, job: str, computed: bool, steps: int = 5):
+    torch.manual_seed(0)
+    c = client_factory(cluster.address, job=job)
+    c.create_job()
+    c.join(heartbeat=False)
+    model = PSModel(_Wide(computed), c, optimizer=sgd(0.1))
+    model.create_tables()
+    rng = np.random.default_rng(1)
+    pulls = []
+    for _ in range(steps):
+        x = torch.from_numpy(rng.integers(0, ROWS, (BATCH, TABLES)))
+        before = _data_calls(c, "Pull")
+        model.pull()
+        loss = model(x).square().mean()
+        loss.backward()
+        pulls.append(_data_calls(c, "Pull") - before)
+        model.push()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    return pulls, state
+
+
+def _data_calls(client, method: str) -> float:
+    reg = client.metrics.registry
+    return sum(s.value for m in reg.collect() if m.name == "grpc_client_handled" for s in m.samples
+               if s.name.endswith("_total") and s.labels.get("grpc_method") == method)
+
+
+def test_the_plain_loop_pulls_once_per_server_and_reads_what_per_table_pulls_read(make_cluster, client_factory):
+    cluster = make_cluster(2)
+    pulls, state = _train(cluster, client_factory, "planned", computed=False)
+    per_table, reference = _train(cluster, client_factory, "per-table", computed=True)
+    # the first step learns; then the dense values and every table's rows in one pull per server
+    assert pulls[0] >= TABLES and pulls[1:] == [2] * (len(pulls) - 1), pulls
+    assert min(per_table) >= TABLES, per_table
+    assert state.keys() == reference.keys()
+    for k in state:
+        assert torch.equal(state[k], reference[k]), k
+
+
+def test_a_pull_no_forward_took_is_completed_by_push(make_cluster, client_factory):
+    cluster = make_cluster(1)
+    c = client_factory(cluster.address, job="no-forward")
+    c.create_job()
+    c.join(heartbeat=False)
+    module = _Wide()
+    model = PSModel(module, c, optimizer=sgd(0.1))
+    model.create_tables()
+    x = torch.zeros((BATCH, TABLES), dtype=torch.int64)
+    for _ in range(2):
+        model.pull()
+        model(x).sum().backward()
+        model.push()
+    with torch.no_grad():
+        module.head.bias.fill_(123.0)                 # the local copy drifts
+    model.pull()                                      # deferred: the lookups are learned
+    model.push()                                      # no forward: the pull is completed here
+    assert float(module.head.bias.detach()) != 123.0
