@@ -69,43 +69,67 @@ class _Wide(nn.Module):
         return self.head(torch.cat([t(c) for t, c in zip(self.tables, cols)], dim=1)).squeeze(1)
 
 
-def _train(cluster, client_factory, job: str, computed: bool, steps: int = 5):
+def _train(cluster, client_factory, job: str, computed: bool, steps: int = 5, mode: str = "async"):
     torch.manual_seed(0)
     c = client_factory(cluster.address, job=job)
-    c.create_job()
+    c.create_job(mode)
     c.join(heartbeat=False)
     model = PSModel(_Wide(computed), c, optimizer=sgd(0.1))
     model.create_tables()
     rng = np.random.default_rng(1)
-    pulls = []
+    calls = []
     for _ in range(steps):
         x = torch.from_numpy(rng.integers(0, ROWS, (BATCH, TABLES)))
-        before = _data_calls(c, "Pull")
+        before = _data_calls(c)
         model.pull()
         loss = model(x).square().mean()
         loss.backward()
-        pulls.append(_data_calls(c, "Pull") - before)
         model.push()
+        calls.append(_data_calls(c) - before)
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    return pulls, state
+    return calls, state
 
 
-def _data_calls(client, method: str) -> float:
+def _data_calls(client) -> float:
+    """The client's data calls so far (pushes, pulls, exchanges)."""
     reg = client.metrics.registry
     return sum(s.value for m in reg.collect() if m.name == "grpc_client_handled" for s in m.samples
-               if s.name.endswith("_total") and s.labels.get("grpc_method") == method)
+               if s.name.endswith("_total") and s.labels.get("grpc_method") in ("Push", "Pull", "Exchange"))
 
 
-def test_the_plain_loop_pulls_once_per_server_and_reads_what_per_table_pulls_read(make_cluster, client_factory):
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_the_plain_loop_is_one_call_per_server_and_reads_what_per_table_pulls_read(make_cluster, client_factory,
+                                                                                    mode):
     cluster = make_cluster(2)
-    pulls, state = _train(cluster, client_factory, "planned", computed=False)
-    per_table, reference = _train(cluster, client_factory, "per-table", computed=True)
-    # the first step learns; then the dense values and every table's rows in one pull per server
-    assert pulls[0] >= TABLES and pulls[1:] == [2] * (len(pulls) - 1), pulls
-    assert min(per_table) >= TABLES, per_table
+    calls, state = _train(cluster, client_factory, "planned", computed=False, mode=mode)
+    per_table, reference = _train(cluster, client_factory, "per-table", computed=True, mode=mode)
+    # the first step learns; then a step is one exchange per server: the last step's push
+    # (held by push()) and the dense values and every table's rows
+    assert calls[0] >= TABLES and calls[1:] == [2] * (len(calls) - 1), calls
+    assert min(per_table) >= TABLES + 2, per_table           # a pull per table, pull and push per server
     assert state.keys() == reference.keys()
     for k in state:
         assert torch.equal(state[k], reference[k]), k
+
+
+def test_leave_sends_the_push_the_model_holds(make_cluster, client_factory):
+    cluster = make_cluster(2)
+    c = client_factory(cluster.address, job="held")
+    c.create_job()
+    c.join(heartbeat=False)
+    module = _Wide()
+    model = PSModel(module, c, optimizer=sgd(0.1))
+    model.create_tables()
+    x = torch.arange(BATCH * TABLES).reshape(BATCH, TABLES) % ROWS
+    for _ in range(3):
+        model.pull()
+        model(x).sum().backward()
+        bias, grad = module.head.bias.detach().clone(), module.head.bias.grad.clone()
+        model.push()
+    assert model._held is not None                            # waiting for the next pull
+    c.leave()
+    assert model._held is None
+    np.testing.assert_allclose(c.pull_dense("head.bias"), (bias - 0.1 * grad).numpy(), rtol=1e-6)
 
 
 def test_a_pull_no_forward_took_is_completed_by_push(make_cluster, client_factory):

@@ -109,6 +109,8 @@ class PSModel:
         # the plain loop's lookups, learned from one forward, fetched with the next pull
         self.lookups = LookupPlanner()
         self._deferred_pull = False
+        self._held: tuple[list, int] | None = None     # (requests, clock): rides with the next pull
+        client.before_leaving(self.flush)
         if self.embeddings:
             for emb in self.embeddings.values():
                 emb._observer = self.lookups.observe
@@ -205,17 +207,23 @@ class PSModel:
             if emb._wanted is not None and not emb._has_rows_for(emb._wanted):
                 wanted.append((emb, emb._wanted))
             emb._wanted = None
+        held, self._held = self._held, None
         if names or wanted:
             # read-your-writes: a pull no exchange carried sees this worker's earlier pushes
-            # (the one in flight would otherwise race it to the server)
+            # (the one in flight would otherwise race it to the server); a held push rides
+            # with it, applied first (one round trip per server)
             self.flush()
             self._set_clock(self.step)
-            res = self.client.pull_many([(n,) for n in names] + [(emb.table, ids) for emb, ids in wanted],
-                                        clock=self.step)
+            pulls = [(n,) for n in names] + [(emb.table, ids) for emb, ids in wanted]
+            res = (self.client.exchange_async(held[0], pulls, clock=held[1], report_step=self.report_steps
+                                              ).result()[1] if held is not None
+                   else self.client.pull_many(pulls, clock=self.step))
             for (emb, ids), rows in zip(wanted, res.values[len(names):]):
                 emb._provide(ids, rows)
             self._load_dense(names, res.values)
             waited = max(waited, res.waited_seconds)
+        elif held is not None:
+            self.client.push_many(held[0], clock=held[1], report_step=self.report_steps)
         waited = min(waited, time.perf_counter() - started)
         self.timings["barrier_wait"] += waited        # SYNC / SSP: waiting for stragglers
         self.timings["pull_wait"] += time.perf_counter() - started - waited
@@ -238,7 +246,12 @@ class PSModel:
         ``push`` waits for it and raises its error). With ``lookahead`` 1 the next step's
         ``pull`` waits for it at once; with 2 it runs during the next step's compute (see
         ``lookahead``). Other workers' pushes may still be in flight (SYNC and SSP pulls wait
-        as their model requires). Returns the acknowledgement without overlap, None with it."""
+        as their model requires). Returns the acknowledgement without overlap, None with it.
+
+        In the plain loop, once ``pull`` waits for the forward (see ``pull``), the push is
+        held and rides with that pull: one round trip per server per step, the server
+        applying the push before it reads; ``push`` returns None. ``flush`` sends it at once;
+        the client sends it before ``leave``, ``checkpoint_barrier`` and ``close``."""
         if self._deferred_pull:                    # pulled, then no forward: load the values
             self._pull_now()
         started = time.perf_counter()
@@ -255,7 +268,9 @@ class PSModel:
         self.flush()
         prefetch = None
         future = None
-        if self.overlap:
+        if not self.overlap and self.lookups.learned:
+            self._held = (requests, self.step)     # sent with the next pull (see push's docstring)
+        elif self.overlap:
             # this push and the next step's dense values and requested embedding rows in one
             # round trip per server (each server applies the push, then serves the pull)
             wanted = [(emb, emb._wanted) for emb in self.embeddings.values() if emb._wanted is not None]
@@ -267,7 +282,7 @@ class PSModel:
                 future = self.client.exchange_async(requests, requests_next, clock=self.step,
                                                     report_step=self.report_steps)
                 prefetch = (self.step + self.lookahead, future, wanted)
-        if future is None:
+        if future is None and self._held is None:
             future = self.client.push_many_async(requests, clock=self.step, report_step=self.report_steps)
         if self.local_optimizer is not None:
             self.local_optimizer.step()
@@ -281,7 +296,7 @@ class PSModel:
             self._pending_push = future
             if prefetch is not None:
                 self._prefetch.append(prefetch)
-        else:
+        elif future is not None:
             result = future.result()
         self.timings["push_wait"] += time.perf_counter() - started
         return result
@@ -316,10 +331,14 @@ class PSModel:
             emb.clock = clock
 
     def flush(self) -> None:
-        """Wait for the push in flight (``overlap``); raises its error."""
+        """Send the push held for the next pull, or wait for the push in flight
+        (``overlap``); raises its error."""
         pending, self._pending_push = self._pending_push, None
         if pending is not None:
             pending.result()
+        held, self._held = self._held, None
+        if held is not None:
+            self.client.push_many(held[0], clock=held[1], report_step=self.report_steps)
 
     def settle(self) -> None:
         """Wait for the push in flight, then load the servers' latest values (for evaluation
@@ -340,20 +359,21 @@ class PSModel:
         self.settle()
         state = self.module.state_dict()
         for name, emb in self.embeddings.items():
-            key = f"{name}.weight" if name else "weight"
-            state[key] = torch.from_numpy(self._full_embedding(emb))
+            state[f"{name}.weight" if name else "weight"] = torch.from_numpy(_full_embedding(self.client, emb))
         return state
 
-    def _full_embedding(self, emb: PSRows, chunk: int = 1 << 18) -> np.ndarray:
-        if emb.num_embeddings <= 0:
-            raise InvalidArgument(f"{type(emb).__name__} {emb.table!r} has no num_embeddings bound: export "
-                                  f"it with client.state_dict() (ids + rows) instead")
-        assert emb.table is not None              # PSModel named every embedding's table
-        out = np.empty((emb.num_embeddings, emb.embedding_dim), np.float32)
-        for start in range(0, emb.num_embeddings, chunk):
-            ids = np.arange(start, min(start + chunk, emb.num_embeddings), dtype=np.int64)
-            out[start:start + ids.shape[0]] = self.client.pull_rows(emb.table, ids, clock=emb.clock)
-        return out
+
+def _full_embedding(client: PSClient, emb: PSRows, chunk: int = 1 << 18) -> np.ndarray:
+    """Every row of ``emb``'s table, ``[num_embeddings, dim]``."""
+    if emb.num_embeddings <= 0:
+        raise InvalidArgument(f"{type(emb).__name__} {emb.table!r} has no num_embeddings bound: export "
+                              f"it with client.state_dict() (ids + rows) instead")
+    assert emb.table is not None              # PSModel named every embedding's table
+    out = np.empty((emb.num_embeddings, emb.embedding_dim), np.float32)
+    for start in range(0, emb.num_embeddings, chunk):
+        ids = np.arange(start, min(start + chunk, emb.num_embeddings), dtype=np.int64)
+        out[start:start + ids.shape[0]] = client.pull_rows(emb.table, ids, clock=emb.clock)
+    return out
 
 
 class PSLambdaLR:

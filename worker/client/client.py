@@ -34,13 +34,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import threading
+import weakref
 from concurrent import futures
 from typing import Iterable, Sequence
 
 import numpy as np
 
 from shardps.dtypes import WireDType
+from shardps.errors import ShardpsError
 from shardps.messages import GRADIENT, INITIALIZE
 from shardps.metrics import WorkerMetrics
 from shardps.protos.v1 import manager_pb2 as mg
@@ -56,6 +59,8 @@ from shardps.worker.client.export import export
 from shardps.worker.client.fanout import abandon_dead
 from shardps.worker.client.membership import GroupMember, Membership, Session
 from shardps.worker.client.transport import GrpcTransport, Transport
+
+log = logging.getLogger("shardps.client")
 
 
 class PSClient(ManagerCalls):
@@ -94,10 +99,30 @@ class PSClient(ManagerCalls):
         self._data = DataPath(job, self._transport, self._admin, self._session, executor=self._rpcs,
                               metrics=self.metrics, wire_dtype=WireDType.parse(wire_dtype),
                               chunk_bytes=chunk_bytes, default_timeout=timeout)
+        self._before_leaving: list[weakref.WeakMethod] = []
+
+    def before_leaving(self, flush) -> None:
+        """Run ``flush`` (a bound method, held weakly) before ``leave``,
+        ``checkpoint_barrier`` and ``close``: a ``PSModel`` sends the push it holds."""
+        self._before_leaving.append(weakref.WeakMethod(flush))
+
+    def _send_held(self, closing: bool = False) -> None:
+        for ref in list(self._before_leaving):
+            flush = ref()
+            if flush is None:
+                continue
+            try:
+                flush()
+            except ShardpsError as exc:
+                if not closing:
+                    raise
+                log.warning("closing with a push not sent (%s): call the model's flush() before close()",
+                            exc.message)
 
     def close(self) -> None:
         """Stop heartbeats and retries, leave nothing running. Does not leave the group
-        (see ``leave``)."""
+        (see ``leave``). A push a ``PSModel`` still holds is sent first."""
+        self._send_held(closing=True)
         self._closed.set()
         self._member.close()
         self._calls.shutdown(wait=False, cancel_futures=True)
@@ -156,7 +181,9 @@ class PSClient(ManagerCalls):
         return self._member.join(name, rank_hint, previous_session, heartbeat, timeout)
 
     def leave(self, timeout: float | None = None) -> None:
-        """Leave the worker group (SYNC/SSP groups stop waiting for this worker)."""
+        """Leave the worker group (SYNC/SSP groups stop waiting for this worker), once a
+        push a ``PSModel`` holds is sent."""
+        self._send_held()
         self._member.leave(timeout)
 
     def heartbeat(self, timeout: float | None = None) -> mg.WorkerHeartbeatResponse:
@@ -165,7 +192,9 @@ class PSClient(ManagerCalls):
     def checkpoint_barrier(self, step: int, worker_state: bytes, checkpoint_id: str = "",
                            timeout: float | None = 300.0) -> str:
         """This worker's part of a checkpoint: blocks until every live worker arrived and the
-        checkpoint is written; returns its path (see ``GroupMember.checkpoint_barrier``)."""
+        checkpoint is written; returns its path (see ``GroupMember.checkpoint_barrier``).
+        A push a ``PSModel`` holds is sent first (the checkpoint includes it)."""
+        self._send_held()
         return self._member.checkpoint_barrier(step, worker_state, checkpoint_id, timeout)
 
     def worker_state(self, timeout: float | None = None) -> tuple[bytes, int]:
