@@ -117,5 +117,8 @@ def run(cfg: BenchConfig, progress) -> dict[str, float]:
     out["ratio_e2e_ps_async_over_ddp"] = ratio(out["e2e_ps_async_samples_per_s"], out["e2e_ddp_samples_per_s"])
     out["ratio_e2e_ps_async_over_ddp_sparse"] = ratio(out["e2e_ps_async_samples_per_s"],
                                                       out["e2e_ddp_sparse_samples_per_s"])
+    out["ratio_e2e_ps_async_over_single"] = ratio(out["e2e_ps_async_samples_per_s"], out["e2e_single_samples_per_s"])
+    out["ratio_e2e_ps_sync_over_ddp_sparse"] = ratio(out["e2e_ps_sync_samples_per_s"],
+                                                     out["e2e_ddp_sparse_samples_per_s"])
     out["e2e_auc_gap_ps_async_minus_ddp_sparse"] = out["e2e_ps_async_auc"] - out["e2e_ddp_sparse_auc"]
     return out

@@ -17,7 +17,7 @@ between the steps. Reported: balance (max / mean replicas per server, after ever
 against the ideal: 1/(N+1) of them for a join, the departed server's share for a death or a
 drain), and the seconds of each decision and plan.
 
-Targets (issue 19), checked at every size (``targets_met``): max/mean <= 1.10, moved <= 1.2 x
+Targets, checked at every size (``targets_met``): max/mean <= 1.10, moved <= 1.2 x
 ideal, R restored; declaring a server dead <= 0.1 s and each plan <= 2 s (the sizes are
 meant for 1,000 servers x 1,000 blocks).
 

@@ -1,4 +1,4 @@
-"""The issue's targets, the keys every run must write, the printed table and its Markdown form."""
+"""The targets, the keys every run must write, the printed table and its Markdown form."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 import operator
 from dataclasses import dataclass
 
-# Keys the issue requires in bench/results/latest.json (a full run writes many more).
+# Keys every run writes to bench/results/latest.json (a full run writes many more).
 REQUIRED_KEYS = (
     "tcp_gbps", "ps_dense_push_gbps", "ps_dense_pull_gbps", "rpc_dense_push_gbps", "rpc_dense_pull_gbps",
     "ps_sparse_rows_per_s", "rpc_sparse_rows_per_s", "e2e_ps_async_samples_per_s", "e2e_ps_sync_samples_per_s",
@@ -68,6 +68,25 @@ TARGETS = (
            "placement moved <= 1.2 x ideal (join and leave, every size)"),
     Target("control_map", "control_map_death_delta_over_full", "<=", 0.01,
            "control_map_bytes_delta <= 0.01 x control_map_bytes_full (one server's death)"),
+    # the data path against the work it serves (2 cores, ratios within one run)
+    Target("step_cpu", "ratio_transport_step_cpu_over_compute", "<=", 0.35,
+           "data path CPU per ctr step (client + servers) <= 0.35 x the step's compute"),
+    Target("small_rtt", "ratio_transport_ps_small_rtt_over_raw", "<=", 3.0,
+           "transport_ps_small_rtt_us <= 3 x transport_raw_small_rtt_us"),
+    Target("e2e_vs_ddp_sparse_15", "ratio_e2e_ps_async_over_ddp_sparse", ">=", 1.5,
+           "e2e_ps_async_samples_per_s >= 1.5 x e2e_ddp_sparse_samples_per_s"),
+    Target("e2e_vs_single", "ratio_e2e_ps_async_over_single", ">=", 1.2,
+           "e2e_ps_async_samples_per_s >= 1.2 x e2e_single_samples_per_s"),
+    Target("e2e_sync_vs_ddp_sparse", "ratio_e2e_ps_sync_over_ddp_sparse", ">=", 1.0,
+           "e2e_ps_sync_samples_per_s >= 1.0 x e2e_ddp_sparse_samples_per_s"),
+    Target("e2e_auc_005", "e2e_auc_abs_gap_ps_async_ddp_sparse", "<=", 0.005,
+           "|e2e_ps_async_auc - e2e_ddp_sparse_auc| <= 0.005"),
+    Target("e2e_waits", "e2e_ps_async_share_waits", "<=", 0.25,
+           "e2e_ps_async pull wait + push wait <= 0.25 of the loop"),
+    Target("many_tables_calls", "e2e_many_tables_calls_per_step_per_server", "<=", 1.0,
+           "e2e_many_tables: data calls per step per server <= 1"),
+    Target("many_tables_speed", "ratio_e2e_many_tables_ps_over_single", ">=", 0.5,
+           "e2e_many_tables_ps_samples_per_s >= 0.5 x e2e_many_tables_single_samples_per_s"),
 )
 
 
@@ -77,6 +96,9 @@ def add_derived(results: dict) -> None:
     gap = results.get("e2e_auc_gap_ps_async_minus_ddp_sparse")
     if gap is not None and math.isfinite(gap):
         results["e2e_auc_abs_gap_ps_async_ddp_sparse"] = abs(gap)
+    waits = [results.get(f"e2e_ps_async_share_{k}") for k in ("pull_wait", "push_wait")]
+    if all(w is not None and math.isfinite(w) for w in waits):
+        results["e2e_ps_async_share_waits"] = sum(waits)   # type: ignore[arg-type]
     for t in TARGETS:
         met = t.met(results)
         if met is not None:
@@ -96,7 +118,7 @@ def _fmt(v) -> str:
 
 def table(results: dict) -> str:
     """The targets (met or not), then every metric, as aligned text."""
-    lines = ["Targets (issue 4), from this run:", ""]
+    lines = ["Targets, from this run:", ""]
     w = max(len(t.text) for t in TARGETS)
     for t in TARGETS:
         met = t.met(results)

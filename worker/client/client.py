@@ -177,8 +177,14 @@ class PSClient(ManagerCalls):
     def join(self, name: str = "", rank_hint: int = -1, previous_session: str = "",
              heartbeat: bool = True, timeout: float | None = None) -> Membership:
         """Join the job's worker group; starts a background heartbeat (about once a second)
-        that keeps the membership lease and reports ``self.progress``."""
-        return self._member.join(name, rank_hint, previous_session, heartbeat, timeout)
+        that keeps the membership lease and reports ``self.progress``. In SYNC and SSP jobs
+        the client adopts the group's current step (``server_clock``): a worker that joins
+        late, or a script run again in the same job, goes on from there."""
+        membership = self._member.join(name, rank_hint, previous_session, heartbeat, timeout)
+        group = self.shard_map.groups.get(self.job) or self.refresh_map().groups.get(self.job)
+        if group is not None and group.consistency is not Consistency.ASYNC:
+            self._data.step = max(self._data.step, self.server_clock(timeout))
+        return membership
 
     def leave(self, timeout: float | None = None) -> None:
         """Leave the worker group (SYNC/SSP groups stop waiting for this worker), once a
