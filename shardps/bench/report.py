@@ -98,7 +98,7 @@ def add_derived(results: dict) -> None:
         results["e2e_auc_abs_gap_ps_async_ddp_sparse"] = abs(gap)
     waits = [results.get(f"e2e_ps_async_share_{k}") for k in ("pull_wait", "push_wait")]
     if all(w is not None and math.isfinite(w) for w in waits):
-        results["e2e_ps_async_share_waits"] = sum(waits)   # type: ignore[arg-type]
+        results["e2e_ps_async_share_waits"] = sum(waits)
     for t in TARGETS:
         met = t.met(results)
         if met is not None:
