@@ -6,6 +6,7 @@ persisted"; the shard map (``ManagerState.shard_map``) publishes most of them.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -73,6 +74,9 @@ class TableRecord:
     spec: TableSpec
     config: TableConfig
     blocks: list[BlockRecord]
+    # the configuration the table was created with (update_config changes ``config`` only);
+    # None for a record persisted before it was kept: ``config`` then
+    created: TableConfig | None = None
 
 
 @dataclass
@@ -163,6 +167,19 @@ def dense_bytes(spec: TableSpec, config: TableConfig) -> int:
     if spec.kind.name != "DENSE":
         return 0
     return spec.numel * 4 * (1 + len(optimizers.state_names(config.optimizer)))
+
+
+def describe_config(config: TableConfig) -> str:
+    """The settings a user chose (not the manager's version), as ``key=value``s."""
+    o = config.optimizer
+    parts = [f"optimizer={o.kind.name.lower()}"] + [
+        f"{f.name}={getattr(o, f.name)}" for f in dataclasses.fields(o)
+        if f.name != "kind" and getattr(o, f.name) != f.default]
+    if config.allow_non_finite:
+        parts.append("allow_non_finite=True")
+    if config.lifecycle.enabled:
+        parts.append(f"lifecycle={config.lifecycle}")
+    return " ".join(parts)
 
 
 def describe_spec(spec: TableSpec) -> str:

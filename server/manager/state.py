@@ -35,6 +35,7 @@ from shardps.server.manager.records import (
     ServerState,
     TableRecord,
     dense_bytes,
+    describe_config,
     describe_spec,
 )
 from shardps.server.placement import block_name
@@ -167,6 +168,13 @@ class ManagerState:
                     f"table {spec.name!r} of job {job!r} exists with another spec "
                     f"({describe_spec(existing.spec)}; requested {describe_spec(spec)}): use "
                     f"another name or delete it first")
+            created = existing.created or existing.config
+            if created.replace(version=0) != config.replace(version=0):
+                raise AlreadyExists(
+                    f"table {spec.name!r} of job {job!r} exists, created with "
+                    f"{describe_config(created)}; this call asks for {describe_config(config)}. "
+                    f"A job keeps its tables across runs: change the settings with update_config, "
+                    f"delete the table (or end the job), or use a fresh job per run")
             return existing, False
         nodes = self.candidates()
         if not nodes:
@@ -185,7 +193,7 @@ class ManagerState:
         names = [block_name(job, spec.name, i) for i in range(spec.block_count)]
         placement = moves.place_new(self, names, nodes)
         blocks = [BlockRecord(placement[n], epoch, epoch) for n in names]
-        rec = TableRecord(job, spec, config.replace(version=1), blocks)
+        rec = TableRecord(job, spec, config.replace(version=1), blocks, created=config.replace(version=0))
         self.tables[(job, spec.name)] = rec
         return rec, True
 

@@ -56,6 +56,7 @@ def to_dict(state: ManagerState) -> dict:
         "tables": [{"job": t.job,
                     "spec": _b64(spec_to_proto(t.spec)),
                     "config": _b64(config_to_proto(t.config)),
+                    **({"created": _b64(config_to_proto(t.created))} if t.created is not None else {}),
                     "blocks": [[b.replicas, b.since_epoch, b.fresh_epoch] + ([b.lost_epoch] if b.lost_epoch else [])
                                for b in t.blocks]}
                    for t in state.tables.values()],
@@ -96,7 +97,8 @@ def from_dict(data: dict, settings: ManagerSettings, now: float) -> ManagerState
         config = config_from_proto(_unb64(pb.TableConfig, t["config"]))
         blocks = [BlockRecord(list(b[0]), int(b[1]), int(b[2]), int(b[3]) if len(b) > 3 else 0)
                   for b in t["blocks"]]
-        state.tables[(t["job"], spec.name)] = TableRecord(t["job"], spec, config, blocks)
+        created = config_from_proto(_unb64(pb.TableConfig, t["created"])) if "created" in t else None
+        state.tables[(t["job"], spec.name)] = TableRecord(t["job"], spec, config, blocks, created)
     return state
 
 
