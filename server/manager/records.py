@@ -74,8 +74,9 @@ class TableRecord:
     spec: TableSpec
     config: TableConfig
     blocks: list[BlockRecord]
-    # the configuration the table was created with (update_config changes ``config`` only);
-    # None for a record persisted before it was kept: ``config`` then
+    # the configuration the table was created with (update_config changes ``config`` only),
+    # which a later create must repeat; None where unknown (restored from a checkpoint, or
+    # persisted before it was kept): any create of the same spec is accepted
     created: TableConfig | None = None
 
 

@@ -168,8 +168,8 @@ class ManagerState:
                     f"table {spec.name!r} of job {job!r} exists with another spec "
                     f"({describe_spec(existing.spec)}; requested {describe_spec(spec)}): use "
                     f"another name or delete it first")
-            created = existing.created or existing.config
-            if created.replace(version=0) != config.replace(version=0):
+            created = existing.created          # None: restored, or persisted before it was kept
+            if created is not None and created != config.replace(version=0):
                 raise AlreadyExists(
                     f"table {spec.name!r} of job {job!r} exists, created with "
                     f"{describe_config(created)}; this call asks for {describe_config(config)}. "
