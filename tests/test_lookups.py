@@ -112,14 +112,19 @@ def test_the_plain_loop_is_one_call_per_server_and_reads_what_per_table_pulls_re
         assert torch.equal(state[k], reference[k]), k
 
 
-def test_leave_sends_the_push_the_model_holds(make_cluster, client_factory):
-    cluster = make_cluster(2)
-    c = client_factory(cluster.address, job="held")
+def _joined(cluster, client_factory, job: str):
+    """A joined client of a new job, and a PSModel of ``_Wide`` over it, tables created."""
+    c = client_factory(cluster.address, job=job)
     c.create_job()
     c.join(heartbeat=False)
     module = _Wide()
     model = PSModel(module, c, optimizer=sgd(0.1))
     model.create_tables()
+    return c, module, model
+
+
+def test_leave_sends_the_push_the_model_holds(make_cluster, client_factory):
+    c, module, model = _joined(make_cluster(2), client_factory, "held")
     x = torch.arange(BATCH * TABLES).reshape(BATCH, TABLES) % ROWS
     for _ in range(3):
         model.pull()
@@ -133,13 +138,7 @@ def test_leave_sends_the_push_the_model_holds(make_cluster, client_factory):
 
 
 def test_a_pull_no_forward_took_is_completed_by_push(make_cluster, client_factory):
-    cluster = make_cluster(1)
-    c = client_factory(cluster.address, job="no-forward")
-    c.create_job()
-    c.join(heartbeat=False)
-    module = _Wide()
-    model = PSModel(module, c, optimizer=sgd(0.1))
-    model.create_tables()
+    _, module, model = _joined(make_cluster(1), client_factory, "no-forward")
     x = torch.zeros((BATCH, TABLES), dtype=torch.int64)
     for _ in range(2):
         model.pull()
