@@ -4,15 +4,17 @@
 against the same model in one process (``nn.Embedding(sparse=True)``).
 
 Model: ``many_tables_fields`` fields, each a Zipf(1.1) id over ``many_tables_rows`` rows into
-its own 8-wide table (Adagrad 0.05 on the servers / ``torch.optim.SparseAdagrad``... in one
-process: ``torch.optim.Adagrad`` over sparse gradients), concatenated into an MLP
+its own 8-wide table (Adagrad 0.05: on the servers, or ``torch.optim.Adagrad`` over sparse
+gradients in one process), concatenated into an MLP
 (fields x 8 - 64 - 1, Adam 2e-3), batch 256, labels from a fixed random logistic model of the
 ids. One torch thread.
 
 Keys: ``e2e_many_tables_{ps,single}_samples_per_s`` (the loop's samples over its wall time,
-after ``many_tables_warmup_steps``), ``e2e_many_tables_calls_per_step_per_server`` (the
+after the first ``WARMUP`` steps), ``e2e_many_tables_calls_per_step_per_server`` (the
 client's data calls: pushes, pulls and exchanges, per step and server, after the warm-up),
-``ratio_e2e_many_tables_ps_over_single``.
+``ratio_e2e_many_tables_ps_over_single``; ``e2e_many_tables_computed_ids_*``: the same
+model computing each field's ids inside the forward (``x[:, i] + 0``), which ``PSModel``
+cannot fetch ahead: one pull per table per step, as every loop was before it could.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def _data(steps: int, fields: int, rows: int, seed: int = 0) -> tuple[np.ndarray
     return ids.astype(np.int64), labels
 
 
-def _model(fields: int, rows: int, make_table):
+def _model(fields: int, rows: int, make_table, computed_ids: bool = False):
     import torch
     from torch import nn
 
@@ -47,7 +49,10 @@ def _model(fields: int, rows: int, make_table):
             self.mlp = nn.Sequential(nn.Linear(fields * DIM, 64), nn.ReLU(), nn.Linear(64, 1))
 
         def forward(self, x):
-            return self.mlp(torch.cat([emb(x[:, i]) for i, emb in enumerate(self.fields)], dim=1)).squeeze(1)
+            # computed_ids: each field's ids computed in the forward (not a view of x), so
+            # PSModel cannot fetch them before it: one pull per table per step
+            cols = [x[:, i] + 0 if computed_ids else x[:, i] for i in range(fields)]
+            return self.mlp(torch.cat([emb(c) for c, emb in zip(cols, self.fields)], dim=1)).squeeze(1)
 
     torch.manual_seed(0)
     return WideDeep()
@@ -59,7 +64,8 @@ def _calls(client) -> float:
                and s.labels.get("grpc_method") in ("Push", "Pull", "Exchange"))
 
 
-def run_ps(ids: np.ndarray, labels: np.ndarray, fields: int, rows: int) -> tuple[float, float]:
+def run_ps(ids: np.ndarray, labels: np.ndarray, fields: int, rows: int,
+           computed_ids: bool = False) -> tuple[float, float]:
     """(samples/s, data calls per step per server) of the plain loop on two local servers."""
     import torch
     import torch.nn.functional as F
@@ -74,7 +80,7 @@ def run_ps(ids: np.ndarray, labels: np.ndarray, fields: int, rows: int) -> tuple
         client.create_job()
         client.join()
         module = _model(fields, rows, lambda i: PSEmbedding(rows, DIM, table=f"field{i}", optimizer=adagrad(0.05),
-                                                            init=normal(0.0, 0.01, seed=i)))
+                                                            init=normal(0.0, 0.01, seed=i)), computed_ids)
         model = PSModel(module, client, optimizer=adam(2e-3))
         model.create_tables()
         xs, ys = torch.from_numpy(ids), torch.from_numpy(labels)
@@ -127,11 +133,15 @@ def run(cfg: BenchConfig, progress) -> dict[str, float]:
     try:
         progress(f"many tables: {FIELDS} single-hot tables of {ROWS:,} x {DIM}, batch {BATCH}, {steps} steps")
         ps, calls = run_ps(ids, labels, FIELDS, ROWS)
+        per_table, per_table_calls = run_ps(ids, labels, FIELDS, ROWS, computed_ids=True)
         single = run_single(ids, labels, FIELDS, ROWS)
     finally:
         torch.set_num_threads(threads)
-    progress(f"many tables: shardps {ps:,.0f} samples/s ({calls:.2f} data calls per step per server), "
+    progress(f"many tables: shardps {ps:,.0f} samples/s ({calls:.2f} data calls per step per server); "
+             f"ids computed in the forward {per_table:,.0f} ({per_table_calls:.2f} calls); "
              f"one process {single:,.0f} samples/s")
     return {"e2e_many_tables_ps_samples_per_s": ps, "e2e_many_tables_single_samples_per_s": single,
             "e2e_many_tables_calls_per_step_per_server": calls,
+            "e2e_many_tables_computed_ids_samples_per_s": per_table,
+            "e2e_many_tables_computed_ids_calls_per_step_per_server": per_table_calls,
             "ratio_e2e_many_tables_ps_over_single": ratio(ps, single)}
