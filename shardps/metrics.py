@@ -1,7 +1,9 @@
 """Prometheus metrics of every shardps process, named by Prometheus conventions.
 
 Each process builds its metric families on its own ``CollectorRegistry`` (no global
-singleton), so several servers can live in one test process. Labels are low-cardinality:
+singleton), so several servers can live in one test process; by default it is a
+``process_registry``, which also holds prometheus_client's process, platform and GC collectors
+(``process_*``, ``python_info``, ``python_gc_*``), as its global registry would. Labels are low-cardinality:
 method, status code, training job, table, role, phase; never a key, a row or a block. The
 training job's label is ``training_job``: Prometheus reserves ``job`` for the scrape job.
 
@@ -12,13 +14,34 @@ gRPC metrics use the names of the go-grpc-prometheus / py-grpc-prometheus conven
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                    2.5, 5.0, 10.0, 30.0)
 SIZE_BUCKETS = tuple(float(4 ** i) for i in range(2, 16))    # 16 B .. 1 GiB
 ROW_BUCKETS = tuple(float(4 ** i) for i in range(0, 12))     # 1 .. 4M rows
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
+
+
+def process_registry() -> CollectorRegistry:
+    """A new registry holding the collectors of the process itself: ``process_*`` (CPU
+    seconds, resident and virtual memory, open and max file descriptors, start time; where
+    /proc exists), ``python_info`` (the interpreter's version and implementation) and
+    ``python_gc_*`` (garbage-collector counts). Every Metrics class below starts from one
+    unless given a registry."""
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
+    return registry
 
 
 def labelled(metric, *values: str):
@@ -66,7 +89,7 @@ class NodeMetrics:
     """Metrics of a server node's data path."""
 
     def __init__(self, registry: CollectorRegistry | None = None):
-        self.registry = registry or CollectorRegistry()
+        self.registry = process_registry() if registry is None else registry
         r = self.registry
         self.grpc = GrpcServerMetrics(r)
         self.phase_seconds = Counter(
@@ -150,7 +173,7 @@ class NodeMetrics:
 
 class ManagerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
-        self.registry = registry or CollectorRegistry()
+        self.registry = process_registry() if registry is None else registry
         r = self.registry
         self.grpc = GrpcServerMetrics(r)
         self.epoch = Gauge("shardps_shard_map_epoch", "Current shard-map epoch.", registry=r)
@@ -176,10 +199,10 @@ class ManagerMetrics:
                                  "touching them fail with DATA_LOSS (restore a checkpoint or reset them).",
                                  registry=r)
         self.blocks_lost = Counter("shardps_blocks_lost_total", "Blocks that lost every replica.",
-                                   ["job"], registry=r)
+                                   ["training_job"], registry=r)
         self.blocks_recovered = Counter("shardps_blocks_recovered_total",
                                         "Lost blocks served again, by how: restored (from a checkpoint) "
-                                        "or reset (initial values).", ["job", "how"], registry=r)
+                                        "or reset (initial values).", ["training_job", "how"], registry=r)
         self.moves = Counter("shardps_block_moves_total", "Blocks copied to a new replica.", registry=r)
         self.failovers = Counter("shardps_server_failures_total",
                                  "Servers declared dead (lease expired).", registry=r)
@@ -201,7 +224,7 @@ class ManagerMetrics:
 
 class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
-        self.registry = registry or CollectorRegistry()
+        self.registry = process_registry() if registry is None else registry
         r = self.registry
         self.grpc = GrpcClientMetrics(r)
         self.bytes = Counter("shardps_client_bytes_total", "Payload bytes pushed and pulled.",

@@ -8,8 +8,15 @@ subcommand, so that tests can check that manifests only use flags the binaries a
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
+
+MANAGER_PORT = 7070          # the manager's default port: also the port of an address given without one
+SERVER_ROLES = frozenset({"manager", "server"})
+ENV_SOURCES = "env_sources"  # the parsed args' record of the values taken from the environment
+# what `shardps local --secure` tells clients to export besides SHARDPS_MANAGER (local.Secured)
+CLIENT_VARIABLES = ("SHARDPS_TLS_CERT", "SHARDPS_TLS_KEY", "SHARDPS_TLS_CA", "SHARDPS_TOKEN_FILE")
 
 
 def env_name(flag: str) -> str:
@@ -26,12 +33,16 @@ def _parse_bool(text: str) -> bool:
 
 
 class FlagSet:
-    """Adds flags whose defaults come from the environment, and records them."""
+    """Adds flags whose defaults come from the environment, and records them: ``names`` the
+    flags, and the parsed args' ``env_sources`` (``source_of``) the values that came from a
+    variable, so that errors can name the variable."""
 
     def __init__(self, parser: argparse.ArgumentParser, environ: Mapping[str, str]):
         self.parser = parser
         self.environ = environ
         self.names: list[str] = []
+        self.from_env: dict[str, tuple[str, Any]] = {}      # dest -> (variable, value)
+        parser.set_defaults(**{ENV_SOURCES: self.from_env})
 
     def add(self, flag: str, default: Any, help: str, type=None, choices=None) -> None:
         env = env_name(flag)
@@ -44,6 +55,7 @@ class FlagSet:
                 default = conv(self.environ[env])
             except (ValueError, argparse.ArgumentTypeError) as exc:
                 raise SystemExit(f"shardps: environment variable {env}={self.environ[env]!r}: {exc}") from None
+            self.from_env[flag.lstrip("-").replace("-", "_")] = (env, default)
         shown = "" if default in ("", None) else f" (default: {default})"
         if kind is bool:
             self.parser.add_argument(flag, type=_parse_bool, nargs="?", const=True, default=default,
@@ -105,6 +117,24 @@ class Common:
     def resolved_token(self) -> str:
         return _value_or_file(self.token, self.token_file)
 
+    def check_files(self, role: str, sources: Mapping[str, str] | None = None) -> None:
+        """SystemExit naming the setting (``--tls-cert /x`` or ``SHARDPS_TLS_CERT=/x (from the
+        environment)``, per ``sources``: ``source_of``) and the file when ``role`` cannot use
+        a file it names: one that cannot be read, or, for the manager and servers, a
+        ``tls_cert`` that is not a server certificate. The manager sends no token: it ignores
+        ``token_file``. Reads the files; called once, at start-up (``build``)."""
+        sources = sources or {}
+        names = ["tls_cert", "tls_key", "tls_ca"] + ([] if role == "manager" else ["token_file"])
+        for name in names:
+            path = getattr(self, name)
+            if not path:
+                continue
+            problem = _unreadable(path)
+            if not problem and name == "tls_cert" and role in SERVER_ROLES:
+                problem = _not_a_server_certificate(path)
+            if problem:
+                raise SystemExit(_file_error(role, name, path, problem, sources.get(name, "")))
+
 
 @dataclass(frozen=True)
 class Serving:
@@ -151,7 +181,7 @@ class Serving:
 @dataclass(frozen=True)
 class ManagerProcessSettings:
     common: Common = field(default_factory=Common)
-    serving: Serving = field(default_factory=lambda: Serving(listen="0.0.0.0:7070", metrics_port=9100))
+    serving: Serving = field(default_factory=lambda: Serving(listen=f"0.0.0.0:{MANAGER_PORT}", metrics_port=9100))
     state_dir: str = ""
     checkpoint_dir: str = ""
     replication: int = 2
@@ -169,7 +199,7 @@ class ServerProcessSettings:
     common: Common = field(default_factory=Common)
     serving: Serving = field(default_factory=lambda: Serving(listen="0.0.0.0:7071", metrics_port=9101))
     name: str = ""
-    manager: str = "127.0.0.1:7070"   # comma-separated: several replicas, the leader is followed
+    manager: str = f"127.0.0.1:{MANAGER_PORT}"   # comma-separated: several replicas, the leader is followed
     max_request_bytes: int = 1 << 30
     max_rows: int = 4_000_000
     forward_timeout: float = 1.5
@@ -179,12 +209,71 @@ class ServerProcessSettings:
     job_max_bytes_in_flight: int = 0
 
 
+def _unreadable(path: str) -> str:
+    if not os.path.exists(path):
+        return "no such file"
+    if os.path.isdir(path):
+        return "is a directory, not a file"
+    if not os.access(path, os.R_OK):
+        return "not readable by this process"
+    return ""
+
+
+def _not_a_server_certificate(path: str) -> str:
+    """Why the PEM certificate at ``path`` cannot identify a server ("" when it can)."""
+    from cryptography import x509
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+    try:
+        with open(path, "rb") as f:
+            cert = x509.load_pem_x509_certificates(f.read())[0]
+    except ValueError:
+        return "not a PEM certificate"
+    try:
+        usage = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except x509.ExtensionNotFound:
+        return ""                                   # no restriction: any use
+    if ExtendedKeyUsageOID.SERVER_AUTH in usage:
+        return ""
+    return ("a client certificate (its extended key usage has no serverAuth): peers refuse it "
+            "as a server's")
+
+
+def _file_error(role: str, name: str, path: str, problem: str, source: str) -> str:
+    flag = "--" + name.replace("_", "-")
+    given = source or f"{flag} {path}"
+    text = f"shardps {role}: {given}: {problem}"
+    variable = source.split("=", 1)[0]
+    if source and role in SERVER_ROLES:
+        return (f"{text}. The {role} takes {variable} as its own setting: if it is a client's (the "
+                f"`export` line that `shardps local --secure` prints), unset the client's variables "
+                f"where the {role} starts (`unset {' '.join(CLIENT_VARIABLES)}`), or give the "
+                f"{role}'s own with {flag}")
+    if source:
+        return f"{text}: point {variable} at a readable file, or unset it"
+    return f"{text}: give {flag} a readable file"
+
+
+def source_of(args: argparse.Namespace) -> dict[str, str]:
+    """Per setting that came from an environment variable (and was not overridden by its
+    flag): ``SHARDPS_X=value (from the environment)``, for error messages."""
+    out = {}
+    for dest, (variable, value) in getattr(args, ENV_SOURCES, {}).items():
+        if getattr(args, dest, None) == value:
+            out[dest] = f"{variable}={value} (from the environment)"
+    return out
+
+
 def build(cls, args: argparse.Namespace, **nested):
-    """Fill dataclass ``cls`` from parsed args (attribute names match field names)."""
+    """Fill dataclass ``cls`` from parsed args (attribute names match field names). A
+    ``Common`` is checked for the role ``args.command`` (``Common.check_files``): SystemExit
+    naming the flag or variable when a file it names cannot be used."""
     values = dict(nested)
     for f in fields(cls):
         if f.name in values:
             continue
         if hasattr(args, f.name):
             values[f.name] = getattr(args, f.name)
-    return cls(**values)
+    built = cls(**values)
+    if isinstance(built, Common):
+        built.check_files(getattr(args, "command", "") or "", source_of(args))
+    return built

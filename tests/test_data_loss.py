@@ -94,7 +94,7 @@ def test_lost_blocks_are_restored_from_the_jobs_latest_checkpoint(make_cluster, 
     a.refresh_map()
     assert [d.recovery for d in a.data_loss] == [pb.DataLoss.RESTORED]
     assert cluster.manager.metrics.registry.get_sample_value(
-        "shardps_blocks_recovered_total", {"job": "a", "how": "restored"}) == len(losses[0].blocks)
+        "shardps_blocks_recovered_total", {"training_job": "a", "how": "restored"}) == len(losses[0].blocks)
     a.push_rows("emb", kept_ids, np.ones((kept_ids.size, 4), np.float32))     # training goes on
 
 

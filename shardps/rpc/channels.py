@@ -29,7 +29,11 @@ attempt still starts after 100 ms (``initial_reconnect_backoff_ms``).
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 import random
+import re
+import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass
@@ -37,6 +41,11 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from shardps.errors import InvalidArgument
+from shardps.settings import MANAGER_PORT
+
+log = logging.getLogger("shardps.rpc")
 
 MAX_MESSAGE_BYTES = 64 << 20   # one chunk is ~1 MiB; this bounds any single message
 KEEPALIVE_MS = 10_000          # clients ping this often
@@ -152,13 +161,88 @@ def channel(address: str, tls: TlsConfig | None = None, options=()) -> grpc.Chan
     return grpc.insecure_channel(address, options=opts)
 
 
+# gRPC targets whose scheme has no port to default: passed on as they are
+_PORTLESS_SCHEMES = ("unix:", "unix-abstract:", "vsock:", "ipv4:", "ipv6:")
+_HOST_NAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?\.?")
+
+
+def target(address: str, default_port: int = MANAGER_PORT, what: str = "manager address") -> str:
+    """``address`` as a gRPC target that names its port: ``host`` and ``host:`` become
+    ``host:default_port``, ``[v6]`` and ``v6`` (an IPv6 literal without brackets, as gRPC reads
+    one) ``[v6]:default_port``, the endpoint of ``dns:[//authority/]host`` likewise (gRPC
+    itself would use 443 for all of these); ``host:port``, ``[v6]:port``, ``unix:``,
+    ``ipv4:``/``ipv6:`` lists and ``vsock:`` targets are kept. InvalidArgument naming
+    ``address`` (and ``what`` it is) otherwise: a port out of 1..65535, an empty or malformed
+    host, another URL scheme."""
+    text = address.strip() if isinstance(address, str) else ""
+    if not text or any(c.isspace() or c == "," for c in text):
+        raise _bad_address(address, what, "expected host:port, host (port "
+                           f"{default_port}), [IPv6]:port or unix:/path")
+    if text.startswith(_PORTLESS_SCHEMES):
+        return text
+    prefix = ""
+    if text.startswith("dns:"):
+        authority = re.match(r"dns:(//[^/]*/)?", text)
+        prefix = authority.group(0) if authority else "dns:"
+        text = text[len(prefix):]
+    if "://" in text:
+        raise _bad_address(address, what, f"{text.split('://')[0]}:// is not a gRPC target: give "
+                           "host:port (or dns:///host:port)")
+    host, port = _split_host_port(address, what, text)
+    if port is None:
+        return f"{prefix}{host}:{default_port}"
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise _bad_address(address, what, f"port {port!r} is not a number in 1..65535")
+    return f"{prefix}{host}:{int(port)}"
+
+
+def _split_host_port(address: str, what: str, text: str) -> tuple[str, str | None]:
+    """(host, port or None) of ``text``; an IPv6 host comes back in brackets."""
+    if text.startswith("["):
+        end = text.find("]")
+        host, rest = text[1:end], text[end + 1:]
+        if end < 0 or (rest and not rest.startswith(":")):
+            raise _bad_address(address, what, "an IPv6 address goes in brackets: [::1]:port")
+        return f"[{_ipv6(address, what, host)}]", rest[1:] or None
+    if text.count(":") > 1:                     # an IPv6 literal without brackets has no port
+        return f"[{_ipv6(address, what, text)}]", None
+    host, _, port = text.partition(":")
+    if not _HOST_NAME.fullmatch(host):
+        raise _bad_address(address, what, f"host {host!r} is not a host name or an IP address")
+    return host, port or None
+
+
+def _ipv6(address: str, what: str, host: str) -> str:
+    try:
+        ipaddress.IPv6Address(host)
+    except ValueError:
+        raise _bad_address(address, what, f"{host!r} is not an IPv6 address (with a port: "
+                           "[::1]:port)") from None
+    return host
+
+
+def _bad_address(address, what: str, reason: str) -> InvalidArgument:
+    return InvalidArgument(f"{what} {address!r}: {reason}")
+
+
+def manager_targets(addresses: str) -> list[str]:
+    """The manager addresses of ``addresses`` (comma-separated: the replicas), each a gRPC
+    target with its port (``target``: the manager's port, 7070, where none is given).
+    InvalidArgument naming the address that is not one."""
+    if not isinstance(addresses, str):
+        raise _bad_address(addresses, "manager address", "must be a string 'host:port'")
+    parts = [a.strip() for a in addresses.split(",") if a.strip()]
+    return [target(part) for part in parts] or [target(addresses)]
+
+
 def manager_channel(addresses: str, tls: TlsConfig | None = None, options=()) -> grpc.Channel:
     """A channel to the resource manager: ``host:port`` (one manager, a plain channel), or
     ``host:port,host:port,...`` (replicas on one etcd): a ``failover.FailoverChannel`` that
-    follows the leader (see there)."""
-    parts = [a.strip() for a in addresses.split(",") if a.strip()]
-    if len(parts) <= 1:
-        return channel(parts[0] if parts else addresses, tls, options)
+    follows the leader (see there). An address without a port takes the manager's (7070):
+    ``manager_targets``, which raises InvalidArgument naming an address that is not one."""
+    parts = manager_targets(addresses)
+    if len(parts) == 1:
+        return channel(parts[0], tls, options)
     from shardps.rpc.failover import FailoverChannel
     # a replica whose handshake takes longer than this is hung or cut off: try another
     opts = [("grpc.min_reconnect_backoff_ms", REPLICA_CONNECT_TIMEOUT_MS)] + list(options)
@@ -202,6 +286,60 @@ def call_with_retries(attempt, timeout: float, policy: RetryPolicy = RETRY, *,
             if deadline - clock() < _LAST_ATTEMPT_SECONDS:
                 raise
             delay = min(delay * policy.multiplier, policy.max_seconds)
+
+
+UNREACHABLE_WARNING_SECONDS = 5.0     # while a peer cannot be reached, a warning this often
+
+
+class UnreachableWarnings:
+    """While the calls to ``peer`` ("the manager at host:port") keep failing with UNAVAILABLE,
+    a WARNING every ``every`` seconds (the first after ``every`` seconds) naming it, how long
+    it has failed, gRPC's reason and what to check; one INFO line once it answers again.
+    Told of every attempt: ``attempted(err)`` of a failed one, ``answered()`` of a reply.
+    Thread-safe; ``clock`` is passed in."""
+
+    def __init__(self, peer: str, every: float | None = None, clock=time.monotonic):
+        self.peer = peer
+        self.every = UNREACHABLE_WARNING_SECONDS if every is None else every
+        self.clock = clock
+        self.warnings = 0                       # warnings logged since the peer last answered
+        self._since: float | None = None        # the first failure since the peer last answered
+        self._last = 0.0                        # the last warning (or that first failure)
+        self._lock = threading.Lock()
+
+    def attempted(self, err: grpc.RpcError) -> None:
+        """An attempt failed with ``err``: UNAVAILABLE (no connection) counts towards the
+        warnings; DEADLINE_EXCEEDED (a hung peer gives it too) changes nothing; any other
+        code is an answer."""
+        code = err.code() if hasattr(err, "code") else None
+        if code == grpc.StatusCode.UNAVAILABLE:
+            details = err.details() if hasattr(err, "details") else ""
+            self.failed(f"UNAVAILABLE: {details}" if details else "UNAVAILABLE")
+        elif code != grpc.StatusCode.DEADLINE_EXCEEDED:
+            self.answered()
+
+    def failed(self, reason: str) -> None:
+        now = self.clock()
+        with self._lock:
+            if self._since is None:
+                self._since = self._last = now
+                return
+            if now - self._last < self.every:
+                return
+            self._last = now
+            self.warnings += 1
+            waited = now - self._since
+        log.warning("cannot reach %s (for %.0fs; %s): check that it is running and listening there, "
+                    "that the address (--manager, SHARDPS_MANAGER; port %d where none is given) is "
+                    "right, and that this host can connect to it (network, firewall, TLS settings); "
+                    "still trying", self.peer, waited, reason, MANAGER_PORT)
+
+    def answered(self) -> None:
+        with self._lock:
+            since, warned = self._since, self.warnings
+            self._since, self.warnings = None, 0
+        if since is not None and warned:
+            log.info("reached %s after %.0fs", self.peer, self.clock() - since)
 
 
 def check_health(address: str, service: str = "", timeout: float = 3.0,

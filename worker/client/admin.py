@@ -59,14 +59,17 @@ class Admin:
     Thread-safe. ``closed``: once set (the client closes), retries stop."""
 
     def __init__(self, address: str, job: str, stub: ManagerStub, metrics: WorkerMetrics, *,
-                 metadata=(), default_timeout: float = 30.0, closed: threading.Event | None = None):
-        self.address = address
+                 metadata=(), default_timeout: float = 30.0, closed: threading.Event | None = None,
+                 unreachable: channels.UnreachableWarnings | None = None):
+        self.address = ",".join(channels.manager_targets(address))     # each with its port
         self.job = job
         self.stub = stub
         self.metrics = metrics
         self.metadata = tuple(metadata)
         self.default_timeout = default_timeout
         self.closed = closed or threading.Event()
+        # says every few seconds that the manager cannot be reached, while it cannot
+        self.unreachable = unreachable or channels.UnreachableWarnings(f"the manager at {self.address}")
         self._map = ShardMapView()
         self._map_lock = threading.Lock()
         # called with (old, new) each time the client's map moves forward, outside the lock
@@ -81,21 +84,29 @@ class Admin:
         until the deadline: the manager may be restarting or briefly unreachable. The others
         are sent once, but only when a connection exists (``wait_for_ready``: a call that was
         never sent cannot have been executed), so they too wait for a manager that is slow
-        to accept instead of failing at once. ``closed`` ends the retries."""
+        to accept instead of failing at once. ``closed`` ends the retries. While attempts keep
+        failing with UNAVAILABLE, across calls, a WARNING every few seconds names the manager's
+        address and what to check (``channels.UnreachableWarnings``)."""
         timeout = timeout or self.default_timeout
         started = time.perf_counter()
         code = "OK"
         attempts = 0
 
-        def attempt(left: float):
+        def attempt(left: float, **kw):
             nonlocal attempts
             attempts += 1
-            return fn(request, timeout=left, metadata=self.metadata)
+            try:
+                reply = fn(request, timeout=left, metadata=self.metadata, **kw)
+            except grpc.RpcError as err:
+                self.unreachable.attempted(err)     # a warning every few seconds while unreachable
+                raise
+            self.unreachable.answered()
+            return reply
 
         try:
             if idempotent:
                 return channels.call_with_retries(attempt, timeout, sleep=self.closed.wait)
-            return fn(request, timeout=timeout, metadata=self.metadata, wait_for_ready=True)
+            return attempt(timeout, wait_for_ready=True)
         except grpc.RpcError as err:
             code = err.code().name if hasattr(err, "code") else "UNKNOWN"
             exc = from_rpc_error(err, what)
