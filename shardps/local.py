@@ -28,6 +28,8 @@ from shardps.children import child_env
 from shardps.errors import ShardpsError
 
 log = logging.getLogger("shardps.local")
+# environment variables of a client's settings (``Secured.client_env``), never of this cluster's
+CLIENT_SETTINGS = ("SHARDPS_TLS_", "SHARDPS_TOKEN")
 
 
 @dataclass
@@ -112,11 +114,22 @@ class LocalCluster:
             cmd += ["--ready-file", str(ready_file)]
         logf = open(log_path, "ab")
         popen = subprocess.Popen(cmd, stdout=stdout if stdout is not None else logf, stderr=logf,
-                                 env=child_env(self.env), cwd=str(self.work_dir))
+                                 env=self._env_of(role), cwd=str(self.work_dir))
         logf.close()
         proc = Proc(role, name, popen, ready_file, log_path)
         log.debug("started %s %s (pid %d)", role, name, popen.pid)
         return proc
+
+    def _env_of(self, role: str) -> dict:
+        """A child's environment. This cluster's manager and servers get their TLS and token
+        settings as flags (``Secured``), and so do its workers where it is not secured: a
+        client's ``SHARDPS_TLS_*`` / ``SHARDPS_TOKEN*`` left in the shell (what `shardps
+        local --secure` prints to export) are another cluster's, and are not passed on."""
+        env = child_env(self.env)
+        if role != "worker" or self.tls is None:
+            for key in [k for k in env if k.startswith(CLIENT_SETTINGS)]:
+                del env[key]
+        return env
 
     def _wait_ready(self, proc: Proc, timeout: float) -> None:
         deadline = time.monotonic() + timeout
