@@ -66,6 +66,16 @@ class PSRows(nn.Module):
         # PSModel's LookupPlanner.observe: sees each lookup's ids
         self._observer: Callable[[PSRows, torch.Tensor], None] | None = None
 
+    # plain attributes written every step: set directly, past nn.Module.__setattr__'s checks
+    # for parameters, buffers and submodules (a few microseconds each, dozens per step)
+    _PLAIN = frozenset({"clock", "last_unique", "_wanted", "_prefetch", "_pending"})
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in PSRows._PLAIN:
+            self.__dict__[name] = value
+        else:
+            super().__setattr__(name, value)
+
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, table={self.table!r}"
 
