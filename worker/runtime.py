@@ -40,6 +40,10 @@ def add_training_flags(fs) -> None:
     fs.add("--ctr-rows", 1_000_000, "ctr: embedding table rows")
     fs.add("--train-samples", 0, "ctr: training samples (0: the default)")
     fs.add("--torch-threads", 1, "torch intra-op threads per worker")
+    fs.add("--device", "auto", "where the model, the batches and evaluation run: cpu; cuda:N (that GPU); "
+           "cuda (a GPU, picked as auto picks one; fails without one); auto: cuda:{LOCAL_RANK mod GPUs} "
+           "(torchrun's convention; without LOCAL_RANK the worker's rank stands in) when torch sees a "
+           "GPU, else the CPU")
     fs.add("--plot", "", "write the loss / metric curve as a PNG here at the end")
     fs.add("--result-file", "", "write the final result as JSON here")
     fs.add("--step-delay", 0.0, "sleep this long per step (to simulate a slow worker)")
@@ -76,12 +80,13 @@ class TrainResult:
     timings: dict = field(default_factory=dict)
     unique_rows: int = 0            # sum over steps of the distinct embedding ids in the batch
     sparse_bytes_pushed: int = 0    # client counter: ids + rows of sparse pushes
+    device: str = ""                # where the model trained ("cpu", "cuda:0")
 
     def line(self, who: str) -> str:
         parts = [f"shardps {who}", f"rank={self.rank}", f"steps={self.steps}"]
         parts += [f"{k}={v:.4f}" for k, v in self.metrics.items()]
         parts += [f"samples_per_second={self.samples / max(self.wall_seconds, 1e-9):.0f}",
-                  f"wall_seconds={self.wall_seconds:.1f}"]
+                  f"wall_seconds={self.wall_seconds:.1f}", f"device={self.device}"]
         return " ".join(parts)
 
 
@@ -112,9 +117,14 @@ def worker_state_bytes(model, ps_model, epoch: int, batch: int) -> bytes:
     import torch
 
     from shardps.worker import local_state
+    from shardps.worker.device import module_device
     local = {k: v for k, v in model.state_dict().items() if k not in ps_model.dense}
-    return local_state.encode({"step": ps_model.step, "epoch": epoch, "batch": batch,
-                               "local": local, "torch_rng": torch.get_rng_state()})
+    state = {"step": ps_model.step, "epoch": epoch, "batch": batch, "local": local,
+             "torch_rng": torch.get_rng_state()}
+    device = module_device(model)
+    if device.type == "cuda":            # dropout on the GPU draws from the GPU's generator
+        state["cuda_rng"] = torch.cuda.get_rng_state(device)
+    return local_state.encode(state)
 
 
 def load_worker_state(raw: bytes, model, ps_model) -> tuple[int, int]:
@@ -124,17 +134,22 @@ def load_worker_state(raw: bytes, model, ps_model) -> tuple[int, int]:
 
     from shardps.errors import InvalidArgument
     from shardps.worker import local_state
+    from shardps.worker.device import module_device
     state = local_state.decode(raw)
-    local, rng = state.get("local"), state.get("torch_rng")
+    local, rng, cuda_rng = state.get("local"), state.get("torch_rng"), state.get("cuda_rng")
     fields = (state.get("step"), state.get("epoch"), state.get("batch"))
     if not (isinstance(local, dict) and all(isinstance(v, torch.Tensor) for v in local.values())
             and isinstance(rng, torch.Tensor) and rng.dtype == torch.uint8
+            and (cuda_rng is None or isinstance(cuda_rng, torch.Tensor) and cuda_rng.dtype == torch.uint8)
             and all(isinstance(f, int) and not isinstance(f, bool) for f in fields)):
         raise InvalidArgument("worker state: expected int step, epoch and batch, a dict of "
-                              "tensors 'local' and a uint8 tensor 'torch_rng'")
-    model.load_state_dict(local, strict=False)
+                              "tensors 'local' and uint8 tensors 'torch_rng' (and 'cuda_rng')")
+    model.load_state_dict(local, strict=False)       # copied onto the model's device
     ps_model.step = state["step"]
     torch.set_rng_state(rng)
+    device = module_device(model)
+    if cuda_rng is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(cuda_rng, device)
     return state["epoch"], state["batch"]
 
 
@@ -145,8 +160,10 @@ def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=Fals
 
     from shardps.tables import Consistency
     from shardps.worker.data import batches, position, shard_indices
+    from shardps.worker.device import module_device, synchronize
     from shardps.worker.torch_ps import PSEmbedding
 
+    device = module_device(task.model)        # the batches go where the model is
     x, y = task.train
     n = x.shape[0]
     epochs = args.epochs or task.epochs
@@ -211,10 +228,11 @@ def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=Fals
             ps_model.pull()
             max_stale = max(max_stale, client.last_staleness)
             t1 = time.perf_counter()
-            xb, yb = x[torch.as_tensor(b)], y[torch.as_tensor(b)]
+            xb, yb = x[torch.as_tensor(b)].to(device), y[torch.as_tensor(b)].to(device)
             loss = task.loss(task.model(xb), yb)
             unique_rows += sum(emb.last_unique for emb in embeddings)
             loss.backward()
+            synchronize(device)      # compute is the GPU's work (push copies the gradients anyway)
             ahead = ps_model.lookahead if ps_model.overlap else 1
             if embeddings and args.prefetch and i + ahead < len(batch_list):
                 nxt = x[torch.as_tensor(batch_list[i + ahead])]
@@ -265,19 +283,23 @@ def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=Fals
     result = TrainResult(client.membership.rank, ps_model.step, samples, wall,
                          task.evaluate(task.model, *task.test), losses, result_curve, max_stale,
                          dict(ps_model.timings, compute=compute), unique_rows,
-                         int(client.metrics.sparse_bytes.labels("pushed")._value.get()))
+                         int(client.metrics.sparse_bytes.labels("pushed")._value.get()), str(device))
     return result
 
 
 def train_single_process(args, task=None) -> TrainResult:
     """The baseline: the same model, data, batch size and optimizer in one process with
-    torch.optim (the embedding as ``nn.Embedding(sparse=True)``)."""
+    torch.optim (the embedding as ``nn.Embedding(sparse=True)``), on ``args.device`` (the
+    table too). InvalidArgument / FailedPrecondition for a device this process cannot use."""
     import torch
     from torch import nn
 
     from shardps.worker.data import batches, shard_indices
+    from shardps.worker.device import cuda_device_count, no_cuda_reason, resolve_device, use_device
     from shardps.worker.torch_ps import PSEmbedding
     torch.set_num_threads(args.torch_threads)
+    device = resolve_device(getattr(args, "device", "cpu"), cuda_device_count(), no_cuda=no_cuda_reason())
+    use_device(device)
     task = task or build_task(args)
     model = task.model
     for name, mod in list(model.named_modules()):
@@ -286,6 +308,7 @@ def train_single_process(args, task=None) -> TrainResult:
             nn.init.normal_(emb.weight, mod.init.mean, mod.init.std)
             parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
             setattr(parent, name.rsplit(".", 1)[-1], emb)
+    model.to(device)
     opt, per_table = _lr_scaled(task, args, 1)
     optimizers = []
     for name, p in model.named_parameters():
@@ -306,7 +329,7 @@ def train_single_process(args, task=None) -> TrainResult:
         for b in batches(shard_indices(x.shape[0], epoch, args.seed, 0, 1), bs):
             if args.steps and steps >= args.steps:
                 break
-            loss = task.loss(model(x[torch.as_tensor(b)]), y[torch.as_tensor(b)])
+            loss = task.loss(model(x[torch.as_tensor(b)].to(device)), y[torch.as_tensor(b)].to(device))
             for o in optimizers:
                 o.zero_grad()
             loss.backward()
@@ -316,7 +339,7 @@ def train_single_process(args, task=None) -> TrainResult:
             samples += len(b)
             losses.append(float(loss.detach()))
     wall = time.perf_counter() - started
-    return TrainResult(0, steps, samples, wall, task.evaluate(model, *task.test), losses)
+    return TrainResult(0, steps, samples, wall, task.evaluate(model, *task.test), losses, device=str(device))
 
 
 def torch_optimizer(cfg, params, sparse: bool = False):
@@ -347,13 +370,20 @@ def run_worker(args) -> int:
     from shardps.rpc.channels import TlsConfig
     from shardps.settings import Common, build
     from shardps.worker.client import PSClient
-    from shardps.worker.torch_ps import PSModel, default_device
+    from shardps.worker.device import cuda_device_count, describe, no_cuda_reason, resolve_device, use_device
+    from shardps.worker.torch_ps import PSModel
 
     common = build(Common, args)
     name = args.name or socket.gethostname()
     ctx = logs.setup("worker", name, common.log_format, common.log_level)
     ctx.set(job=args.job)
     torch.set_num_threads(args.torch_threads)
+    gpus, no_cuda = cuda_device_count(), no_cuda_reason()
+    try:                # a device this process cannot use fails now, before the cluster is touched
+        resolve_device(args.device, gpus, os.environ, no_cuda=no_cuda)
+    except ShardpsError as exc:
+        log.error("worker failed: %s", exc.message)
+        return 1
     metrics = WorkerMetrics()
     metrics_server = None
     if args.metrics_port >= 0:
@@ -373,6 +403,8 @@ def run_worker(args) -> int:
         membership = client.join(name=name, rank_hint=args.rank_hint)
         ctx.set(rank=membership.rank, epoch=client.shard_map.epoch)
         metrics.info.labels(args.job, name, str(membership.rank)).set(1)
+        device = resolve_device(args.device, gpus, os.environ, rank=membership.rank, no_cuda=no_cuda)
+        use_device(device)
         if args.ready_file:
             address = ""
             if metrics_server is not None:
@@ -380,11 +412,14 @@ def run_worker(args) -> int:
                 address = f"{host}:{metrics_server.server_address[1]}"
             with open(args.ready_file + ".tmp", "w") as f:
                 json.dump({"role": "worker", "name": name, "rank": membership.rank, "metrics": address,
-                           "pid": os.getpid()}, f)
+                           "pid": os.getpid(), "device": str(device)}, f)
             os.replace(args.ready_file + ".tmp", args.ready_file)
         log.info("joined job %s as rank %d of %d (device %s)", args.job, membership.rank,
-                 membership.world_size, default_device())
+                 membership.world_size, describe(device))
+        if device.type == "cpu" and args.device.strip().lower() == "auto" and torch.version.cuda:
+            log.warning("--device auto: %s; training on the CPU", no_cuda)
         task = build_task(args)
+        task.model.to(device)      # before PSModel: its tables start from these values
         from shardps import kernels
         kernels.warm_up()          # before the first step, not inside it
         world = max(1, membership.world_size)

@@ -42,6 +42,7 @@ PARTS = {
     "placement": "shardps.bench.placement_sim",
     "control": "shardps.bench.control_map",
     "lifecycle": "shardps.bench.lifecycle",
+    "gpu": "shardps.bench.gpu",
 }
 DEFAULT_OUT = "bench/results/latest.json"
 

@@ -81,6 +81,10 @@ class BenchConfig:
     lifecycle_admit_after: int = 2
     # every part gives up after this long (processes are stopped)
     process_timeout_s: float = 900.0
+    # gpu: the ctr model on CUDA, one process against GPU workers (shardps/bench/gpu.py); skipped without CUDA
+    gpu_train_samples: int = 400_000
+    gpu_batches: tuple[int, ...] = (512, 4096)
+    gpu_workers: tuple[int, ...] = (1, 2, 4)
 
     def replace(self, **changes) -> "BenchConfig":
         return dataclasses.replace(self, **changes)
@@ -110,6 +114,7 @@ FULL = BenchConfig(
     curve_train_samples=200_000,
     placement_timeout_s=1800.0,
     process_timeout_s=3600.0,
+    gpu_train_samples=2_000_000,
 )
 
 TINY = BenchConfig(
@@ -160,6 +165,9 @@ TINY = BenchConfig(
     lifecycle_batch=512,
     lifecycle_budget_mib=1,
     process_timeout_s=300.0,
+    gpu_train_samples=8_192,
+    gpu_batches=(512,),
+    gpu_workers=(1,),
 )
 
 PRESETS = {"quick": QUICK, "full": FULL, "tiny": TINY}

@@ -35,7 +35,7 @@ from shardps.bench.config import BenchConfig
 
 def worker_args(mode: str, rows: int, train_samples: int, steps: int = 0) -> list[str]:
     args = ["--model", "ctr", "--mode", mode, "--ctr-rows", str(rows), "--train-samples", str(train_samples),
-            "--torch-threads", "1"]
+            "--torch-threads", "1", "--device", "cpu"]      # CPU against CPU baselines (the gpu part: cuda)
     return args + (["--steps", str(steps)] if steps else [])
 
 

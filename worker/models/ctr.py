@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardps.tables import adagrad, adam, normal, splitmix64
+from shardps.worker.device import module_device
 from shardps.worker.models import Task
 from shardps.worker.torch_ps import PSEmbedding
 
@@ -90,9 +91,10 @@ def bce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def make_evaluate(oracle: float):
     def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict:
+        device = module_device(model)          # chunks go to the model's device, scores come back
         model.eval()
         with torch.no_grad():
-            scores = torch.cat([model(x[i:i + 8192]) for i in range(0, x.shape[0], 8192)]).numpy()
+            scores = torch.cat([model(x[i:i + 8192].to(device)).cpu() for i in range(0, x.shape[0], 8192)]).numpy()
         model.train()
         return {"test_auc": auc(scores, y.numpy()), "oracle_auc": oracle}
     return evaluate

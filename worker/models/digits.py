@@ -16,6 +16,7 @@ from torch import nn
 
 from shardps.errors import FailedPrecondition
 from shardps.tables import adam
+from shardps.worker.device import module_device
 from shardps.worker.models import Task
 
 
@@ -44,11 +45,12 @@ class DigitsNet(nn.Module):
 
 
 def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict:
+    device = module_device(model)                 # the test set goes to the model's device
     model.eval()
     with torch.no_grad():
-        pred = model(x).argmax(dim=1)
+        pred = model(x.to(device)).argmax(dim=1)
     model.train()
-    return {"test_accuracy": float((pred == y).float().mean())}
+    return {"test_accuracy": float((pred == y.to(device)).float().mean())}
 
 
 def load_digits_split(seed: int = 0):

@@ -1,0 +1,216 @@
+"""shardps with CUDA models: ``shardps worker --device cuda``, ``PSModel``,
+``PSEmbeddingBagCollection`` and a checkpoint / restore on the GPU, and a CPU run and a CUDA
+run of one seed ending with the same parameters (to float tolerance).
+
+Runs where torch sees a CUDA device and skips, saying why, everywhere else; the device
+choice itself is tested on every machine in tests/test_device.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardps.tables import adagrad, normal, sgd, uniform
+from shardps.worker.device import no_cuda_reason
+from shardps.worker.embedding_bag import EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+from shardps.worker.runtime import load_worker_state, worker_state_bytes
+from shardps.worker.torch_ps import PSEmbedding, PSEmbeddingBagCollection, PSModel
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason=f"needs a CUDA device: {no_cuda_reason() or 'torch sees none'}")
+
+SHARDPS = [sys.executable, "-m", "shardps.cli"]
+GPU = torch.device("cuda", 0)
+CPU = torch.device("cpu")
+
+
+class Recommender(nn.Module):
+    """The README's model, smaller."""
+
+    def __init__(self):
+        super().__init__()
+        self.items = PSEmbedding(1_000, 8, optimizer=adagrad(lr=0.1), init=normal(0.0, 0.01, seed=1))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, ids):
+        return self.head(self.items(ids).mean(dim=1)).squeeze(1)
+
+
+class PlainRecommender(nn.Module):
+    """``Recommender`` with ``nn.Embedding``: what ``PSModel.state_dict`` loads into."""
+
+    def __init__(self):
+        super().__init__()
+        self.items = nn.Embedding(1_000, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, ids):
+        return self.head(self.items(ids).mean(dim=1)).squeeze(1)
+
+
+class Bags(nn.Module):
+    """Multi-hot features: two features share one table, a third pools by mean."""
+
+    def __init__(self):
+        super().__init__()
+        self.sparse = PSEmbeddingBagCollection([
+            EmbeddingBagConfig(num_embeddings=200, embedding_dim=4, name="items", feature_names=["clicked", "viewed"],
+                               optimizer=adagrad(lr=0.05), init=uniform(-0.05, 0.05, seed=2)),
+            EmbeddingBagConfig(num_embeddings=200, embedding_dim=4, name="tags", feature_names=["tags"],
+                               pooling=PoolingType.MEAN, init=uniform(-0.05, 0.05, seed=3))])
+        self.head = nn.Linear(12, 1)
+
+    def forward(self, features):
+        return self.head(self.sparse(features).values()).squeeze(1)
+
+
+def recommender_batch():
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, 1_000, (256, 5), generator=g), torch.rand(256, generator=g).round()
+
+
+def bags_batch():
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(0, 4, (3 * 64,), generator=g)          # keys x batch; empty bags too
+    values = torch.randint(0, 200, (int(lengths.sum()),), generator=g)
+    features = KeyedJaggedTensor(["clicked", "viewed", "tags"], values, lengths=lengths)
+    return features, torch.rand(64, generator=g).round()
+
+
+MODELS = {"recommender": (Recommender, recommender_batch), "bags": (Bags, bags_batch)}
+
+
+def train(make_module, batch, client, device: torch.device, steps: int = 12):
+    """The README's loop on ``device``: the module and the batch there, the tables on the
+    servers (SGD for the dense parameters: every step moves by the gradient itself)."""
+    client.create_job()
+    client.join(heartbeat=False)
+    torch.manual_seed(0)
+    module = make_module().to(device)
+    ps = PSModel(module, client, optimizer=sgd(0.1))
+    ps.create_tables()
+    x, y = batch()
+    x, y = x.to(device), y.to(device)
+    losses = []
+    for _ in range(steps):
+        ps.pull()
+        loss = F.binary_cross_entropy_with_logits(ps(x), y)
+        loss.backward()
+        ps.push()
+        losses.append(float(loss.detach()))
+    ps.settle()
+    return module, ps, losses
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_a_cpu_run_and_a_cuda_run_of_one_seed_end_with_the_same_parameters(make_cluster, client_factory, kind):
+    """PSModel (PSEmbedding, and PSEmbeddingBagCollection for "bags") trains a CUDA module:
+    the batches, the rows it pulls and its parameters stay on the GPU, the losses fall, and
+    the servers end with the values a CPU run of the same seed gives (float tolerance: the
+    GPU sums in another order)."""
+    make_module, batch = MODELS[kind]
+    cluster = make_cluster(2)
+    cpu_client, gpu_client = (client_factory(cluster.address, job=f"{kind}-{d}") for d in ("cpu", "cuda"))
+    _, _, cpu_losses = train(make_module, batch, cpu_client, CPU)
+    module, _, gpu_losses = train(make_module, batch, gpu_client, GPU)
+    assert all(p.device == GPU for p in module.parameters())
+    assert gpu_losses[-1] < gpu_losses[0], gpu_losses
+    np.testing.assert_allclose(gpu_losses, cpu_losses, rtol=1e-4, atol=1e-6)
+    on_cpu, on_gpu = cpu_client.state_dict(), gpu_client.state_dict()
+    assert sorted(on_cpu) == sorted(on_gpu) and len(on_gpu) >= 3
+    for name in on_cpu:
+        np.testing.assert_allclose(on_gpu[name], on_cpu[name], rtol=1e-4, atol=1e-5,
+                                   err_msg=f"{kind}: table {name} differs between the CPU and CUDA runs")
+
+
+def test_the_state_dict_of_a_cuda_model_loads_into_plain_pytorch(make_cluster, client_factory):
+    cluster = make_cluster(2)
+    client = client_factory(cluster.address, job="export")
+    module, ps, _ = train(Recommender, recommender_batch, client, GPU, steps=3)
+    state = ps.state_dict()
+    assert state["items.weight"].shape == (1_000, 8)
+    plain = PlainRecommender().to(GPU)
+    plain.load_state_dict(state)
+    ids = recommender_batch()[0][:16].to(GPU)
+    module.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ids), ps(ids), rtol=1e-5, atol=1e-6)
+
+
+def test_checkpoint_and_restore_of_a_worker_training_on_the_gpu(make_cluster, client_factory, tmp_path):
+    """The worker's local state (batch-norm statistics on the GPU, the CPU's and the GPU's
+    random generators: dropout on the GPU draws from the latter) survives a restore into a
+    fresh CUDA module, and the restored tables reach it."""
+    cluster = make_cluster(2)
+    cluster.manager.service.checkpoints.default_dir = str(tmp_path)
+    c = client_factory(cluster.address, job="gpu-ck")
+    c.create_job()
+    c.join(name="w0", heartbeat=False)
+
+    def make():
+        return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5), nn.Linear(4, 1)).to(GPU)
+
+    torch.manual_seed(0)
+    model = make()
+    m = PSModel(model, c, optimizer=sgd(0.1))
+    m.create_tables()
+    for _ in range(5):
+        m.pull()
+        model(torch.randn(16, 4, device=GPU) * 3 + 1).sum().backward()
+        m.push()
+    saved_bn, saved_rng = model[1].running_mean.clone(), torch.cuda.get_rng_state(GPU)
+    values = c.state_dict()
+    path = c.checkpoint_barrier(m.step, worker_state_bytes(model, m, epoch=2, batch=7))
+    for _ in range(3):                                     # training (and dropout) goes on
+        m.pull()
+        model(torch.randn(16, 4, device=GPU)).sum().backward()
+        m.push()
+    assert not torch.equal(torch.cuda.get_rng_state(GPU), saved_rng)
+    assert c.restore(path).step == 5
+    again = client_factory(cluster.address, job="gpu-ck")
+    assert again.join(name="w0", heartbeat=False).restored
+    fresh = make()
+    m2 = PSModel(fresh, again, optimizer=sgd(0.1))
+    raw, step = again.worker_state()
+    assert step == 5 and load_worker_state(raw, fresh, m2) == (2, 7) and m2.step == 5
+    assert fresh[1].running_mean.device == GPU and torch.equal(fresh[1].running_mean, saved_bn)
+    assert torch.equal(torch.cuda.get_rng_state(GPU), saved_rng), "the GPU's generator is restored"
+    m2.pull()
+    for name, p in fresh.named_parameters():
+        np.testing.assert_array_equal(p.detach().cpu().numpy(), values[name], err_msg=name)
+
+
+@pytest.mark.slow          # a process (shardps worker)
+@pytest.mark.parametrize("model, device, extra", [
+    ("digits-cnn", "cuda", ["--steps", "40"]),
+    ("ctr", "auto", ["--ctr-rows", "10000", "--train-samples", "16384", "--batch-size", "512"]),
+])
+def test_shardps_worker_trains_on_the_gpu(make_cluster, tmp_path, model, device, extra):
+    """The real worker loop (lookahead, prefetch, evaluation) with its model and batches on
+    the GPU; ``auto`` takes cuda:{LOCAL_RANK mod the GPUs it sees}."""
+    cluster = make_cluster(2)
+    local_rank = torch.cuda.device_count()                  # mod count: cuda:0
+    result_file = tmp_path / "result.json"
+    out = subprocess.run(SHARDPS + ["worker", "--manager", cluster.address, "--name", "g0", "--job", f"gpu-{model}",
+                                    "--model", model, "--device", device, "--result-file", str(result_file)] + extra,
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                         env={**os.environ, "LOCAL_RANK": str(local_rank)})
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    result = json.loads(result_file.read_text())
+    assert result["device"] == "cuda:0", result["device"]
+    assert "(device cuda:0 (" in out.stderr, "the joined line names the GPU"
+    final = [line for line in out.stdout.splitlines() if line.startswith("shardps worker rank=")]
+    assert final and final[-1].endswith(" device=cuda:0"), out.stdout
+    losses = result["losses"]
+    quarter = max(1, len(losses) // 4)
+    assert sum(losses[-quarter:]) < sum(losses[:quarter]), "the loss falls"
+    assert all(0.0 <= v <= 1.0 for v in result["metrics"].values())
