@@ -17,6 +17,10 @@ CPU seconds (``time.process_time``, every thread) of client plus server per call
 ``transport_rounds`` rounds; a round runs every system in turn (the order rotates), so the
 systems see the same machine load. ``transport_ps_small_*``: a 1-row pull through ``PSClient`` against
 a one-server cluster (``transport_ps_grpc_small_*``: the same over gRPC).
+
+A ctr step (``transport_ps_step_*``, see ``_ps_step``): its exchange with 2 server processes
+at replication 1 and 2, wall and CPU per step, against ``transport_ctr_step_compute_cpu_ms``
+(the step's forward and backward in one thread): ``ratio_transport_step_cpu_over_compute``.
 """
 
 from __future__ import annotations
@@ -89,6 +93,7 @@ def run(cfg: BenchConfig, progress) -> dict[str, float]:
     out.update(_call_costs(cfg, progress))
     out.update(_ps_small_call(cfg, progress))
     out.update(_ps_step(cfg, progress))
+    out.update(_ps_step(cfg, progress, replication=2))
     out.update(_ctr_compute(cfg, progress))
     compute = out["transport_ctr_step_compute_cpu_ms"]
     data_path = out["transport_ps_step_exchange_client_cpu_ms"] + out["transport_ps_step_exchange_server_cpu_ms"]
@@ -372,13 +377,15 @@ def _ps_small_call(cfg: BenchConfig, progress) -> dict[str, float]:
     return out
 
 
-def _ps_step(cfg: BenchConfig, progress) -> dict[str, float]:
+def _ps_step(cfg: BenchConfig, progress, replication: int = 1) -> dict[str, float]:
     """A ctr step against 2 server processes (replication 1), one client: this step's push
     (the distinct rows of a batch of 512 samples of the ctr data, 26 ids each: about 1,780
     rows x 16, and a 27,000-parameter dense table) and the next batch's pull, as one
     ``exchange_async`` and as a ``push_many`` then a ``pull_many``; medians over
     ``transport_rounds`` interleaved rounds of 20 steps, and CPU milliseconds per step
-    (``_client_cpu_ms``: this process; ``_server_cpu_ms``: both servers) over all of them."""
+    (``_client_cpu_ms``: this process; ``_server_cpu_ms``: both servers) over all of them.
+    ``replication`` 2: every block on both servers, the exchange only
+    (``transport_ps_step_exchange_r2_*``)."""
     from shardps import kernels
     from shardps.local import LocalCluster
     from shardps.tables import adagrad, adam, normal
@@ -394,7 +401,7 @@ def _ps_step(cfg: BenchConfig, progress) -> dict[str, float]:
 
     samples: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}                # way -> [client, servers] CPU seconds
-    with LocalCluster(servers=2, replication=1) as cluster:
+    with LocalCluster(servers=2, replication=replication) as cluster:
         pids = [s.popen.pid for s in cluster.servers.values()]
         with PSClient(cluster.manager_address, "transport-step") as c:
             c.create_job()
@@ -411,7 +418,8 @@ def _ps_step(cfg: BenchConfig, progress) -> dict[str, float]:
                 c.push_many([("mlp", dense_grad), ("emb", u, np.ones((len(u), 16), np.float32))])
                 c.pull_many([("mlp",), ("emb", v)])
 
-            ways = {"transport_ps_step_exchange_ms": exchange, "transport_ps_step_push_pull_ms": push_then_pull}
+            ways = ({"transport_ps_step_exchange_ms": exchange, "transport_ps_step_push_pull_ms": push_then_pull}
+                    if replication == 1 else {f"transport_ps_step_exchange_r{replication}_ms": exchange})
             for fn in ways.values():
                 for _ in range(5):
                     fn(batch(), batch())
@@ -433,8 +441,8 @@ def _ps_step(cfg: BenchConfig, progress) -> dict[str, float]:
         n = 20 * cfg.transport_rounds
         out[key.replace("_ms", "_client_cpu_ms")] = client / n * 1e3
         out[key.replace("_ms", "_server_cpu_ms")] = servers / n * 1e3
-    progress(f"a ctr step against 2 servers: exchange {out['transport_ps_step_exchange_ms']:.2f} ms "
-             f"(CPU: client {out['transport_ps_step_exchange_client_cpu_ms']:.2f} ms, servers "
-             f"{out['transport_ps_step_exchange_server_cpu_ms']:.2f} ms), push then pull "
-             f"{out['transport_ps_step_push_pull_ms']:.2f} ms")
+    key = "transport_ps_step_exchange" + ("" if replication == 1 else f"_r{replication}")
+    progress(f"a ctr step against 2 servers at replication {replication}: exchange {out[key + '_ms']:.2f} ms "
+             f"(CPU: client {out[key + '_client_cpu_ms']:.2f} ms, servers {out[key + '_server_cpu_ms']:.2f} ms)"
+             + (f", push then pull {out['transport_ps_step_push_pull_ms']:.2f} ms" if replication == 1 else ""))
     return out
