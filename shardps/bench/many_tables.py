@@ -10,8 +10,10 @@ gradients in one process), concatenated into an MLP
 ids. One torch thread.
 
 Keys: ``e2e_many_tables_{ps,single}_samples_per_s`` (the loop's samples over its wall time,
-after the first ``WARMUP`` steps), ``e2e_many_tables_calls_per_step_per_server`` (the
-client's data calls: pushes, pulls and exchanges, per step and server, after the warm-up),
+after the first ``WARMUP`` steps, the final ``flush`` included),
+``e2e_many_tables_calls_per_step_per_server`` (the client's data calls of the loop's steps:
+pushes, pulls and exchanges, per step and server, after the warm-up; the ``flush`` after the
+last step sends that step's push: one call more per server and run),
 ``ratio_e2e_many_tables_ps_over_single``; ``e2e_many_tables_computed_ids_*``: the same
 model computing each field's ids inside the forward (``x[:, i] + 0``), which ``PSModel``
 cannot fetch ahead: one pull per table per step, as every loop was before it could.
@@ -90,10 +92,11 @@ def run_ps(ids: np.ndarray, labels: np.ndarray, fields: int, rows: int,
             model.pull()
             F.binary_cross_entropy_with_logits(model(xs[step]), ys[step]).backward()
             model.push()
+        calls = _calls(client) - calls0          # the steps' calls (not the flush after them)
         model.flush()
         wall = time.perf_counter() - t0
         steps = len(xs) - WARMUP
-        per_server = (_calls(client) - calls0) / steps / 2
+        per_server = calls / steps / 2
         client.leave()
     return steps * BATCH / wall, per_server
 
