@@ -190,11 +190,19 @@ def markdown_results(results: dict, meta: dict) -> str:
             f"{f('ps_sparse_populate_s_2s')} s on 2.",
             "", "### End to end: ctr", "", "| system | samples/s | test AUC | worker peak RSS (MB) |",
             "|---|---|---|---|"]
-    for label, p in (("shardps async (2 workers, 2 servers)", "ps_async"), ("shardps sync", "ps_sync"),
+    for label, p in (("shardps async (2 workers, 2 servers, replication 1)", "ps_async"),
+                     ("shardps async, replication 2 (the default)", "ps_async_r2"),
+                     ("shardps sync (replication 1)", "ps_sync"),
                      ("DDP gloo, dense embedding", "ddp"), ("DDP gloo, sparse embedding", "ddp_sparse"),
                      ("single process, sparse embedding", "single")):
         out.append(f"| {label} | {f(f'e2e_{p}_samples_per_s', 1)} | {f(f'e2e_{p}_auc')} | "
                    f"{f(f'e2e_{p}_worker_peak_rss_mb', 1)} |")
+    out += ["", "Many tables (12 single-hot tables, the README's loop, 1 worker, 2 servers): shardps "
+            f"{f('e2e_many_tables_ps_samples_per_s', 1)} samples/s at "
+            f"{f('e2e_many_tables_calls_per_step_per_server')} data calls per step per server; with ids "
+            f"computed in the forward {f('e2e_many_tables_computed_ids_samples_per_s', 1)} at "
+            f"{f('e2e_many_tables_computed_ids_calls_per_step_per_server')}; one process "
+            f"{f('e2e_many_tables_single_samples_per_s', 1)}."]
     out += ["", f"Training samples: {f('e2e_train_samples')} (dense DDP: {f('e2e_ddp_train_samples')}). shardps "
             f"async workers' loop time: pull wait {f('e2e_ps_async_share_pull_wait')}, compute "
             f"{f('e2e_ps_async_share_compute')}, push wait {f('e2e_ps_async_share_push_wait')}; the servers' "
