@@ -180,8 +180,9 @@ def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=Fals
     job = client.job
     if show_progress:
         from tqdm import tqdm
-        bar = tqdm(total=None, desc=f"{task.name} rank {client.membership.rank}", unit="step",
-                   file=sys.stderr)
+        world = max(1, len(group.members)) if group else 1    # the total: an estimate if workers come and go
+        bar = tqdm(total=args.steps or epochs * -(-n // (world * bs)), desc=f"{task.name} rank "
+                   f"{client.membership.rank}", unit="step", file=sys.stderr)
     done = False
     unique_rows = 0
     result_curve: list = []
