@@ -109,7 +109,9 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
     fs.add("--workers", 0, "workers training --model (0: cluster only, runs until stopped)")
     fs.add("--replication", 0, "copies of every block (0: 2 with two or more servers, else 1)")
     fs.add("--log-format", "human", "log lines: human or json", choices=["human", "json"])
-    fs.add("--work-dir", "", "directory for state, logs and ready files (default: a temporary one)")
+    fs.add("--work-dir", "", "directory for state, logs, checkpoints and ready files, kept (default: a "
+           "temporary one, removed at exit: see --keep)")
+    fs.add("--keep", False, "keep the temporary work directory (state, logs, checkpoints) at exit")
     fs.add("--secure", False, "mutual TLS and tokens: development certificates, an admin token, a "
            "token key and --job's token in WORK_DIR/secrets; prints how to connect")
     from shardps.worker.runtime import add_training_flags

@@ -68,7 +68,8 @@ class LocalCluster:
         self.n_servers = servers
         self.replication = replication or default_replication(servers)
         self._own_dir = work_dir is None
-        self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="shardps-local-"))
+        # absolute: the processes run in it, so a relative path would be read from inside it
+        self.work_dir = Path(work_dir).resolve() if work_dir else Path(tempfile.mkdtemp(prefix="shardps-local-"))
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.log_format = log_format
         self.lease = server_lease_seconds
@@ -403,12 +404,37 @@ def run_local(args, worker_flags: list[str]) -> int:
         code = 130
     finally:
         cluster.stop()
-        cluster.cleanup()
+        _leave_work_dir(cluster, getattr(args, "keep", False))
     return code
 
 
-def _worker_args(args, worker_flags: list[str]) -> list[str]:
-    """The flags of ``args`` that ``shardps worker`` accepts, as arguments for it."""
+def _leave_work_dir(cluster: LocalCluster, keep: bool) -> None:
+    """Remove a temporary work directory unless ``keep``, and say which it was."""
+    if not cluster._own_dir:
+        return                              # --work-dir: the user's directory stays
+    if keep:
+        print(f"shardps local: kept {cluster.work_dir} (state, logs, checkpoints)", flush=True)
+        return
+    cluster.cleanup()
+    print(f"shardps local: removed {cluster.work_dir} (state, logs, checkpoints); --keep keeps it, "
+          f"--work-dir DIR puts it where you choose", flush=True)
+
+
+# worker flags naming files the worker writes: resolved against the caller's directory (the
+# workers run in the work directory), one file per worker where there are several
+OUTPUT_FLAGS = ("--plot", "--result-file")
+
+
+def worker_file(path: str, index: int, count: int) -> str:
+    """``path`` as worker ``index`` of ``count`` writes it: absolute, against this process's
+    directory; with several workers, ``curve.png`` becomes ``curve-worker-<index>.png``."""
+    p = Path(path).expanduser().resolve()
+    return str(p if count <= 1 else p.with_name(f"{p.stem}-worker-{index}{p.suffix}"))
+
+
+def _worker_args(args, worker_flags: list[str], index: int = 0, count: int = 1) -> list[str]:
+    """The flags of ``args`` that ``shardps worker`` accepts, as arguments for worker
+    ``index`` of ``count``."""
     skip = {"--manager", "--name", "--log-format", "--metrics-port", "--metrics-host", "--rank-hint"}
     out = []
     for flag in worker_flags:
@@ -419,14 +445,21 @@ def _worker_args(args, worker_flags: list[str]) -> list[str]:
             value = getattr(args, attr)
             if value in ("", None):
                 continue
+            if flag in OUTPUT_FLAGS:
+                value = worker_file(str(value), index, count)
             out += [flag, str(value).lower() if isinstance(value, bool) else str(value)]
     return out
 
 
 def _train_locally(cluster: LocalCluster, args, worker_flags: list[str], stop: threading.Event,
                    started: float, client_args: tuple[str, ...] | list[str] = ()) -> int:
-    wargs = _worker_args(args, worker_flags) + list(client_args)
-    procs = [cluster.start_worker(f"worker-{i}", wargs, stdout=subprocess.PIPE) for i in range(args.workers)]
+    procs = [cluster.start_worker(f"worker-{i}", _worker_args(args, worker_flags, i, args.workers) + list(client_args),
+                                  stdout=subprocess.PIPE) for i in range(args.workers)]
+    for flag in OUTPUT_FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"), "")
+        if value:
+            print(f"shardps local: {flag} writes " + ", ".join(worker_file(value, i, args.workers)
+                                                                for i in range(args.workers)), flush=True)
     # show rank 0's progress: its stderr goes to the log file; relay its lines here
     relay = threading.Thread(target=_relay, args=(cluster.workers[0].log_path, stop), daemon=True)
     relay.start()
