@@ -133,6 +133,23 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
     add_train(fs)
     p.set_defaults(func=cmd_worker)
 
+    p, fs = _sub(sub, "run", "run your own training script on N processes (torchrun's shape)",
+                 "Start --nproc-per-node processes of SCRIPT with the cluster and their place in\n"
+                 "the environment (SHARDPS_MANAGER, SHARDPS_JOB, RANK, WORLD_SIZE, LOCAL_RANK,\n"
+                 "LOCAL_WORLD_SIZE); PSClient() and join() read them. A process that fails is\n"
+                 "started again (--max-restarts per rank); then the others are stopped.\n\n"
+                 "  shardps run --job ctr --nproc-per-node 4 train.py --epochs 3", environ)
+    fs.add("--manager", "127.0.0.1:7070", MANAGER_HELP)
+    fs.add("--job", "", "the job every process joins (SHARDPS_JOB)")
+    fs.add("--nproc-per-node", 1, "processes on this machine")
+    fs.add("--nnodes", 1, "machines running this job (ranks: node_rank x nproc-per-node + local rank)")
+    fs.add("--node-rank", 0, "this machine's index among --nnodes")
+    fs.add("--max-restarts", 3, "times a failed process is started again before the run gives up")
+    fs.add("--log-format", "human", "log lines: human or json", choices=["human", "json"])
+    p.add_argument("script", nargs=argparse.REMAINDER, help="the script (a .py file runs with this Python) "
+                   "and its arguments")
+    p.set_defaults(func=cmd_run)
+
     p, fs = _sub(sub, "health", "check a process's gRPC health (exit 0 if SERVING)",
                  "Query the standard grpc.health.v1 service; exit status 0 when SERVING.", environ)
     p.add_argument("address", help="host:port")
@@ -287,6 +304,11 @@ def cmd_server(args) -> int:
 def cmd_worker(args) -> int:
     from shardps.worker.runtime import run_worker
     return run_worker(args)
+
+
+def cmd_run(args) -> int:
+    from shardps.launch import run
+    return run(args)
 
 
 def cmd_local(args) -> int:

@@ -35,6 +35,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
+import socket
 import threading
 import weakref
 from concurrent import futures
@@ -43,7 +45,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from shardps.dtypes import WireDType
-from shardps.errors import ShardpsError
+from shardps.errors import InvalidArgument, ShardpsError
 from shardps.messages import GRADIENT, INITIALIZE
 from shardps.metrics import WorkerMetrics
 from shardps.protos.v1 import manager_pb2 as mg
@@ -70,11 +72,17 @@ class PSClient(ManagerCalls):
     per ``data_plane``, else gRPC with the shared-memory fast path, per ``shared_memory``);
     the client closes it."""
 
-    def __init__(self, manager: str, job: str, *, token: str = "", tls: channels.TlsConfig | None = None,
+    def __init__(self, manager: str = "", job: str = "", *, token: str = "", tls: channels.TlsConfig | None = None,
                  timeout: float = 30.0, wire_dtype: str | WireDType = "float32",
                  chunk_bytes: int = CHUNK_BYTES, threads: int = 16,
                  metrics: WorkerMetrics | None = None, shared_memory: bool = True,
                  data_plane: bool = True, transport: Transport | None = None):
+        # `shardps run` puts both in the environment of the processes it starts
+        manager = manager or os.environ.get("SHARDPS_MANAGER", "")
+        job = job or os.environ.get("SHARDPS_JOB", "")
+        if not manager or not job:
+            raise InvalidArgument(f"PSClient(manager={manager!r}, job={job!r}): name both, or set "
+                                  f"SHARDPS_MANAGER and SHARDPS_JOB (shardps run sets them)")
         self.manager_address = manager
         self.job = job
         self.metrics = metrics or WorkerMetrics()
@@ -179,7 +187,13 @@ class PSClient(ManagerCalls):
         """Join the job's worker group; starts a background heartbeat (about once a second)
         that keeps the membership lease and reports ``self.progress``. In SYNC and SSP jobs
         the client adopts the group's current step (``server_clock``): a worker that joins
-        late, or a script run again in the same job, goes on from there."""
+        late, or a script run again in the same job, goes on from there. Under torchrun or
+        ``shardps run`` (``RANK`` in the environment) it asks for rank ``RANK`` and, without
+        ``name``, names itself after it, so a restarted process takes its rank back."""
+        rank = os.environ.get("RANK", "")       # torchrun's (and shardps run's) place of this process
+        if rank.isdigit():
+            rank_hint = int(rank) if rank_hint < 0 else rank_hint
+            name = name or f"{socket.gethostname()}-rank{rank}"     # a restart takes its rank back
         membership = self._member.join(name, rank_hint, previous_session, heartbeat, timeout)
         group = self.shard_map.groups.get(self.job) or self.refresh_map().groups.get(self.job)
         if group is not None and group.consistency is not Consistency.ASYNC:

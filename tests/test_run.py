@@ -1,0 +1,82 @@
+"""`shardps run`: your own script on N processes with the cluster and torchrun's variables
+in their environment, a failed process started again, a run that cannot go on stopped with
+the failing rank's status (real processes against a real cluster)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from shardps.errors import InvalidArgument
+from shardps.launch import plan
+
+SHARDPS = [sys.executable, "-m", "shardps.cli"]
+
+SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    from shardps.worker import PSClient
+    out = sys.argv[1]
+    marker = f"{out}.failed-once-{os.environ['RANK']}"
+    if "--fail-once" in sys.argv and not os.path.exists(marker):
+        open(marker, "w").close()
+        sys.exit(3)                                     # the first try of each rank fails
+    if "--always-fail" in sys.argv and os.environ["RANK"] == "1":
+        sys.exit(7)
+    with PSClient() as client:                          # SHARDPS_MANAGER and SHARDPS_JOB
+        client.create_job()
+        membership = client.join(heartbeat=False)
+        env = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SHARDPS_JOB")}
+        with open(f"{out}.{os.environ['RANK']}.json", "w") as f:
+            json.dump({"env": env, "rank": membership.rank, "job": client.job}, f)
+        client.leave()
+""")
+
+
+def test_the_plan_gives_each_process_its_place():
+    envs = plan("m:7070", "j", 2, nnodes=2, node_rank=1)
+    assert [(e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"]) for e in envs] == \
+        [("2", "0", "4", "2"), ("3", "1", "4", "2")]
+    assert all(e["SHARDPS_MANAGER"] == "m:7070" and e["SHARDPS_JOB"] == "j" for e in envs)
+    for bad in ({"nproc": 0}, {"nnodes": 2, "node_rank": 2}, {"job": ""}):
+        with pytest.raises(InvalidArgument):
+            plan("m", bad.get("job", "j"), bad.get("nproc", 1), bad.get("nnodes", 1), bad.get("node_rank", 0))
+
+
+def _run(cluster, tmp_path, *script_args: str, restarts: int = 3) -> subprocess.CompletedProcess:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    return subprocess.run(SHARDPS + ["run", "--manager", cluster.address, "--job", "mine", "--nproc-per-node", "2",
+                                     "--max-restarts", str(restarts), str(script), str(tmp_path / "out"),
+                                     *script_args],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+
+
+@pytest.mark.slow          # processes (shardps run and its 2 scripts)
+def test_each_process_joins_with_its_rank_and_a_failed_one_is_started_again(cluster, tmp_path):
+    out = _run(cluster, tmp_path, "--fail-once")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stderr.count("starting it again (restart 1 of 3)") == 2, out.stderr
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"out.{rank}.json").read_text())
+        assert got["env"] == {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+                              "LOCAL_WORLD_SIZE": "2", "SHARDPS_JOB": "mine"}
+        assert got["rank"] == rank and got["job"] == "mine"
+
+
+@pytest.mark.slow          # processes (shardps run and its 2 scripts)
+def test_a_rank_that_keeps_failing_ends_the_run_with_its_status(cluster, tmp_path):
+    out = _run(cluster, tmp_path, "--always-fail", restarts=1)
+    assert out.returncode == 7, out.stdout + out.stderr
+    assert "rank 1 exited with status 7 after 1 restart(s): stopping the others" in out.stderr
+
+
+def test_a_client_without_a_job_says_how_to_name_one(monkeypatch):
+    from shardps.worker.client import PSClient
+    monkeypatch.delenv("SHARDPS_JOB", raising=False)
+    monkeypatch.delenv("SHARDPS_MANAGER", raising=False)
+    with pytest.raises(InvalidArgument, match="SHARDPS_MANAGER and SHARDPS_JOB"):
+        PSClient()
