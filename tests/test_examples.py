@@ -73,6 +73,10 @@ def test_dlrm_makes_one_pull_and_one_push_per_server_per_step(manager):
     for _server, pull, push, exchange in calls:
         assert (float(pull), float(push), float(exchange)) == (1.0, 1.0, 0.0), out
     assert metric(out, "test_auc") > 0.6, out
+    # the run ended its job: a second run starts from fresh tables, not this run's
+    from shardps.worker import PSClient
+    with PSClient(manager, "dlrm-test") as client:
+        assert client.tables() == []
 
 
 def test_dlrm_overlap_makes_one_exchange_per_server_per_step_on_a_criteo_file(manager, tmp_path):
