@@ -312,7 +312,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_local(args) -> int:
-    from shardps.local import run_local
+    from shardps.local_run import run_local
     return run_local(args, FLAGS["worker"])
 
 

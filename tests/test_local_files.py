@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from shardps.local import worker_file
+from shardps.local_run import worker_file
 
 SHARDPS = [sys.executable, "-m", "shardps.cli"]
 

@@ -77,12 +77,7 @@ class PSClient(ManagerCalls):
                  chunk_bytes: int = CHUNK_BYTES, threads: int = 16,
                  metrics: WorkerMetrics | None = None, shared_memory: bool = True,
                  data_plane: bool = True, transport: Transport | None = None):
-        # `shardps run` puts both in the environment of the processes it starts
-        manager = manager or os.environ.get("SHARDPS_MANAGER", "")
-        job = job or os.environ.get("SHARDPS_JOB", "")
-        if not manager or not job:
-            raise InvalidArgument(f"PSClient(manager={manager!r}, job={job!r}): name both, or set "
-                                  f"SHARDPS_MANAGER and SHARDPS_JOB (shardps run sets them)")
+        manager, job = _cluster_and_job(manager, job)
         self.manager_address = manager
         self.job = job
         self.metrics = metrics or WorkerMetrics()
@@ -115,17 +110,7 @@ class PSClient(ManagerCalls):
         self._before_leaving.append(weakref.WeakMethod(flush))
 
     def _send_held(self, closing: bool = False) -> None:
-        for ref in list(self._before_leaving):
-            flush = ref()
-            if flush is None:
-                continue
-            try:
-                flush()
-            except ShardpsError as exc:
-                if not closing:
-                    raise
-                log.warning("closing with a push not sent (%s): call the model's flush() before close()",
-                            exc.message)
+        _run_flushes(self._before_leaving, closing)
 
     def close(self) -> None:
         """Stop heartbeats and retries, leave nothing running. Does not leave the group
@@ -190,10 +175,7 @@ class PSClient(ManagerCalls):
         late, or a script run again in the same job, goes on from there. Under torchrun or
         ``shardps run`` (``RANK`` in the environment) it asks for rank ``RANK`` and, without
         ``name``, names itself after it, so a restarted process takes its rank back."""
-        rank = os.environ.get("RANK", "")       # torchrun's (and shardps run's) place of this process
-        if rank.isdigit():
-            rank_hint = int(rank) if rank_hint < 0 else rank_hint
-            name = name or f"{socket.gethostname()}-rank{rank}"     # a restart takes its rank back
+        name, rank_hint = _torchrun_place(name, rank_hint)
         membership = self._member.join(name, rank_hint, previous_session, heartbeat, timeout)
         group = self.shard_map.groups.get(self.job) or self.refresh_map().groups.get(self.job)
         if group is not None and group.consistency is not Consistency.ASYNC:
@@ -375,3 +357,38 @@ class PSClient(ManagerCalls):
         ``{name}.ids`` (int64, sorted) and ``{name}.rows`` (``[n, dim]``): every stored row."""
         names = list(tables) if tables is not None else [t.name for t in self.tables()]
         return export(self._data, names, timeout)
+
+
+def _cluster_and_job(manager: str, job: str) -> tuple[str, str]:
+    """``manager`` and ``job``, from SHARDPS_MANAGER and SHARDPS_JOB where not given (`shardps
+    run` puts both in the environment of the processes it starts)."""
+    manager = os.environ.get("SHARDPS_MANAGER", "") if manager == "" else manager
+    job = os.environ.get("SHARDPS_JOB", "") if job == "" else job
+    if manager == "" or job == "":           # anything else is checked where it is used
+        raise InvalidArgument(f"PSClient(manager={manager!r}, job={job!r}): name both, or set "
+                              f"SHARDPS_MANAGER and SHARDPS_JOB (shardps run sets them)")
+    return manager, job
+
+
+def _torchrun_place(name: str, rank_hint: int) -> tuple[str, int]:
+    """(name, rank hint) of a join: torchrun's (and `shardps run`'s) RANK where set and not
+    given, and a name after it, so a restarted process takes its rank back."""
+    rank = os.environ.get("RANK", "")
+    if rank.isdigit():
+        rank_hint = int(rank) if rank_hint < 0 else rank_hint
+        name = name or f"{socket.gethostname()}-rank{rank}"
+    return name, rank_hint
+
+
+def _run_flushes(refs: list, closing: bool) -> None:
+    """Call each live weakly-held flush; while closing, a failure is logged, not raised."""
+    for ref in list(refs):
+        flush = ref()
+        if flush is None:
+            continue
+        try:
+            flush()
+        except ShardpsError as exc:
+            if not closing:
+                raise
+            log.warning("closing with a push not sent (%s): call the model's flush() before close()", exc.message)
