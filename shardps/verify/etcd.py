@@ -24,13 +24,26 @@ def find_etcd() -> str:
 
 
 class EtcdProcess:
-    """One etcd member on loopback, its data in ``work``. ``stop()`` kills it."""
+    """One etcd member on loopback, its data in ``work``, answering when constructed (a
+    probed port taken by another process before etcd bound it is probed again). ``stop()``
+    kills it."""
 
-    def __init__(self, binary: str, work: Path):
+    ATTEMPTS = 5
+
+    def __init__(self, binary: str, work: Path, timeout: float = 30.0):
+        self.log_path = work / "etcd.log"
+        for _ in range(self.ATTEMPTS):
+            self._launch(binary, work)
+            if self._serving(timeout):
+                return
+            self.client.close()
+        raise RuntimeError(f"etcd found no free port in {self.ATTEMPTS} tries: {self.log_path.read_text()[-2000:]}")
+
+    def _launch(self, binary: str, work: Path) -> None:
         from shardps.bench.common import free_port
+        shutil.rmtree(work / "etcd-data", ignore_errors=True)     # nothing of a try that failed
         self.client_port, peer = free_port(), free_port()
         self.endpoint = f"http://127.0.0.1:{self.client_port}"
-        self.log_path = work / "etcd.log"
         cmd = [binary, "--name", "ha", "--data-dir", str(work / "etcd-data"),
                "--listen-client-urls", self.endpoint, "--advertise-client-urls", self.endpoint,
                "--listen-peer-urls", f"http://127.0.0.1:{peer}",
@@ -42,6 +55,16 @@ class EtcdProcess:
         with open(self.log_path, "wb") as log:
             self.popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         self.client = EtcdClient(self.endpoint)
+
+    def _serving(self, timeout: float) -> bool:
+        """True once it answers; False if it exited because a port was taken; raises else."""
+        try:
+            self.wait_ready(timeout)
+            return True
+        except RuntimeError:
+            if "address already in use" in self.log_path.read_text():
+                return False
+            raise
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
