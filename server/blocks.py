@@ -208,6 +208,26 @@ class DenseBlock(Block):
         self.version += 1
         return True
 
+    def assign(self, config: TableConfig, lo: int, hi: int, values: np.ndarray) -> None:
+        """Overwrite the flat range [lo, hi) (a push of kind ASSIGN); its optimizer state
+        starts afresh, and a block written whole also restarts its step count and counts as
+        initialized."""
+        whole = (lo, hi) == (self.start, self.stop)
+        if not self.initialized and not whole:
+            raise InvalidArgument(
+                f"ASSIGN of table {self.spec.name!r} block {self.key[2]} (no initial values yet) "
+                f"must cover the whole block [{self.start}, {self.stop}), got [{lo}, {hi})")
+        self.initialized = True
+        current = self._materialise(config)
+        a, b = lo - self.start, hi - self.start
+        current[a:b] = values
+        fresh = optimizers.new_state(config.optimizer, b - a)
+        for name, arr in self.state.items():
+            arr[a:b] = fresh[name] if name in fresh else 0.0
+        if whole:
+            self.step = 0
+        self.version += 1
+
     def nbytes(self) -> int:
         total = 0 if self.values is None else self.values.nbytes
         return total + sum(a.nbytes for a in self.state.values())
@@ -280,6 +300,13 @@ class SparseBlock(Block):
         with self.table_rows.lock:
             lifecycle.apply_decided(self.table_rows, config, ids, grad.reshape(-1, self.dim),
                                     dropped, evicted, tick)
+        self.version += 1
+
+    def assign(self, config: TableConfig, ids: np.ndarray, values: np.ndarray) -> None:
+        """Overwrite rows ``ids`` (unique, all of this block; stored if absent) with
+        ``values`` ``[n, dim]``, their optimizer state afresh (a push of kind ASSIGN)."""
+        with self.table_rows.lock:
+            self.table_rows.assign_values(config, ids, values.reshape(-1, self.dim))
         self.version += 1
 
     def release(self) -> None:

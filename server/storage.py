@@ -377,6 +377,23 @@ class SparseRows:
             self.state[k].put(slots, v)
         return slots
 
+    def assign_values(self, config: TableConfig, ids: np.ndarray, values: np.ndarray) -> None:
+        """Overwrite rows ``ids`` (unique) with ``values``, storing absent ones; their
+        optimizer state and step counts start afresh. Not for tables with lifecycle state."""
+        self._ensure_state(config)
+        slots = self.lookup(ids)
+        missing = slots < 0
+        if missing.any():
+            self.insert(ids[missing], config, values[missing])
+        present = ~missing
+        if present.any():
+            old = slots[present]
+            self.rows.put(old, values[present])
+            for pages in self.state.values():
+                pages.put(old, pages.fill)
+            if self.row_steps is not None:
+                self.row_steps.put(old, 0)
+
     def lifecycle(self) -> TableLifecycle:
         """The table's lifecycle state here, created on first use."""
         if self.life is None:

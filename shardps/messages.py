@@ -18,7 +18,7 @@ from typing import Any
 # Segment selectors (``Segment.selector`` in common.proto)
 RANGE, ROWS = "range", "rows"
 # Push kinds (``PushKind``; the numbers are the proto's)
-PUSH_KIND_UNSPECIFIED, GRADIENT, INITIALIZE = 0, 1, 2
+PUSH_KIND_UNSPECIFIED, GRADIENT, INITIALIZE, ASSIGN = 0, 1, 2, 3
 
 
 @dataclass(slots=True)

@@ -17,7 +17,7 @@ from shardps.server.manager.checkpoint_files import read_checkpoint
 from shardps.tables import sgd
 from shardps.worker import local_state
 from shardps.worker.client import PSClient
-from shardps.worker.runtime import load_worker_state, worker_state_bytes
+from shardps.worker.model_io import load_worker_state, worker_state_bytes
 from shardps.worker.torch_ps import PSModel
 
 

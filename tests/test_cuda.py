@@ -22,7 +22,7 @@ from torch import nn
 from shardps.tables import adagrad, normal, sgd, uniform
 from shardps.worker.device import no_cuda_reason
 from shardps.worker.embedding_bag import EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
-from shardps.worker.runtime import load_worker_state, worker_state_bytes
+from shardps.worker.model_io import load_worker_state, worker_state_bytes
 from shardps.worker.torch_ps import PSEmbedding, PSEmbeddingBagCollection, PSModel
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),

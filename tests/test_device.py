@@ -168,7 +168,7 @@ def test_a_gpu_workers_state_restores_on_the_cpu_and_a_malformed_generator_is_re
     """A GPU worker's checkpointed state carries its GPU generator (``cuda_rng``): a CPU
     worker taking its rank ignores it; anything but a uint8 tensor there is refused."""
     from shardps.worker import local_state
-    from shardps.worker.runtime import load_worker_state
+    from shardps.worker.model_io import load_worker_state
     model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
     ps_model = type("PS", (), {"dense": {"0.weight", "0.bias", "1.weight", "1.bias"}, "step": 0})()
     state = {"step": 7, "epoch": 1, "batch": 2, "local": {"1.running_mean": torch.ones(2)},

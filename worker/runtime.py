@@ -110,49 +110,6 @@ def build_task(args):
     return build(args.model, seed=args.seed, **opts)
 
 
-def worker_state_bytes(model, ps_model, epoch: int, batch: int) -> bytes:
-    """What lives on the worker: local parameters and buffers (batch-norm statistics), the
-    step, the data position (epoch, batch) and the random-generator state, in the format of
-    ``shardps.worker.local_state`` (safetensors + JSON: reading it cannot run code)."""
-    import torch
-
-    from shardps.worker import local_state
-    from shardps.worker.device import module_device
-    local = {k: v for k, v in model.state_dict().items() if k not in ps_model.dense}
-    state = {"step": ps_model.step, "epoch": epoch, "batch": batch, "local": local,
-             "torch_rng": torch.get_rng_state()}
-    device = module_device(model)
-    if device.type == "cuda":            # dropout on the GPU draws from the GPU's generator
-        state["cuda_rng"] = torch.cuda.get_rng_state(device)
-    return local_state.encode(state)
-
-
-def load_worker_state(raw: bytes, model, ps_model) -> tuple[int, int]:
-    """Restore what ``worker_state_bytes`` saved; returns the data position (epoch, batch).
-    InvalidArgument for anything else (a pickle above all: it is never loaded)."""
-    import torch
-
-    from shardps.errors import InvalidArgument
-    from shardps.worker import local_state
-    from shardps.worker.device import module_device
-    state = local_state.decode(raw)
-    local, rng, cuda_rng = state.get("local"), state.get("torch_rng"), state.get("cuda_rng")
-    fields = (state.get("step"), state.get("epoch"), state.get("batch"))
-    if not (isinstance(local, dict) and all(isinstance(v, torch.Tensor) for v in local.values())
-            and isinstance(rng, torch.Tensor) and rng.dtype == torch.uint8
-            and (cuda_rng is None or isinstance(cuda_rng, torch.Tensor) and cuda_rng.dtype == torch.uint8)
-            and all(isinstance(f, int) and not isinstance(f, bool) for f in fields)):
-        raise InvalidArgument("worker state: expected int step, epoch and batch, a dict of "
-                              "tensors 'local' and uint8 tensors 'torch_rng' (and 'cuda_rng')")
-    model.load_state_dict(local, strict=False)       # copied onto the model's device
-    ps_model.step = state["step"]
-    torch.set_rng_state(rng)
-    device = module_device(model)
-    if cuda_rng is not None and device.type == "cuda":
-        torch.cuda.set_rng_state(cuda_rng, device)
-    return state["epoch"], state["batch"]
-
-
 def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=False,
                   resume: tuple[int, int] | None = None) -> TrainResult:
     """The training loop of one worker. Reads the group's membership at each epoch start."""
@@ -188,7 +145,6 @@ def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=Fals
     result_curve: list = []
     last_log = time.monotonic()
     start_epoch, start_batch = resume or (0, 0)
-    handled_request = ""
     factor = 1.0
     for epoch in range(start_epoch, epochs):
         if task.lr_schedule is not None and client.membership.rank == 0:
@@ -212,15 +168,9 @@ def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=Fals
             if args.steps and ps_model.step >= args.steps:
                 done = True
                 break
-            request = client.checkpoint_request
-            every = getattr(args, "checkpoint_every", 0)
-            periodic = every and ps_model.step and ps_model.step % every == 0
-            if (request and request != handled_request) or periodic:
-                tb = time.perf_counter()
-                ps_model.flush()
-                state = worker_state_bytes(task.model, ps_model, epoch, i)
-                path = client.checkpoint_barrier(ps_model.step, state, request or "")
-                handled_request = request or handled_request
+            tb = time.perf_counter()
+            path = ps_model.maybe_checkpoint(getattr(args, "checkpoint_every", 0), epoch, i)
+            if path is not None:
                 log.info("checkpoint at step %d: %s", ps_model.step, path)
                 if metrics is not None:
                     metrics.step_seconds.labels(job, "barrier_wait").observe(time.perf_counter() - tb)
@@ -428,10 +378,8 @@ def run_worker(args) -> int:
         ps_model = PSModel(task.model, client, optimizer=opt, optimizers=per_table, overlap=args.overlap,
                            lookahead=args.lookahead or _default_lookahead(task.model))
         ps_model.create_tables()
-        resume = None
-        if membership.restored:
-            raw, step = client.worker_state()
-            resume = load_worker_state(raw, task.model, ps_model)
+        resume = ps_model.resume()
+        if resume is not None:
             log.info("resuming from the restored checkpoint at step %d (epoch %d, batch %d)",
                      ps_model.step, *resume)
         elif ps_model.report_steps:

@@ -49,6 +49,7 @@ from shardps.worker.client import PSClient, PushResult
 from shardps.worker.embedding_bag import KeyedJaggedTensor, PSEmbeddingBagCollection
 from shardps.worker.embeddings import PSEmbedding, PSEmbeddingBag, PSRows
 from shardps.worker.lookups import LookupPlanner
+from shardps.worker.model_io import ModelIO
 
 __all__ = ["PSModel", "PSLambdaLR", "PSEmbedding", "PSEmbeddingBag", "PSEmbeddingBagCollection",
            "KeyedJaggedTensor", "default_device"]
@@ -62,8 +63,11 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-class PSModel:
-    """Binds a module's parameters to shardps tables; see the module docstring.
+class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: the servers' values
+    """Binds a module's parameters to shardps tables; see the module docstring. An
+    ``nn.Module`` wrapping the module: calling it runs the module's forward; ``train()`` /
+    ``eval()`` reach the module; ``state_dict()`` / ``load_state_dict()`` read and write the
+    servers' tables (``shardps.worker.model_io``).
 
     Not thread-safe (one training loop drives it). ``pull``/``push`` block; with a SYNC or
     SSP job, ``pull`` waits as the consistency model requires.
@@ -73,6 +77,7 @@ class PSModel:
                  optimizers: dict[str, OptimizerConfig] | None = None, local: Sequence[str] = (),
                  local_optimizer: torch.optim.Optimizer | None = None, block_size: int = 0,
                  report_steps: bool | None = None, overlap: bool = False, lookahead: int = 1):
+        super().__init__()
         self.module = module
         self.client = client
         self.optimizer = optimizer or sgd(0.01)
@@ -110,6 +115,7 @@ class PSModel:
         self.lookups = LookupPlanner()
         self._deferred_pull = False
         self._held: tuple[list, int] | None = None     # (requests, clock): rides with the next pull
+        self._handled_checkpoint = ("", -1)                # (on-demand id, step) of the last one
         client.before_leaving(self.flush)
         if self.embeddings:
             for emb in self.embeddings.values():
@@ -117,8 +123,8 @@ class PSModel:
             module.register_forward_pre_hook(self._before_forward, with_kwargs=True)
             module.register_forward_hook(self._after_forward, with_kwargs=True)
 
-    def __call__(self, *args, **kwargs):
-        """Run the wrapped module's forward."""
+    def forward(self, *args, **kwargs):
+        """The wrapped module's forward."""
         return self.module(*args, **kwargs)
 
     def _is_local(self, name: str) -> bool:
@@ -347,33 +353,12 @@ class PSModel:
         self._prefetch.clear()
         self._pull_now()
 
-    # ------------------------------------------------------------------ schedules and export
-    def set_lr(self, lr_of: Callable[[float], float]) -> None:
-        """Set every table's learning rate to ``lr_of(base_lr)`` (one manager call per table:
-        call it per epoch or every few hundred steps, not per step)."""
-        for table, base in self._base_lr.items():
-            self.client.update_config(table, lr=float(lr_of(base)))
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The module's ordinary state dict holding the servers' current values."""
-        self.settle()
-        state = self.module.state_dict()
-        for name, emb in self.embeddings.items():
-            state[f"{name}.weight" if name else "weight"] = torch.from_numpy(_full_embedding(self.client, emb))
-        return state
-
-
-def _full_embedding(client: PSClient, emb: PSRows, chunk: int = 1 << 18) -> np.ndarray:
-    """Every row of ``emb``'s table, ``[num_embeddings, dim]``."""
-    if emb.num_embeddings <= 0:
-        raise InvalidArgument(f"{type(emb).__name__} {emb.table!r} has no num_embeddings bound: export "
-                              f"it with client.state_dict() (ids + rows) instead")
-    assert emb.table is not None              # PSModel named every embedding's table
-    out = np.empty((emb.num_embeddings, emb.embedding_dim), np.float32)
-    for start in range(0, emb.num_embeddings, chunk):
-        ids = np.arange(start, min(start + chunk, emb.num_embeddings), dtype=np.int64)
-        out[start:start + ids.shape[0]] = client.pull_rows(emb.table, ids, clock=emb.clock)
-    return out
+    def forget_pulled(self) -> None:
+        """Drop every value pulled ahead (the exchanges in flight, the embeddings' fetched
+        rows): the next pull reads the servers afresh."""
+        self._prefetch.clear()
+        for emb in self.embeddings.values():
+            emb._prefetch = None
 
 
 class PSLambdaLR:

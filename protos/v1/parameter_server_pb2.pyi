@@ -13,6 +13,7 @@ class PushKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PUSH_KIND_UNSPECIFIED: _ClassVar[PushKind]
     GRADIENT: _ClassVar[PushKind]
     INITIALIZE: _ClassVar[PushKind]
+    ASSIGN: _ClassVar[PushKind]
 
 class BlockOpKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -21,6 +22,7 @@ class BlockOpKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INITIAL: _ClassVar[BlockOpKind]
     ACCUMULATE: _ClassVar[BlockOpKind]
     APPLY_STEP: _ClassVar[BlockOpKind]
+    ASSIGN_VALUES: _ClassVar[BlockOpKind]
 
 class BlockRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -30,11 +32,13 @@ class BlockRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 PUSH_KIND_UNSPECIFIED: PushKind
 GRADIENT: PushKind
 INITIALIZE: PushKind
+ASSIGN: PushKind
 BLOCK_OP_KIND_UNSPECIFIED: BlockOpKind
 APPLY: BlockOpKind
 INITIAL: BlockOpKind
 ACCUMULATE: BlockOpKind
 APPLY_STEP: BlockOpKind
+ASSIGN_VALUES: BlockOpKind
 BLOCK_ROLE_UNSPECIFIED: BlockRole
 BLOCK_PRIMARY: BlockRole
 BLOCK_BACKUP: BlockRole

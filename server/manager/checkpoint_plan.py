@@ -37,9 +37,6 @@ class PendingCheckpoint:
         """Every live worker (session -> rank) arrived, and nobody is cutting it yet."""
         return set(live) <= set(self.arrived) and not self.taking
 
-    def missing_ranks(self, live: dict[str, int]) -> list[int]:
-        return sorted(live[s] for s in set(live) - set(self.arrived))
-
     def worker_states(self) -> dict[int, bytes]:
         return {rank: state for rank, step, state in self.arrived.values()}
 

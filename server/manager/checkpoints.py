@@ -64,6 +64,13 @@ class CheckpointCoordinator:
             rec = self.rt.state.job(job)
             return {m.session: m.rank for m in rec.members.values()}
 
+    def _missing(self, job: str, p: PendingCheckpoint, live: dict[str, int]) -> str:
+        """The live workers that have not arrived, as ``rank 1 ('name')``."""
+        with self.rt.lock:
+            names = {m.session: m.name for m in self.rt.state.job(job).members.values()}
+        missing = sorted((live[s], names.get(s, "")) for s in set(live) - set(p.arrived))
+        return ", ".join(f"rank {rank} ({name!r})" if name else f"rank {rank}" for rank, name in missing)
+
     # ------------------------------------------------------------------ the barrier
     def barrier(self, job: str, session: str, step: int, state: bytes, checkpoint_id: str,
                 directory: str = "", deadline: float | None = None) -> str:
@@ -106,8 +113,14 @@ class CheckpointCoordinator:
                 if p.ready(live):
                     p.taking = True
                 elif time.monotonic() > limit:
-                    raise DeadlineExceeded(f"checkpoint {p.id} of job {job!r}: ranks "
-                                           f"{p.missing_ranks(live)} did not reach the barrier in time")
+                    raise DeadlineExceeded(
+                        f"checkpoint {p.id} of job {job!r}: {self._missing(job, p, live)} of "
+                        f"{len(live)} live worker(s) did not reach the checkpoint barrier within "
+                        f"{self.barrier_timeout:g} s; nothing was written. Workers join a checkpoint "
+                        f"at a step boundary: shardps worker does it by itself; a custom loop calls "
+                        f"ps_model.maybe_checkpoint() once per step (or client.checkpoint_barrier() "
+                        f"when client.checkpoint_request is set). Stop those workers, or let them "
+                        f"leave the group, and ask again")
                 else:
                     self._cond.wait(timeout=0.2)
                     continue

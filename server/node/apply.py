@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 
 from shardps.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
-from shardps.messages import GRADIENT, INITIALIZE, PUSH_KIND_UNSPECIFIED, Header, PushAck, PushRequest, Versions
+from shardps.messages import ASSIGN, GRADIENT, INITIALIZE, PUSH_KIND_UNSPECIFIED, Header, PushAck, PushRequest, Versions
 from shardps.metrics import NodeMetrics, labelled
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc.codec import byte_view
@@ -139,8 +139,8 @@ class PushApplier:
         acknowledged (a retry is safe). Nothing held on entry.
         """
         header, kind, segments, payload = request.header, request.kind, request.segments, request.payload
-        if kind not in (GRADIENT, INITIALIZE, PUSH_KIND_UNSPECIFIED):
-            raise InvalidArgument(f"push kind {kind}: unknown (use GRADIENT or INITIALIZE)")
+        if kind not in (GRADIENT, INITIALIZE, ASSIGN, PUSH_KIND_UNSPECIFIED):
+            raise InvalidArgument(f"push kind {kind}: unknown (use GRADIENT, INITIALIZE or ASSIGN)")
         kind = kind or GRADIENT
         self.holds.wait_unheld(header.job, deadline)
         writer = Writer(header.session, int(header.incarnation), int(header.sequence),
@@ -267,6 +267,8 @@ class PushApplier:
                             f"INITIALIZE of table {part.table.name!r} must cover whole blocks: "
                             f"block {part.key[2]} is [{blk.start}, {blk.stop}), got "
                             f"[{part.lo}, {part.hi})")
+                elif kind == ASSIGN:
+                    check_assign(part, blk)
                 elif isinstance(blk, DenseBlock) and not blk.initialized:
                     raise FailedPrecondition(
                         f"table {part.table.name!r} block {part.key[2]} has no initial values "
@@ -379,6 +381,9 @@ class PushApplier:
         if kind == INITIALIZE:
             op.kind = ps.INITIAL
             cast(DenseBlock, blk).initialize(part.lo, part.hi, arrays[0])   # INITIALIZE: dense only
+        elif kind == ASSIGN:                      # applied at once, in SYNC groups too
+            op.kind = ps.ASSIGN_VALUES
+            assign_values(blk, t, arrays, op)
         elif sync:
             op.kind = ps.ACCUMULATE
             op.step = step
@@ -388,6 +393,32 @@ class PushApplier:
             apply_gradient(blk, t, arrays, op)
         op.version = blk.version
         return op, arrays
+
+
+def check_assign(part: Part, blk: AnyBlock) -> None:
+    """An ASSIGN part's precondition: a dense block without initial values is written whole;
+    a sparse table has no lifecycle policy (its admission and eviction decide which rows are
+    stored)."""
+    t = part.table
+    if isinstance(blk, DenseBlock):
+        if not blk.initialized and (part.lo, part.hi) != (blk.start, blk.stop):
+            raise InvalidArgument(
+                f"ASSIGN of table {t.name!r} block {part.key[2]} (no initial values yet) must cover "
+                f"the whole block [{blk.start}, {blk.stop}), got [{part.lo}, {part.hi})")
+    elif t.config.lifecycle.enabled or blk.table_rows.life is not None:
+        raise InvalidArgument(
+            f"ASSIGN of sparse table {t.name!r}: the table has a lifecycle policy (admission, "
+            f"eviction), which decides the rows it stores; warm-start it with shardps restore "
+            f"from a checkpoint instead")
+
+
+def assign_values(blk: AnyBlock, t: TableView, arrays: list[np.ndarray], op: ps.BlockOp) -> None:
+    """Apply an ASSIGN op's arrays to ``blk`` (lock held): a primary's push or a backup's
+    forwarded op, the same bytes."""
+    if isinstance(blk, DenseBlock):
+        blk.assign(t.config, int(op.range.start), int(op.range.stop), arrays[0])
+    else:
+        blk.assign(t.config, arrays[0], arrays[1])
 
 
 def check_quota(table: BlockTable, parts: list[Part], blocks: list[AnyBlock], applied: set[int]) -> None:

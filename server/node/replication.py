@@ -41,7 +41,7 @@ from shardps.server.blocks import (
     encode_metadata,
     remember_all,
 )
-from shardps.server.node.apply import apply_gradient
+from shardps.server.node.apply import apply_gradient, assign_values
 from shardps.server.node.table import BlockTable
 from shardps.shardmap import ShardMapView
 
@@ -244,7 +244,7 @@ def _decode_ops(ops: Sequence[ps.BlockOp], payload) -> list[Op]:
     out: list[Op] = []
     for op in ops:
         arrays = []
-        if op.kind in (ps.APPLY, ps.ACCUMULATE, ps.INITIAL):
+        if op.kind in (ps.APPLY, ps.ACCUMULATE, ps.INITIAL, ps.ASSIGN_VALUES):
             for count, dtype, size in ((op.id_count, "<i8", 8), (op.element_count, "<f4", 4)):
                 if dtype == "<i8" and not count:
                     continue
@@ -312,6 +312,11 @@ class BackupApplier:
                     apply_gradient(blk, t, arrays, op)
                 elif op.kind == ps.INITIAL:                 # dense blocks only
                     cast(DenseBlock, blk).initialize(op.range.start, op.range.stop, arrays[0])
+                elif op.kind == ps.ASSIGN_VALUES:
+                    if t is None or t.config.version != op.config_version:
+                        stale.append(key)
+                        continue
+                    assign_values(blk, t, arrays, op)
                 elif op.kind == ps.ACCUMULATE:
                     self.steps.accumulate(blk, int(op.step), arrays, op.range.start, op.range.stop)
                 elif op.kind == ps.APPLY_STEP:

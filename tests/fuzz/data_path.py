@@ -117,7 +117,7 @@ def draw_push(data, w: World):
     server = one_of(w, sorted(w.servers))
     header = draw_header(data, w, push=True, hostile=hostile)
     wire = header.wire_dtype
-    kind = knob(w, hostile, [0, ps.GRADIENT, ps.GRADIENT, ps.GRADIENT, ps.INITIALIZE], [9], "kind")
+    kind = knob(w, hostile, [0, ps.GRADIENT, ps.GRADIENT, ps.GRADIENT, ps.INITIALIZE, ps.ASSIGN], [9], "kind")
     n = data.draw(st.sampled_from([0, 1, 1, 1, 2, 2, 3, 4] if hostile else [1, 1, 1, 2, 2, 3]), "segments")
     h = ps.PushHeader(header=header, kind=kind)
     payload = b""

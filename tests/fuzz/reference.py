@@ -169,7 +169,7 @@ class Reference:
         if not 0 <= hdr.clock < MAX_CLOCK:
             v.bad(INVALID, f"clock {hdr.clock} outside [0, 2**40)")
             return v
-        if h.kind not in (ps.PUSH_KIND_UNSPECIFIED, ps.GRADIENT, ps.INITIALIZE):
+        if h.kind not in (ps.PUSH_KIND_UNSPECIFIED, ps.GRADIENT, ps.INITIALIZE, ps.ASSIGN):
             v.bad(INVALID, f"unknown push kind {h.kind}")
         kind = h.kind or ps.GRADIENT
         if h.shared_memory.name:
@@ -198,6 +198,9 @@ class Reference:
                     v.bad(INVALID, "INITIALIZE of a sparse table")
                 elif (lo, hi) != t.block_range(b):
                     v.bad(INVALID, "INITIALIZE of part of a block")
+            elif kind == ps.ASSIGN:
+                if t.dense and t.assigned and b not in t.initialized and (lo, hi) != t.block_range(b):
+                    v.bad(INVALID, "ASSIGN of part of a block without initial values")
             elif t.dense and t.assigned and b not in t.initialized:
                 v.bad(FAILED, "gradient before INITIALIZE")
         if not v.ok:
@@ -219,12 +222,15 @@ class Reference:
                     if t.assigned and b not in t.initialized:
                         t.values[lo:hi] = grad
                         t.initialized.add(b)
+                elif kind == ps.ASSIGN:              # overwrite (SGD keeps no state)
+                    t.values[lo:hi] = grad
+                    t.initialized.add(b)
                 else:
                     t.values[lo:hi] = t.sgd(t.values[lo:hi], grad)
             else:
-                for i, g in seg["summed"].items():
+                for i, g in seg["summed"].items():   # ASSIGN, like any push: repeats summed
                     if t.block_of_id(i) == b:
-                        t.rows[i] = t.sgd(t.row(i), g)
+                        t.rows[i] = np.asarray(g, np.float32) if kind == ps.ASSIGN else t.sgd(t.row(i), g)
         if v.writer is not None:
             seq, acked = v.writer
             for key in v.touched:

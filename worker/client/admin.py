@@ -112,7 +112,8 @@ class Admin:
             exc = from_rpc_error(err, what)
             if attempts > 1:
                 exc = type(exc)(f"{exc.message} (gave up after {attempts} attempts in {timeout:g}s)")
-            elif not idempotent and code == "DEADLINE_EXCEEDED":
+            elif not idempotent and code == "DEADLINE_EXCEEDED" and time.perf_counter() - started >= 0.95 * timeout:
+                # this call's own deadline passed (not a deadline the manager reports)
                 exc = type(exc)(f"{exc.message} (waited {timeout:g}s for the manager at "
                                 f"{self.address}: is it running and reachable, or is the "
                                 f"timeout too short for this call?)")

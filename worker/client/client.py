@@ -40,7 +40,7 @@ import socket
 import threading
 import weakref
 from concurrent import futures
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -57,7 +57,7 @@ from shardps.tables import Consistency
 from shardps.worker.client import requests as rq
 from shardps.worker.client.admin import Admin, ManagerCalls
 from shardps.worker.client.data import DataPath, PullResult, PushResult
-from shardps.worker.client.export import export
+from shardps.worker.client.export import TableTransfer
 from shardps.worker.client.fanout import abandon_dead
 from shardps.worker.client.membership import GroupMember, Membership, Session
 from shardps.worker.client.transport import GrpcTransport, Transport
@@ -65,7 +65,7 @@ from shardps.worker.client.transport import GrpcTransport, Transport
 log = logging.getLogger("shardps.client")
 
 
-class PSClient(ManagerCalls):
+class PSClient(ManagerCalls, TableTransfer):
     """Client of one job on a shardps cluster. See the module docstring for the contract.
 
     ``transport``: how data calls reach a server (default: each server's socket data plane,
@@ -351,12 +351,6 @@ class PSClient(ManagerCalls):
     def server_clock(self, timeout: float | None = None) -> int:
         """The group's step as the servers see it (the largest applied / slowest clock)."""
         return self._data.server_clock(timeout)
-
-    def state_dict(self, tables: Iterable[str] | None = None, timeout: float | None = None) -> dict:
-        """The job's tables as plain arrays: dense tables in their shape; sparse tables as
-        ``{name}.ids`` (int64, sorted) and ``{name}.rows`` (``[n, dim]``): every stored row."""
-        names = list(tables) if tables is not None else [t.name for t in self.tables()]
-        return export(self._data, names, timeout)
 
 
 def _cluster_and_job(manager: str, job: str) -> tuple[str, str]:

@@ -173,7 +173,7 @@ class DataPath:
                               f"{len(ps_)} asked")
         for p, layout in zip(ps_, head.segments):
             wire = WireDType.parse(int(layout.dtype))
-            got_ids = None
+            got_ids = np.empty(0, np.int64)          # a server holding none of the rows
             if layout.ids:
                 got_ids = np.frombuffer(payload.read(int(layout.ids) * 8), dtype="<i8").copy()
             count = int(layout.elements)

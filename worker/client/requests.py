@@ -266,13 +266,14 @@ def many_push(item: int, t: TableView, request: tuple) -> Piece:
     return rows_push(item, t, request[1], request[2])
 
 
-def initial_values(t: TableView, values) -> Piece:
-    """The whole table's initial values (ASSIGNED tables): the table's shape, or flat."""
+def initial_values(t: TableView, values, what: str = "initial values") -> Piece:
+    """The whole table's values (initial ones of ASSIGNED tables, or assigned ones): the
+    table's shape, or flat."""
     if t.spec.kind is not TableKind.DENSE:
-        raise InvalidArgument(f"table {t.name!r} is sparse: initial values are for dense tables")
-    arr = as_float32(values, t, "initial values")
+        raise InvalidArgument(f"table {t.name!r} is sparse: {what} of a whole table are for dense tables")
+    arr = as_float32(values, t, what)
     if tuple(arr.shape) not in (tuple(t.spec.shape), (t.spec.numel,)):
-        raise InvalidArgument(f"initial values of {t.name!r} have shape {tuple(arr.shape)}; "
+        raise InvalidArgument(f"{what} of {t.name!r} have shape {tuple(arr.shape)}; "
                               f"the table's shape is {tuple(t.spec.shape)}")
     flat = arr.reshape(-1)
     return Piece(0, t.name, True, 0, flat.shape[0], values=flat)

@@ -1,0 +1,112 @@
+"""Checkpoints of your own training loop: one call per step (``PSModel.maybe_checkpoint``)
+joins an on-demand or periodic checkpoint, ``PSModel.resume`` goes on from it after a
+restore, and ``shardps checkpoint`` names the ranks that never reached the barrier and what
+their loop must call. In-process clusters on loopback."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+from torch import nn
+
+from shardps import cli
+from shardps.server.manager.checkpoint_files import read_checkpoint
+from shardps.tables import sgd
+from shardps.worker.torch_ps import PSModel
+
+
+def _step(ps_model, model, g) -> None:
+    ps_model.pull()
+    model(torch.randn(8, 4, generator=g)).square().mean().backward()
+    ps_model.push()
+
+
+def test_a_custom_loop_joins_an_on_demand_checkpoint_and_resumes_from_it(make_cluster, client_factory, tmp_path):
+    cluster = make_cluster(2)
+    cluster.manager.service.checkpoints.default_dir = str(tmp_path)
+    c = client_factory(cluster.address, job="loop")
+    c.create_job()
+    c.join(name="my-loop")                   # the heartbeat brings checkpoint requests
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+    ps_model = PSModel(model, c, optimizer=sgd(0.05))
+    ps_model.create_tables()
+    assert ps_model.maybe_checkpoint() is None          # nothing asked: returns at once
+    paths: list[str] = []
+    stop = threading.Event()
+
+    def loop():
+        g = torch.Generator().manual_seed(1)
+        while not stop.is_set():
+            _step(ps_model, model, g)
+            path = ps_model.maybe_checkpoint(epoch=3, batch=ps_model.step)
+            if path is not None:
+                paths.append(path)
+                stop.set()
+
+    t = threading.Thread(target=loop)
+    t.start()
+    admin = client_factory(cluster.address, job="loop")
+    resp = admin.checkpoint(timeout=60)                 # what `shardps checkpoint loop` calls
+    t.join(timeout=60)
+    assert not t.is_alive()
+    assert paths == [resp.path]
+    ck = read_checkpoint(resp.path)
+    assert list(ck.workers) == [0] and ck.step == ps_model.step
+    saved = c.state_dict()
+    saved_bn = model[1].running_mean.clone()
+    g = torch.Generator().manual_seed(2)
+    for _ in range(3):                                   # training goes on, then a restore
+        _step(ps_model, model, g)
+    c.leave()
+    admin.restore(resp.path)
+
+    again = client_factory(cluster.address, job="loop")
+    again.join(name="my-loop", heartbeat=False)
+    fresh = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+    resumed = PSModel(fresh, again, optimizer=sgd(0.05))
+    resumed.create_tables()
+    assert resumed.resume() == (3, ck.step) and resumed.step == ck.step
+    assert torch.equal(fresh[1].running_mean, saved_bn)
+    for k, v in again.state_dict().items():
+        np.testing.assert_array_equal(v, saved[k], err_msg=k)
+
+
+def test_periodic_checkpoints_every_n_steps(make_cluster, client_factory, tmp_path):
+    cluster = make_cluster(2)
+    cluster.manager.service.checkpoints.default_dir = str(tmp_path)
+    c = client_factory(cluster.address, job="every")
+    c.create_job()
+    c.join(name="w0", heartbeat=False)
+    model = nn.Sequential(nn.Linear(4, 1))
+    ps_model = PSModel(model, c, optimizer=sgd(0.05))
+    ps_model.create_tables()
+    g = torch.Generator().manual_seed(0)
+    made = []
+    for _ in range(7):
+        _step(ps_model, model, g)
+        path = ps_model.maybe_checkpoint(every=3)
+        if path is not None:
+            made.append((ps_model.step, read_checkpoint(path).step))
+        assert ps_model.maybe_checkpoint(every=3) is None, "once per step"
+    assert made == [(3, 3), (6, 6)]
+
+
+def test_shardps_checkpoint_names_the_ranks_that_never_arrive_and_what_they_must_call(
+        make_cluster, client_factory, tmp_path, capsys):
+    cluster = make_cluster(2)
+    coordinator = cluster.manager.service.checkpoints
+    coordinator.default_dir = str(tmp_path)
+    coordinator.barrier_timeout = 1.5
+    c = client_factory(cluster.address, job="silent")
+    c.create_job()
+    c.join(name="never-polls", heartbeat=False)
+    code = cli.main(["checkpoint", "silent", "--manager", cluster.address])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "rank 0 ('never-polls') of 1 live worker(s) did not reach the checkpoint barrier within 1.5 s" in err
+    assert "ps_model.maybe_checkpoint()" in err and "nothing was written" in err
+    assert "waited" not in err, "the manager answered: no hint about reaching it"
+    assert not list(tmp_path.iterdir())

@@ -1,0 +1,199 @@
+"""What ``PSModel`` reads and writes as a whole: its state dict (export and warm start),
+learning-rate schedules, and checkpoints of a custom training loop (``maybe_checkpoint`` to
+cut one, ``resume`` to go on from one after ``shardps restore``).
+
+The worker's own state in a checkpoint (``worker_state_bytes`` / ``load_worker_state``) is
+what lives on the worker only: local parameters and buffers, the step, the data position and
+the random generators, in the format of ``shardps.worker.local_state`` (safetensors + JSON:
+reading it cannot run code).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple
+
+import numpy as np
+import torch
+
+from shardps.errors import InvalidArgument, NotFound
+from shardps.worker import local_state
+from shardps.worker.device import module_device
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from shardps.worker.client import PSClient
+    from shardps.worker.embeddings import PSRows
+
+
+class IncompatibleKeys(NamedTuple):
+    """What ``load_state_dict`` did not match (as torch's ``load_state_dict`` returns)."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+def worker_state_bytes(model, ps_model, epoch: int, batch: int) -> bytes:
+    """What lives on the worker (local parameters and buffers, the step, the data position
+    (epoch, batch), the random generators), encoded for a checkpoint."""
+    local = {k: v for k, v in model.state_dict().items() if k not in ps_model.dense}
+    state = {"step": ps_model.step, "epoch": epoch, "batch": batch, "local": local,
+             "torch_rng": torch.get_rng_state()}
+    device = module_device(model)
+    if device.type == "cuda":            # dropout on the GPU draws from the GPU's generator
+        state["cuda_rng"] = torch.cuda.get_rng_state(device)
+    return local_state.encode(state)
+
+
+def load_worker_state(raw: bytes, model, ps_model) -> tuple[int, int]:
+    """Restore what ``worker_state_bytes`` saved; returns the data position (epoch, batch).
+    InvalidArgument for anything else (a pickle above all: it is never loaded)."""
+    state = local_state.decode(raw)
+    local, rng, cuda_rng = state.get("local"), state.get("torch_rng"), state.get("cuda_rng")
+    fields = (state.get("step"), state.get("epoch"), state.get("batch"))
+    if not (isinstance(local, dict) and all(isinstance(v, torch.Tensor) for v in local.values())
+            and isinstance(rng, torch.Tensor) and rng.dtype == torch.uint8
+            and (cuda_rng is None or isinstance(cuda_rng, torch.Tensor) and cuda_rng.dtype == torch.uint8)
+            and all(isinstance(f, int) and not isinstance(f, bool) for f in fields)):
+        raise InvalidArgument("worker state: expected int step, epoch and batch, a dict of "
+                              "tensors 'local' and uint8 tensors 'torch_rng' (and 'cuda_rng')")
+    model.load_state_dict(local, strict=False)       # copied onto the model's device
+    ps_model.step = state["step"]
+    torch.set_rng_state(rng)
+    device = module_device(model)
+    if cuda_rng is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(cuda_rng, device)
+    return state["epoch"], state["batch"]
+
+
+class ModelIO:
+    """``PSModel``'s whole-model calls (a mixin; see the module docstring)."""
+
+    module: "nn.Module"
+    client: "PSClient"
+    embeddings: "dict[str, PSRows]"
+    dense: dict[str, torch.nn.Parameter]
+    step: int
+    _base_lr: dict[str, float]
+    _handled_checkpoint: tuple[str, int]
+
+    if TYPE_CHECKING:                     # PSModel's
+        def flush(self) -> None: ...
+        def settle(self) -> None: ...
+        def forget_pulled(self) -> None: ...
+
+    # ------------------------------------------------------------------ export, warm start
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's ordinary state dict holding the servers' current values."""
+        self.settle()
+        state = self.module.state_dict()
+        for name, emb in self.embeddings.items():
+            state[_weight_key(name)] = torch.from_numpy(_full_embedding(self.client, emb))
+        return state
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor], strict: bool = True) -> IncompatibleKeys:
+        """Warm-start from a state dict (``state_dict``'s, or a plain module's of the same
+        architecture with ``nn.Embedding`` in place of ``PSEmbedding``): the servers' tables
+        take its values (dense parameters, and every row of each embedding), their optimizer
+        state starting afresh; local parameters and buffers load into the module. Call it
+        after ``create_tables``, from one worker (the others read the values with their next
+        pull). ``strict``: a missing or unexpected key is an InvalidArgument naming them, and
+        nothing is written. Returns the keys that did not match."""
+        if not isinstance(state, Mapping):
+            raise InvalidArgument(f"load_state_dict takes a state dict, got {type(state).__name__}")
+        tables: dict[str, np.ndarray] = {}
+        local: dict[str, torch.Tensor] = {}
+        weights = {_weight_key(name): emb for name, emb in self.embeddings.items()}
+        expected = set(self.module.state_dict()) | set(weights)
+        missing = sorted(expected - set(state))
+        unexpected = sorted(set(state) - expected)
+        if strict and (missing or unexpected):
+            raise InvalidArgument(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected} "
+                                  f"(strict=False loads the keys that match)")
+        for key, value in state.items():
+            if key in unexpected:
+                continue
+            if not isinstance(value, torch.Tensor):
+                raise InvalidArgument(f"load_state_dict: {key!r} is a {type(value).__name__}, not a tensor")
+            array = value.detach().to("cpu", torch.float32).contiguous().numpy() if value.is_floating_point() else None
+            if key in weights:
+                emb = weights[key]
+                if array is None or array.shape != (emb.num_embeddings, emb.embedding_dim):
+                    raise InvalidArgument(f"load_state_dict: {key!r} has shape {tuple(value.shape)} "
+                                          f"({value.dtype}); the table holds "
+                                          f"({emb.num_embeddings}, {emb.embedding_dim}) float rows")
+                tables[f"{emb.table}.ids"] = np.arange(emb.num_embeddings, dtype=np.int64)
+                tables[f"{emb.table}.rows"] = array
+            elif key in self.dense:
+                if array is None:
+                    raise InvalidArgument(f"load_state_dict: {key!r} is {value.dtype}, not floating point")
+                tables[key] = array
+            else:
+                local[key] = value
+        self.flush()
+        self.client.load_state_dict(tables)
+        self.forget_pulled()
+        self.module.load_state_dict({**local, **{k: state[k] for k in self.dense if k in state}}, strict=False)
+        return IncompatibleKeys(missing, unexpected)
+
+    def set_lr(self, lr_of: Callable[[float], float]) -> None:
+        """Set every table's learning rate to ``lr_of(base_lr)`` (one manager call per table:
+        call it per epoch or every few hundred steps, not per step)."""
+        for table, base in self._base_lr.items():
+            self.client.update_config(table, lr=float(lr_of(base)))
+
+    # ------------------------------------------------------------------ checkpoints
+    def maybe_checkpoint(self, every: int = 0, epoch: int = 0, batch: int = 0,
+                         timeout: float | None = 300.0) -> str | None:
+        """The one call a custom training loop makes for checkpoints: once per step, after
+        ``push``. When ``shardps checkpoint`` asked for one (the heartbeat brings the request:
+        no call is made to find out), or with ``every`` at each multiple of ``every`` steps,
+        it sends the push it holds, meets the group's other workers at the barrier with this
+        worker's own state (local parameters and buffers, the step, ``epoch`` and ``batch`` of
+        your data, the random generators) and returns the checkpoint's path; otherwise it
+        returns None at once. Needs ``client.join()``: without a group there is nobody to
+        ask, and ``shardps checkpoint`` cuts the tables directly. ``resume`` reads the state
+        back after ``shardps restore``."""
+        if self.client.membership is None:
+            return None
+        request = self.client.checkpoint_request
+        asked = bool(request) and request != self._handled_checkpoint[0]
+        periodic = every > 0 and self.step > 0 and self.step % every == 0 and self.step != self._handled_checkpoint[1]
+        if not (asked or periodic):
+            return None
+        self.flush()
+        path = self.client.checkpoint_barrier(self.step, worker_state_bytes(self.module, self, epoch, batch),
+                                              request if asked else "", timeout)
+        self._handled_checkpoint = (request if asked else self._handled_checkpoint[0], self.step)
+        return path
+
+    def resume(self) -> tuple[int, int] | None:
+        """After ``shardps restore``: load this rank's own state from the checkpoint (local
+        parameters, buffers, the step, the random generators) and return the ``(epoch,
+        batch)`` given to ``maybe_checkpoint``; None when the job was not restored or the
+        checkpoint holds nothing for this rank. Call it after ``join`` and ``create_tables``."""
+        m = self.client.membership
+        if m is None or not m.restored:
+            return None
+        try:
+            raw, _ = self.client.worker_state()
+        except NotFound:
+            return None
+        return load_worker_state(raw, self.module, self)
+
+
+def _weight_key(name: str) -> str:
+    return f"{name}.weight" if name else "weight"
+
+
+def _full_embedding(client: "PSClient", emb: "PSRows", chunk: int = 1 << 18) -> np.ndarray:
+    """Every row of ``emb``'s table, ``[num_embeddings, dim]``."""
+    if emb.num_embeddings <= 0:
+        raise InvalidArgument(f"{type(emb).__name__} {emb.table!r} has no num_embeddings bound: export "
+                              f"it with client.state_dict() (ids + rows) instead")
+    assert emb.table is not None              # PSModel named every embedding's table
+    out = np.empty((emb.num_embeddings, emb.embedding_dim), np.float32)
+    for start in range(0, emb.num_embeddings, chunk):
+        ids = np.arange(start, min(start + chunk, emb.num_embeddings), dtype=np.int64)
+        out[start:start + ids.shape[0]] = client.pull_rows(emb.table, ids, clock=emb.clock)
+    return out
