@@ -14,6 +14,9 @@ gRPC metrics use the names of the go-grpc-prometheus / py-grpc-prometheus conven
 
 from __future__ import annotations
 
+import threading
+
+import numpy as np
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -23,6 +26,7 @@ from prometheus_client import (
     PlatformCollector,
     ProcessCollector,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                    2.5, 5.0, 10.0, 30.0)
@@ -222,11 +226,56 @@ class ManagerMetrics:
         self.lost_blocks.set(health.lost)
 
 
+class EmbeddingCacheCollector:
+    """The worker-side embedding caches (``shardps.worker.row_cache.RowCache``), read at
+    scrape time: a cache counts its reads in bulk (ages per step, not one observation per
+    row), so its histogram is built from those counts here."""
+
+    def __init__(self, registry: CollectorRegistry | None):
+        self._lock = threading.Lock()
+        self._caches: list[tuple[str, str, object]] = []
+        if registry is not None:
+            registry.register(self)
+
+    def add(self, job: str, table: str, cache) -> None:
+        """Expose ``cache`` (``ages`` counts per age, ``lookups``, ``hits``, ``size``)."""
+        with self._lock:
+            self._caches.append((job, table, cache))
+
+    def collect(self):
+        staleness = HistogramMetricFamily(
+            "shardps_worker_cache_staleness_steps",
+            "Age in steps of each embedding row a lookup read through the cache: cached rows "
+            "up to the staleness bound, pulled rows the steps they were pulled ahead.",
+            labels=("training_job", "table"))
+        lookups = CounterMetricFamily("shardps_worker_cache_lookups",
+                                      "Embedding rows looked up through a cache: hit (read from it) or miss (pulled).",
+                                      labels=("training_job", "table", "result"))
+        rows = GaugeMetricFamily("shardps_worker_cache_rows", "Rows held in a worker-side embedding cache.",
+                                 labels=("training_job", "table"))
+        with self._lock:
+            caches = list(self._caches)
+        for job, table, c in caches:
+            ages = np.asarray(c.ages)
+            counts = np.cumsum(ages)
+            buckets = [(str(float(b)), float(counts[min(b, ages.shape[0] - 1)])) for b in STALENESS_BUCKETS]
+            buckets.append(("+Inf", float(counts[-1])))
+            staleness.add_metric([job, table], buckets, float((ages * np.arange(ages.shape[0])).sum()))
+            hits, looked = int(c.hits), int(c.lookups)
+            lookups.add_metric([job, table, "hit"], hits)
+            lookups.add_metric([job, table, "miss"], looked - hits)
+            rows.add_metric([job, table], int(c.size))
+        yield staleness
+        yield lookups
+        yield rows
+
+
 class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = process_registry() if registry is None else registry
         r = self.registry
         self.grpc = GrpcClientMetrics(r)
+        self.caches = EmbeddingCacheCollector(r)
         self.bytes = Counter("shardps_client_bytes_total", "Payload bytes pushed and pulled.",
                              ("direction",), registry=r)
         self.rows = Counter("shardps_client_rows_total", "Sparse rows pushed and pulled.",

@@ -15,6 +15,7 @@ A pooled lookup's gradient therefore travels as its touched rows only. Not usabl
 from __future__ import annotations
 
 import collections
+import logging
 from concurrent import futures
 from typing import Callable
 
@@ -27,6 +28,9 @@ from shardps import kernels
 from shardps.errors import InvalidArgument
 from shardps.tables import Initializer, OptimizerConfig, normal
 from shardps.worker.client import PSClient
+from shardps.worker.row_cache import CachePlan, RowCache
+
+log = logging.getLogger("shardps.worker")
 
 
 class PSRows(nn.Module):
@@ -42,12 +46,19 @@ class PSRows(nn.Module):
     ``PSModel`` fetches their rows in its next pull, in the same requests as every other
     table (``PSModel.pull``), and the lookup then uses them without a call of its own. A
     lookup of ids that were not announced pulls them itself.
+
+    ``cache_bytes``: keep hot rows on the worker, up to this many bytes (``RowCache``), and
+    read a cached row without a pull while it is at most the staleness bound old (None: the
+    owning ``PSModel``'s ``cache_bytes``; 0: no cache).
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, table: str | None = None,
                  optimizer: OptimizerConfig | None = None, init: Initializer | None = None,
-                 num_blocks: int = 0):
+                 num_blocks: int = 0, cache_bytes: int | None = None):
         super().__init__()
+        self.cache_bytes = cache_bytes
+        self.cache: RowCache | None = None     # set by PSModel with the bound (cache_tau)
+        self.cache_tau = 0
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.table = table
@@ -56,7 +67,7 @@ class PSRows(nn.Module):
         self.num_blocks = num_blocks
         self.client: PSClient | None = None
         self._pending: list[tuple[np.ndarray, torch.Tensor]] = []
-        self._prefetch: tuple[np.ndarray, futures.Future] | None = None
+        self._prefetch: tuple[np.ndarray, "futures.Future | _Completing"] | None = None
         self._wanted: np.ndarray | None = None
         # (batch ids, unique, inverse) of announced batches, oldest first (a PSModel with
         # lookahead L announces the batch L steps ahead)
@@ -92,7 +103,20 @@ class PSRows(nn.Module):
         this table's own (``request_prefetch`` shares the model's pull instead)."""
         unique = self._plan(ids)
         assert self.client is not None and self.table is not None     # bound by PSModel
-        self._prefetch = (unique, self.client.pull_rows_async(self.table, unique, clock=self.clock))
+        plan = self.cache_plan(unique, self.clock)
+        wanted = unique if plan is None else plan.misses
+        future = self.client.pull_rows_async(self.table, wanted, clock=self.clock)
+        self._prefetch = (unique, future if plan is None else _Completing(self, plan, future, self.clock))
+
+    def cache_plan(self, ids: np.ndarray, use_step: int) -> CachePlan | None:
+        """Which of the distinct ``ids`` of a lookup at step ``use_step`` the cache serves
+        (None without a cache): pull ``plan.misses``, then ``complete`` the rows."""
+        return None if self.cache is None else self.cache.plan(ids, use_step, self.cache_tau)
+
+    def complete(self, plan: CachePlan | None, pulled: np.ndarray, refreshed: int) -> np.ndarray:
+        """The rows of a lookup: ``pulled`` alone without a cache plan, else the plan's cached
+        rows with ``pulled`` (its misses, read at step ``refreshed``, which refresh the cache)."""
+        return pulled if plan is None or self.cache is None else self.cache.complete(plan, pulled, refreshed)
 
     def request_prefetch(self, ids: torch.Tensor) -> None:
         """Announce the ids of the next lookup: the owning PSModel fetches their rows in its
@@ -135,7 +159,10 @@ class PSRows(nn.Module):
             if np.array_equal(pre_ids, unique_np):
                 rows_np = fut.result()
         if rows_np is None:
-            rows_np = self.client.pull_rows(self.table, unique_np, clock=self.clock)
+            plan = self.cache_plan(unique_np, self.clock)
+            wanted = unique_np if plan is None else plan.misses
+            rows_np = self.complete(plan, self.client.pull_rows(self.table, wanted, clock=self.clock),
+                                    self.clock)
         rows = torch.from_numpy(rows_np).to(ids.device)
         if self.training and torch.is_grad_enabled():
             rows.requires_grad_(True)
@@ -164,6 +191,43 @@ class PSRows(nn.Module):
                 out.append((ids, rows.grad.detach().cpu().numpy()))
         self._pending = []
         return out
+
+
+def bind_caches(modules, client: PSClient, cache_bytes: int, staleness: int, lookahead: int = 1) -> None:
+    """Give each module without one its ``RowCache`` (its own ``cache_bytes``, else
+    ``cache_bytes``), bounded by the job's consistency: an SSP job's staleness bound, an ASYNC
+    job's ``staleness``; none in SYNC jobs, where any step may change any row (their results
+    stay those of one large batch). ``lookahead``: a row pulled ahead is that many steps old
+    less one when read, so the bound must allow it."""
+    from shardps.tables import Consistency
+    wanted = [m for m in modules if m.cache is None
+              and (m.cache_bytes if m.cache_bytes is not None else cache_bytes) > 0]
+    if not wanted:
+        return
+    group = client.shard_map.groups.get(client.job) or client.refresh_map().groups.get(client.job)
+    mode = group.consistency if group is not None else Consistency.ASYNC
+    if mode is Consistency.SYNC:
+        log.info("job %s is SYNC: embedding rows are read from the servers every step (no cache)", client.job)
+        return
+    tau = group.staleness if group is not None and mode is Consistency.SSP else staleness
+    if isinstance(tau, bool) or not isinstance(tau, int) or tau < max(0, lookahead - 1):
+        raise InvalidArgument(f"cache_staleness={staleness!r}: must be an integer >= {max(0, lookahead - 1)} "
+                              f"(rows pulled {lookahead} steps ahead are {lookahead - 1} step(s) old when read)")
+    for m in wanted:
+        m.cache = RowCache(m.embedding_dim, m.cache_bytes if m.cache_bytes is not None else cache_bytes,
+                           m.num_embeddings)
+        m.cache_tau = tau
+        client.metrics.caches.add(client.job, m.table, m.cache)
+
+
+class _Completing:
+    """A pull of a cache plan's misses, completed with the plan's cached rows when read."""
+
+    def __init__(self, rows: PSRows, plan: CachePlan, pulled: futures.Future, refreshed: int):
+        self.rows, self.plan, self.pulled, self.refreshed = rows, plan, pulled, refreshed
+
+    def result(self) -> np.ndarray:
+        return self.rows.complete(self.plan, self.pulled.result(), self.refreshed)
 
 
 class PSEmbedding(PSRows):

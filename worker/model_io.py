@@ -10,6 +10,7 @@ reading it cannot run code).
 
 from __future__ import annotations
 
+import collections
 from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple
 
 import numpy as np
@@ -77,10 +78,20 @@ class ModelIO:
     _base_lr: dict[str, float]
     _handled_checkpoint: tuple[str, int]
 
+    _prefetch: collections.deque
+
     if TYPE_CHECKING:                     # PSModel's
         def flush(self) -> None: ...
         def settle(self) -> None: ...
-        def forget_pulled(self) -> None: ...
+
+    def forget_pulled(self) -> None:
+        """Drop every value pulled ahead (the exchanges in flight, the embeddings' fetched
+        and cached rows): the next pull reads the servers afresh."""
+        self._prefetch.clear()
+        for emb in self.embeddings.values():
+            emb._prefetch = None
+            if emb.cache is not None:
+                emb.cache.clear()
 
     # ------------------------------------------------------------------ export, warm start
     def state_dict(self) -> dict[str, torch.Tensor]:

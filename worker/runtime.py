@@ -56,6 +56,11 @@ def add_training_flags(fs) -> None:
            "of the exchange), 1 for dense-only models (their every parameter would be a step staler). "
            "SYNC and SSP jobs use 1")
     fs.add("--shared-memory", True, "same-host bulk bytes through /dev/shm (false: every byte over gRPC)")
+    fs.add("--cache-bytes", 0, "keep each embedding table's hot rows on the worker, up to this many bytes per "
+           "table, and read them without a pull while they are at most --cache-staleness steps old "
+           "(0: no cache; SYNC jobs never read from it)")
+    fs.add("--cache-staleness", 8, "ASYNC jobs: the most steps a cached row is read after it was pulled "
+           "(SSP jobs use their --staleness)")
     fs.add("--checkpoint-every", 0, "join a checkpoint every this many steps (0: only on demand)")
     fs.add("--ready-file", "", "write a JSON line (name, rank, metrics address, pid) here once joined")
 
@@ -81,6 +86,9 @@ class TrainResult:
     unique_rows: int = 0            # sum over steps of the distinct embedding ids in the batch
     sparse_bytes_pushed: int = 0    # client counter: ids + rows of sparse pushes
     device: str = ""                # where the model trained ("cpu", "cuda:0")
+    bytes_pulled: int = 0           # client counters: everything pulled, and its sparse ids + rows
+    sparse_bytes_pulled: int = 0
+    cache: dict = field(default_factory=dict)   # per table: RowCache.summary() (--cache-bytes)
 
     def line(self, who: str) -> str:
         parts = [f"shardps {who}", f"rank={self.rank}", f"steps={self.steps}"]
@@ -234,7 +242,10 @@ def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=Fals
     result = TrainResult(client.membership.rank, ps_model.step, samples, wall,
                          task.evaluate(task.model, *task.test), losses, result_curve, max_stale,
                          dict(ps_model.timings, compute=compute), unique_rows,
-                         int(client.metrics.sparse_bytes.labels("pushed")._value.get()), str(device))
+                         int(client.metrics.sparse_bytes.labels("pushed")._value.get()), str(device),
+                         int(client.metrics.bytes.labels("pulled")._value.get()),
+                         int(client.metrics.sparse_bytes.labels("pulled")._value.get()),
+                         {emb.table: emb.cache.summary() for emb in embeddings if emb.cache is not None})
     return result
 
 
@@ -376,7 +387,8 @@ def run_worker(args) -> int:
         world = max(1, membership.world_size)
         opt, per_table = _lr_scaled(task, args, world)
         ps_model = PSModel(task.model, client, optimizer=opt, optimizers=per_table, overlap=args.overlap,
-                           lookahead=args.lookahead or _default_lookahead(task.model))
+                           lookahead=args.lookahead or _default_lookahead(task.model),
+                           cache_bytes=args.cache_bytes, cache_staleness=args.cache_staleness)
         ps_model.create_tables()
         resume = ps_model.resume()
         if resume is not None:

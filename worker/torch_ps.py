@@ -21,6 +21,9 @@
   ``request_prefetch(ids)`` for single embeddings) in one ``pull_many``; ``push`` sends every
   gradient in one ``push_many`` (with ``overlap``, both become one exchange). A lookup of ids
   that were not announced pulls them itself, in a call of its own.
+* ``cache_bytes``: each embedding keeps its hot rows on the worker (``RowCache``) and reads
+  them without a pull while they are at most ``cache_staleness`` steps old (ASYNC; an SSP
+  job's own bound; never in SYNC jobs); every gradient is still pushed.
 * The optimizer runs on the servers, chosen per table (``optimizers={"fc1.weight": sgd(...)}``).
 * Parameters whose names start with a prefix in ``local`` stay on the worker and are trained by
   ``local_optimizer`` (a torch optimizer you pass); buffers (batch-norm running statistics)
@@ -47,9 +50,10 @@ from shardps.errors import InvalidArgument
 from shardps.tables import OptimizerConfig, assigned, dense_table, sgd, sparse_table
 from shardps.worker.client import PSClient, PushResult
 from shardps.worker.embedding_bag import KeyedJaggedTensor, PSEmbeddingBagCollection
-from shardps.worker.embeddings import PSEmbedding, PSEmbeddingBag, PSRows
+from shardps.worker.embeddings import PSEmbedding, PSEmbeddingBag, PSRows, bind_caches
 from shardps.worker.lookups import LookupPlanner
 from shardps.worker.model_io import ModelIO
+from shardps.worker.row_cache import CachePlan
 
 __all__ = ["PSModel", "PSLambdaLR", "PSEmbedding", "PSEmbeddingBag", "PSEmbeddingBagCollection",
            "KeyedJaggedTensor", "default_device"]
@@ -76,7 +80,8 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
     def __init__(self, module: nn.Module, client: PSClient, optimizer: OptimizerConfig | None = None,
                  optimizers: dict[str, OptimizerConfig] | None = None, local: Sequence[str] = (),
                  local_optimizer: torch.optim.Optimizer | None = None, block_size: int = 0,
-                 report_steps: bool | None = None, overlap: bool = False, lookahead: int = 1):
+                 report_steps: bool | None = None, overlap: bool = False, lookahead: int = 1,
+                 cache_bytes: int = 0, cache_staleness: int = 8):
         super().__init__()
         self.module = module
         self.client = client
@@ -116,6 +121,7 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         self._deferred_pull = False
         self._held: tuple[list, int] | None = None     # (requests, clock): rides with the next pull
         self._handled_checkpoint = ("", -1)                # (on-demand id, step) of the last one
+        self.cache_bytes, self.cache_staleness = cache_bytes, cache_staleness
         client.before_leaving(self.flush)
         if self.embeddings:
             for emb in self.embeddings.values():
@@ -151,6 +157,8 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         for emb in self.embeddings.values():
             assert emb.table is not None
             self._base_lr[emb.table] = (emb.optimizer or self.table_optimizer(emb.table)).lr
+        bind_caches(self.embeddings.values(), self.client, self.cache_bytes, self.cache_staleness,
+                    self.lookahead if self.overlap else 1)
         self.pull()
 
     # ------------------------------------------------------------------ per step
@@ -201,8 +209,8 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         if self._prefetch and self._prefetch[0][0] == self.step:
             _, future, carried = self._prefetch.popleft()
             res = future.result()[1]                             # (push, pull) of an exchange
-            for (emb, ids), rows in zip(carried, res.values[len(names):]):
-                emb._provide(ids, rows)
+            for (emb, ids, plan, refreshed), rows in zip(carried, res.values[len(names):]):
+                emb._provide(ids, emb.complete(plan, rows, refreshed))
             self._load_dense(names, res.values)
             names = []                                           # loaded from the exchange
             waited = res.waited_seconds
@@ -211,7 +219,7 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         wanted = []
         for emb in self.embeddings.values():
             if emb._wanted is not None and not emb._has_rows_for(emb._wanted):
-                wanted.append((emb, emb._wanted))
+                wanted.append((emb, emb._wanted, emb.cache_plan(emb._wanted, self.step), self.step))
             emb._wanted = None
         held, self._held = self._held, None
         if names or wanted:
@@ -220,12 +228,12 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
             # with it, applied first (one round trip per server)
             self.flush()
             self._set_clock(self.step)
-            pulls = [(n,) for n in names] + [(emb.table, ids) for emb, ids in wanted]
+            pulls = [(n,) for n in names] + [(emb.table, _to_pull(ids, plan)) for emb, ids, plan, _ in wanted]
             res = (self.client.exchange_async(held[0], pulls, clock=held[1], report_step=self.report_steps
                                               ).result()[1] if held is not None
                    else self.client.pull_many(pulls, clock=self.step))
-            for (emb, ids), rows in zip(wanted, res.values[len(names):]):
-                emb._provide(ids, rows)
+            for (emb, ids, plan, refreshed), rows in zip(wanted, res.values[len(names):]):
+                emb._provide(ids, emb.complete(plan, rows, refreshed))
             self._load_dense(names, res.values)
             waited = max(waited, res.waited_seconds)
         elif held is not None:
@@ -279,10 +287,13 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         elif self.overlap:
             # this push and the next step's dense values and requested embedding rows in one
             # round trip per server (each server applies the push, then serves the pull)
-            wanted = [(emb, emb._wanted) for emb in self.embeddings.values() if emb._wanted is not None]
-            for emb, _ in wanted:
+            use = self.step + self.lookahead           # the step that reads this pull
+            wanted = [(emb, emb._wanted, emb.cache_plan(emb._wanted, use), self.step + 1)
+                      for emb in self.embeddings.values() if emb._wanted is not None]
+            for emb, *_ in wanted:
                 emb._wanted = None
-            requests_next = [(n,) for n in self.dense] + [(emb.table, ids) for emb, ids in wanted]
+            requests_next = [(n,) for n in self.dense] + [(emb.table, _to_pull(ids, plan))
+                                                          for emb, ids, plan, _ in wanted]
             if requests_next:
                 self._set_clock(self.step + 1)
                 future = self.client.exchange_async(requests, requests_next, clock=self.step,
@@ -353,12 +364,10 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         self._prefetch.clear()
         self._pull_now()
 
-    def forget_pulled(self) -> None:
-        """Drop every value pulled ahead (the exchanges in flight, the embeddings' fetched
-        rows): the next pull reads the servers afresh."""
-        self._prefetch.clear()
-        for emb in self.embeddings.values():
-            emb._prefetch = None
+
+def _to_pull(ids: np.ndarray, plan: CachePlan | None) -> np.ndarray:
+    """The ids of a lookup that a pull fetches: all, or the misses of its cache plan."""
+    return ids if plan is None else plan.misses
 
 
 class PSLambdaLR:

@@ -37,6 +37,7 @@ PARTS = {
     "sparse": "shardps.bench.sparse",
     "e2e": "shardps.bench.e2e",
     "scale": "shardps.bench.scale",
+    "cache": "shardps.bench.cache",
     "memory": "shardps.bench.memory",
     "curves": "shardps.bench.curves",
     "placement": "shardps.bench.placement_sim",

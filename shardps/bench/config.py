@@ -42,6 +42,9 @@ class BenchConfig:
     e2e_ddp_dense_train_samples: int = 0   # 0: e2e_train_samples (the dense DDP baseline is slow)
     e2e_workers: int = 2
     e2e_servers: int = 2
+    # cache: the ctr model with and without the worker-side embedding cache (shardps/bench/cache.py)
+    cache_bytes: int = 8_000_000           # per table: about 90,000 rows of 16 floats
+    cache_staleness: int = 8
     # scale: the ctr model at the (workers, servers) points the cores fit (shardps/bench/scale.py)
     scale_train_samples: int = 200_000
     # many tables: the plain loop on 12 single-hot tables (shardps/bench/many_tables.py)

@@ -17,6 +17,8 @@ REQUIRED_KEYS = (
     "e2e_ps_async_server_share_decode", "e2e_ps_async_server_share_lookup",
     "e2e_ps_async_server_share_optimizer", "e2e_ps_async_server_share_encode", "e2e_ps_async_server_share_idle",
     "control_map_bytes_full", "control_map_bytes_delta",
+    "cache_on_samples_per_s", "cache_off_samples_per_s", "cache_on_auc", "cache_off_auc",
+    "cache_on_pull_bytes_per_step", "cache_off_pull_bytes_per_step", "cache_on_hit_rate", "cache_on_max_staleness",
 )
 
 
@@ -87,6 +89,12 @@ TARGETS = (
            "e2e_many_tables: data calls per step per server <= 1"),
     Target("many_tables_speed", "ratio_e2e_many_tables_ps_over_single", ">=", 0.5,
            "e2e_many_tables_ps_samples_per_s >= 0.5 x e2e_many_tables_single_samples_per_s"),
+    Target("cache_pull_bytes", "ratio_cache_row_pull_bytes_on_over_off", "<=", 0.25,
+           "embedding row bytes pulled per ctr step with the cache <= 0.25 x without"),
+    Target("cache_speed", "ratio_cache_on_over_off_samples_per_s", ">=", 1.25,
+           "cache_on_samples_per_s >= 1.25 x cache_off_samples_per_s"),
+    Target("cache_auc", "cache_auc_abs_gap_on_off", "<=", 0.003,
+           "|cache_on_auc - cache_off_auc| <= 0.003"),
 )
 
 
@@ -96,6 +104,9 @@ def add_derived(results: dict) -> None:
     gap = results.get("e2e_auc_gap_ps_async_minus_ddp_sparse")
     if gap is not None and math.isfinite(gap):
         results["e2e_auc_abs_gap_ps_async_ddp_sparse"] = abs(gap)
+    cache_gap = results.get("cache_auc_gap_on_minus_off")
+    if cache_gap is not None and math.isfinite(cache_gap):
+        results["cache_auc_abs_gap_on_off"] = abs(cache_gap)
     waits = [results.get(f"e2e_ps_async_share_{k}") for k in ("pull_wait", "push_wait")]
     if all(w is not None and math.isfinite(w) for w in waits):
         results["e2e_ps_async_share_waits"] = sum(waits)

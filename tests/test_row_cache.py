@@ -1,0 +1,156 @@
+"""The worker-side embedding cache: ``RowCache`` on its own (staleness bound, admission and
+eviction, budget), and through ``PSModel`` on a real in-process cluster: no read older than
+the bound, every touched row's gradient still pushed, SYNC jobs never reading from it, the
+metrics it exports."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from shardps.errors import InvalidArgument
+from shardps.tables import sgd
+from shardps.worker.row_cache import ROW_OVERHEAD_BYTES, RowCache
+from shardps.worker.torch_ps import PSEmbedding, PSModel
+
+ROW = 4 * 4 + ROW_OVERHEAD_BYTES          # bytes one cached row of dim 4 takes
+
+
+def _rows(ids, value: float = 0.0) -> np.ndarray:
+    return (np.asarray(ids, np.float32)[:, None] + value) * np.ones((1, 4), np.float32)
+
+
+@pytest.mark.parametrize("num_rows", [1000, 0])            # direct index, and a dict for unbounded ids
+def test_a_cached_row_is_read_only_while_it_is_at_most_tau_steps_old(num_rows):
+    c = RowCache(4, 100 * ROW, num_rows)
+    ids = np.array([3, 5, 9])
+    plan = c.plan(ids, use_step=10, tau=2)
+    assert plan.misses.tolist() == [3, 5, 9]                 # empty cache
+    np.testing.assert_array_equal(c.complete(plan, _rows(ids), refreshed=10), _rows(ids))
+    for step, expect_hits in ((11, [3, 5, 9]), (12, [3, 5, 9]), (13, [])):
+        plan = c.plan(ids, use_step=step, tau=2)
+        assert ids[plan.hit].tolist() == expect_hits, step
+    # a pull refreshes the rows it fetched: fresh again, with the new values
+    plan = c.plan(np.array([5, 7]), use_step=13, tau=2)
+    rows = c.complete(plan, _rows([5, 7], 0.5), refreshed=13)
+    np.testing.assert_array_equal(rows, _rows([5, 7], 0.5))
+    plan = c.plan(np.array([3, 5, 7]), use_step=14, tau=2)
+    assert plan.misses.tolist() == [3]
+    np.testing.assert_array_equal(c.complete(plan, _rows([3], 1.0), refreshed=14),
+                                  np.concatenate([_rows([3], 1.0), _rows([5, 7], 0.5)]))
+    assert c.max_age <= 2
+    assert c.summary()["hits"] == c.hits == 3 + 3 + 2
+
+
+def test_older_values_never_replace_newer_ones():
+    c = RowCache(4, 10 * ROW, 100)
+    c.store(np.array([1]), _rows([1], 5.0), refreshed=7)
+    c.store(np.array([1]), _rows([1], 1.0), refreshed=4)      # a pull that left earlier
+    plan = c.plan(np.array([1]), use_step=8, tau=3)
+    np.testing.assert_array_equal(plan.hit_rows, _rows([1], 5.0))
+
+
+def test_the_budget_bounds_the_rows_and_frequent_rows_displace_rare_ones():
+    c = RowCache(4, 10 * ROW, 10_000, admit_after=2)
+    assert c.capacity == 10 and c.nbytes() <= 10 * ROW
+    hot = np.arange(5)
+    for step in range(20):                               # 5 hot rows looked up every step
+        batch = np.concatenate([hot, np.array([100 + step])])     # and a new rare one each time
+        plan = c.plan(batch, step, tau=0)
+        c.complete(plan, _rows(plan.misses), refreshed=step)
+    assert c.size == 10
+    held = set(c.ids[c.ids >= 0].tolist())
+    assert set(hot.tolist()) <= held, held
+    # a rare row does not push out one seen more often
+    plan = c.plan(np.array([5000]), 30, tau=0)
+    c.complete(plan, _rows([5000]), refreshed=30)
+    assert 5000 not in set(c.ids.tolist()) and set(hot.tolist()) <= set(c.ids.tolist())
+    c.clear()
+    assert c.size == 0 and c.plan(hot, 31, tau=100).misses.tolist() == hot.tolist()
+
+
+def test_a_zero_budget_caches_nothing_and_ids_out_of_range_are_misses():
+    assert RowCache(4, ROW - 1, 10).capacity == 0
+    c = RowCache(4, 0, 10)
+    plan = c.plan(np.array([1, 2]), 0, tau=5)
+    assert plan.misses.tolist() == [1, 2]
+    c.complete(plan, _rows([1, 2]), 0)
+    assert c.size == 0
+    bounded = RowCache(4, 10 * ROW, 10)
+    assert bounded.plan(np.array([-1, 3, 10]), 0, tau=5).misses.tolist() == [-1, 3, 10]
+
+
+class Skewed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = PSEmbedding(200, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids).mean(dim=1)).squeeze(1)
+
+
+def _train(client, steps: int, tau: int, overlap: bool, lookahead: int = 1, mode: str = "async"):
+    client.create_job(mode)
+    if mode != "async":
+        client.join(name="w0", heartbeat=False)
+    torch.manual_seed(0)
+    model = Skewed()
+    ps_model = PSModel(model, client, optimizer=sgd(0.1), cache_bytes=100 * ROW, cache_staleness=tau,
+                       overlap=overlap, lookahead=lookahead)
+    ps_model.create_tables()
+    touched = 0
+    for _ in range(steps):
+        ids = torch.minimum(torch.distributions.Geometric(0.3).sample((16, 3)).long(), torch.tensor(199))
+        ps_model.pull()
+        model(ids).square().mean().backward()
+        touched += int(torch.unique(ids).numel())
+        ps_model.push()
+    ps_model.flush()
+    return ps_model, model, touched
+
+
+@pytest.mark.parametrize("overlap, lookahead", [(False, 1), (True, 2)])
+def test_through_psmodel_no_read_exceeds_the_bound_and_every_touched_row_is_pushed(
+        make_cluster, client_factory, overlap, lookahead):
+    cluster = make_cluster(2)
+    c = client_factory(cluster.address, job=f"cache-{int(overlap)}")
+    ps_model, model, touched = _train(c, 40, tau=3, overlap=overlap, lookahead=lookahead)
+    cache = model.emb.cache
+    assert cache is not None and model.emb.cache_tau == 3
+    assert cache.hits > 0 and cache.max_age <= 3
+    assert cache.ages[4:].sum() == 0, "a row read older than the bound"
+    # the cache changes what is read, never what is sent: each step's touched rows are pushed
+    assert c.metrics.rows.labels("pushed")._value.get() == touched
+    registry = c.metrics.registry
+    labels = {"training_job": c.job, "table": "emb"}
+    assert registry.get_sample_value("shardps_worker_cache_lookups_total", {**labels, "result": "hit"}) == cache.hits
+    assert registry.get_sample_value("shardps_worker_cache_staleness_steps_bucket", {**labels, "le": "3.0"}) == \
+        registry.get_sample_value("shardps_worker_cache_staleness_steps_count", labels) > 0
+    assert registry.get_sample_value("shardps_worker_cache_rows", labels) == cache.size > 0
+
+
+def test_sync_jobs_never_read_from_a_cache_and_ssp_jobs_use_their_bound(make_cluster, client_factory):
+    cluster = make_cluster(2)
+    sync = client_factory(cluster.address, job="cache-sync")
+    _, model, _ = _train(sync, 3, tau=3, overlap=False, mode="sync")
+    assert model.emb.cache is None
+    ssp = client_factory(cluster.address, job="cache-ssp")
+    ssp.create_job("ssp", staleness=1)
+    ssp.join(name="w0", heartbeat=False)
+    m = Skewed()
+    ps_model = PSModel(m, ssp, optimizer=sgd(0.1), cache_bytes=100 * ROW, cache_staleness=9)
+    ps_model.create_tables()
+    assert m.emb.cache is not None and m.emb.cache_tau == 1
+
+
+def test_a_bound_below_the_lookahead_is_refused(make_cluster, client_factory):
+    cluster = make_cluster(2)
+    c = client_factory(cluster.address, job="cache-bad")
+    c.create_job()
+    ps_model = PSModel(Skewed(), c, optimizer=sgd(0.1), cache_bytes=100 * ROW, cache_staleness=0,
+                       overlap=True, lookahead=2)
+    with pytest.raises(InvalidArgument, match="cache_staleness=0: must be an integer >= 1"):
+        ps_model.create_tables()
