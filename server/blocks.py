@@ -44,19 +44,10 @@ class WriterRecord:
     applied: set[int] = field(default_factory=set)
 
     # ``applied`` may also hold sequences below ``acked_below`` (they are seen either way);
-    # they are dropped when it grows past this, and never written (``live``)
+    # they are dropped when it grows past this, and never written (``live``). Checked and
+    # updated by ``applied_any`` / ``remember_all`` (and so ``Block.already_applied`` /
+    # ``Block.remember``), the one place that reads and writes these records.
     PRUNE_AT = 16
-
-    def seen(self, sequence: int) -> bool:
-        return sequence < self.acked_below or sequence in self.applied
-
-    def add(self, sequence: int, acked_below: int) -> None:
-        if acked_below > self.acked_below:
-            self.acked_below = acked_below
-        if sequence >= self.acked_below:
-            self.applied.add(sequence)
-            if len(self.applied) > self.PRUNE_AT:
-                self.applied = self.live()
 
     def live(self) -> set[int]:
         """The applied sequences a retry may still carry (at or above ``acked_below``)."""
@@ -93,15 +84,10 @@ class Block:
 
     # --- exactly-once ---
     def already_applied(self, writer: Writer) -> bool:
-        if not writer.tracked:
-            return False
-        record = self.writers.get((writer.session, writer.incarnation))
-        return record is not None and record.seen(writer.sequence)
+        return applied_any((self,), writer)
 
     def remember(self, writer: Writer) -> None:
-        if writer.tracked:
-            record = self.writers.setdefault((writer.session, writer.incarnation), WriterRecord())
-            record.add(writer.sequence, writer.acked_below)
+        remember_all((self,), writer)
 
     def forget_writers(self, live: set[tuple[str, int]]) -> None:
         """Drop records of writers that left the group (they can never retry)."""
@@ -211,21 +197,23 @@ class DenseBlock(Block):
     def assign(self, config: TableConfig, lo: int, hi: int, values: np.ndarray) -> None:
         """Overwrite the flat range [lo, hi) (a push of kind ASSIGN); its optimizer state
         starts afresh, and a block written whole also restarts its step count and counts as
-        initialized."""
-        whole = (lo, hi) == (self.start, self.stop)
-        if not self.initialized and not whole:
-            raise InvalidArgument(
-                f"ASSIGN of table {self.spec.name!r} block {self.key[2]} (no initial values yet) "
-                f"must cover the whole block [{self.start}, {self.stop}), got [{lo}, {hi})")
-        self.initialized = True
-        current = self._materialise(config)
-        a, b = lo - self.start, hi - self.start
-        current[a:b] = values
-        fresh = optimizers.new_state(config.optimizer, b - a)
-        for name, arr in self.state.items():
-            arr[a:b] = fresh[name] if name in fresh else 0.0
-        if whole:
+        initialized. The caller checked the precondition (``apply.check_assign``: a block
+        without initial values is written whole); a backup applies what its primary did."""
+        if (lo, hi) == (self.start, self.stop):   # whole: nothing of the old state is kept
+            if self.values is None:
+                self.values = stored(values)
+            else:
+                np.copyto(self.values, values, casting="unsafe")
+            self.state = {k: stored(v) for k, v in optimizers.new_state(config.optimizer, self.size).items()}
             self.step = 0
+        else:
+            current = self._materialise(config)
+            a, b = lo - self.start, hi - self.start
+            current[a:b] = values
+            fresh = optimizers.new_state(config.optimizer, b - a)
+            for name, arr in self.state.items():
+                arr[a:b] = fresh[name] if name in fresh else 0.0
+        self.initialized = True
         self.version += 1
 
     def nbytes(self) -> int:
@@ -371,8 +359,9 @@ AnyBlock = DenseBlock | SparseBlock
 
 
 def applied_any(blocks, writer: Writer) -> bool:
-    """Whether any of ``blocks`` already applied ``writer``'s push (``Block.already_applied``
-    in one loop; locks held)."""
+    """Whether any of ``blocks`` already applied ``writer``'s push (locks held): a sequence
+    below the record's ``acked_below`` or in its ``applied``. ``Block.already_applied`` is this
+    for one block; a push checks every block of it in one loop (dozens of blocks)."""
     if not writer.tracked:
         return False
     key, seq = (writer.session, writer.incarnation), writer.sequence
@@ -384,12 +373,13 @@ def applied_any(blocks, writer: Writer) -> bool:
 
 
 def remember_all(blocks, writer: Writer) -> None:
-    """``Block.remember`` of ``writer`` on every one of ``blocks`` in one loop (locks held)."""
+    """Record ``writer``'s push as applied on every one of ``blocks`` (locks held).
+    ``Block.remember`` is this for one block; a push records every block of it in one loop."""
     if not writer.tracked:
         return
     key, seq, low = (writer.session, writer.incarnation), writer.sequence, writer.acked_below
     prune = WriterRecord.PRUNE_AT
-    for blk in blocks:                  # WriterRecord.add, inlined: dozens of blocks a push
+    for blk in blocks:
         record = blk.writers.get(key)
         if record is None:
             record = blk.writers[key] = WriterRecord()

@@ -138,6 +138,14 @@ def _push_from_proto(header: ps.PushHeader, payload) -> tuple[PushRequest, int]:
     return messages.push_request(header, payload), int(header.payload_bytes)
 
 
+def _pull_from_proto(request: ps.PullRequest, ids) -> PullRequest:
+    """A data-plane pull whose header is protobuf, as the plain request (its reply travels in
+    the frame: never in shared memory, so a ``reply_shared_memory`` is refused)."""
+    if request.reply_shared_memory.name:
+        raise InvalidArgument("data plane: the reply travels in the frame, not in shared memory")
+    return messages.pull_request(request, ids or None)
+
+
 def _scoped(rule: authz.Rule, call, request):
     """``request`` once the jobs it names are the caller's (the table's job fields)."""
     authz.check_scope(rule, call.principal, request)
@@ -291,7 +299,7 @@ class ParameterServerService:
                         else messages.push_ack(ack).SerializeToString()), None
             if method == "Pull":
                 pull = (packed.read_pull(header, payload) if packed_form
-                        else messages.pull_request(ps.PullRequest.FromString(header), payload or None))
+                        else _pull_from_proto(ps.PullRequest.FromString(header), payload))
                 reply, arrays = self._dp_pull(_scoped(_DP_PULL, call, pull), call)
                 return (packed.pull_reply(reply) if packed_form
                         else messages.pull_header(reply).SerializeToString()), arrays
@@ -306,7 +314,7 @@ class ParameterServerService:
                         raise InvalidArgument(f"Exchange: push.payload_bytes={declared} but the frame "
                                               f"carries {len(payload)} payload bytes")
                     push, _ = _push_from_proto(request.push, payload[:declared])
-                    pull = messages.pull_request(request.pull, payload[declared:] or None)
+                    pull = _pull_from_proto(request.pull, payload[declared:])
                 _scoped(_DP_EXCHANGE, call, _Exchange(push, pull))
                 ack = self._dp_push(push, declared, call)
                 reply, arrays = self._dp_pull(pull, call)

@@ -333,9 +333,8 @@ class SparseRows:
             if pages is not None:
                 pages.ensure(worst)
         index = cast(_DirectIndex, self.index)
-        got = storage_kernels.assign(index.slot_of, ids, self.free, self.used, worst, self.block_counts)
-        assert got is not None          # every array holds ``worst`` slots
-        slots, new_pos, taken, self.used = got
+        slots, new_pos, taken, self.used = storage_kernels.assign(index.slot_of, ids, self.free, self.used,
+                                                                  self.block_counts)
         if taken:
             self.free = self.free[taken:]
         if new_pos.shape[0]:

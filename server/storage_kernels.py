@@ -40,18 +40,12 @@ def _gather(slot_of, rows, ids, out, missing):
 
 
 @njit(**_JIT)
-def _assign(slot_of, ids, free, used, capacity, num_blocks, block_counts, slots, new_pos):
+def _assign(slot_of, ids, free, used, num_blocks, block_counts, slots, new_pos):
     """Slots of ``ids`` (unique) into ``slots``, storing missing ids (``free`` slots first, in
-    order, then ``used``, ``used + 1``, ...). Returns (new ids, free slots taken, used), or
-    new = -1 when ``capacity`` would be exceeded (nothing stored)."""
+    order, then ``used``, ``used + 1``, ...). Returns (new ids, free slots taken, used). The
+    caller's arrays hold every slot this may take (``used`` plus the ids beyond ``free``)."""
     n = ids.shape[0]
-    need = 0
-    for i in range(n):
-        if slot_of[ids[i]] < 0:
-            need += 1
     n_free = free.shape[0]
-    if need > n_free + capacity - used:
-        return -1, 0, used
     m = 0
     taken = 0
     nb = np.uint64(num_blocks)
@@ -111,15 +105,13 @@ def gather(slot_of: np.ndarray, rows: np.ndarray, ids: np.ndarray, out: np.ndarr
 
 
 def assign(slot_of: np.ndarray, ids: np.ndarray, free: np.ndarray, used: int,
-           capacity: int, block_counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, int] | None:
+           block_counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, int]:
     """(slots, positions of the new ids, free slots taken from the front of ``free``, used)
-    after storing the missing ``ids``; None when ``capacity`` is too small (nothing changed)."""
+    after storing the missing ``ids`` (unique). The caller's row arrays must hold
+    ``used + max(0, len(ids) - len(free))`` slots."""
     slots = np.empty(ids.shape[0], dtype=np.int64)
     new_pos = np.empty(ids.shape[0], dtype=np.int64)
-    m, taken, used = _assign(slot_of, ids, free, used, capacity, block_counts.shape[0],
-                             block_counts, slots, new_pos)
-    if m < 0:
-        return None
+    m, taken, used = _assign(slot_of, ids, free, used, block_counts.shape[0], block_counts, slots, new_pos)
     return slots, new_pos[:m], taken, used
 
 
@@ -129,5 +121,5 @@ def warm_up() -> None:
     rows = np.zeros((4, 2), np.float32)
     ids = np.arange(2, dtype=np.int64)
     gather(slot_of, rows, ids, np.empty((2, 2), np.float32))
-    assign(slot_of, ids, np.empty(0, np.int64), 0, 4, np.zeros(2, np.int64))
+    assign(slot_of, ids, np.empty(0, np.int64), 0, np.zeros(2, np.int64))
     scan(ids, 4, 2)

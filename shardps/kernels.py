@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from shardps.tables import Initializer, InitKind, OptimizerKind
+from shardps.tables import coalesce as _tables_coalesce
 from shardps.tables import group_by_block as _tables_group_by_block
 from shardps.tables import initial_values as _tables_initial_values
 from shardps.tables import sparse_block_of as _tables_block_of
@@ -207,6 +208,14 @@ def strictly_increasing(ids: np.ndarray) -> bool:
     if not AVAILABLE or ids.dtype != np.int64:
         return bool(ids.shape[0] <= 1 or np.all(ids[1:] > ids[:-1]))
     return bool(_increasing(ids))
+
+
+def coalesce(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``tables.coalesce`` (rows of repeated ids summed, ids ascending), returning at once,
+    after one compiled pass, when the ids are already unique and ascending (the common push)."""
+    if strictly_increasing(ids):
+        return ids, values
+    return _tables_coalesce(ids, values)
 
 
 def unique_inverse(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -80,6 +80,19 @@ class Versions:
     versions: Any
 
 
+def versions_by_table(entries) -> list[Versions]:
+    """``Versions`` per table, in order of first appearance, from ``(table, block, version)``
+    triples."""
+    by_table: dict[str, Versions] = {}
+    for table, block, version in entries:
+        entry = by_table.get(table)
+        if entry is None:
+            entry = by_table[table] = Versions(table, [], [])
+        entry.blocks.append(block)
+        entry.versions.append(version)
+    return list(by_table.values())
+
+
 @dataclass(slots=True)
 class PushAck:
     """What a push's server acknowledged (``PushAck``)."""

@@ -134,3 +134,76 @@ def test_a_pull_with_a_segment_of_no_rows_answers_an_empty_array():
     e2, i2 = rows_seg([])
     _, values = primary.pull(header(), e1 + e2, i1 + i2)
     assert [v.shape for v in values] == [(3, DIM), (0, DIM)]
+
+
+def _racing_admission(monkeypatch, during):
+    """``fast.admit_push`` that runs ``during()`` between admitting a push and applying it
+    (what another thread may do then: ``copy_blocks`` takes only the blocks' locks)."""
+    admit = fast.admit_push
+
+    def racing(*a, **kw):
+        plan = admit(*a, **kw)
+        assert plan is not None
+        during()
+        return plan
+    monkeypatch.setattr(fast, "admit_push", racing)
+
+
+def test_a_copy_started_between_admission_and_apply_gets_the_push(monkeypatch):
+    """The lost update found in review: ``admit_push`` decided "no backups" before the block
+    locks were taken, ``copy_blocks`` added a copy destination in between, and the push was
+    acknowledged without reaching it."""
+    primary, dest = _cluster(("s0",), adagrad(0.1))
+    primary.peers.nodes["s1"] = dest            # dest is not listed: the copy is staged there
+    ids = np.array([3, 17, 42, 99, 250], np.int64)
+    e_seg, e_payload = rows_seg(ids, np.ones((5, DIM), np.float32))
+    w_seg, w_payload = dense_seg(0, 16, np.ones(16))
+    keys = sorted(k for k in primary.table.blocks)           # every block of both tables
+    _racing_admission(monkeypatch, lambda: primary.forwarder.copy_blocks(1, keys, "s1"))
+    ack = primary.push(header(session="w0", sequence=1), w_seg + e_seg, w_payload + e_payload)
+    assert sum(len(v.blocks) for v in ack.versions) > 0
+    assert primary.peers.sent("replicate"), "acknowledged without forwarding to the copy destination"
+    for key, blk in primary.table.blocks.items():
+        copy = dest.table.staged[key][0]
+        assert copy.version == blk.version and block_digest(copy) == block_digest(blk), key
+
+
+def test_only_the_pushs_own_unsettled_blocks_send_it_to_the_general_path(monkeypatch):
+    primary, _ = _cluster(("s0",), adagrad(0.1))
+    served: list[bool] = []
+    apply = fast.apply_push
+
+    def watch(*a, **kw):
+        ack = apply(*a, **kw)
+        served.append(ack is not None)
+        return ack
+    monkeypatch.setattr(fast, "apply_push", watch)
+    segments, payload = dense_seg(0, 8, np.ones(8))              # block 0 of "w" only
+    primary.table.extra[("j", "w", 1)] = {"s2"}                  # another block being copied
+    primary.table.needs_resync[("j", "e", 0)] = {"s2"}           # another block owed a resync
+    primary.push(header(session="w0", sequence=1), segments, payload)
+    assert served == [True]
+    primary.table.extra[("j", "w", 0)] = {"s2"}                  # this push's block
+    primary.push(header(session="w0", sequence=2), segments, payload)
+    assert served == [True, False]                               # the general path forwarded it
+    assert [c[1] for c in primary.peers.sent("replicate")] == ["s2"]
+
+
+def test_only_blocks_with_backups_are_forwarded_and_their_backups_follow():
+    peers = FakePeers()
+    primary, backup = Layers("s0", peers), Layers("s1")
+    peers.nodes["s1"] = backup
+    mixed = [["s0", "s1"] if b % 2 == 0 else ["s0"] for b in range(8)]
+    sparse = T(sparse_table("e", DIM, num_rows=ROWS, num_blocks=8), mixed, TableConfig(optimizer=adagrad(0.1)))
+    msg = shard_map(1, [sparse, dense_w(replicas=[("s0", "s1"), ("s0",)])], [G(["w0"])])
+    primary.install(msg)
+    backup.install(msg)
+    ids = np.arange(0, ROWS, 7, dtype=np.int64)
+    e_seg, e_payload = rows_seg(ids, np.ones((ids.shape[0], DIM), np.float32))
+    w_seg, w_payload = dense_seg(0, 16, np.ones(16))
+    primary.push(header(session="w0", sequence=1), w_seg + e_seg, w_payload + e_payload)
+    (_, _, _, ops), = peers.sent("replicate")
+    assert sorted((op.table, op.block) for op in ops) == [("e", 0), ("e", 2), ("e", 4), ("e", 6), ("w", 0)]
+    assert sorted(backup.table.blocks) == [("j", "e", b) for b in (0, 2, 4, 6)] + [("j", "w", 0)]
+    for key, blk in backup.table.blocks.items():
+        assert block_digest(blk) == block_digest(primary.table.blocks[key]), key

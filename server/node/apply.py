@@ -26,14 +26,23 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 
 from shardps.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
-from shardps.messages import ASSIGN, GRADIENT, INITIALIZE, PUSH_KIND_UNSPECIFIED, Header, PushAck, PushRequest, Versions
+from shardps.messages import (
+    ASSIGN,
+    GRADIENT,
+    INITIALIZE,
+    PUSH_KIND_UNSPECIFIED,
+    Header,
+    PushAck,
+    PushRequest,
+    versions_by_table,
+)
 from shardps.metrics import NodeMetrics, labelled
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc.codec import byte_view
 from shardps.server import lifecycle_ops, optimizers
-from shardps.server.blocks import AnyBlock, BlockKey, BlockLocks, DenseBlock, SparseBlock, Writer
+from shardps.server.blocks import AnyBlock, BlockKey, BlockLocks, DenseBlock, SparseBlock, Writer, remember_all
 from shardps.server.node import fast
-from shardps.server.node.decode import NodeLimits, Part, Segment, check_header, parse_segments, split
+from shardps.server.node.decode import NodeLimits, Part, Segment, check_assign_ids, check_header, parse_segments, split
 from shardps.server.node.table import BlockTable, EpochGate
 from shardps.shardmap import ShardMapView, TableView
 from shardps.tables import Consistency
@@ -156,6 +165,8 @@ class PushApplier:
             self.check_writer(header)
             parsed = parse_segments(table.view, table.name, self.limits, header, segments, payload,
                                     with_values=True)
+            if kind == ASSIGN:
+                check_assign_ids(parsed)        # before anything changes
             if kind == GRADIENT and not (header.session and header.sequence):
                 raise InvalidArgument(
                     f"a GRADIENT push of job {header.job!r} without a session and a sequence number "
@@ -171,7 +182,7 @@ class PushApplier:
             if plan is not None and ack is not None:
                 self._observe(started, plan.units[0].table.config.optimizer.kind.name, t0, t1)
             else:
-                ack, sync = self._push_parts(header, kind, writer, parsed, sync, started, t0)
+                ack = self._push_parts(header, kind, writer, parsed, sync, started, t0)
         nbytes = len(byte_view(payload)) if payload is not None else 0
         labelled(self.metrics.request_bytes, "Push").observe(nbytes)
         labelled(self.metrics.bytes, "in").inc(nbytes)
@@ -194,9 +205,9 @@ class PushApplier:
         labelled(self.metrics.updates_between, key[0]).observe(max(0, updates))
 
     def _push_parts(self, header: Header, kind: int, writer: Writer, parsed: list[Segment],
-                    sync: bool, started: float, t0: float) -> tuple[PushAck, bool]:
+                    sync: bool, started: float, t0: float) -> PushAck:
         """The general path of ``push`` (gate held shared): split into per-block parts,
-        SYNC admission, ``apply_parts``. Returns (ack, whether the push was SYNC)."""
+        SYNC admission (``sync``: a GRADIENT push of a SYNC job), ``apply_parts``."""
         table = self.table
         parts = split(table.name, table.view.epoch, header, parsed, True, table.loaded)
         t1 = time.perf_counter()
@@ -216,7 +227,7 @@ class PushApplier:
         ack = self.apply_parts(parts, kind, writer, sync, int(header.clock), parsed)
         if parts:
             self._observe(started, parts[0].table.config.optimizer.kind.name, t0, t1)
-        return ack, sync
+        return ack
 
     def check_writer(self, header: Header) -> None:
         """A session's pushes are accepted only from its current incarnation: an older one
@@ -306,19 +317,11 @@ class PushApplier:
                     op, arrays = self.apply_one(blk, part, kind, writer, sync, step)
                     ops.append((blk.key, op, arrays))
                 i = j
-            for blk in unique:
-                blk.remember(writer)
+            remember_all(unique, writer)
             if duplicates:
                 self.metrics.duplicates.labels(parts[0].key[0]).inc(duplicates)
             self.forwarder.forward_locked(ops, unique)
-            by_table: dict[str, Versions] = {}
-            for blk in unique:
-                entry = by_table.get(blk.key[1])
-                if entry is None:
-                    entry = by_table[blk.key[1]] = Versions(blk.key[1], [], [])
-                entry.blocks.append(blk.key[2])
-                entry.versions.append(blk.version)
-            ack.versions = list(by_table.values())
+            ack.versions = versions_by_table((blk.key[1], blk.key[2], blk.version) for blk in unique)
             ack.duplicate_blocks = duplicates
         return ack
 
@@ -396,9 +399,10 @@ class PushApplier:
 
 
 def check_assign(part: Part, blk: AnyBlock) -> None:
-    """An ASSIGN part's precondition: a dense block without initial values is written whole;
-    a sparse table has no lifecycle policy (its admission and eviction decide which rows are
-    stored)."""
+    """An ASSIGN part's precondition, checked before anything changes (``DenseBlock.assign``
+    relies on it): a dense block without initial values is written whole; a sparse table has
+    no lifecycle policy (its admission and eviction decide which rows are stored). A segment's
+    repeated ids were refused before (``decode.check_assign_ids``)."""
     t = part.table
     if isinstance(blk, DenseBlock):
         if not blk.initialized and (part.lo, part.hi) != (blk.start, blk.stop):

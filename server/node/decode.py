@@ -35,7 +35,6 @@ from shardps.tables import (
     TableKind,
     check_ids,
     check_range,
-    coalesce,
     dense_blocks_of_range,
 )
 
@@ -252,7 +251,7 @@ def split(server: str, epoch: int, header: Header, segments: list[Segment],
             assert ids is not None                  # a sparse segment carries its ids
             if for_push:
                 assert values is not None           # and, on a push, their values
-                ids, values = coalesce(ids, values)
+                ids, values = kernels.coalesce(ids, values)
             groups = kernels.group_by_key(kernels.sparse_block_of(ids, spec.num_blocks), spec.num_blocks)
             whole = (ids, values, len(groups))
             parts.extend(Part((t.job, spec.name, b), t, i, positions=pos, whole=whole) for b, pos in groups)
@@ -273,13 +272,20 @@ def sparse_blocks(server: str, epoch: int, header: Header, segment: Segment,
         touched = np.zeros(spec.num_blocks, dtype=bool)
         touched[kernels.sparse_block_of(segment.ids, spec.num_blocks)] = True
         blocks = np.flatnonzero(touched)
-    mine = t.server_index.get(server)
-    if mine is None or not ((t.primary[blocks] == mine).all()
-                            and (t.since_epoch[blocks] <= np.uint64(header.epoch)).all()
-                            and not (t.lost and any(int(b) in t.lost for b in blocks))
-                            and all(loaded((t.job, spec.name, int(b))) for b in blocks)):
+    if not (serves(t, server, blocks, header.epoch)
+            and not (t.lost and any(int(b) in t.lost for b in blocks))
+            and all(loaded((t.job, spec.name, int(b))) for b in blocks)):
         check_owned(server, epoch, header, [Part((t.job, spec.name, int(b)), t) for b in blocks], loaded)
     return blocks
+
+
+def serves(t: TableView, server: str, blocks: np.ndarray, epoch: int) -> bool:
+    """Whether ``server`` is the primary of every one of ``blocks`` (an int array) of ``t``
+    and none of them moved after ``epoch`` (the request's): one vectorised check, the common
+    case of ``check_owned``'s first rule."""
+    mine = t.server_index.get(server)
+    return mine is not None and bool((t.primary[blocks] == mine).all()
+                                     and (t.since_epoch[blocks] <= np.uint64(epoch)).all())
 
 
 def owned(server: str, header: Header, parts: list[Part],
@@ -297,12 +303,25 @@ def owned(server: str, header: Header, parts: list[Part],
     for t, blocks in by_table.values():
         if t.lost and any(b in t.lost for b in blocks):
             return False
-        mine = t.server_index.get(server)
-        bs = np.asarray(blocks, dtype=np.int64)
-        if mine is None or not ((t.primary[bs] == mine).all()
-                                and (t.since_epoch[bs] <= np.uint64(header.epoch)).all()):
+        if not serves(t, server, np.asarray(blocks, dtype=np.int64), header.epoch):
             return False
     return True
+
+
+def check_assign_ids(segments: list[Segment]) -> None:
+    """InvalidArgument, naming the table and an id, if a sparse segment of an ASSIGN push
+    repeats an id: an ASSIGN writes each row once (gradients of a repeated id are summed;
+    values written are not). Nothing is stored."""
+    for i, s in enumerate(segments):
+        ids = s.ids
+        if ids is None or ids.shape[0] < 2 or bool((ids[1:] > ids[:-1]).all()):
+            continue                        # none, one, or ascending: unique
+        ordered = np.sort(ids)
+        repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+        if repeated.shape[0]:
+            raise InvalidArgument(
+                f"segment {i}: ASSIGN of sparse table {s.table.name!r} repeats id {int(repeated[0])}: "
+                f"an ASSIGN writes each row once; send every id once per segment")
 
 
 def check_owned(server: str, epoch: int, header: Header, parts: list[Part],

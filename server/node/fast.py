@@ -10,7 +10,10 @@ and holds, of tables without lifecycle policies, from a writer whose push is new
 * ``apply_push`` holds the blocks' locks, computes each sparse table's update in one
   compiled call (``storage.SparseRows.apply_rows``: slots, new rows, optimizer) and each
   dense range as before, then commits: every block's version, the writer's exactly-once
-  record, the forwarding of the same operations to the backups, the acknowledgement.
+  record, the forwarding of the same operations to the backups, the acknowledgement. Which
+  blocks have backups is decided there, under the locks: a block of the push that is
+  missing, owed a resync or being copied (a copy destination added after admission) sends
+  the push, whole, to the general path, which forwards to the copy too.
 
 ``read_pull`` does the same for the common pull (float32 values of dense ranges and sparse
 rows, not an export): ownership checked per table at once, every block locked at once, each
@@ -31,7 +34,7 @@ from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.server import storage_kernels
 from shardps.server.blocks import AnyBlock, BlockLocks, DenseBlock, SparseRows, Writer, applied_any, remember_all
-from shardps.server.node.decode import Segment
+from shardps.server.node.decode import Segment, serves
 from shardps.server.node.table import BlockTable
 from shardps.shardmap import TableView
 from shardps.tables import Consistency, TableKind, dense_blocks_of_range
@@ -57,13 +60,9 @@ class Unit:
 
 @dataclass
 class FastPush:
+    table: BlockTable
     units: list[Unit]
     blocks: list[AnyBlock]              # every block, sorted by key
-    backups: bool                       # some block has backups: ops are forwarded
-
-
-def _owned(t: TableView, mine: int, blocks: np.ndarray, epoch: int) -> bool:
-    return bool((t.primary[blocks] == mine).all() and (t.since_epoch[blocks] <= np.uint64(epoch)).all())
 
 
 def admit_push(table: BlockTable, job: str, epoch: int, kind: int, parsed: list[Segment]) -> FastPush | None:
@@ -74,17 +73,14 @@ def admit_push(table: BlockTable, job: str, epoch: int, kind: int, parsed: list[
     if kind != ps.GRADIENT or (group is not None and (group.consistency is not Consistency.ASYNC
                                                        or group.quota_bytes)):
         return None
-    if table.missing or table.needs_resync or table.extra:
-        return None
     units: list[Unit] = []
     for s in parsed:
         t = s.table
-        mine = t.server_index.get(table.name)
-        if mine is None or t.lost or s.values is None:
+        if t.lost or s.values is None:
             return None
         if t.spec.kind is TableKind.DENSE:
             blocks = np.fromiter(dense_blocks_of_range(t.spec, s.lo, s.hi), np.int64)
-            if not _owned(t, mine, blocks, epoch):
+            if not serves(t, table.name, blocks, epoch):
                 return None
             units.append(Unit(t, blocks, s.values, lo=s.lo, hi=s.hi, base_versions=s.base_versions))
             continue
@@ -95,14 +91,13 @@ def admit_push(table: BlockTable, job: str, epoch: int, kind: int, parsed: list[
         if status != 1:                 # repeated or unsorted ids, or out of bounds
             return None
         blocks = np.flatnonzero(counts)
-        if not _owned(t, mine, blocks, epoch):
+        if not serves(t, table.name, blocks, epoch):
             return None
         units.append(Unit(t, blocks, s.values, ids=s.ids, blocks_of=blocks_of, rows=rows))
     if len({(u.table.job, u.table.name) for u in units}) != len(units):
         return None                     # a table named twice: the general path sums them
     held = table.blocks
     every: list[AnyBlock] = []
-    backups = False
     for u in units:
         name = u.table.name
         for b in u.blocks.tolist():
@@ -111,33 +106,54 @@ def admit_push(table: BlockTable, job: str, epoch: int, kind: int, parsed: list[
                 return None
             u.objects.append(blk)
         every.extend(u.objects)
-        backups = backups or bool((u.table.replica_counts[u.blocks] > 1).any())
     every.sort(key=lambda blk: blk.key)
-    return FastPush(units, every, backups)
+    return FastPush(table, units, every)
+
+
+def _unsettled(table: BlockTable, blocks: list[AnyBlock]) -> bool:
+    """Whether one of ``blocks`` (locked) is missing here, owed a whole copy by a backup
+    (``needs_resync``) or being copied (``extra``): the general path handles those (it
+    resyncs first; it refuses a missing block). Other blocks' states do not matter."""
+    missing, resync, extra = table.missing, table.needs_resync, table.extra
+    if not (missing or resync or extra):
+        return False
+    return any(blk.key in missing or resync.get(blk.key) or extra.get(blk.key) for blk in blocks)
+
+
+def _backed(u: Unit) -> list[bool]:
+    """Whether each block of ``u`` has backups (locks held; ``_unsettled`` sent blocks being
+    copied to the general path): the map's replica counts, one vectorised test, which is
+    ``BlockTable.has_backups`` for every other block."""
+    return (u.table.replica_counts[u.blocks] > 1).tolist()
 
 
 def apply_push(plan: FastPush, writer: Writer, forward, updates_between) -> PushAck | None:
     """Apply an admitted push; None (nothing changed) when a block already applied it (a
-    retry: the general path counts its duplicates) or a dense block has no initial values
-    yet (the general path refuses the push whole). ``forward(ops, blocks)`` sends the
-    blocks' operations to their backups (``Forwarder.forward_locked``); ``updates_between``
-    (block key, updates) observes the versions pushed against (dense ``base_versions``)."""
+    retry: the general path counts its duplicates), a dense block has no initial values
+    yet (the general path refuses the push whole), or a block is missing, owed a resync or
+    being copied (``_unsettled``: the general path serves it). ``forward(ops, blocks)``
+    sends the blocks' operations to their backups (``Forwarder.forward_locked``), decided
+    per block under the locks (``BlockTable.has_backups``); ``updates_between`` (block key,
+    updates) observes the versions pushed against (dense ``base_versions``)."""
+    table = plan.table
     with BlockLocks(plan.blocks):
-        if applied_any(plan.blocks, writer) or any(
-                not blk.initialized for u in plan.units if u.ids is None for blk in u.objects):  # type: ignore[union-attr]
-            return None             # a retry, or a block without its initial values: general path
+        if applied_any(plan.blocks, writer) or _unsettled(table, plan.blocks):
+            return None             # a retry, or a block the general path must handle
+        if any(not blk.initialized for u in plan.units if u.ids is None for blk in u.objects):  # type: ignore[union-attr]
+            return None             # a dense block without its initial values: refused whole there
         ops: list = []
         for u in plan.units:
             t = u.table
+            backed = _backed(u)
             if u.ids is None:
-                for b, blk in zip(u.blocks.tolist(), u.objects):
+                for b, blk, has in zip(u.blocks.tolist(), u.objects, backed):
                     assert isinstance(blk, DenseBlock)
                     lo, hi = max(u.lo, blk.start), min(u.hi, blk.stop)
                     if b in u.base_versions:
                         updates_between(blk.key, blk.version - u.base_versions[b])
                     values = u.values[lo - u.lo:hi - u.lo]
                     blk.apply_gradient(t.config, lo, hi, values)
-                    if plan.backups:
+                    if has:
                         ops.append(_op(blk, t, writer, ps.BlockOp(range=pb.Range(start=lo, stop=hi),
                                                                   element_count=hi - lo),
                                        [np.ascontiguousarray(values, dtype=np.float32)]))
@@ -146,14 +162,14 @@ def apply_push(plan: FastPush, writer: Writer, forward, updates_between) -> Push
             values = u.values.reshape(-1, t.spec.dim)
             with u.rows.lock:
                 u.rows.apply_rows(t.config, u.ids, values)
-            if plan.backups:
-                ops.extend(_sparse_ops(u, values, writer))
+            if any(backed):
+                ops.extend(_sparse_ops(u, values, writer, backed))
         for u in plan.units:
             if u.ids is not None:           # dense blocks counted their update themselves
                 for blk in u.objects:
                     blk.version += 1
         remember_all(plan.blocks, writer)
-        if plan.backups:
+        if ops:
             for blk_op in ops:
                 blk_op[1].version = blk_op[3].version
             forward([blk_op[:3] for blk_op in ops], plan.blocks)
@@ -172,8 +188,9 @@ def _op(blk: AnyBlock, t: TableView, writer: Writer, op: ps.BlockOp, arrays: lis
     return blk.key, op, arrays, blk
 
 
-def _sparse_ops(u: Unit, values: np.ndarray, writer: Writer) -> list:
-    """One op per block of a sparse unit that has backups, with its ids and rows."""
+def _sparse_ops(u: Unit, values: np.ndarray, writer: Writer, backed: list[bool]) -> list:
+    """One op per block of a sparse unit that has backups (``backed``, per block), with its
+    ids and rows."""
     assert u.ids is not None and u.blocks_of is not None
     t = u.table
     order = np.argsort(u.blocks_of, kind="stable")
@@ -181,8 +198,8 @@ def _sparse_ops(u: Unit, values: np.ndarray, writer: Writer) -> list:
     starts = np.searchsorted(sorted_blocks, u.blocks, side="left")
     ends = np.searchsorted(sorted_blocks, u.blocks, side="right")
     out = []
-    for b, a, z, blk in zip(u.blocks.tolist(), starts.tolist(), ends.tolist(), u.objects):
-        if t.replica_counts[b] < 2:
+    for a, z, blk, has in zip(starts.tolist(), ends.tolist(), u.objects, backed):
+        if not has:
             continue
         pos = order[a:z]
         ids, rows = np.ascontiguousarray(u.ids[pos]), np.ascontiguousarray(values[pos], dtype=np.float32)
@@ -203,8 +220,7 @@ def read_pull(table: BlockTable, epoch: int, parsed: list[Segment], reply: PullR
     every: list[AnyBlock] = []
     for s in parsed:
         t = s.table
-        mine = t.server_index.get(name)
-        if s.all_stored or s.dtype is not WireDType.FLOAT32 or mine is None or t.lost:
+        if s.all_stored or s.dtype is not WireDType.FLOAT32 or t.lost:
             return None
         if t.spec.kind is TableKind.DENSE:
             blocks = np.fromiter(dense_blocks_of_range(t.spec, s.lo, s.hi), np.int64)
@@ -214,7 +230,7 @@ def read_pull(table: BlockTable, epoch: int, parsed: list[Segment], reply: PullR
             if status < 0:
                 return None
             blocks = np.flatnonzero(counts)
-        if not _owned(t, mine, blocks, epoch):
+        if not serves(t, name, blocks, epoch):
             return None
         objects: list = [held.get((t.job, t.name, b)) for b in blocks.tolist()]
         if any(blk is None for blk in objects):

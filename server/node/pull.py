@@ -17,7 +17,7 @@ import numpy as np
 from shardps import dtypes
 from shardps.dtypes import WireDType
 from shardps.errors import ResourceExhausted
-from shardps.messages import Header, Layout, PullReply, PullRequest, Versions
+from shardps.messages import Header, Layout, PullReply, PullRequest, Versions, versions_by_table
 from shardps.metrics import NodeMetrics, labelled
 from shardps.server.blocks import BlockKey, BlockLocks, DenseBlock, SparseBlock
 from shardps.server.node import fast
@@ -181,12 +181,6 @@ class PullReader:
         if in_place:
             header_out.in_shared_memory = True
             header_out.payload_bytes = out_bytes
-        by_table: dict[str, Versions] = {}
-        for key, v in sorted(versions.items()):
-            entry = by_table.get(key[1])
-            if entry is None:
-                entry = by_table[key[1]] = Versions(key[1], [], [])
-            entry.blocks.append(key[2])
-            entry.versions.append(v)
-        header_out.versions = list(by_table.values()) + sparse_versions
+        header_out.versions = versions_by_table((key[1], key[2], v) for key, v in sorted(versions.items())) \
+            + sparse_versions
         return t1, t2

@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 
+from shardps import kernels
 from shardps.errors import FailedPrecondition, Unavailable
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.server.blocks import AnyBlock, BlockKey, DenseBlock
@@ -31,7 +32,7 @@ from shardps.server.clocks import JobClock
 from shardps.server.node.replication import Forwarder, Op
 from shardps.server.node.table import BlockTable
 from shardps.shardmap import ShardMapView, TableView
-from shardps.tables import Consistency, coalesce
+from shardps.tables import Consistency
 
 log = logging.getLogger("shardps.server")
 
@@ -217,7 +218,7 @@ class SyncSteps:
             if parts:
                 ids = np.concatenate([p[0] for p in parts])
                 grads = np.concatenate([p[1] for p in parts])
-                ids, grads = coalesce(ids, grads)
+                ids, grads = kernels.coalesce(ids, grads)
                 blk.apply_gradient(t.config, ids, grads / np.float32(divisor))
             else:
                 blk.version += 1

@@ -96,14 +96,7 @@ def pull_message(request: m.PullRequest, chunk_bytes: int = 0, data: bytes = b""
 
 
 def _versions(field) -> list[m.Versions]:
-    by_table: dict[str, m.Versions] = {}
-    for v in field:
-        entry = by_table.get(v.table)
-        if entry is None:
-            entry = by_table[v.table] = m.Versions(v.table, [], [])
-        entry.blocks.append(v.block)
-        entry.versions.append(v.version)
-    return list(by_table.values())
+    return m.versions_by_table((v.table, v.block, v.version) for v in field)
 
 
 def push_ack_plain(ack: ps.PushAck) -> m.PushAck:

@@ -185,6 +185,10 @@ class Reference:
         if kind == ps.GRADIENT and not (hdr.session and hdr.sequence):
             v.bad(INVALID, "a GRADIENT push without a session and a sequence (cannot be deduplicated)")
             return v
+        if kind == ps.ASSIGN:
+            for i, seg in enumerate(segments):
+                if "summed" in seg and len(seg["summed"]) < len(seg["ids"]):
+                    v.bad(INVALID, f"segment {i}: ASSIGN repeats an id (each row is written once)")
         parts = self._parts(v, server, hdr, segments, pull=False)
         if parts is None or not v.ok:
             return v
@@ -228,7 +232,7 @@ class Reference:
                 else:
                     t.values[lo:hi] = t.sgd(t.values[lo:hi], grad)
             else:
-                for i, g in seg["summed"].items():   # ASSIGN, like any push: repeats summed
+                for i, g in seg["summed"].items():   # ASSIGN: ids unique (judge_push)
                     if t.block_of_id(i) == b:
                         t.rows[i] = np.asarray(g, np.float32) if kind == ps.ASSIGN else t.sgd(t.row(i), g)
         if v.writer is not None:

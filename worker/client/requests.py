@@ -25,7 +25,7 @@ import numpy as np
 from shardps import kernels
 from shardps.errors import InvalidArgument
 from shardps.shardmap import TableView
-from shardps.tables import MAX_CLOCK, Initializer, TableKind, TableSpec, coalesce, dense_table, sparse_table
+from shardps.tables import MAX_CLOCK, Initializer, TableKind, TableSpec, dense_table, sparse_table
 from shardps.worker.routing import Piece
 
 Finish = Callable[[np.ndarray], np.ndarray]       # pulled values -> what the caller gets
@@ -244,8 +244,7 @@ def rows_push(item: int, t: TableView, ids, grads, allow_empty: bool = False) ->
                 f"gradient rows for sparse table {t.name!r} have shape {tuple(grads.shape)}; "
                 f"{n} ids of a table with dim {dim} need ({n}, {dim})")
         grads = grads.reshape(n, dim)
-    if not kernels.strictly_increasing(ids):
-        ids, grads = coalesce(ids, grads)
+    ids, grads = kernels.coalesce(ids, grads)
     return Piece(item, t.name, False, ids=ids, positions=np.arange(ids.shape[0]), values=grads)
 
 
