@@ -241,10 +241,8 @@ def _data_plane(settings: ServerProcessSettings, service: ParameterServerService
 def _peers(name: str, address_of, pool: StubPool, timeout: float, tls, metadata) -> NodePeers:
     """How a node reaches its peers: replication over their data planes, the rest (and
     peers without one) over gRPC, with the node's TLS and credential."""
-    from shardps.rpc.dataplane import DataPlanePool, client_ssl_context
-    planes = DataPlanePool(client_ssl_context(tls) if tls is not None else None,
-                           server_hostname=getattr(tls, "server_name_override", "") or None,
-                           connections_per_address=8, metadata=metadata, connect_timeout=timeout)
+    from shardps.rpc.dataplane import DataPlanePool
+    planes = DataPlanePool.for_tls(tls, connections_per_address=8, metadata=metadata, connect_timeout=timeout)
     return NodePeers(GrpcPeers(name, address_of, pool, timeout), planes)
 
 

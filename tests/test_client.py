@@ -198,3 +198,58 @@ def test_a_transport_plugs_in_and_refusals_are_rerouted(cluster, client_factory)
     for kind in ("push", "pull"):       # each server: refused once, then served
         assert sorted(s for k, s in flaky.calls if k == kind) == sorted(list(servers) * 2), flaky.calls
     assert c.metrics.registry.get_sample_value("shardps_client_retries_total", {"reason": "StaleEpoch"}) == 4
+
+
+def _sparse_pulled(c) -> float:
+    return c.metrics.registry.get_sample_value("shardps_client_sparse_bytes_total", {"direction": "pulled"}) or 0.0
+
+
+def test_sparse_pulls_count_the_ids_and_rows_their_replies_carry(cluster, client_factory):
+    """``shardps_client_sparse_bytes_total{direction="pulled"}``: the bytes of sparse rows (and,
+    for an export, of the ids) in pull replies, part of ``bytes_total{pulled}``; the ids a
+    pull sends are not counted (nor are they in bytes_total)."""
+    c = client_factory(cluster.address)
+    c.create_job()
+    c.create_dense("w", (64,), optimizer=sgd(1.0))
+    c.create_sparse("e", 8, optimizer=sgd(1.0))
+    assert _sparse_pulled(c) == 0
+    c.pull_rows("e", [3, 99, 3, 2**40])                        # 3 distinct rows of 8 float32
+    assert _sparse_pulled(c) == 3 * 8 * 4
+    c.pull_dense("w")
+    assert _sparse_pulled(c) == 3 * 8 * 4
+    c.push_rows("e", [5, 6], np.ones((2, 8), np.float32))
+    before = _sparse_pulled(c)
+    c.state_dict(["e"])                                         # 2 stored rows and their ids
+    assert _sparse_pulled(c) - before == 2 * (8 + 8 * 4)
+    before = _sparse_pulled(c)
+    c.exchange_async([("w", np.ones(64, np.float32))], [("e", [1, 2, 3, 4, 5])], clock=0).result()
+    assert _sparse_pulled(c) - before == 5 * 8 * 4
+    pulled = c.metrics.registry.get_sample_value("shardps_client_bytes_total", {"direction": "pulled"})
+    assert _sparse_pulled(c) <= pulled
+
+
+def test_close_completes_when_a_held_push_fails_and_raises_it_after(cluster, client_factory):
+    class Model:
+        def __init__(self, error):
+            self.error, self.calls = error, 0
+
+        def flush(self):
+            self.calls += 1
+            raise self.error
+
+    c = client_factory(cluster.address)
+    c.create_job()
+    gone = Model(RuntimeError("collected"))
+    c.before_leaving(gone.flush)
+    del gone                                                    # its ref is dead: dropped
+    broken, unavailable = Model(RuntimeError("flush broke")), Model(NotFound("held push lost"))
+    c.before_leaving(broken.flush)
+    c.before_leaving(unavailable.flush)
+    with pytest.raises(RuntimeError, match="flush broke"):
+        c._send_held()                                          # not closing: the first error is raised
+    assert len(c._before_leaving) == 2
+    with pytest.raises(RuntimeError, match="flush broke"):
+        c.close()
+    assert broken.calls == 2 and unavailable.calls == 1        # every flush ran while closing
+    assert c._closed.is_set() and c._calls._shutdown and c._rpcs._shutdown
+    c._before_leaving.clear()                                   # the fixture's close() runs none

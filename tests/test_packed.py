@@ -43,6 +43,21 @@ def test_replies_round_trip():
             [(v.table, list(v.blocks), list(v.versions)) for v in want]
 
 
+def test_more_base_versions_than_a_two_byte_count_round_trip():
+    """A dense table with a small block_size has more than 65535 blocks: its base versions
+    once overflowed a 2-byte count (a raw struct.error at the next push)."""
+    base = {b: (b * 7) + (1 << 40) for b in range(70_000)}
+    segments = [m.Selection("w", m.RANGE, 0, 70_000 * 4, base_versions=base), m.Selection("e", m.ROWS, count=3)]
+    got, declared = packed.read_push(packed.push(m.PushRequest(HEADER, m.GRADIENT, segments), 9), b"")
+    assert got.segments == segments and declared == 9
+    assert all(type(b) is int and type(v) is int for b, v in got.segments[0].base_versions.items())
+    a, b = packed.read_exchange(packed.exchange(m.PushRequest(HEADER, m.GRADIENT, segments), 0,
+                                                m.PullRequest(HEADER, segments)), memoryview(b""))
+    assert a.segments == segments and b.segments == segments
+    with pytest.raises(InvalidArgument, match="base versions"):
+        packed.push(m.PushRequest(HEADER, m.GRADIENT, [m.Selection("w", m.RANGE, 0, 4, base_versions={-1: 2})]), 0)
+
+
 READERS = [lambda b: packed.read_push(b, b""), lambda b: packed.read_pull(b, b""),
            lambda b: packed.read_exchange(b, memoryview(b"")), packed.read_push_ack, packed.read_pull_reply,
            packed.read_exchange_reply]

@@ -68,6 +68,9 @@ def test_a_bad_state_is_refused_naming_it_and_writes_nothing(make_cluster, clien
         ({**good, "e.ids": np.array([1, 1]), "e.rows": np.ones((2, 2), np.float32)}, "repeated ids"),
         ({**good, "e.ids": np.array([1, 2]), "e.rows": np.ones((2, 3), np.float32)}, r"\(2, 3\).*need \(2, 2\)"),
         ({**good, "e.ids": np.array([1, 200]), "e.rows": np.ones((2, 2), np.float32)}, "200"),
+        # a dense table's .ids / .rows are no keys of it (they were once written as its values)
+        ({"w.ids": np.zeros((3, 2), np.float32), "w.rows": np.zeros((3, 2), np.float32)},
+         r"w\.ids, w\.rows name no table"),
     ]
     for state, message in cases:
         with pytest.raises(InvalidArgument, match=message):
@@ -76,6 +79,31 @@ def test_a_bad_state_is_refused_naming_it_and_writes_nothing(make_cluster, clien
     assert before.keys() == after.keys()
     for k in before:
         np.testing.assert_array_equal(before[k], after[k], err_msg=k)
+
+
+def test_load_state_dict_sorts_once_and_sends_the_dense_tables_in_one_push(make_cluster, client_factory,
+                                                                           monkeypatch):
+    from shardps.worker.client import export
+    cluster = make_cluster(2)
+    c = client_factory(cluster.address, job="warm-pushes")
+    c.create_job()
+    c.create_dense("a", (4, 2), optimizer=sgd(0.1))
+    c.create_dense("b", (5,), optimizer=sgd(0.1))
+    c.create_sparse("e", 2, 1000, optimizer=sgd(0.1))
+    monkeypatch.setattr(export, "ASSIGN_ROWS", 4)
+    pushes: list[list] = []
+    push = c._data.push
+    monkeypatch.setattr(c._data, "push", lambda pieces, *rest: pushes.append(pieces) or push(pieces, *rest))
+    ids = np.array([900, 3, 77, 5, 41, 600, 2, 12, 999, 8])
+    rows = np.arange(20, dtype=np.float32).reshape(10, 2)
+    a, b = np.full((4, 2), 2.0, np.float32), np.arange(5, dtype=np.float32)
+    assert c.load_state_dict({"a": a, "e.ids": ids, "e.rows": rows, "b": b}) == ["a", "e", "b"]
+    assert [[p.table for p in push] for push in pushes] == [["a", "b"], ["e"], ["e"], ["e"]]
+    sent = np.concatenate([push[0].ids for push in pushes[1:]])
+    np.testing.assert_array_equal(sent, np.sort(ids))          # sorted once: each chunk ascending
+    np.testing.assert_array_equal(c.pull_rows("e", ids), rows)
+    np.testing.assert_array_equal(c.pull_dense("a"), a)
+    np.testing.assert_array_equal(c.pull_dense("b"), b)
 
 
 def test_a_table_with_a_lifecycle_policy_refuses_the_write(make_cluster, client_factory):

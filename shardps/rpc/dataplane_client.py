@@ -19,7 +19,15 @@ import grpc
 from shardps import errors
 from shardps.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, ShardpsError, Unavailable
 from shardps.rpc import frames
-from shardps.rpc.dataplane_sockets import _OK, _STATUS_BY_NUMBER, MAX_FRAME_BYTES, _nodelay, _shutdown, parse_address
+from shardps.rpc.dataplane_sockets import (
+    _OK,
+    _STATUS_BY_NUMBER,
+    MAX_FRAME_BYTES,
+    _nodelay,
+    _shutdown,
+    client_ssl_context,
+    parse_address,
+)
 from shardps.rpc.status import from_rpc_error
 
 
@@ -333,6 +341,13 @@ class DataPlanePool:
         self._count: dict[str, int] = {}
         self._all: list[DataPlaneConnection] = []
         self._closed = False
+
+    @classmethod
+    def for_tls(cls, tls, **kw) -> "DataPlanePool":
+        """A pool speaking TLS as ``tls`` (a client ``TlsConfig``; None: plain TCP) says:
+        its certificates, and the name it expects the servers' certificates to carry."""
+        return cls(client_ssl_context(tls) if tls is not None else None,
+                   server_hostname=getattr(tls, "server_name_override", "") or None, **kw)
 
     def _acquire(self, address: str, deadline: float | None) -> DataPlaneConnection:
         with self._cond:

@@ -19,15 +19,17 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 
-from shardps.errors import Unavailable
+from shardps.errors import InvalidArgument, Unavailable
 from shardps.messages import PullRequest, PushAck, PushRequest
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc import messages, packed
 from shardps.rpc.codec import byte_view
-from shardps.rpc.dataplane import DataPlanePool, client_ssl_context
+from shardps.rpc.dataplane import DataPlanePool
 from shardps.rpc.frames import FLAG_PACKED
 from shardps.rpc.grpc_transport import GrpcTransport
 from shardps.rpc.payload import Payload
@@ -37,6 +39,7 @@ log = logging.getLogger("shardps.client")
 # Payloads this large go through shared memory (the gRPC transport's same-host path) where the
 # server maps this process's memory: one copy instead of two through the loopback socket.
 SHM_PREFERRED_BYTES = 4 << 20
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,17 @@ def _nbytes(buffers) -> int:
     return sum(byte_view(b).nbytes for b in buffers)
 
 
+def _decoded(server: str, decode: Callable[[bytes], T], raw: bytes) -> T:
+    """``decode(raw)`` of a server's reply header; one that does not decode is the server's
+    fault, not the caller's: Unavailable (retried), not InvalidArgument."""
+    try:
+        return decode(raw)
+    except InvalidArgument as exc:
+        raise Unavailable(f"malformed reply from {server}: {exc.message}") from None
+    except DecodeError as exc:
+        raise Unavailable(f"malformed reply from {server}: {exc}") from None
+
+
 class DataPlaneTransport:
     """``Transport`` (``shardps.worker.client.transport``) over the data plane. Thread-safe."""
 
@@ -63,10 +77,8 @@ class DataPlaneTransport:
         self.job = job
         self.fallback = fallback
         self.metadata = tuple(metadata)
-        self.pool = DataPlanePool(client_ssl_context(tls) if tls is not None else None,
-                                  server_hostname=getattr(tls, "server_name_override", "") or None,
-                                  connections_per_address=connections_per_address,
-                                  metadata=self.metadata)
+        self.pool = DataPlanePool.for_tls(tls, connections_per_address=connections_per_address,
+                                          metadata=self.metadata)
         self._lock = threading.Lock()
         self._planes: dict[str, _Plane] = {}        # gRPC address -> its data plane
 
@@ -78,11 +90,11 @@ class DataPlaneTransport:
         if not plane.address or (nbytes >= SHM_PREFERRED_BYTES and self.fallback.shares_memory_with(address)):
             return self.fallback.push(server, address, request, timeout)
         if plane.packed:
-            raw = self._call(plane, address, "Push", packed.push(request, nbytes), payload, timeout, None)
-            return packed.read_push_ack(raw)
+            return self._call(plane, address, "Push", packed.push(request, nbytes), payload, timeout,
+                              lambda raw, _: _decoded(server, packed.read_push_ack, raw))
         head = messages.push_header(request, nbytes).SerializeToString()
-        return messages.push_ack_plain(ps.PushAck.FromString(
-            self._call(plane, address, "Push", head, payload, timeout, None)))
+        return self._call(plane, address, "Push", head, payload, timeout,
+                          lambda raw, _: messages.push_ack_plain(_decoded(server, ps.PushAck.FromString, raw)))
 
     def pull(self, server, address, request: PullRequest, reply_bytes, timeout, consume):
         plane = self._plane(address, timeout)
@@ -92,11 +104,12 @@ class DataPlaneTransport:
         ids = list(request.ids) if request.ids else []      # the ids travel raw, beside the header
         if plane.packed:
             def use(head: bytes, view: memoryview):
-                return consume(packed.read_pull_reply(head), Payload([view]))
+                return consume(_decoded(server, packed.read_pull_reply, head), Payload([view]))
             return self._call(plane, address, "Pull", packed.pull(request), ids, timeout, use)
 
         def use_proto(head: bytes, view: memoryview):
-            return consume(messages.pull_reply_plain(ps.PullHeader.FromString(head)), Payload([view]))
+            return consume(messages.pull_reply_plain(_decoded(server, ps.PullHeader.FromString, head)),
+                           Payload([view]))
         return self._call(plane, address, "Pull", messages.pull_message(request).SerializeToString(), ids,
                           timeout, use_proto)
 
@@ -118,20 +131,20 @@ class DataPlaneTransport:
                                      pull=messages.pull_message(pull)).SerializeToString()
         started = time.perf_counter()
         with self._observed(address, "Exchange", started, only_failures=True):
-            return (address, started, plane.packed,
+            return (server, address, started, plane.packed,
                     self.pool.start(plane.address, "Exchange", head, payload + ids, timeout=timeout,
                                     flags=FLAG_PACKED if plane.packed else 0))
 
     def exchange_finish(self, started, consume):
         """Read the reply of ``exchange_start``'s request, ``consume(ack, pull reply,
         payload)`` it and return its result."""
-        address, began, packed_form, sent = started
+        server, address, began, packed_form, sent = started
 
         def use(raw: bytes, view: memoryview):
             if packed_form:
-                ack, reply = packed.read_exchange_reply(raw)
+                ack, reply = _decoded(server, packed.read_exchange_reply, raw)
             else:
-                both = ps.ExchangeReply.FromString(raw)
+                both = _decoded(server, ps.ExchangeReply.FromString, raw)
                 ack, reply = messages.push_ack_plain(both.ack), messages.pull_reply_plain(both.pull)
             return consume(ack, reply, Payload([view]))
         with self._observed(address, "Exchange", began):
@@ -154,9 +167,6 @@ class DataPlaneTransport:
     def _call(self, plane: _Plane, address: str, method: str, head: bytes, buffers: list, timeout, consume):
         with self._observed(address, method, time.perf_counter()):
             flags = FLAG_PACKED if plane.packed else 0
-            if consume is None:
-                raw, _ = self.pool.call(plane.address, method, head, buffers, timeout=timeout, flags=flags)
-                return raw
             return self.pool.call(plane.address, method, head, buffers, timeout=timeout, consume=consume,
                                   flags=flags)
 

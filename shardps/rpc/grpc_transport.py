@@ -10,8 +10,9 @@ import os
 import time
 
 import grpc
+from google.protobuf.message import DecodeError
 
-from shardps.errors import Unavailable
+from shardps.errors import InvalidArgument, Unavailable
 from shardps.messages import PullRequest, PushAck, PushRequest
 from shardps.metrics import WorkerMetrics, labelled
 from shardps.protos.v1 import common_pb2 as pb
@@ -90,10 +91,15 @@ class GrpcTransport:
         try:
             stream = self.pool.get(address).Pull(message, timeout=timeout, metadata=self.metadata)
             with self.in_flight.tracking(address, stream):
-                head, payload = collect(stream)
+                head, payload = collect(stream, server)
             if head.in_shared_memory:
-                assert region is not None           # the server writes only where we asked
-                payload = Payload([region.view(0, head.payload_bytes)])
+                if region is None:              # the server writes only where we asked
+                    raise Unavailable(f"malformed reply from {server}: its payload is in shared memory, "
+                                      f"but this pull offered none")
+                try:
+                    payload = Payload([region.view(0, head.payload_bytes)])
+                except InvalidArgument as exc:
+                    raise Unavailable(f"malformed reply from {server}: {exc.message}") from None
             return consume(messages.pull_reply_plain(head), payload)
         except grpc.RpcError as err:
             code = err.code().name
@@ -173,18 +179,22 @@ class GrpcTransport:
         return resp.usable
 
 
-def collect(stream) -> tuple[ps.PullHeader, Payload]:
+def collect(stream, server: str = "the server") -> tuple[ps.PullHeader, Payload]:
     """The header and payload of a Pull response stream (chunks decoded by
-    ``codec.decode_chunk``). Raises Unavailable for a stream without exactly one header."""
+    ``codec.decode_chunk``). Raises Unavailable for a stream without exactly one header, or
+    with one that does not decode."""
     header = None
     pieces = []
     for chunk in stream:
         if chunk.header is not None:
             if header is not None:
-                raise Unavailable("pull stream carried two headers")
-            header = ps.PullHeader.FromString(chunk.header)
+                raise Unavailable(f"malformed reply from {server}: the pull stream carried two headers")
+            try:
+                header = ps.PullHeader.FromString(chunk.header)
+            except DecodeError as exc:
+                raise Unavailable(f"malformed reply from {server}: pull header: {exc}") from None
         if len(chunk.data):
             pieces.append(chunk.data)
     if header is None:
-        raise Unavailable("pull stream ended without a header")
+        raise Unavailable(f"malformed reply from {server}: the pull stream ended without a header")
     return header, Payload(pieces)

@@ -7,11 +7,11 @@ packed reply (``parameter_server.proto`` documents the layout beside the message
 
 Layout (``<`` little-endian; ``str`` is ``<H`` length then UTF-8 bytes)::
 
-    header    B version (1), str job, Q epoch, str session, Q incarnation, Q sequence,
+    header    B version (2), str job, Q epoch, str session, Q incarnation, Q sequence,
               Q acked_below, q clock, B wire_dtype
     segments  H count, then per segment: str table, B selector (0 none, 1 range, 2 rows,
               3 rows with all_stored), then range: q start, q stop / rows: Q count, then
-              H base versions and that many (I block, Q version)
+              base versions: I n, n x I block, n x Q version
     push      header, B kind, Q payload_bytes, segments
     pull      header, segments
     exchange  I length of the push, push, pull (the payload: the push's, then the pull's ids)
@@ -46,14 +46,13 @@ from shardps.messages import (
     Versions,
 )
 
-VERSION = 1
+VERSION = 2                                   # 2: base versions as I n + arrays (1: H n + pairs)
 _HEADER_TAIL = struct.Struct("<QQQqB")        # incarnation, sequence, acked_below, clock, wire_dtype
 _Q = struct.Struct("<Q")
 _H = struct.Struct("<H")
 _I = struct.Struct("<I")
 _B = struct.Struct("<B")
 _RANGE = struct.Struct("<qq")
-_BASE = struct.Struct("<IQ")
 _PUSH = struct.Struct("<BQ")
 _PULL_REPLY = struct.Struct("<QqBdH")
 _LAYOUT = struct.Struct("<BQQ")
@@ -89,9 +88,19 @@ def _segments(out: list, segments) -> None:
             out.append(_Q.pack(s.count))
         else:
             out.append(_B.pack(0))
-        out.append(_H.pack(len(s.base_versions)))
-        for block, version in s.base_versions.items():
-            out.append(_BASE.pack(block, version))
+        _base_versions(out, s.base_versions)
+
+
+def _base_versions(out: list, base: dict[int, int]) -> None:
+    # As _versions writes a table's block versions: a 4-byte count, then two arrays.
+    try:
+        blocks = np.fromiter(base.keys(), dtype="<u4", count=len(base))
+        versions = np.fromiter(base.values(), dtype="<u8", count=len(base))
+    except (OverflowError, ValueError, TypeError) as e:
+        raise InvalidArgument(f"base versions do not fit a packed header (block <u4, version <u8): {e}") from None
+    out.append(_I.pack(blocks.shape[0]))
+    out.append(blocks.tobytes())
+    out.append(versions.tobytes())
 
 
 def push(request: PushRequest, payload_bytes: int) -> bytes:
@@ -213,9 +222,11 @@ def _read_segments(r: _Reader) -> list[Selection]:
         else:
             raise InvalidArgument(f"packed {r.what}: segment {len(out)} ({table!r}) has selector {selector}; "
                                   f"known: 0 (none), 1 (range), 2 (rows), 3 (all rows)")
-        n = r.one(_H)
+        n = r.one(_I)
         if n:
-            s.base_versions = dict(_BASE.iter_unpack(r.bytes(n * _BASE.size)))
+            blocks = np.frombuffer(r.bytes(4 * n), dtype="<u4")
+            versions = np.frombuffer(r.bytes(8 * n), dtype="<u8")
+            s.base_versions = dict(zip(blocks.tolist(), versions.tolist()))
         out.append(s)
     return out
 

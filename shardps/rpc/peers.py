@@ -42,7 +42,7 @@ class NodePeers:
 
     def replicate(self, node, epoch, ops, arrays):
         address = self.grpc.address(node)
-        plane = self._plane(address, ops[0].job if ops else "")
+        plane = self._plane(node, address, ops[0].job if ops else "")
         if not plane:
             return self.grpc.replicate(node, epoch, ops, arrays)
         nbytes = sum(a.nbytes for a in arrays)
@@ -70,15 +70,15 @@ class NodePeers:
     def close(self) -> None:
         self.pool.close()
 
-    def _plane(self, address: str, job: str) -> str:
-        """The data-plane address of the peer at gRPC ``address`` ("" where it has none or
-        cannot say now: gRPC this time)."""
+    def _plane(self, node: str, address: str, job: str) -> str:
+        """The data-plane address of ``node``, the peer at gRPC ``address`` ("" where it has
+        none or cannot say now: gRPC this time). ``abandon(node)`` cancels the asking."""
         with self._lock:
             known = self._planes.get(address)
         if known is not None:
             return known
         try:
-            resp = self.grpc.open_data_plane(address, job)
+            resp = self.grpc.open_data_plane(node, address, job)
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.CANCELLED:          # abandoned: declared dead
                 raise from_rpc_error(err, f"OpenDataPlane on {address}") from None

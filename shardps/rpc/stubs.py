@@ -211,11 +211,12 @@ class GrpcPeers:
     def _stub(self, node: str) -> ParameterServerStub:
         return self.pool.get(self.address(node))
 
-    def open_data_plane(self, address: str, job: str) -> ps.OpenDataPlaneResponse:
-        """Ask the server at ``address`` for its data plane (raises ``grpc.RpcError``)."""
+    def open_data_plane(self, node: str, address: str, job: str) -> ps.OpenDataPlaneResponse:
+        """Ask ``node`` (at gRPC ``address``) for its data plane (raises ``grpc.RpcError``;
+        Unavailable if ``abandon(node)`` cancels it: the call is tracked by node name)."""
         call = self.pool.get(address).OpenDataPlane.future(
             ps.OpenDataPlaneRequest(job=job), timeout=min(self.timeout, 5.0), metadata=self.pool.metadata)
-        return self.in_flight.wait(address, call, f"OpenDataPlane on {address}")
+        return self.in_flight.wait(node, call, f"OpenDataPlane on {node} ({address})")
 
     def replicate(self, node, epoch, ops, arrays):
         header = ps.ReplicateHeader(epoch=epoch, source=self.node_name, ops=ops,

@@ -25,7 +25,7 @@ from shardps.protos.v1 import manager_pb2 as mg
 from shardps.rpc import channels
 from shardps.rpc.status import from_rpc_error
 from shardps.rpc.stubs import MANAGER, ManagerStub
-from shardps.shardmap import ShardMapView, TableView
+from shardps.shardmap import GroupView, ShardMapView, TableView
 from shardps.tables import (
     Consistency,
     Initializer,
@@ -339,6 +339,12 @@ class ManagerCalls:
     def refresh_map(self, min_epoch: int = 0, timeout: float | None = None) -> ShardMapView:
         """Fetch the published shard map (waiting for ``min_epoch`` if given)."""
         return self._admin.refresh_map(min_epoch, timeout)
+
+    def group(self) -> GroupView | None:
+        """This job's worker group (consistency, staleness, members) from the client's map,
+        fetched again when that map lacks it; None before the job exists."""
+        a = self._admin
+        return a.shard_map.groups.get(a.job) or a.refresh_map().groups.get(a.job)
 
     def create_job(self, consistency: str | Consistency = "async", staleness: int = 0,
                    quota_bytes: int = 0, timeout: float | None = None, token_ttl_seconds: float = 0.0) -> str:

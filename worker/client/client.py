@@ -114,14 +114,17 @@ class PSClient(ManagerCalls, TableTransfer):
 
     def close(self) -> None:
         """Stop heartbeats and retries, leave nothing running. Does not leave the group
-        (see ``leave``). A push a ``PSModel`` still holds is sent first."""
-        self._send_held(closing=True)
-        self._closed.set()
-        self._member.close()
-        self._calls.shutdown(wait=False, cancel_futures=True)
-        self._rpcs.shutdown(wait=False, cancel_futures=True)
-        self._transport.close()
-        self._channel.close()
+        (see ``leave``). A push a ``PSModel`` still holds is sent first; a flush that fails
+        with anything but a ShardpsError (logged) is raised once everything is stopped."""
+        try:
+            self._send_held(closing=True)
+        finally:
+            self._closed.set()
+            self._member.close()
+            self._calls.shutdown(wait=False, cancel_futures=True)
+            self._rpcs.shutdown(wait=False, cancel_futures=True)
+            self._transport.close()
+            self._channel.close()
 
     def __enter__(self) -> "PSClient":
         return self
@@ -177,7 +180,7 @@ class PSClient(ManagerCalls, TableTransfer):
         ``name``, names itself after it, so a restarted process takes its rank back."""
         name, rank_hint = _torchrun_place(name, rank_hint)
         membership = self._member.join(name, rank_hint, previous_session, heartbeat, timeout)
-        group = self.shard_map.groups.get(self.job) or self.refresh_map().groups.get(self.job)
+        group = self.group()
         if group is not None and group.consistency is not Consistency.ASYNC:
             self._data.step = max(self._data.step, self.server_clock(timeout))
         return membership
@@ -331,7 +334,7 @@ class PSClient(ManagerCalls, TableTransfer):
         applies a step once every worker reported it; a server this step pushed nothing to
         learns it here); then advance. Returns the new step. Not thread-safe with calls of
         the same step still running."""
-        group = self.shard_map.groups.get(self.job) or self.refresh_map().groups.get(self.job)
+        group = self.group()
         if group is not None and group.consistency is not Consistency.ASYNC:
             self.report_step(self._data.step, timeout)
         self._data.step += 1
@@ -375,10 +378,15 @@ def _torchrun_place(name: str, rank_hint: int) -> tuple[str, int]:
 
 
 def _run_flushes(refs: list, closing: bool) -> None:
-    """Call each live weakly-held flush; while closing, a failure is logged, not raised."""
+    """Call each live weakly-held flush, dropping the refs of collected ones. While closing a
+    ShardpsError is logged, not raised, and every flush runs: the first other error is raised
+    after the last."""
+    error: BaseException | None = None
     for ref in list(refs):
         flush = ref()
         if flush is None:
+            with contextlib.suppress(ValueError):       # another thread dropped it first
+                refs.remove(ref)
             continue
         try:
             flush()
@@ -386,3 +394,10 @@ def _run_flushes(refs: list, closing: bool) -> None:
             if not closing:
                 raise
             log.warning("closing with a push not sent (%s): call the model's flush() before close()", exc.message)
+        except Exception as exc:
+            if not closing:
+                raise
+            log.warning("closing: a flush before leaving failed (%r)", exc)
+            error = error or exc
+    if error is not None:
+        raise error

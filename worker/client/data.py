@@ -171,12 +171,15 @@ class DataPath:
         if len(head.segments) != len(ps_):
             raise Unavailable(f"pull from {server}: {len(head.segments)} segments in the reply for "
                               f"{len(ps_)} asked")
+        sparse_bytes = 0
         for p, layout in zip(ps_, head.segments):
             wire = WireDType.parse(int(layout.dtype))
             got_ids = np.empty(0, np.int64)          # a server holding none of the rows
             if layout.ids:
                 got_ids = np.frombuffer(payload.read(int(layout.ids) * 8), dtype="<i8").copy()
             count = int(layout.elements)
+            if not p.dense:             # the reply's ids (an export's) and rows of a sparse table
+                sparse_bytes += int(layout.ids) * 8 + count * wire.itemsize
             if p.dense and not p.all_stored and wire is WireDType.FLOAT32:
                 out = outputs[p.item][p.offset:p.offset + (p.stop - p.start)]
                 if out.size != count or not out.flags.c_contiguous:
@@ -194,6 +197,8 @@ class DataPath:
         if payload.consumed != len(payload):
             raise Unavailable(f"pull from {server}: payload has {len(payload)} bytes; "
                               f"the header describes {payload.consumed}")
+        if sparse_bytes:
+            labelled(self.metrics.sparse_bytes, "pulled").inc(sparse_bytes)     # part of bytes "pulled"
         with lock:
             if head.min_clock or header.session:
                 result.staleness = max(result.staleness, max(0, result.clock - int(head.min_clock)))

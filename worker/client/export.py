@@ -78,29 +78,35 @@ class TableTransfer:
         dense table's values (its shape, or flat) replace the table's; a sparse table's rows
         ``{name}.ids`` / ``{name}.rows`` replace those rows (stored if absent; rows not named
         keep theirs). The rows written start their optimizer state afresh, as new rows do.
-        Each push is deduplicated like any other (a retry is applied once). Returns the
+        The dense tables go in one push, a sparse table's rows (sorted by id) in pushes of
+        ``ASSIGN_ROWS``; each push is deduplicated like any other (a retry is applied once). Returns the
         tables written. InvalidArgument, before anything is written, for an unknown table, a
         shape that does not match, repeated ids; and for a sparse table with a lifecycle
         policy (the servers refuse it: restore a checkpoint instead)."""
         if not isinstance(state, Mapping):
             raise InvalidArgument(f"load_state_dict takes a mapping of arrays, got {type(state).__name__}")
         known = {t.name: t for t in self.tables()}
-        pieces: list[list] = []
+        dense: list = []                    # every dense table's values: one push
+        pushes: list[list] = []             # then each sparse table's rows, ASSIGN_ROWS a push
         written = []
         for name, key in _table_keys(state, known):
             t = known[name]
             if t.spec.kind is TableKind.DENSE:
-                pieces.append([rq.initial_values(t, state[key], "values")])
+                dense.append(rq.initial_values(t, state[key], "values"))
             else:
                 ids = rq.as_ids(state[f"{name}.ids"], t)
-                if np.unique(ids).shape[0] != ids.shape[0]:
+                order = np.argsort(ids)
+                ids = ids[order]            # ascending once: each chunk goes as it is (no coalescing)
+                if bool(np.any(ids[1:] == ids[:-1])):
                     raise InvalidArgument(f"{name}.ids: repeated ids (each row is written once)")
                 check_ids(t.spec, ids)
-                rows = _rows_of(state[f"{name}.rows"], ids.shape[0], t)
+                rows = _rows_of(state[f"{name}.rows"], ids.shape[0], t)[order]
                 for lo in range(0, ids.shape[0], ASSIGN_ROWS):
-                    pieces.append([rq.rows_push(0, t, ids[lo:lo + ASSIGN_ROWS], rows[lo:lo + ASSIGN_ROWS])])
+                    pushes.append([rq.rows_push(0, t, ids[lo:lo + ASSIGN_ROWS], rows[lo:lo + ASSIGN_ROWS])])
             written.append(name)
-        for push in pieces:
+        if dense:
+            pushes.insert(0, dense)
+        for push in pushes:
             self._data.push(push, ASSIGN, timeout, None, False)
         return written
 
@@ -117,17 +123,21 @@ def _table_keys(state: Mapping[str, object], known: dict[str, TableView]) -> lis
                 unknown.append(f"{key} (sparse: give {key}.ids and {key}.rows)")
             else:
                 out.append((key, key))
-        elif key.endswith(".ids") and key[:-4] in known:
+        elif key.endswith(".ids") and _sparse(known.get(key[:-4])):
             if f"{key[:-4]}.rows" not in state:
                 unknown.append(f"{key} (without {key[:-4]}.rows)")
             else:
                 out.append((key[:-4], key))
-        elif not (key.endswith(".rows") and f"{key[:-5]}.ids" in state):
-            unknown.append(key)
+        elif not (key.endswith(".rows") and _sparse(known.get(key[:-5])) and f"{key[:-5]}.ids" in state):
+            unknown.append(key)         # .ids / .rows of a dense table too
     if unknown:
         raise InvalidArgument(f"load_state_dict: {', '.join(unknown)} name no table of this job "
                               f"(its tables: {', '.join(sorted(known)) or 'none'})")
     return out
+
+
+def _sparse(t: TableView | None) -> bool:
+    return t is not None and t.spec.kind is not TableKind.DENSE
 
 
 def _rows_of(rows, n: int, t: TableView) -> np.ndarray:
