@@ -28,11 +28,11 @@ import urllib.request
 import numpy as np
 import torch
 import torch.nn.functional as F
+from _common import add_job_arguments, finish_job  # examples/_common.py: this folder is on sys.path
 from sklearn.metrics import roc_auc_score
 from torch import nn
 from tqdm import tqdm
 
-from shardps.errors import PermissionDenied
 from shardps.worker import PSClient, adagrad, adam, uniform
 from shardps.worker.embedding_bag import EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
 from shardps.worker.torch_ps import PSEmbeddingBagCollection, PSModel
@@ -150,9 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--manager", default=os.environ.get("SHARDPS_MANAGER", "127.0.0.1:7070"),
                    help="the manager's address (default: $SHARDPS_MANAGER or 127.0.0.1:7070)")
-    p.add_argument("--job", default="dlrm", help="the job's name (default: dlrm); the run ends it, so "
-                   "the next run starts from fresh tables (--keep-job keeps its tables for a later run)")
-    p.add_argument("--keep-job", action="store_true", help="do not end the job at the end of the run")
+    add_job_arguments(p, "dlrm")
     p.add_argument("--data", default="", help="a Criteo TSV file (default: synthetic clicks)")
     p.add_argument("--samples", type=int, default=0,
                    help="with --data: samples to read, the last 10%% being the test set (default: all); "
@@ -222,13 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         p_test = np.clip(np.concatenate(scores), 1e-7, 1 - 1e-7)
         y_test = labels[n_train:]
         logloss = float(-np.mean(y_test * np.log(p_test) + (1 - y_test) * np.log(1 - p_test)))
-        client.leave()
-        if not args.keep_job:
-            try:
-                client.end_job()      # its tables go: a second run starts fresh, not from these
-            except PermissionDenied:
-                print("the job's tables stay: ending a job needs the admin token; name a fresh --job "
-                      "next time", flush=True)
+        finish_job(client, args.keep_job)
     finally:
         client.close()
 

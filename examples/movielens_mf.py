@@ -23,10 +23,10 @@ import sys
 
 import numpy as np
 import torch
+from _common import add_job_arguments, finish_job  # examples/_common.py: this folder is on sys.path
 from torch import nn
 from tqdm import tqdm
 
-from shardps.errors import PermissionDenied
 from shardps.worker import PSClient, adagrad, normal, zeros
 from shardps.worker.torch_ps import PSEmbedding, PSModel
 
@@ -68,9 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ratings", default="u.data", help="a MovieLens u.data file (default: ./u.data)")
     p.add_argument("--manager", default=os.environ.get("SHARDPS_MANAGER", "127.0.0.1:7070"),
                    help="the manager's address (default: $SHARDPS_MANAGER or 127.0.0.1:7070)")
-    p.add_argument("--job", default="movielens", help="the job's name (default: movielens); the run ends it, so "
-                   "the next run starts from fresh tables (--keep-job keeps its tables for a later run)")
-    p.add_argument("--keep-job", action="store_true", help="do not end the job at the end of the run")
+    add_job_arguments(p, "movielens")
     p.add_argument("--dim", type=int, default=16, help="latent factors (default: 16)")
     p.add_argument("--epochs", type=int, default=10, help="passes over the training ratings (default: 10)")
     p.add_argument("--batch-size", type=int, default=512, help="ratings per step (default: 512)")
@@ -117,13 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         with torch.no_grad():
             t = torch.from_numpy(test)
             predicted = model(t[:, 0], t[:, 1]).clamp(1, 5).numpy()
-        client.leave()
-        if not args.keep_job:
-            try:
-                client.end_job()      # its tables go: a second run starts fresh, not from these
-            except PermissionDenied:
-                print("the job's tables stay: ending a job needs the admin token; name a fresh --job "
-                      "next time", flush=True)
+        finish_job(client, args.keep_job)
     finally:
         client.close()
     rmse = float(np.sqrt(np.mean((predicted - test[:, 2]) ** 2)))

@@ -11,6 +11,8 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import subprocess
+import time
 
 PARENT_ENV = "SHARDPS_PARENT_PID"
 
@@ -35,3 +37,18 @@ def child_env(env: dict | None = None) -> dict:
     out = dict(os.environ if env is None else env)
     out[PARENT_ENV] = str(os.getpid())
     return out
+
+
+def stop_processes(popens, grace: float = 10.0) -> None:
+    """Stop ``popens`` (``subprocess.Popen``): SIGTERM to the running ones, then SIGKILL to
+    those still running ``grace`` seconds later; returns once every one has exited."""
+    for p in popens:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in popens:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

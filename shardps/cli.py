@@ -17,6 +17,7 @@ import threading
 from shardps import __version__, logs
 from shardps.children import PARENT_ENV, die_with_parent
 from shardps.settings import (
+    MANAGER_PORT,
     Common,
     FlagSet,
     ManagerProcessSettings,
@@ -41,6 +42,7 @@ the optimizer. Quick start: `shardps local --servers 2 --workers 2 --model digit
 # Subcommand name -> the flags it accepts (filled while building the parser); the contract
 # test checks manifests against it.
 FLAGS: dict[str, list[str]] = {}
+DEFAULT_MANAGER = f"127.0.0.1:{MANAGER_PORT}"
 MANAGER_HELP = "resource manager address (several replicas: comma-separated; the leader is followed)"
 
 
@@ -63,7 +65,7 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
                  "Run the resource manager: registers servers, places blocks, publishes the shard map,\n"
                  "keeps worker groups and table metadata. Its state is persisted in --state-dir.", environ)
     add_common(fs)
-    add_serving(fs, "0.0.0.0:7070", 9100)
+    add_serving(fs, f"0.0.0.0:{MANAGER_PORT}", 9100)
     fs.add("--state-dir", "", "directory for the manager's persisted state (empty: memory only)")
     fs.add("--checkpoint-dir", "", "default directory for checkpoints")
     fs.add("--replication", 2, "copies of every block (R), on distinct servers; 1 means a server's "
@@ -86,7 +88,7 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
     add_common(fs)
     add_serving(fs, "0.0.0.0:7071", 9101)
     fs.add("--name", "", "stable node name (default: the host name)")
-    fs.add("--manager", "127.0.0.1:7070", MANAGER_HELP)
+    fs.add("--manager", DEFAULT_MANAGER, MANAGER_HELP)
     fs.add("--max-request-bytes", 1 << 30, "largest accepted request payload")
     fs.add("--max-rows", 4_000_000, "most sparse rows in one request")
     fs.add("--data-plane-port", 0, "port of the socket data plane that carries pushes and pulls "
@@ -104,7 +106,7 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
                  "wait until all report SERVING, print the manager address; Ctrl-C or SIGTERM stops\n"
                  "everything.", environ)
     fs.add("--servers", 2, "server nodes")
-    fs.add("--port", 7070, "the manager's port on 127.0.0.1, where the README's examples connect "
+    fs.add("--port", MANAGER_PORT, "the manager's port on 127.0.0.1, where the README's examples connect "
            "(0: any free port)")
     fs.add("--workers", 0, "workers training --model (0: cluster only, runs until stopped)")
     fs.add("--replication", 0, "copies of every block (0: 2 with two or more servers, else 1)")
@@ -123,7 +125,7 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
                  "Join a job's worker group, train --model on this worker's share of the data,\n"
                  "pulling parameters from and pushing gradients to the servers.", environ)
     add_common(fs)
-    fs.add("--manager", "127.0.0.1:7070", MANAGER_HELP)
+    fs.add("--manager", DEFAULT_MANAGER, MANAGER_HELP)
     fs.add("--name", "", "worker name (default: the host name); a restart with the same name "
            "keeps its rank")
     fs.add("--rank-hint", -1, "preferred rank (e.g. a Kubernetes completion index)")
@@ -139,7 +141,7 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
                  "LOCAL_WORLD_SIZE); PSClient() and join() read them. A process that fails is\n"
                  "started again (--max-restarts per rank); then the others are stopped.\n\n"
                  "  shardps run --job ctr --nproc-per-node 4 train.py --epochs 3", environ)
-    fs.add("--manager", "127.0.0.1:7070", MANAGER_HELP)
+    fs.add("--manager", DEFAULT_MANAGER, MANAGER_HELP)
     fs.add("--job", "", "the job every process joins (SHARDPS_JOB)")
     fs.add("--nproc-per-node", 1, "processes on this machine")
     fs.add("--nnodes", 1, "machines running this job (ranks: node_rank x nproc-per-node + local rank)")
@@ -162,7 +164,7 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
                  "A table of servers (state, blocks, bytes, heartbeat age), worker groups (ranks,\n"
                  "steps) and the shard-map epoch.", environ)
     add_common(fs)
-    fs.add("--manager", "127.0.0.1:7070", MANAGER_HELP)
+    fs.add("--manager", DEFAULT_MANAGER, MANAGER_HELP)
     fs.add("--json", False, "print JSON for scripts")
     p.set_defaults(func=cmd_status)
 
@@ -170,7 +172,7 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
                  "Ask the manager to copy every block away from NODE while training continues.", environ)
     p.add_argument("node", help="server name")
     add_common(fs)
-    fs.add("--manager", "127.0.0.1:7070", MANAGER_HELP)
+    fs.add("--manager", DEFAULT_MANAGER, MANAGER_HELP)
     p.set_defaults(func=cmd_drain)
 
     p, fs = _sub(sub, "job", "create, end a job, or revoke its tokens",
@@ -180,7 +182,7 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
     p.add_argument("action", choices=["create", "end", "revoke"])
     p.add_argument("job")
     add_common(fs)
-    fs.add("--manager", "127.0.0.1:7070", MANAGER_HELP)
+    fs.add("--manager", DEFAULT_MANAGER, MANAGER_HELP)
     fs.add("--mode", "async", "consistency: async, sync or ssp", choices=["async", "sync", "ssp"])
     fs.add("--staleness", 2, "SSP staleness bound T")
     fs.add("--quota-bytes", 0, "storage quota of the job across servers (0: none)")
@@ -195,7 +197,7 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
                  "checkpoint directory (or --dir, on the manager's file system). Prints the path.", environ)
     p.add_argument("job")
     add_common(fs)
-    fs.add("--manager", "127.0.0.1:7070", MANAGER_HELP)
+    fs.add("--manager", DEFAULT_MANAGER, MANAGER_HELP)
     fs.add("--dir", "", "checkpoint directory on the manager (default: its --checkpoint-dir)")
     p.set_defaults(func=cmd_checkpoint)
 
@@ -205,7 +207,7 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
                  environ)
     p.add_argument("job")
     add_common(fs)
-    fs.add("--manager", "127.0.0.1:7070", MANAGER_HELP)
+    fs.add("--manager", DEFAULT_MANAGER, MANAGER_HELP)
     fs.add("--path", "", "checkpoint directory (default: the job's newest one on the manager)")
     p.set_defaults(func=cmd_restore)
 
@@ -217,7 +219,7 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
     p.add_argument("job")
     p.add_argument("table")
     add_common(fs)
-    fs.add("--manager", "127.0.0.1:7070", MANAGER_HELP)
+    fs.add("--manager", DEFAULT_MANAGER, MANAGER_HELP)
     p.set_defaults(func=cmd_reset_lost)
 
     p = sub.add_parser("dev-certs", help="make a development CA and TLS certificates",

@@ -8,8 +8,10 @@ Each process gets the cluster and its place in the environment: ``SHARDPS_MANAGE
 ``RANK`` under a name of its own, so a restarted process takes its rank back). A process that
 exits with an error is started again, up to ``--max-restarts`` times per rank; a rank that
 exits cleanly is done. When a rank has used its restarts, or on SIGINT / SIGTERM, the others
-are stopped (SIGTERM, then SIGKILL after ``--stop-seconds``) and ``shardps run`` exits with
-that rank's status (130 / 143 for the signals).
+are stopped (SIGTERM, then SIGKILL after 10 s) and ``shardps run`` exits with that rank's
+status (128 + N for a rank killed by signal N; 130 / 143 when ``shardps run`` itself gets
+SIGINT / SIGTERM). Each process's SHARDPS_PARENT_PID names ``shardps run``
+(``shardps.children``): a rank that is a ``shardps`` command dies with it.
 
 ``plan`` (pure: what each rank's environment holds) and ``Supervisor`` (the processes:
 start, restart, stop) are separate; the CLI glue is ``run``.
@@ -23,9 +25,9 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass
 
+from shardps.children import child_env, stop_processes
 from shardps.errors import InvalidArgument
 
 log = logging.getLogger("shardps.run")
@@ -47,9 +49,15 @@ def plan(manager: str, job: str, nproc: int, nnodes: int = 1, node_rank: int = 0
 @dataclass
 class _Rank:
     env: dict[str, str]
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen
     restarts: int = 0
     done: bool = False
+
+
+def exit_status(code: int) -> int:
+    """A process's exit status as a shell reports it: ``Popen.returncode`` -N (killed by
+    signal N) is 128 + N."""
+    return 128 - code if code < 0 else code
 
 
 class Supervisor:
@@ -60,15 +68,17 @@ class Supervisor:
     def __init__(self, command: list[str], envs: list[dict[str, str]], max_restarts: int = 3,
                  stop_seconds: float = 10.0, poll: float = 0.1):
         self.command = command
-        self.ranks = [_Rank(env) for env in envs]
+        self.envs = envs
+        self.ranks: list[_Rank] = []
         self.max_restarts = max_restarts
         self.stop_seconds = stop_seconds
         self.poll = poll
         self.stopping = threading.Event()
         self.signal_status = 0
 
-    def _start(self, r: _Rank) -> None:
-        r.proc = subprocess.Popen(self.command, env={**os.environ, **r.env})
+    def _popen(self, env: dict[str, str]) -> subprocess.Popen:
+        # child_env: SHARDPS_PARENT_PID names this process, not the one that started it
+        return subprocess.Popen(self.command, env=child_env({**os.environ, **env}))
 
     def stop(self, status: int = 0) -> None:
         """Ask ``wait`` to stop every process and return ``status`` (a signal's)."""
@@ -76,12 +86,20 @@ class Supervisor:
         self.stopping.set()
 
     def wait(self) -> int:
-        for r in self.ranks:
-            self._start(r)
+        """Start every rank, keep them going, stop them all however this returns (an
+        ``OSError`` of a start, too)."""
+        try:
+            for env in self.envs:
+                self.ranks.append(_Rank(env, self._popen(env)))
+            return self._supervise()
+        finally:
+            self._stop_all()
+
+    def _supervise(self) -> int:
         status = 0
         while not self.stopping.wait(self.poll):
             for r in self.ranks:
-                if r.done or r.proc is None:
+                if r.done:
                     continue
                 code = r.proc.poll()
                 if code is None:
@@ -92,30 +110,20 @@ class Supervisor:
                 elif r.restarts < self.max_restarts:
                     r.restarts += 1
                     log.warning("rank %s exited with status %d; starting it again (restart %d of %d)",
-                                rank, code, r.restarts, self.max_restarts)
-                    self._start(r)
+                                rank, exit_status(code), r.restarts, self.max_restarts)
+                    r.proc = self._popen(r.env)
                 else:
                     log.error("rank %s exited with status %d after %d restart(s): stopping the others",
-                              rank, code, r.restarts)
-                    status = code
+                              rank, exit_status(code), r.restarts)
+                    status = exit_status(code)
                     self.stopping.set()
                     break
             if all(r.done for r in self.ranks):
                 break
-        self._stop_all()
         return self.signal_status or status
 
     def _stop_all(self) -> None:
-        running = [r.proc for r in self.ranks if r.proc is not None and r.proc.poll() is None]
-        for p in running:
-            p.terminate()
-        deadline = time.monotonic() + self.stop_seconds
-        for p in running:
-            try:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes([r.proc for r in self.ranks], self.stop_seconds)
 
 
 def run(args) -> int:
@@ -139,4 +147,8 @@ def run(args) -> int:
     log.info("running %s as %d process(es) of job %s (ranks %s..%s of %s), manager %s",
              " ".join(command), len(envs), args.job, envs[0]["RANK"], envs[-1]["RANK"], envs[0]["WORLD_SIZE"],
              args.manager)
-    return supervisor.wait()
+    try:
+        return supervisor.wait()
+    except OSError as exc:          # the command cannot be started (not found, not executable)
+        print(f"shardps run: cannot start {command[0]}: {exc.strerror or exc}", file=sys.stderr)
+        return 2

@@ -23,11 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from shardps.children import child_env
+from shardps.children import child_env, stop_processes
+from shardps.settings import CLIENT_VARIABLES
 
 log = logging.getLogger("shardps.local")
-# environment variables of a client's settings (``Secured.client_env``), never of this cluster's
-CLIENT_SETTINGS = ("SHARDPS_TLS_", "SHARDPS_TOKEN")
 
 
 @dataclass
@@ -122,12 +121,13 @@ class LocalCluster:
     def _env_of(self, role: str) -> dict:
         """A child's environment. This cluster's manager and servers get their TLS and token
         settings as flags (``Secured``), and so do its workers where it is not secured: a
-        client's ``SHARDPS_TLS_*`` / ``SHARDPS_TOKEN*`` left in the shell (what `shardps
-        local --secure` prints to export) are another cluster's, and are not passed on."""
+        client's variables left in the shell (``settings.CLIENT_VARIABLES``, what `shardps
+        local --secure` prints to export, and SHARDPS_TOKEN) are another cluster's, and are
+        not passed on. Every other variable is (a manager's SHARDPS_TOKEN_TTL_SECONDS, ...)."""
         env = child_env(self.env)
         if role != "worker" or self.tls is None:
-            for key in [k for k in env if k.startswith(CLIENT_SETTINGS)]:
-                del env[key]
+            for key in (*CLIENT_VARIABLES, "SHARDPS_TOKEN"):
+                env.pop(key, None)
         return env
 
     def _wait_ready(self, proc: Proc, timeout: float) -> None:
@@ -249,16 +249,8 @@ class LocalCluster:
         """Stop every process (SIGTERM, then SIGKILL after 10 s); remove a temporary work dir."""
         managers = [p for p in self.replicas if p is not None] or ([self.manager] if self.manager else [])
         procs = list(self.workers) + list(self.servers.values()) + managers
+        stop_processes([p.popen for p in procs], 10.0)
         for p in procs:
-            if p.alive:
-                p.popen.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for p in procs:
-            try:
-                p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.popen.kill()
-                p.popen.wait()
             for stream in (p.popen.stdout, p.popen.stderr):
                 if stream is not None:
                     stream.close()

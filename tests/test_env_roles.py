@@ -84,6 +84,19 @@ def test_a_server_certificate_from_the_environment_is_the_servers(client_env):
         assert _common([role], env).tls_cert == env["SHARDPS_TLS_CERT"]
 
 
+def test_a_local_cluster_passes_on_every_variable_but_the_clients(client_env, tmp_path):
+    """Its manager and servers lose only the client's variables (those `shardps local --secure`
+    prints, and SHARDPS_TOKEN), not their own settings that share a prefix with them."""
+    own = {"SHARDPS_TOKEN_TTL_SECONDS": "60", "SHARDPS_TOKEN_KEY_FILE": str(tmp_path / "keys"),
+           "SHARDPS_TLS_REQUIRE_CLIENT_CERT": "false"}
+    cluster = LocalCluster(servers=1, work_dir=str(tmp_path / "plain"),
+                           env={**client_env, **own, "SHARDPS_TOKEN": "a-clients-token"})
+    for role in ("manager", "server", "worker"):
+        env = cluster._env_of(role)
+        assert {k: env.get(k) for k in own} == own, role
+        assert not {"SHARDPS_TOKEN", *client_env} & set(env), role
+
+
 @pytest.mark.slow          # processes (shardps local's manager and server)
 def test_a_plain_local_cluster_ignores_a_secure_ones_lingering_variables(client_env, tmp_path):
     """The issue's row: export what `shardps local --secure` printed, stop that cluster (its

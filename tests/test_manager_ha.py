@@ -101,7 +101,6 @@ class HaCluster:
                            "--manager", self.manager_list])
 
     def start(self) -> "HaCluster":
-        self.etcd.wait_ready()
         for i in range(3):
             self.start_manager(i)
         wait_for("a manager leader", self.etcd.leader, 60, interval=0.1)

@@ -5,6 +5,7 @@ the failing rank's status (real processes against a real cluster)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -72,6 +73,47 @@ def test_a_rank_that_keeps_failing_ends_the_run_with_its_status(cluster, tmp_pat
     out = _run(cluster, tmp_path, "--always-fail", restarts=1)
     assert out.returncode == 7, out.stdout + out.stderr
     assert "rank 1 exited with status 7 after 1 restart(s): stopping the others" in out.stderr
+
+
+def _run_alone(tmp_path, script: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``shardps run`` of ``script`` (rank 0 only, no restart), no cluster needed."""
+    path = tmp_path / "alone.py"
+    path.write_text(textwrap.dedent(script))
+    return subprocess.run(SHARDPS + ["run", "--manager", "127.0.0.1:1", "--job", "alone", "--max-restarts", "0",
+                                     str(path), *args],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+
+
+@pytest.mark.slow          # processes (shardps run and its script)
+def test_each_process_is_tied_to_shardps_run_not_to_its_parent(tmp_path):
+    """`shardps run` started as a child (SHARDPS_PARENT_PID naming its parent, this test):
+    its processes name `shardps run`, so a shardps command among them does not exit at once."""
+    out = _run_alone(tmp_path, """
+        import json, os, sys
+        json.dump({"parent_env": os.environ.get("SHARDPS_PARENT_PID"), "ppid": os.getppid()}, open(sys.argv[1], "w"))
+    """, str(tmp_path / "seen.json"), env={**os.environ, "SHARDPS_PARENT_PID": str(os.getpid())})
+    assert out.returncode == 0, out.stdout + out.stderr
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    assert seen["parent_env"] == str(seen["ppid"]) != str(os.getpid())
+
+
+@pytest.mark.slow          # processes (shardps run and its script)
+def test_a_rank_killed_by_a_signal_ends_the_run_with_128_plus_the_signal(tmp_path):
+    out = _run_alone(tmp_path, """
+        import os, signal
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    assert out.returncode == 128 + 9, out.stdout + out.stderr
+    assert "rank 0 exited with status 137 after 0 restart(s)" in out.stderr
+
+
+@pytest.mark.slow          # a process (shardps run)
+def test_a_command_that_cannot_start_is_one_line_and_status_2(tmp_path):
+    out = subprocess.run(SHARDPS + ["run", "--job", "alone", "no-such-command-shardps-test"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "shardps run: cannot start no-such-command-shardps-test: No such file or directory" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_a_client_without_a_job_says_how_to_name_one(monkeypatch):

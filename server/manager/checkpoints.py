@@ -59,16 +59,16 @@ class CheckpointCoordinator:
         the root itself when empty; FailedPrecondition without a root, InvalidArgument outside."""
         return str(names.inside_root(directory, self.default_dir, field))
 
-    def _live(self, job: str) -> dict[str, int]:
+    def _live(self, job: str) -> dict[str, tuple[int, str]]:
+        """The job's live workers: session -> (rank, name)."""
         with self.rt.lock:
             rec = self.rt.state.job(job)
-            return {m.session: m.rank for m in rec.members.values()}
+            return {m.session: (m.rank, m.name) for m in rec.members.values()}
 
-    def _missing(self, job: str, p: PendingCheckpoint, live: dict[str, int]) -> str:
-        """The live workers that have not arrived, as ``rank 1 ('name')``."""
-        with self.rt.lock:
-            names = {m.session: m.name for m in self.rt.state.job(job).members.values()}
-        missing = sorted((live[s], names.get(s, "")) for s in set(live) - set(p.arrived))
+    @staticmethod
+    def _missing(p: PendingCheckpoint, live: dict[str, tuple[int, str]]) -> str:
+        """The live workers (``_live``) that have not arrived, as ``rank 1 ('name')``."""
+        missing = sorted(live[s] for s in set(live) - set(p.arrived))
         return ", ".join(f"rank {rank} ({name!r})" if name else f"rank {rank}" for rank, name in missing)
 
     # ------------------------------------------------------------------ the barrier
@@ -83,7 +83,7 @@ class CheckpointCoordinator:
             if p is None or p.done:
                 p = self._pending[job] = PendingCheckpoint(barrier_checkpoint_id(checkpoint_id, step),
                                                            self._directory(directory))
-            p.arrived[session] = (live[session], step, state)
+            p.arrived[session] = (live[session][0], step, state)
             self._cond.notify_all()
         return self._wait(job, p, deadline)
 
@@ -100,9 +100,12 @@ class CheckpointCoordinator:
         return self._wait(job, p, deadline)
 
     def _wait(self, job: str, p: PendingCheckpoint, deadline: float | None) -> str:
-        limit = time.monotonic() + self.barrier_timeout
-        if deadline is not None:
-            limit = min(limit, deadline)
+        start = time.monotonic()
+        waited = f"{self.barrier_timeout:g} s"             # the seconds the message reports
+        limit = start + self.barrier_timeout
+        if deadline is not None and deadline < limit:       # the call's deadline comes first
+            limit = deadline
+            waited = f"{max(0.0, deadline - start):.1f} s (the request's deadline)"
         while True:
             with self._cond:
                 if p.done:
@@ -110,13 +113,13 @@ class CheckpointCoordinator:
                         raise p.error
                     return p.path
                 live = self._live(job)
-                if p.ready(live):
+                if p.ready({session: rank for session, (rank, _) in live.items()}):
                     p.taking = True
                 elif time.monotonic() > limit:
                     raise DeadlineExceeded(
-                        f"checkpoint {p.id} of job {job!r}: {self._missing(job, p, live)} of "
+                        f"checkpoint {p.id} of job {job!r}: {self._missing(p, live)} of "
                         f"{len(live)} live worker(s) did not reach the checkpoint barrier within "
-                        f"{self.barrier_timeout:g} s; nothing was written. Workers join a checkpoint "
+                        f"{waited}; nothing was written. Workers join a checkpoint "
                         f"at a step boundary: shardps worker does it by itself; a custom loop calls "
                         f"ps_model.maybe_checkpoint() once per step (or client.checkpoint_barrier() "
                         f"when client.checkpoint_request is set). Stop those workers, or let them "

@@ -32,12 +32,18 @@ class EtcdProcess:
 
     def __init__(self, binary: str, work: Path, timeout: float = 30.0):
         self.log_path = work / "etcd.log"
-        for _ in range(self.ATTEMPTS):
-            self._launch(binary, work)
-            if self._serving(timeout):
-                return
-            self.client.close()
-        raise RuntimeError(f"etcd found no free port in {self.ATTEMPTS} tries: {self.log_path.read_text()[-2000:]}")
+        try:
+            for _ in range(self.ATTEMPTS):
+                self._launch(binary, work)
+                if self._serving(timeout):
+                    return
+                self.client.close()
+            raise RuntimeError(f"etcd found no free port in {self.ATTEMPTS} tries: "
+                               f"{self.log_path.read_text()[-2000:]}")
+        except BaseException:          # a TimeoutError, Ctrl-C, ...: no etcd left without its owner
+            if hasattr(self, "popen"):
+                self.stop()
+            raise
 
     def _launch(self, binary: str, work: Path) -> None:
         from shardps.bench.common import free_port
