@@ -28,7 +28,7 @@ from shardps import kernels
 from shardps.errors import InvalidArgument
 from shardps.tables import Initializer, OptimizerConfig, normal
 from shardps.worker.client import PSClient
-from shardps.worker.row_cache import CachePlan, RowCache
+from shardps.worker.row_cache import CachePlan, RowCache, wanted_ids
 
 log = logging.getLogger("shardps.worker")
 
@@ -103,15 +103,17 @@ class PSRows(nn.Module):
         this table's own (``request_prefetch`` shares the model's pull instead)."""
         unique = self._plan(ids)
         assert self.client is not None and self.table is not None     # bound by PSModel
-        plan = self.cache_plan(unique, self.clock)
-        wanted = unique if plan is None else plan.misses
-        future = self.client.pull_rows_async(self.table, wanted, clock=self.clock)
+        plan = self.cache_plan(unique, self.clock + 1)         # the coming batch: the next step's
+        future = self.client.pull_rows_async(self.table, wanted_ids(unique, plan), clock=self.clock)
         self._prefetch = (unique, future if plan is None else _Completing(self, plan, future, self.clock))
 
     def cache_plan(self, ids: np.ndarray, use_step: int) -> CachePlan | None:
-        """Which of the distinct ``ids`` of a lookup at step ``use_step`` the cache serves
-        (None without a cache): pull ``plan.misses``, then ``complete`` the rows."""
-        return None if self.cache is None else self.cache.plan(ids, use_step, self.cache_tau)
+        """Which of the distinct ``ids`` of a lookup at step ``use_step`` the cache serves:
+        pull ``plan.misses``, then ``complete`` the rows. None (pull every id) without a
+        cache, and outside training (evaluation reads the servers' latest values)."""
+        if self.cache is None or not (self.training and torch.is_grad_enabled()):
+            return None
+        return self.cache.plan(ids, use_step, self.cache_tau)
 
     def complete(self, plan: CachePlan | None, pulled: np.ndarray, refreshed: int) -> np.ndarray:
         """The rows of a lookup: ``pulled`` alone without a cache plan, else the plan's cached
@@ -160,9 +162,8 @@ class PSRows(nn.Module):
                 rows_np = fut.result()
         if rows_np is None:
             plan = self.cache_plan(unique_np, self.clock)
-            wanted = unique_np if plan is None else plan.misses
-            rows_np = self.complete(plan, self.client.pull_rows(self.table, wanted, clock=self.clock),
-                                    self.clock)
+            rows_np = self.complete(plan, self.client.pull_rows(self.table, wanted_ids(unique_np, plan),
+                                                                clock=self.clock), self.clock)
         rows = torch.from_numpy(rows_np).to(ids.device)
         if self.training and torch.is_grad_enabled():
             rows.requires_grad_(True)
@@ -195,28 +196,29 @@ class PSRows(nn.Module):
 
 def bind_caches(modules, client: PSClient, cache_bytes: int, staleness: int, lookahead: int = 1) -> None:
     """Give each module without one its ``RowCache`` (its own ``cache_bytes``, else
-    ``cache_bytes``), bounded by the job's consistency: an SSP job's staleness bound, an ASYNC
-    job's ``staleness``; none in SYNC jobs, where any step may change any row (their results
-    stay those of one large batch). ``lookahead``: a row pulled ahead is that many steps old
-    less one when read, so the bound must allow it."""
+    ``cache_bytes``) read up to ``staleness`` steps old, in ASYNC jobs only: in SYNC jobs any
+    step may change any row (their results stay those of one large batch), and in SSP jobs a
+    cached row would add its age to the staleness the job's bound already allows.
+    ``lookahead``: a row pulled ahead is that many steps old less one when read (at least
+    one, for a lookup's own prefetch), so the bound must allow it."""
     from shardps.tables import Consistency
     wanted = [m for m in modules if m.cache is None
               and (m.cache_bytes if m.cache_bytes is not None else cache_bytes) > 0]
     if not wanted:
         return
-    group = client.shard_map.groups.get(client.job) or client.refresh_map().groups.get(client.job)
-    mode = group.consistency if group is not None else Consistency.ASYNC
-    if mode is Consistency.SYNC:
-        log.info("job %s is SYNC: embedding rows are read from the servers every step (no cache)", client.job)
+    group = client.group()
+    if group is not None and group.consistency is not Consistency.ASYNC:
+        log.info("job %s is %s: embedding rows are read from the servers every step (the cache is for "
+                 "ASYNC jobs)", client.job, group.consistency.name)
         return
-    tau = group.staleness if group is not None and mode is Consistency.SSP else staleness
-    if isinstance(tau, bool) or not isinstance(tau, int) or tau < max(0, lookahead - 1):
-        raise InvalidArgument(f"cache_staleness={staleness!r}: must be an integer >= {max(0, lookahead - 1)} "
-                              f"(rows pulled {lookahead} steps ahead are {lookahead - 1} step(s) old when read)")
+    least = max(1, lookahead - 1)
+    if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < least:
+        raise InvalidArgument(f"cache_staleness={staleness!r}: must be an integer >= {least} (a row pulled "
+                              f"ahead of its step is {least} step(s) old when read)")
     for m in wanted:
         m.cache = RowCache(m.embedding_dim, m.cache_bytes if m.cache_bytes is not None else cache_bytes,
                            m.num_embeddings)
-        m.cache_tau = tau
+        m.cache_tau = staleness
         client.metrics.caches.add(client.job, m.table, m.cache)
 
 

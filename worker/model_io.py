@@ -126,25 +126,27 @@ class ModelIO:
                 continue
             if not isinstance(value, torch.Tensor):
                 raise InvalidArgument(f"load_state_dict: {key!r} is a {type(value).__name__}, not a tensor")
-            array = value.detach().to("cpu", torch.float32).contiguous().numpy() if value.is_floating_point() else None
             if key in weights:
                 emb = weights[key]
-                if array is None or array.shape != (emb.num_embeddings, emb.embedding_dim):
+                if not value.is_floating_point() or tuple(value.shape) != (emb.num_embeddings, emb.embedding_dim):
                     raise InvalidArgument(f"load_state_dict: {key!r} has shape {tuple(value.shape)} "
                                           f"({value.dtype}); the table holds "
                                           f"({emb.num_embeddings}, {emb.embedding_dim}) float rows")
                 tables[f"{emb.table}.ids"] = np.arange(emb.num_embeddings, dtype=np.int64)
-                tables[f"{emb.table}.rows"] = array
-            elif key in self.dense:
-                if array is None:
-                    raise InvalidArgument(f"load_state_dict: {key!r} is {value.dtype}, not floating point")
-                tables[key] = array
+                tables[f"{emb.table}.rows"] = _float32(value)
             else:
-                local[key] = value
+                if key in self.dense:
+                    if not value.is_floating_point():
+                        raise InvalidArgument(f"load_state_dict: {key!r} is {value.dtype}, not floating point")
+                    tables[key] = _float32(value)
+                local[key] = value       # dense parameters too: the module holds their copy
+        try:                             # the module first: a shape it refuses writes no table
+            self.module.load_state_dict(local, strict=False)
+        except RuntimeError as exc:
+            raise InvalidArgument(f"load_state_dict: {exc}") from None
         self.flush()
         self.client.load_state_dict(tables)
         self.forget_pulled()
-        self.module.load_state_dict({**local, **{k: state[k] for k in self.dense if k in state}}, strict=False)
         return IncompatibleKeys(missing, unexpected)
 
     def set_lr(self, lr_of: Callable[[float], float]) -> None:
@@ -172,7 +174,6 @@ class ModelIO:
         periodic = every > 0 and self.step > 0 and self.step % every == 0 and self.step != self._handled_checkpoint[1]
         if not (asked or periodic):
             return None
-        self.flush()
         path = self.client.checkpoint_barrier(self.step, worker_state_bytes(self.module, self, epoch, batch),
                                               request if asked else "", timeout)
         self._handled_checkpoint = (request if asked else self._handled_checkpoint[0], self.step)
@@ -191,6 +192,10 @@ class ModelIO:
         except NotFound:
             return None
         return load_worker_state(raw, self.module, self)
+
+
+def _float32(value: torch.Tensor) -> np.ndarray:
+    return value.detach().to("cpu", torch.float32).contiguous().numpy()
 
 
 def _weight_key(name: str) -> str:

@@ -20,15 +20,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from shardps.metrics import STALENESS_BUCKETS
 from shardps.tables import splitmix64
 
-# bookkeeping per cached row beside its values: id, refreshed step, last use (8 bytes each)
-ROW_OVERHEAD_BYTES = 24
+# bookkeeping per cached row beside its values: id, refreshed step, last use, sketch bucket
+ROW_OVERHEAD_BYTES = 32
 # a bounded table of at most this many rows gets a direct id -> slot map (4 bytes per row)
 DIRECT_MAP_MAX_ROWS = 1 << 25
 SKETCH_SIZE = 1 << 18
-# staleness histogram: ages 0..MAX_AGE_BUCKET, the last bucket holding every older one
-MAX_AGE_BUCKET = 64
+# staleness histogram: ages 0..MAX_AGE_BUCKET - 1 counted each, the last slot every older one
+# (one past the metric's last bucket, so that older reads reach only its +Inf bucket)
+MAX_AGE_BUCKET = STALENESS_BUCKETS[-1] + 1
+
+
+def wanted_ids(ids: np.ndarray, plan: "CachePlan | None") -> np.ndarray:
+    """The ids of a lookup that its pull fetches: all of them, or its cache plan's misses."""
+    return ids if plan is None else plan.misses
 
 
 @dataclass
@@ -41,15 +48,16 @@ class CachePlan:
     hit: np.ndarray                  # bool per id
     hit_rows: np.ndarray             # [hits, dim]
     use_step: int
-
-    @property
-    def misses(self) -> np.ndarray:
-        return self.ids[~self.hit]
+    misses: np.ndarray               # ids[~hit]
 
 
 class RowCache:
-    """See the module docstring. ``budget_bytes`` bounds the cached rows' values and
-    bookkeeping; ``num_rows`` (0: unbounded ids) picks the id index."""
+    """See the module docstring. ``budget_bytes`` bounds the cached rows' values and their
+    bookkeeping (``nbytes``); besides, the id index takes 4 bytes per row of a bounded table
+    (``num_rows``; 0: unbounded ids, a dict) and the frequency sketch 1 MiB.
+
+    Cached rows fill slots ``[0, size)``: a row is only ever replaced (evicted for another),
+    never removed alone, so the free slots are ``[size, capacity)``."""
 
     def __init__(self, dim: int, budget_bytes: int, num_rows: int = 0, admit_after: int = 2):
         self.dim = dim
@@ -59,24 +67,21 @@ class RowCache:
         self.ids = np.full(self.capacity, -1, np.int64)
         self.refreshed = np.zeros(self.capacity, np.int64)
         self.used_at = np.zeros(self.capacity, np.int64)
-        self.free = np.arange(self.capacity - 1, -1, -1, dtype=np.int64)   # a stack: pop from the end
-        self.n_free = self.capacity
+        self.bucket = np.zeros(self.capacity, np.int64)      # each cached row's sketch bucket
+        self.size = 0
         self._direct = np.full(num_rows, -1, np.int32) if 0 < num_rows <= DIRECT_MAP_MAX_ROWS else None
         self._index: dict[int, int] = {}
         self.sketch = np.zeros(SKETCH_SIZE, np.uint32)
         self._counted = 0
-        # what was read: lookups, hits, and the age of every row read (misses are age 0
-        # relative to their own pull)
+        # what was read: lookups, hits, and the age of every row read (a pulled row: the
+        # steps it was pulled ahead of its use)
         self.lookups = 0
         self.hits = 0
         self.ages = np.zeros(MAX_AGE_BUCKET + 1, np.int64)
         self.max_age = 0
 
-    @property
-    def size(self) -> int:
-        return self.capacity - self.n_free
-
     def nbytes(self) -> int:
+        """Bytes the cached rows' values and bookkeeping take (what ``budget_bytes`` bounds)."""
         return self.capacity * (self.dim * 4 + ROW_OVERHEAD_BYTES)
 
     # ------------------------------------------------------------------ index
@@ -105,11 +110,6 @@ class RowCache:
     def _buckets(self, ids: np.ndarray) -> np.ndarray:
         return (splitmix64(ids.astype(np.uint64)) % np.uint64(SKETCH_SIZE)).astype(np.int64)
 
-    def frequency(self, ids: np.ndarray) -> np.ndarray:
-        """About how often ``ids`` were looked up lately (a sketch: ids sharing a bucket
-        share its count)."""
-        return self.sketch[self._buckets(ids)].astype(np.int64)
-
     # ------------------------------------------------------------------ a lookup
     def plan(self, ids: np.ndarray, use_step: int, tau: int) -> CachePlan:
         """Split the distinct ``ids`` of a lookup at step ``use_step`` into cached rows at
@@ -124,7 +124,7 @@ class RowCache:
                 self.sketch >>= 1
                 self._counted = 0
         if self.capacity == 0 or not ids.shape[0]:
-            return CachePlan(ids, np.zeros(ids.shape[0], bool), np.empty((0, self.dim), np.float32), use_step)
+            return CachePlan(ids, np.zeros(ids.shape[0], bool), np.empty((0, self.dim), np.float32), use_step, ids)
         slots = self._slots(ids)
         hit = slots >= 0
         ages = use_step - self.refreshed[slots[hit]]
@@ -137,7 +137,7 @@ class RowCache:
         if ages.shape[0]:
             self.ages += np.bincount(np.minimum(ages, MAX_AGE_BUCKET), minlength=MAX_AGE_BUCKET + 1)
             self.max_age = max(self.max_age, int(ages.max()))
-        return CachePlan(ids, hit, self.values[taken], use_step)
+        return CachePlan(ids, hit, self.values[taken], use_step, ids[~hit])
 
     def complete(self, plan: CachePlan, pulled: np.ndarray, refreshed: int) -> np.ndarray:
         """The rows of ``plan.ids``: its cached rows and the ``pulled`` rows of its misses
@@ -171,60 +171,50 @@ class RowCache:
             self.values[s] = rows[cached][keep]
             self.refreshed[s] = refreshed
         new = np.flatnonzero(~cached)
+        room = self.capacity - self.size
+        if new.shape[0] > room:                   # full: the frequent displace the rare
+            buckets = self._buckets(ids[new])
+            freq = self.sketch[buckets].astype(np.int64)
+            wanted = freq >= self.admit_after
+            order = np.argsort(-freq[wanted], kind="stable")         # most frequent first
+            new, freq = new[wanted][order], freq[wanted][order]
+            evicted = self._evict_for(freq[room:])
+            new = new[:room + evicted.shape[0]]
+        else:
+            evicted = np.empty(0, np.int64)
         if not new.shape[0]:
             return
-        if new.shape[0] <= self.n_free:            # room for all: no admission decision to make
-            got = self.free[self.n_free - new.shape[0]:self.n_free][::-1].copy()
-            self.n_free -= new.shape[0]
-            self._admit(ids[new], rows[new], got, refreshed)
-            return
-        freq = self.frequency(ids[new])
-        wanted = freq >= self.admit_after
-        new, freq = new[wanted], freq[wanted]
-        if not new.shape[0]:
-            return
-        order = np.argsort(-freq, kind="stable")                   # most frequent first
-        new, freq = new[order], freq[order]
-        take = min(self.n_free, new.shape[0])
-        got = self.free[self.n_free - take:self.n_free][::-1].copy()
-        self.n_free -= take
-        rest = new.shape[0] - take
-        if rest and self.size:
-            got = np.concatenate([got, self._evict_for(freq[take:])])
-        new = new[:got.shape[0]]
-        self._admit(ids[new], rows[new], got, refreshed)
-
-    def _evict_for(self, freq: np.ndarray) -> np.ndarray:
-        """Free slots for candidates seen ``freq`` times (descending): each replaces the
-        coldest cached row seen at most as often. Returns the freed slots, in order."""
-        held = np.flatnonzero(self.ids >= 0)
-        k = min(freq.shape[0], held.shape[0])
-        held_freq = self.frequency(self.ids[held])
-        # the coldest k: fewest lookups, then least recently used
-        score = held_freq * (1 << 40) + self.used_at[held]
-        coldest = held[np.argpartition(score, k - 1)[:k]] if k < held.shape[0] else held
-        coldest = coldest[np.argsort(self.frequency(self.ids[coldest]) * (1 << 40) + self.used_at[coldest],
-                                     kind="stable")][:k]
-        beaten = self.frequency(self.ids[coldest]) <= freq[:k]
-        victims = coldest[beaten[:coldest.shape[0]]]
-        self._clear_slots(self.ids[victims])
-        self.ids[victims] = -1
-        return victims
-
-    def _admit(self, ids: np.ndarray, rows: np.ndarray, slots: np.ndarray, refreshed: int) -> None:
-        self.ids[slots] = ids
-        self.values[slots] = rows
+        fresh = new.shape[0] - evicted.shape[0]          # into free slots, the rest replace
+        slots = np.concatenate([np.arange(self.size, self.size + fresh), evicted])
+        self.size += fresh
+        chosen = ids[new]
+        self.ids[slots] = chosen
+        self.values[slots] = rows[new]
         self.refreshed[slots] = refreshed
         self.used_at[slots] = refreshed
-        self._set_slots(ids, slots)
+        self.bucket[slots] = self._buckets(chosen)
+        self._set_slots(chosen, slots)
+
+    def _evict_for(self, freq: np.ndarray) -> np.ndarray:
+        """Slots of cached rows that candidates seen ``freq`` times (descending) replace:
+        each the coldest cached row (fewest lookups, then least recently used) seen at most as
+        often as its candidate. Their ids leave the index."""
+        k = min(freq.shape[0], self.size)
+        if k == 0:
+            return np.empty(0, np.int64)
+        held_freq = self.sketch[self.bucket[:self.size]].astype(np.int64)
+        score = held_freq * (1 << 40) + self.used_at[:self.size]
+        coldest = np.argpartition(score, k - 1)[:k] if k < self.size else np.arange(self.size)
+        coldest = coldest[np.argsort(score[coldest], kind="stable")]
+        victims = coldest[held_freq[coldest] <= freq[:k]]     # a prefix: both sides are sorted
+        self._clear_slots(self.ids[victims])
+        return victims
 
     def clear(self) -> None:
         """Forget every cached row (the tables were written: ``load_state_dict``, a restore)."""
-        held = self.ids >= 0
-        self._clear_slots(self.ids[held])
-        self.ids[:] = -1
-        self.free = np.arange(self.capacity - 1, -1, -1, dtype=np.int64)
-        self.n_free = self.capacity
+        self._clear_slots(self.ids[:self.size])
+        self.ids[:self.size] = -1
+        self.size = 0
 
     def summary(self) -> dict:
         """Hit rate, the oldest row read, and how many rows are held."""

@@ -58,9 +58,8 @@ def add_training_flags(fs) -> None:
     fs.add("--shared-memory", True, "same-host bulk bytes through /dev/shm (false: every byte over gRPC)")
     fs.add("--cache-bytes", 0, "keep each embedding table's hot rows on the worker, up to this many bytes per "
            "table, and read them without a pull while they are at most --cache-staleness steps old "
-           "(0: no cache; SYNC jobs never read from it)")
-    fs.add("--cache-staleness", 8, "ASYNC jobs: the most steps a cached row is read after it was pulled "
-           "(SSP jobs use their --staleness)")
+           "(0: no cache; ASYNC jobs only: SYNC and SSP jobs read every row from the servers)")
+    fs.add("--cache-staleness", 8, "the most steps a cached row is read after it was pulled")
     fs.add("--checkpoint-every", 0, "join a checkpoint every this many steps (0: only on demand)")
     fs.add("--ready-file", "", "write a JSON line (name, rank, metrics address, pid) here once joined")
 
@@ -133,7 +132,7 @@ def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=Fals
     n = x.shape[0]
     epochs = args.epochs or task.epochs
     bs = args.batch_size or task.batch_size
-    group = client.shard_map.groups.get(client.job)
+    group = client.group()
     mode = group.consistency if group else Consistency.ASYNC
     embeddings = [m for m in task.model.modules() if isinstance(m, PSEmbedding)]
     started = time.perf_counter()

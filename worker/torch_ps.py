@@ -22,8 +22,8 @@
   gradient in one ``push_many`` (with ``overlap``, both become one exchange). A lookup of ids
   that were not announced pulls them itself, in a call of its own.
 * ``cache_bytes``: each embedding keeps its hot rows on the worker (``RowCache``) and reads
-  them without a pull while they are at most ``cache_staleness`` steps old (ASYNC; an SSP
-  job's own bound; never in SYNC jobs); every gradient is still pushed.
+  them without a pull while they are at most ``cache_staleness`` steps old, in ASYNC jobs
+  (SYNC and SSP jobs read every row from the servers); every gradient is still pushed.
 * The optimizer runs on the servers, chosen per table (``optimizers={"fc1.weight": sgd(...)}``).
 * Parameters whose names start with a prefix in ``local`` stay on the worker and are trained by
   ``local_optimizer`` (a torch optimizer you pass); buffers (batch-norm running statistics)
@@ -53,18 +53,13 @@ from shardps.worker.embedding_bag import KeyedJaggedTensor, PSEmbeddingBagCollec
 from shardps.worker.embeddings import PSEmbedding, PSEmbeddingBag, PSRows, bind_caches
 from shardps.worker.lookups import LookupPlanner
 from shardps.worker.model_io import ModelIO
-from shardps.worker.row_cache import CachePlan
+from shardps.worker.row_cache import wanted_ids
 
 __all__ = ["PSModel", "PSLambdaLR", "PSEmbedding", "PSEmbeddingBag", "PSEmbeddingBagCollection",
-           "KeyedJaggedTensor", "default_device"]
+           "KeyedJaggedTensor"]
 
 
 MAX_LOOKAHEAD = 4
-
-
-def default_device() -> torch.device:
-    """CUDA when present, else CPU."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: the servers' values
@@ -102,7 +97,7 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
                 self.collections.append(mod)
         self.dense: dict[str, nn.Parameter] = {}
         for name, p in module.named_parameters():
-            if self._is_local(name):
+            if _under(name, self.local):
                 continue
             self.dense[name] = p
         self.step = 0
@@ -129,12 +124,18 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
             module.register_forward_pre_hook(self._before_forward, with_kwargs=True)
             module.register_forward_hook(self._after_forward, with_kwargs=True)
 
+    # written every step: set directly, past nn.Module.__setattr__'s checks (as PSRows does)
+    _PLAIN = frozenset({"step", "_deferred_pull", "_held", "_pending_push"})
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in PSModel._PLAIN:
+            self.__dict__[name] = value
+        else:
+            super().__setattr__(name, value)
+
     def forward(self, *args, **kwargs):
         """The wrapped module's forward."""
         return self.module(*args, **kwargs)
-
-    def _is_local(self, name: str) -> bool:
-        return any(name == p or name.startswith(p.rstrip(".") + ".") for p in self.local)
 
     def table_optimizer(self, table: str) -> OptimizerConfig:
         return self.optimizers.get(table, self.optimizer)
@@ -191,7 +192,7 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         self.lookups.begin(args, kwargs)
         if self._deferred_pull:
             for emb, ids in self.lookups.predict():
-                if emb._wanted is None:            # type: ignore[attr-defined]
+                if emb._wanted is None and emb._prefetch is None:   # type: ignore[attr-defined]
                     emb.request_prefetch(ids)      # type: ignore[attr-defined]
             self._pull_now()
 
@@ -211,7 +212,7 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
             res = future.result()[1]                             # (push, pull) of an exchange
             for (emb, ids, plan, refreshed), rows in zip(carried, res.values[len(names):]):
                 emb._provide(ids, emb.complete(plan, rows, refreshed))
-            self._load_dense(names, res.values)
+            _load_dense(self.dense, names, res.values)
             names = []                                           # loaded from the exchange
             waited = res.waited_seconds
         else:
@@ -228,25 +229,19 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
             # with it, applied first (one round trip per server)
             self.flush()
             self._set_clock(self.step)
-            pulls = [(n,) for n in names] + [(emb.table, _to_pull(ids, plan)) for emb, ids, plan, _ in wanted]
+            pulls = [(n,) for n in names] + [(emb.table, wanted_ids(ids, plan)) for emb, ids, plan, _ in wanted]
             res = (self.client.exchange_async(held[0], pulls, clock=held[1], report_step=self.report_steps
                                               ).result()[1] if held is not None
                    else self.client.pull_many(pulls, clock=self.step))
             for (emb, ids, plan, refreshed), rows in zip(wanted, res.values[len(names):]):
                 emb._provide(ids, emb.complete(plan, rows, refreshed))
-            self._load_dense(names, res.values)
+            _load_dense(self.dense, names, res.values)
             waited = max(waited, res.waited_seconds)
         elif held is not None:
             self.client.push_many(held[0], clock=held[1], report_step=self.report_steps)
         waited = min(waited, time.perf_counter() - started)
         self.timings["barrier_wait"] += waited        # SYNC / SSP: waiting for stragglers
         self.timings["pull_wait"] += time.perf_counter() - started - waited
-
-    def _load_dense(self, names: list[str], values: list) -> None:
-        with torch.no_grad():
-            for name, v in zip(names, values[:len(names)]):
-                p = self.dense[name]
-                p.copy_(torch.from_numpy(np.asarray(v)).reshape(p.shape))
 
     def push(self) -> PushResult | None:
         """Send the gradients of this step (dense parameters, and the rows each embedding
@@ -292,7 +287,7 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
                       for emb in self.embeddings.values() if emb._wanted is not None]
             for emb, *_ in wanted:
                 emb._wanted = None
-            requests_next = [(n,) for n in self.dense] + [(emb.table, _to_pull(ids, plan))
+            requests_next = [(n,) for n in self.dense] + [(emb.table, wanted_ids(ids, plan))
                                                           for emb, ids, plan, _ in wanted]
             if requests_next:
                 self._set_clock(self.step + 1)
@@ -336,9 +331,7 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         default (``report_steps=None``) follows the job's consistency mode."""
         if self._report_steps is None:
             from shardps.tables import Consistency
-            group = self.client.shard_map.groups.get(self.client.job)
-            if group is None:
-                group = self.client.refresh_map().groups.get(self.client.job)
+            group = self.client.group()
             self._report_steps = group is not None and group.consistency is not Consistency.ASYNC
         return self._report_steps
 
@@ -365,9 +358,17 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         self._pull_now()
 
 
-def _to_pull(ids: np.ndarray, plan: CachePlan | None) -> np.ndarray:
-    """The ids of a lookup that a pull fetches: all, or the misses of its cache plan."""
-    return ids if plan is None else plan.misses
+def _under(name: str, prefixes: Sequence[str]) -> bool:
+    """Whether parameter ``name`` lies under one of the module paths ``prefixes``."""
+    return any(name == p or name.startswith(p.rstrip(".") + ".") for p in prefixes)
+
+
+def _load_dense(dense: dict[str, nn.Parameter], names: list[str], values: list) -> None:
+    """Copy pulled values (``values[i]`` for ``names[i]``) into the dense parameters."""
+    with torch.no_grad():
+        for name, v in zip(names, values[:len(names)]):
+            p = dense[name]
+            p.copy_(torch.from_numpy(np.asarray(v)).reshape(p.shape))
 
 
 class PSLambdaLR:
