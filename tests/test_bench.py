@@ -16,7 +16,7 @@ from shardps.bench.config import PRESETS, TINY
 from shardps.bench.report import REQUIRED_KEYS, TARGETS, add_derived, table
 
 
-def test_presets_measure_what_the_issue_names():
+def test_quick_and_full_presets_measure_the_target_sizes():
     quick, full = PRESETS["quick"], PRESETS["full"]
     for cfg in (quick, full):
         assert cfg.dense_sizes_mib == (16, 64) and cfg.dense_servers == (1, 2)

@@ -17,6 +17,7 @@ from shardps.server.manager.checkpoint_files import read_checkpoint
 from shardps.tables import sgd
 from shardps.worker import local_state
 from shardps.worker.client import PSClient
+from shardps.worker.device import no_cuda_reason
 from shardps.worker.model_io import load_worker_state, worker_state_bytes
 from shardps.worker.torch_ps import PSModel
 
@@ -54,40 +55,62 @@ def test_on_demand_checkpoint_while_two_workers_train(tmp_path):
             assert p.popen.returncode == 0, p.log_path.read_text()[-2000:]
 
 
-def test_worker_state_survives_a_restore(make_cluster, client_factory, tmp_path):
+_NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
+                                 reason=f"needs a CUDA device: {no_cuda_reason() or 'torch sees none'}")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_NEEDS_CUDA)])
+def test_worker_state_survives_a_restore(make_cluster, client_factory, tmp_path, device):
+    """The worker's local state (batch-norm statistics on the model's device, the random
+    generator dropout draws from: the CPU's, or on a GPU the GPU's) survives a restore into a
+    fresh module on that device, and the restored tables reach it."""
+    dev = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
+
+    def rng_state() -> torch.Tensor:
+        return torch.cuda.get_rng_state(dev) if dev.type == "cuda" else torch.get_rng_state()
+
+    def make():
+        return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5), nn.Linear(4, 1)).to(dev)
+
     cluster = make_cluster(2)
     cluster.manager.service.checkpoints.default_dir = str(tmp_path)
-    c = client_factory(cluster.address, job="bn")
+    c = client_factory(cluster.address, job=f"bn-{device}")
     c.create_job()
     c.join(name="w0", heartbeat=False)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+    model = make()
     m = PSModel(model, c, optimizer=sgd(0.1))
     m.create_tables()
     for _ in range(5):
         m.pull()
-        model(torch.randn(16, 4) * 3 + 1).sum().backward()
+        model(torch.randn(16, 4, device=dev) * 3 + 1).sum().backward()
         m.push()
-    saved_bn = model[1].running_mean.clone()
+    saved_bn, saved_rng = model[1].running_mean.clone(), rng_state()
     values = c.state_dict()
     path = c.checkpoint_barrier(m.step, worker_state_bytes(model, m, epoch=2, batch=7))
-    for _ in range(3):                                   # training goes on after the checkpoint
+    for _ in range(3):                                   # training (and dropout) goes on after the checkpoint
         m.pull()
-        model(torch.randn(16, 4)).sum().backward()
+        model(torch.randn(16, 4, device=dev)).sum().backward()
         m.push()
+    assert not torch.equal(rng_state(), saved_rng)
     resp = c.restore(path)
     assert resp.step == 5 and resp.tables == 6      # BN weight and bias are parameters too
     for k, v in c.state_dict().items():
         np.testing.assert_array_equal(v, values[k], err_msg=f"{k} differs from the checkpoint")
-    again = client_factory(cluster.address, job="bn")
+    again = client_factory(cluster.address, job=f"bn-{device}")
     membership = again.join(name="w0", heartbeat=False)
     assert membership.restored and membership.rank == 0
-    fresh = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+    fresh = make()
     m2 = PSModel(fresh, again, optimizer=sgd(0.1))
     raw, step = again.worker_state()
     assert step == 5, "the step the checkpoint was cut at"
     assert load_worker_state(raw, fresh, m2) == (2, 7) and m2.step == 5
+    assert fresh[1].running_mean.device == dev
     assert torch.equal(fresh[1].running_mean, saved_bn)
+    assert torch.equal(rng_state(), saved_rng), f"the {device} generator is restored"
+    m2.pull()
+    for name, p in fresh.named_parameters():
+        np.testing.assert_array_equal(p.detach().cpu().numpy(), values[name], err_msg=name)
 
 
 class _WritesAMarker:

@@ -1,6 +1,7 @@
-"""shardps with CUDA models: ``shardps worker --device cuda``, ``PSModel``,
-``PSEmbeddingBagCollection`` and a checkpoint / restore on the GPU, and a CPU run and a CUDA
-run of one seed ending with the same parameters (to float tolerance).
+"""shardps with CUDA models: ``shardps worker --device cuda``, ``PSModel`` and
+``PSEmbeddingBagCollection`` on the GPU, and a CPU run and a CUDA run of one seed ending with
+the same parameters (to float tolerance). A checkpoint / restore of a worker training on the
+GPU: tests/test_checkpoint.py (``test_worker_state_survives_a_restore[cuda]``).
 
 Runs where torch sees a CUDA device and skips, saying why, everywhere else; the device
 choice itself is tested on every machine in tests/test_device.py.
@@ -22,7 +23,6 @@ from torch import nn
 from shardps.tables import adagrad, normal, sgd, uniform
 from shardps.worker.device import no_cuda_reason
 from shardps.worker.embedding_bag import EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
-from shardps.worker.model_io import load_worker_state, worker_state_bytes
 from shardps.worker.torch_ps import PSEmbedding, PSEmbeddingBagCollection, PSModel
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -33,24 +33,21 @@ GPU = torch.device("cuda", 0)
 CPU = torch.device("cpu")
 
 
+def ps_items() -> nn.Module:
+    return PSEmbedding(1_000, 8, optimizer=adagrad(lr=0.1), init=normal(0.0, 0.01, seed=1))
+
+
+def plain_items() -> nn.Module:
+    """``nn.Embedding``: the plain PyTorch model ``PSModel.state_dict`` loads into."""
+    return nn.Embedding(1_000, 8)
+
+
 class Recommender(nn.Module):
-    """The README's model, smaller."""
+    """The README's model, smaller, its table made by ``items`` (``ps_items`` or ``plain_items``)."""
 
-    def __init__(self):
+    def __init__(self, items=ps_items):
         super().__init__()
-        self.items = PSEmbedding(1_000, 8, optimizer=adagrad(lr=0.1), init=normal(0.0, 0.01, seed=1))
-        self.head = nn.Linear(8, 1)
-
-    def forward(self, ids):
-        return self.head(self.items(ids).mean(dim=1)).squeeze(1)
-
-
-class PlainRecommender(nn.Module):
-    """``Recommender`` with ``nn.Embedding``: what ``PSModel.state_dict`` loads into."""
-
-    def __init__(self):
-        super().__init__()
-        self.items = nn.Embedding(1_000, 8)
+        self.items = items()
         self.head = nn.Linear(8, 1)
 
     def forward(self, ids):
@@ -138,55 +135,12 @@ def test_the_state_dict_of_a_cuda_model_loads_into_plain_pytorch(make_cluster, c
     module, ps, _ = train(Recommender, recommender_batch, client, GPU, steps=3)
     state = ps.state_dict()
     assert state["items.weight"].shape == (1_000, 8)
-    plain = PlainRecommender().to(GPU)
+    plain = Recommender(plain_items).to(GPU)
     plain.load_state_dict(state)
     ids = recommender_batch()[0][:16].to(GPU)
     module.eval()
     with torch.no_grad():
         torch.testing.assert_close(plain(ids), ps(ids), rtol=1e-5, atol=1e-6)
-
-
-def test_checkpoint_and_restore_of_a_worker_training_on_the_gpu(make_cluster, client_factory, tmp_path):
-    """The worker's local state (batch-norm statistics on the GPU, the CPU's and the GPU's
-    random generators: dropout on the GPU draws from the latter) survives a restore into a
-    fresh CUDA module, and the restored tables reach it."""
-    cluster = make_cluster(2)
-    cluster.manager.service.checkpoints.default_dir = str(tmp_path)
-    c = client_factory(cluster.address, job="gpu-ck")
-    c.create_job()
-    c.join(name="w0", heartbeat=False)
-
-    def make():
-        return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5), nn.Linear(4, 1)).to(GPU)
-
-    torch.manual_seed(0)
-    model = make()
-    m = PSModel(model, c, optimizer=sgd(0.1))
-    m.create_tables()
-    for _ in range(5):
-        m.pull()
-        model(torch.randn(16, 4, device=GPU) * 3 + 1).sum().backward()
-        m.push()
-    saved_bn, saved_rng = model[1].running_mean.clone(), torch.cuda.get_rng_state(GPU)
-    values = c.state_dict()
-    path = c.checkpoint_barrier(m.step, worker_state_bytes(model, m, epoch=2, batch=7))
-    for _ in range(3):                                     # training (and dropout) goes on
-        m.pull()
-        model(torch.randn(16, 4, device=GPU)).sum().backward()
-        m.push()
-    assert not torch.equal(torch.cuda.get_rng_state(GPU), saved_rng)
-    assert c.restore(path).step == 5
-    again = client_factory(cluster.address, job="gpu-ck")
-    assert again.join(name="w0", heartbeat=False).restored
-    fresh = make()
-    m2 = PSModel(fresh, again, optimizer=sgd(0.1))
-    raw, step = again.worker_state()
-    assert step == 5 and load_worker_state(raw, fresh, m2) == (2, 7) and m2.step == 5
-    assert fresh[1].running_mean.device == GPU and torch.equal(fresh[1].running_mean, saved_bn)
-    assert torch.equal(torch.cuda.get_rng_state(GPU), saved_rng), "the GPU's generator is restored"
-    m2.pull()
-    for name, p in fresh.named_parameters():
-        np.testing.assert_array_equal(p.detach().cpu().numpy(), values[name], err_msg=name)
 
 
 @pytest.mark.slow          # a process (shardps worker)

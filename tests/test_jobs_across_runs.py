@@ -44,7 +44,8 @@ def test_a_table_whose_settings_were_changed_on_purpose_is_created_again_as_befo
         c.create_dense("w", (16,), optimizer=sgd(0.01))
 
 
-def test_the_creation_settings_survive_a_manager_restart(cluster, client_factory):
+def test_the_stored_manager_state_keeps_the_creation_settings_and_loads_state_without_them(cluster,
+                                                                                         client_factory):
     c = _client(cluster, client_factory, "persisted")
     c.create_dense("w", (16,), optimizer=sgd(0.1))
     c.update_config("w", lr=0.01)

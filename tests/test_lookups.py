@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from shardps.bench.many_tables import data_calls
 from shardps.tables import sgd
 from shardps.worker.lookups import LookupPlanner, Recipe
 from shardps.worker.torch_ps import PSEmbedding, PSModel
@@ -69,32 +70,32 @@ class _Wide(nn.Module):
         return self.head(torch.cat([t(c) for t, c in zip(self.tables, cols)], dim=1)).squeeze(1)
 
 
-def _train(cluster, client_factory, job: str, computed: bool, steps: int = 5, mode: str = "async"):
-    torch.manual_seed(0)
+def _joined(cluster, client_factory, job: str, computed: bool = False, mode: str = "async"):
+    """A joined client of a new job, and a PSModel of ``_Wide`` over it, tables created."""
     c = client_factory(cluster.address, job=job)
     c.create_job(mode)
     c.join(heartbeat=False)
-    model = PSModel(_Wide(computed), c, optimizer=sgd(0.1))
+    module = _Wide(computed)
+    model = PSModel(module, c, optimizer=sgd(0.1))
     model.create_tables()
+    return c, module, model
+
+
+def _train(cluster, client_factory, job: str, computed: bool, steps: int = 5, mode: str = "async"):
+    torch.manual_seed(0)
+    c, _, model = _joined(cluster, client_factory, job, computed, mode)
     rng = np.random.default_rng(1)
     calls = []
     for _ in range(steps):
         x = torch.from_numpy(rng.integers(0, ROWS, (BATCH, TABLES)))
-        before = _data_calls(c)
+        before = data_calls(c)
         model.pull()
         loss = model(x).square().mean()
         loss.backward()
         model.push()
-        calls.append(_data_calls(c) - before)
+        calls.append(data_calls(c) - before)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     return calls, state
-
-
-def _data_calls(client) -> float:
-    """The client's data calls so far (pushes, pulls, exchanges)."""
-    reg = client.metrics.registry
-    return sum(s.value for m in reg.collect() if m.name == "grpc_client_handled" for s in m.samples
-               if s.name.endswith("_total") and s.labels.get("grpc_method") in ("Push", "Pull", "Exchange"))
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
@@ -112,17 +113,6 @@ def test_the_plain_loop_is_one_call_per_server_and_reads_what_per_table_pulls_re
         assert torch.equal(state[k], reference[k]), k
 
 
-def _joined(cluster, client_factory, job: str):
-    """A joined client of a new job, and a PSModel of ``_Wide`` over it, tables created."""
-    c = client_factory(cluster.address, job=job)
-    c.create_job()
-    c.join(heartbeat=False)
-    module = _Wide()
-    model = PSModel(module, c, optimizer=sgd(0.1))
-    model.create_tables()
-    return c, module, model
-
-
 def test_leave_sends_the_push_the_model_holds(make_cluster, client_factory):
     c, module, model = _joined(make_cluster(2), client_factory, "held")
     x = torch.arange(BATCH * TABLES).reshape(BATCH, TABLES) % ROWS
@@ -138,7 +128,7 @@ def test_leave_sends_the_push_the_model_holds(make_cluster, client_factory):
 
 
 def test_a_pull_no_forward_took_is_completed_by_push(make_cluster, client_factory):
-    _, module, model = _joined(make_cluster(1), client_factory, "no-forward")
+    c, module, model = _joined(make_cluster(1), client_factory, "no-forward")
     x = torch.zeros((BATCH, TABLES), dtype=torch.int64)
     for _ in range(2):
         model.pull()
@@ -149,3 +139,4 @@ def test_a_pull_no_forward_took_is_completed_by_push(make_cluster, client_factor
     model.pull()                                      # deferred: the lookups are learned
     model.push()                                      # no forward: the pull is completed here
     assert float(module.head.bias.detach()) != 123.0
+    np.testing.assert_array_equal(module.head.bias.detach().numpy(), c.pull_dense("head.bias"))

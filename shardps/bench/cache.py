@@ -7,14 +7,12 @@ Both runs: ``e2e_workers`` ``shardps worker`` processes against ``e2e_servers`` 
 * ``cache_{on,off}_samples_per_s``, ``cache_{on,off}_auc``;
 * ``cache_{on,off}_pull_bytes_per_step``: every payload byte a worker pulled per step (the
   dense parameters, about 107 KB a ctr step, included) and
-  ``cache_{on,off}_row_pull_bytes_per_step``: the embedding rows and their ids alone;
+  ``cache_{on,off}_row_pull_bytes_per_step``: the embedding rows and their ids alone (the
+  client's count of sparse ids and rows pulled, ``TrainResult.sparse_bytes_pulled``);
 * ``cache_on_hit_rate`` (rows read from the cache over rows looked up),
   ``cache_on_max_staleness`` (the oldest row read, in steps) and ``cache_on_staleness_bound``;
 * ``ratio_cache_on_over_off_samples_per_s``, ``ratio_cache_row_pull_bytes_on_over_off``,
   ``cache_auc_gap_on_minus_off``.
-
-The same through ``shardps worker --device cuda`` needs a CUDA device: without one
-``cache_gpu_skipped`` is 1.
 """
 
 from __future__ import annotations
@@ -25,19 +23,16 @@ from shardps.bench import ps_runs
 from shardps.bench.common import ratio
 from shardps.bench.config import BenchConfig
 from shardps.bench.e2e import worker_args
-from shardps.worker.models.ctr import DIM
-
-ROW_BYTES = DIM * 4 + 8          # a pulled row and its id
 
 
 def _per_step(results: list[dict]) -> dict[str, float]:
-    """Bytes pulled per step (all, and embedding rows with ids) and the caches' figures."""
+    """Bytes pulled per step (all, and the sparse ids and rows alone, as the client counted
+    them) and the caches' figures."""
     steps = max(1, sum(r["steps"] for r in results))
     looked = sum(c["lookups"] for r in results for c in r.get("cache", {}).values())
     hits = sum(c["hits"] for r in results for c in r.get("cache", {}).values())
-    rows = looked - hits if looked else sum(r["unique_rows"] for r in results)
     return {"pull_bytes_per_step": sum(r["bytes_pulled"] for r in results) / steps,
-            "row_pull_bytes_per_step": rows * ROW_BYTES / steps,
+            "row_pull_bytes_per_step": sum(r["sparse_bytes_pulled"] for r in results) / steps,
             "hit_rate": hits / looked if looked else 0.0,
             "max_staleness": float(max((c["max_staleness"] for r in results for c in r.get("cache", {}).values()),
                                        default=0))}
@@ -45,7 +40,6 @@ def _per_step(results: list[dict]) -> dict[str, float]:
 
 def run(cfg: BenchConfig, progress) -> dict[str, float]:
     from shardps.local import LocalCluster
-    from shardps.worker.device import cuda_device_count
 
     n, rows, w = cfg.e2e_train_samples, cfg.e2e_rows, cfg.e2e_workers
     out: dict[str, float] = {"cache_on_staleness_bound": float(cfg.cache_staleness),
@@ -78,7 +72,4 @@ def run(cfg: BenchConfig, progress) -> dict[str, float]:
     out["ratio_cache_pull_bytes_on_over_off"] = ratio(out["cache_on_pull_bytes_per_step"],
                                                       out["cache_off_pull_bytes_per_step"])
     out["cache_auc_gap_on_minus_off"] = out["cache_on_auc"] - out["cache_off_auc"]
-    out["cache_gpu_skipped"] = float(cuda_device_count() == 0)
-    if cuda_device_count() == 0:
-        progress("cache on the GPU: skipped (no CUDA device); run it with --only cache where torch sees one")
     return out

@@ -149,6 +149,30 @@ def _child_main(target, args) -> None:
     target(*args)
 
 
+def spawn_for_result(target, args: tuple, timeout: float, what: str) -> dict:
+    """``target(*args)`` in a spawned child process (CUDA does not survive a fork), stopped
+    on return: the dict it returned. BenchError, naming ``what``, when it raised or gave
+    nothing within ``timeout`` seconds."""
+    with Children() as children:
+        queue = children.ctx.Queue()
+        children.spawn(_result_main, target, args, queue)
+        try:
+            res = queue.get(timeout=timeout)
+        except Exception:
+            raise BenchError(f"{what} gave no result in {timeout:.0f}s") from None
+    if "error" in res:
+        raise BenchError(f"{what}: {res['error']}")
+    return res
+
+
+def _result_main(target, args: tuple, queue) -> None:
+    try:
+        queue.put(target(*args))
+    except BaseException as exc:
+        queue.put({"error": f"{type(exc).__name__}: {exc}"})
+        raise
+
+
 def _alive(p) -> bool:
     return p.is_alive() if isinstance(p, mp.process.BaseProcess) else p.poll() is None
 

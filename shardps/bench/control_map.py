@@ -15,11 +15,11 @@ For each epoch, what the manager sends to every live server and every watching w
 * ``delta``: the changes since the previous epoch (``shardps.mapdelta.diff``) to each server,
   and each worker its own job's part of them (``changes_only_job``).
 
-Target (issue 19): ``delta`` <= 1 % of ``full``, for the death at 1,000 servers x 1,000
+Target: ``delta`` <= 1 % of ``full``, for the death at 1,000 servers x 1,000
 blocks each with 10,000 workers in 100 jobs. Also reported: a worker's whole map of its own
 job (what it is sent when it starts), and the seconds a diff of two whole maps takes.
 
-    python -m shardps.bench.control_map                      # the sizes of issue 19
+    python -m shardps.bench.control_map                      # the target's sizes (the defaults)
     python -m shardps.bench.control_map --servers 100 --workers 1000
 """
 

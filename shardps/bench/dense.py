@@ -12,8 +12,8 @@ Both systems have a same-host fast path, so each is measured twice:
 * ``ps_*``: shardps as a worker runs it (``PSClient`` default: bulk bytes through shared
   memory when client and server share a host, gRPC for control);
 * ``ps_tcp_*``: ``PSClient(shared_memory=False)``: every byte over gRPC/TCP, as between hosts;
-* ``rpc_*``: TensorPipe with ``_transports=["uv"]`` and its default channels: the configuration
-  the issue names. On one host TensorPipe then moves tensor payloads with its ``cma`` channel
+* ``rpc_*``: TensorPipe with ``_transports=["uv"]`` and its default channels: torch RPC as
+  it ships. On one host TensorPipe then moves tensor payloads with its ``cma`` channel
   (``process_vm_readv``, a copy between the two processes' memory; strace shows one call per
   push), only the control messages over TCP;
 * ``rpc_tcp_*``: ``_transports=["uv"], _channels=["basic"]``: tensors over the TCP connection.

@@ -29,39 +29,29 @@ from __future__ import annotations
 import time
 
 from shardps.bench import ddp, many_tables, ps_runs
-from shardps.bench.common import BenchError, Children, ratio, self_peak_rss_kb
+from shardps.bench.common import ratio, self_peak_rss_kb, spawn_for_result
 from shardps.bench.config import BenchConfig
 
 
-def worker_args(mode: str, rows: int, train_samples: int, steps: int = 0) -> list[str]:
+def worker_args(mode: str, rows: int, train_samples: int, steps: int = 0, device: str = "cpu") -> list[str]:
+    """``shardps worker`` arguments of the ctr run; on the CPU unless ``device`` says otherwise
+    (CPU against CPU baselines; the gpu part passes ``cuda``)."""
     args = ["--model", "ctr", "--mode", mode, "--ctr-rows", str(rows), "--train-samples", str(train_samples),
-            "--torch-threads", "1", "--device", "cpu"]      # CPU against CPU baselines (the gpu part: cuda)
+            "--torch-threads", "1", "--device", device]
     return args + (["--steps", str(steps)] if steps else [])
 
 
-def _single_main(rows: int, train_samples: int, queue) -> None:
-    try:
-        from shardps.cli import build_parser
-        from shardps.worker.runtime import train_single_process
-        args = build_parser().parse_args(["worker"] + worker_args("async", rows, train_samples))
-        res = train_single_process(args)
-        queue.put({"samples": res.samples, "wall_seconds": res.wall_seconds, "auc": res.metrics["test_auc"],
-                   "peak_rss_kb": self_peak_rss_kb()})
-    except BaseException as exc:
-        queue.put({"error": f"{type(exc).__name__}: {exc}"})
-        raise
+def _single(rows: int, train_samples: int) -> dict:
+    from shardps.cli import build_parser
+    from shardps.worker.runtime import train_single_process
+    res = train_single_process(build_parser().parse_args(["worker"] + worker_args("async", rows, train_samples)))
+    return {"samples": res.samples, "wall_seconds": res.wall_seconds, "auc": res.metrics["test_auc"],
+            "peak_rss_kb": self_peak_rss_kb()}
 
 
 def run_single(rows: int, train_samples: int, timeout: float) -> dict:
-    with Children() as children:
-        queue = children.ctx.Queue()
-        children.spawn(_single_main, rows, train_samples, queue)
-        try:
-            res = queue.get(timeout=timeout)
-        except Exception:
-            raise BenchError(f"the single-process baseline gave no result in {timeout:.0f}s") from None
-    if "error" in res:
-        raise BenchError(f"single process: {res['error']}")
+    """The one-process baseline on the CPU, in a spawned child."""
+    res = spawn_for_result(_single, (rows, train_samples), timeout, "the single-process baseline")
     return {"samples_per_s": res["samples"] / res["wall_seconds"], "auc": res["auc"],
             "rank0_peak_rss_mb": res["peak_rss_kb"] / 1024.0}
 

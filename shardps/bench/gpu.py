@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 
 from shardps.bench import ps_runs
-from shardps.bench.common import BenchError, Children, ratio
+from shardps.bench.common import BenchError, ratio, spawn_for_result
 from shardps.bench.config import BenchConfig
 from shardps.bench.e2e import worker_args
 
@@ -39,32 +39,20 @@ WAITS = ("pull_wait", "push_wait", "barrier_wait")
 
 def gpu_args(rows: int, samples: int, batch: int) -> list[str]:
     """``shardps worker`` arguments of one run: ``e2e``'s ctr run at ``batch``, on the GPU."""
-    return worker_args("async", rows, samples) + ["--batch-size", str(batch), "--device", "cuda"]
+    return worker_args("async", rows, samples, device="cuda") + ["--batch-size", str(batch)]
 
 
-def _single_main(argv: list[str], queue) -> None:
-    try:
-        from shardps.cli import build_parser
-        from shardps.worker.runtime import train_single_process
-        res = train_single_process(build_parser().parse_args(["worker"] + argv))
-        queue.put({"samples": res.samples, "wall_seconds": res.wall_seconds, "auc": res.metrics["test_auc"],
-                   "device": res.device})
-    except BaseException as exc:
-        queue.put({"error": f"{type(exc).__name__}: {exc}"})
-        raise
+def _single(argv: list[str]) -> dict:
+    from shardps.cli import build_parser
+    from shardps.worker.runtime import train_single_process
+    res = train_single_process(build_parser().parse_args(["worker"] + argv))
+    return {"samples": res.samples, "wall_seconds": res.wall_seconds, "auc": res.metrics["test_auc"],
+            "device": res.device}
 
 
 def run_single(argv: list[str], timeout: float) -> dict:
     """One process training on the GPU (a spawned child: CUDA does not survive a fork)."""
-    with Children() as children:
-        queue = children.ctx.Queue()
-        children.spawn(_single_main, argv, queue)
-        try:
-            res = queue.get(timeout=timeout)
-        except Exception:
-            raise BenchError(f"the one-process GPU run gave no result in {timeout:.0f}s") from None
-    if "error" in res:
-        raise BenchError(f"one GPU process: {res['error']}")
+    res = spawn_for_result(_single, (argv,), timeout, "the one-process GPU run")
     if not res["device"].startswith("cuda"):
         raise BenchError(f"the one-process GPU run trained on {res['device']}, not a GPU")
     return {"samples_per_s": res["samples"] / res["wall_seconds"], "auc": res["auc"]}

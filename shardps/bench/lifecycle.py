@@ -1,5 +1,5 @@
 """``lifecycle``: the ctr model on an id stream whose tail never repeats, with and without a
-memory budget on its embedding table (issue 18, docs/memory-budget.md).
+memory budget on its embedding table (docs/memory-budget.md).
 
 Data: 26 features, each value ``v = min(Zipf(1.1), 100,000,000)`` hashed with its feature
 into a ``100,000,000 x 16`` table (``id = splitmix64(f * 2^32 + v) % 10^8``): most values

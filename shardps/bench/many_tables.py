@@ -3,11 +3,11 @@
 ``model(x)``, ``backward``, ``model.push()``), one worker (this process) and two servers,
 against the same model in one process (``nn.Embedding(sparse=True)``).
 
-Model: ``many_tables_fields`` fields, each a Zipf(1.1) id over ``many_tables_rows`` rows into
-its own 8-wide table (Adagrad 0.05: on the servers, or ``torch.optim.Adagrad`` over sparse
-gradients in one process), concatenated into an MLP
-(fields x 8 - 64 - 1, Adam 2e-3), batch 256, labels from a fixed random logistic model of the
-ids. One torch thread.
+Model: ``FIELDS`` (12) fields, each a Zipf(1.1) id over ``ROWS`` (100,000) rows into its own
+``DIM``-wide (8) table (Adagrad 0.05: on the servers, or ``torch.optim.Adagrad`` over sparse
+gradients in one process), concatenated into an MLP (``FIELDS`` x ``DIM`` - 64 - 1, Adam 2e-3),
+batch ``BATCH`` (256), labels from a fixed random logistic model of the ids. One torch thread;
+``many_tables_steps`` steps of the configuration after the warm-up.
 
 Keys: ``e2e_many_tables_{ps,single}_samples_per_s`` (the loop's samples over its wall time,
 after the first ``WARMUP`` steps, the final ``flush`` included),
@@ -60,7 +60,8 @@ def _model(fields: int, rows: int, make_table, computed_ids: bool = False):
     return WideDeep()
 
 
-def _calls(client) -> float:
+def data_calls(client) -> float:
+    """The data calls (Push, Pull, Exchange) ``client`` has made so far, from its gRPC metrics."""
     return sum(s.value for m in client.metrics.registry.collect() if m.name == "grpc_client_handled"
                for s in m.samples if s.name.endswith("_total")
                and s.labels.get("grpc_method") in ("Push", "Pull", "Exchange"))
@@ -88,11 +89,11 @@ def run_ps(ids: np.ndarray, labels: np.ndarray, fields: int, rows: int,
         xs, ys = torch.from_numpy(ids), torch.from_numpy(labels)
         for step in range(len(xs)):
             if step == WARMUP:
-                calls0, t0 = _calls(client), time.perf_counter()
+                calls0, t0 = data_calls(client), time.perf_counter()
             model.pull()
             F.binary_cross_entropy_with_logits(model(xs[step]), ys[step]).backward()
             model.push()
-        calls = _calls(client) - calls0          # the steps' calls (not the flush after them)
+        calls = data_calls(client) - calls0          # the steps' calls (not the flush after them)
         model.flush()
         wall = time.perf_counter() - t0
         steps = len(xs) - WARMUP

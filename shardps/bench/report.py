@@ -18,7 +18,8 @@ REQUIRED_KEYS = (
     "e2e_ps_async_server_share_optimizer", "e2e_ps_async_server_share_encode", "e2e_ps_async_server_share_idle",
     "control_map_bytes_full", "control_map_bytes_delta",
     "cache_on_samples_per_s", "cache_off_samples_per_s", "cache_on_auc", "cache_off_auc",
-    "cache_on_pull_bytes_per_step", "cache_off_pull_bytes_per_step", "cache_on_hit_rate", "cache_on_max_staleness",
+    "cache_on_pull_bytes_per_step", "cache_off_pull_bytes_per_step", "cache_on_row_pull_bytes_per_step",
+    "cache_off_row_pull_bytes_per_step", "cache_on_hit_rate", "cache_on_max_staleness",
 )
 
 

@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from shardps.bench.common import BenchError, Children, gbps, median
+from shardps.bench.common import BenchError, Children, gbps, median, ratio
 from shardps.bench.config import MIB, BenchConfig
 
 
@@ -97,11 +97,11 @@ def run(cfg: BenchConfig, progress) -> dict[str, float]:
     out.update(_ctr_compute(cfg, progress))
     compute = out["transport_ctr_step_compute_cpu_ms"]
     data_path = out["transport_ps_step_exchange_client_cpu_ms"] + out["transport_ps_step_exchange_server_cpu_ms"]
-    out["ratio_transport_step_cpu_over_compute"] = data_path / compute
-    out["ratio_transport_ps_small_rtt_over_raw"] = (out["transport_ps_small_rtt_us"]
-                                                    / out["transport_raw_small_rtt_us"])
-    progress(f"data path CPU per ctr step {data_path:.2f} ms = {data_path / compute:.2f} x the step's "
-             f"compute ({compute:.2f} ms)")
+    out["ratio_transport_step_cpu_over_compute"] = ratio(data_path, compute)
+    out["ratio_transport_ps_small_rtt_over_raw"] = ratio(out["transport_ps_small_rtt_us"],
+                                                         out["transport_raw_small_rtt_us"])
+    progress(f"data path CPU per ctr step {data_path:.2f} ms = {out['ratio_transport_step_cpu_over_compute']:.2f} "
+             f"x the step's compute ({compute:.2f} ms)")
     return out
 
 
