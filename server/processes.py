@@ -37,8 +37,8 @@ from shardps.server.manager.runtime import ManagerRuntime, RuntimeSettings
 from shardps.server.manager.service import SERVICE as MANAGER_SERVICE
 from shardps.server.manager.service import ResourceManagerService
 from shardps.server.node import NodeLimits, ServerNode
-from shardps.server.node_service import SERVICE as NODE_SERVICE
-from shardps.server.node_service import ParameterServerService
+from shardps.server.node.service import SERVICE as NODE_SERVICE
+from shardps.server.node.service import ParameterServerService
 from shardps.settings import ManagerProcessSettings, ServerProcessSettings, Serving
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -262,7 +262,7 @@ class ServerProcess:
         self.peers = _peers(name, self.node.view_address, self.pool, settings.forward_timeout, tls, metadata)
         self.node.peers = self.peers
         self.service = ParameterServerService(self.node)
-        from shardps.server.admission import Admission
+        from shardps.server.node.admission import Admission
         self.service.admission = Admission(settings.job_max_requests_per_second,
                                            settings.job_max_bytes_in_flight, where=f"server {name}")
         self.net = _Serving(settings.serving, tls, NODE_SERVICE,

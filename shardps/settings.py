@@ -204,7 +204,7 @@ class ServerProcessSettings:
     max_rows: int = 4_000_000
     forward_timeout: float = 1.5
     data_plane_port: int = 0          # the data plane's port (0: any free one; -1: none, gRPC only)
-    # per-job admission control (server/admission.py); 0: off
+    # per-job admission control (server/node/admission.py); 0: off
     job_max_requests_per_second: float = 0.0
     job_max_bytes_in_flight: int = 0
 

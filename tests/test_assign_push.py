@@ -12,7 +12,7 @@ from shardps.errors import InvalidArgument
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.server import optimizers
-from shardps.server.digest import block_digest
+from shardps.server.node.digest import block_digest
 from shardps.tables import TableConfig, adagrad, assigned, dense_table, sparse_table
 from tests.test_node_layers import JOB, FakePeers, G, Layers, T, dense_seg, header, rows_seg, shard_map
 

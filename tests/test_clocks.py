@@ -3,7 +3,7 @@
 import pytest
 
 from shardps.errors import DeadlineExceeded
-from shardps.server.clocks import JobClock
+from shardps.server.node.clocks import JobClock
 from shardps.tables import Consistency
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shardps.server.digest import block_digest
 from shardps.server.node import fast, snapshot_block
+from shardps.server.node.digest import block_digest
 from shardps.tables import TableConfig, adagrad, adam, normal, sparse_table
 from tests.test_node_layers import FakePeers, G, Layers, T, dense_seg, dense_w, header, rows_seg, shard_map
 

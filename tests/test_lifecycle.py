@@ -8,8 +8,8 @@ import pytest
 
 from shardps.budget import set_lifecycle
 from shardps.errors import InvalidArgument
-from shardps.server.lifecycle import LOW_WATERMARK, SKETCH_BYTES, limit_rows
-from shardps.server.storage import SparseRows
+from shardps.server.node.lifecycle import LOW_WATERMARK, SKETCH_BYTES, limit_rows
+from shardps.server.node.storage import SparseRows
 from shardps.tables import (
     LifecyclePolicy,
     TableConfig,

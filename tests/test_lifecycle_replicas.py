@@ -1,5 +1,5 @@
 """Replicas stay bit-identical after eviction (issue 18): the block digest
-(``server/digest.py``), the ``GetBlockDigests`` RPC, the verifier's replica check
+(``server/node/digest.py``), the ``GetBlockDigests`` RPC, the verifier's replica check
 (``shardps.verify``, ``lifecycle`` job) and proof that it catches divergence: with the
 test-only switch ``SHARDPS_TEST_REINTRODUCE_DEFECT=3`` backups skip their primary's eviction
 and admission decisions, and the same run fails on the replica check."""
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from shardps.protos.v1 import parameter_server_pb2 as ps
-from shardps.server.blocks import DenseBlock, SparseBlock
-from shardps.server.digest import block_digest, held_digests
-from shardps.server.lifecycle import SKETCH_BYTES
+from shardps.server.node.blocks import DenseBlock, SparseBlock
+from shardps.server.node.digest import block_digest, held_digests
+from shardps.server.node.lifecycle import SKETCH_BYTES
 from shardps.tables import LifecyclePolicy, TableConfig, adagrad, dense_table, normal, sgd, sparse_table
 from shardps.verify.__main__ import print_table
 from shardps.verify.checker import Replica, compare_replicas

@@ -484,7 +484,7 @@ def test_block_locks_hold_every_lock_and_release_the_taken_ones_when_one_fails()
     import threading
     from types import SimpleNamespace
 
-    from shardps.server.blocks import BlockLocks
+    from shardps.server.node.blocks import BlockLocks
 
     class Refusing:
         def acquire(self):

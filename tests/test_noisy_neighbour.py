@@ -1,4 +1,4 @@
-"""No noisy neighbour: per-job admission control on servers (server/admission.py).
+"""No noisy neighbour: per-job admission control on servers (server/node/admission.py).
 
 The plain class first; then, side by side in one run on real server processes, a victim job's
 pull latency alone and while another job floods the same servers with pushes from a separate
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from shardps.errors import ResourceExhausted
-from shardps.server.admission import Admission, AdmissionRefused
+from shardps.server.node.admission import Admission, AdmissionRefused
 
 RATE = 400.0                  # requests per second per job per server
 BYTES_IN_FLIGHT = 1 << 20     # per job per server

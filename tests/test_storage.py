@@ -4,7 +4,7 @@ a push storing rows a read just initialised copies those values (``_RecentInits`
 import numpy as np
 
 from shardps import kernels
-from shardps.server.storage import SparseRows
+from shardps.server.node.storage import SparseRows
 from shardps.tables import TableConfig, initial_values, normal, sgd, sparse_table, uniform
 
 

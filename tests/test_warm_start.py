@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from shardps.errors import InvalidArgument
-from shardps.server.digest import held_digests
+from shardps.server.node.digest import held_digests
 from shardps.tables import LifecyclePolicy, adagrad, normal, sgd
 from shardps.worker.torch_ps import PSEmbedding, PSModel
 

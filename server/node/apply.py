@@ -39,9 +39,9 @@ from shardps.messages import (
 from shardps.metrics import NodeMetrics, labelled
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc.codec import byte_view
-from shardps.server import lifecycle_ops, optimizers
-from shardps.server.blocks import AnyBlock, BlockKey, BlockLocks, DenseBlock, SparseBlock, Writer, remember_all
-from shardps.server.node import fast
+from shardps.server import optimizers
+from shardps.server.node import fast, lifecycle_ops
+from shardps.server.node.blocks import AnyBlock, BlockKey, BlockLocks, DenseBlock, SparseBlock, Writer, remember_all
 from shardps.server.node.decode import NodeLimits, Part, Segment, check_assign_ids, check_header, parse_segments, split
 from shardps.server.node.table import BlockTable, EpochGate
 from shardps.shardmap import ShardMapView, TableView

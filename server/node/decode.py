@@ -27,8 +27,8 @@ from shardps.dtypes import WireDType
 from shardps.errors import DataLost, InvalidArgument, NotFound, ResourceExhausted, StaleEpoch, Unavailable
 from shardps.messages import RANGE, ROWS, Header, Selection
 from shardps.rpc.codec import byte_view
-from shardps.server import storage_kernels
-from shardps.server.blocks import BlockKey
+from shardps.server.node import storage_kernels
+from shardps.server.node.blocks import BlockKey
 from shardps.shardmap import ShardMapView, TableView
 from shardps.tables import (
     MAX_CLOCK,

@@ -32,8 +32,8 @@ from shardps.dtypes import WireDType
 from shardps.messages import Layout, PullReply, PushAck, Versions
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
-from shardps.server import storage_kernels
-from shardps.server.blocks import AnyBlock, BlockLocks, DenseBlock, SparseRows, Writer, applied_any, remember_all
+from shardps.server.node import storage_kernels
+from shardps.server.node.blocks import AnyBlock, BlockLocks, DenseBlock, SparseRows, Writer, applied_any, remember_all
 from shardps.server.node.decode import Segment, serves
 from shardps.server.node.table import BlockTable
 from shardps.shardmap import TableView

@@ -1,6 +1,6 @@
 """``ServerNode``: one server node's logic, a facade over its layers.
 
-``shardps.server.node_service`` is the thin gRPC layer in front of it, and ``Peers`` (passed
+``shardps.server.node.service`` is the thin gRPC layer in front of it, and ``Peers`` (passed
 in, or set later as ``node.peers``) carries its calls to other servers. The layers, each a
 plain class with its contract in its docstring:
 
@@ -44,9 +44,9 @@ from shardps.messages import PullReply, PullRequest, PushAck, PushRequest
 from shardps.metrics import NodeMetrics
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
-from shardps.server import lifecycle, storage_kernels
-from shardps.server.blocks import BlockKey
+from shardps.server.node import lifecycle, storage_kernels
 from shardps.server.node.apply import JobHolds, PushApplier, forget_departed_writers
+from shardps.server.node.blocks import BlockKey
 from shardps.server.node.decode import NodeLimits
 from shardps.server.node.pull import PullReader
 from shardps.server.node.replication import BackupApplier, BlockSnapshot, Forwarder, NoPeers, Peers

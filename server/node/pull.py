@@ -19,8 +19,8 @@ from shardps.dtypes import WireDType
 from shardps.errors import ResourceExhausted
 from shardps.messages import Header, Layout, PullReply, PullRequest, Versions, versions_by_table
 from shardps.metrics import NodeMetrics, labelled
-from shardps.server.blocks import BlockKey, BlockLocks, DenseBlock, SparseBlock
 from shardps.server.node import fast
+from shardps.server.node.blocks import BlockKey, BlockLocks, DenseBlock, SparseBlock
 from shardps.server.node.decode import NodeLimits, Segment, check_header, parse_segments, sparse_blocks, split
 from shardps.server.node.table import BlockTable
 from shardps.tables import Consistency

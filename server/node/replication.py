@@ -13,7 +13,7 @@ Contract (the .proto states the same):
   the op and raises ``Unavailable`` (a retry is deduplicated), and sends the block whole
   before it acknowledges anything else of that block.
 
-``Peers`` (passed in) carries the calls to other nodes; the gRPC one is in node_service.
+``Peers`` (passed in) carries the calls to other nodes; the gRPC one is in server/node/service.py.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from shardps.metrics import NodeMetrics
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc.codec import byte_view
-from shardps.server.blocks import (
+from shardps.server.node.apply import apply_gradient, assign_values
+from shardps.server.node.blocks import (
     AnyBlock,
     BlockKey,
     BlockLocks,
@@ -41,7 +42,6 @@ from shardps.server.blocks import (
     encode_metadata,
     remember_all,
 )
-from shardps.server.node.apply import apply_gradient, assign_values
 from shardps.server.node.table import BlockTable
 from shardps.shardmap import ShardMapView
 
@@ -84,7 +84,7 @@ def snapshot_block(blk: AnyBlock) -> BlockSnapshot:
 
 
 class Peers(Protocol):
-    """How a node reaches other nodes (the gRPC implementation is in node_service)."""
+    """How a node reaches other nodes (the gRPC implementation is in server/node/service.py)."""
 
     def replicate(self, node: str, epoch: int, ops: list[ps.BlockOp],
                   arrays: list[np.ndarray]) -> list[BlockKey]:

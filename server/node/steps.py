@@ -27,8 +27,8 @@ import numpy as np
 from shardps import kernels
 from shardps.errors import FailedPrecondition, Unavailable
 from shardps.protos.v1 import parameter_server_pb2 as ps
-from shardps.server.blocks import AnyBlock, BlockKey, DenseBlock
-from shardps.server.clocks import JobClock
+from shardps.server.node.blocks import AnyBlock, BlockKey, DenseBlock
+from shardps.server.node.clocks import JobClock
 from shardps.server.node.replication import Forwarder, Op
 from shardps.server.node.table import BlockTable
 from shardps.shardmap import ShardMapView, TableView

@@ -41,7 +41,7 @@ import threading
 from shardps.errors import Unavailable
 from shardps.messages import Header
 from shardps.protos.v1 import common_pb2 as pb
-from shardps.server.blocks import AnyBlock, BlockKey, DenseBlock, SparseBlock, SparseRows, new_block
+from shardps.server.node.blocks import AnyBlock, BlockKey, DenseBlock, SparseBlock, SparseRows, new_block
 from shardps.shardmap import ShardMapView, TableView
 from shardps.tables import TableKind
 

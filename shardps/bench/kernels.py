@@ -29,7 +29,7 @@ def _time(fn, repeats: int) -> list[float]:
 
 def run(cfg: BenchConfig, progress) -> dict[str, float]:
     from shardps import kernels
-    from shardps.server.blocks import SparseRows
+    from shardps.server.node.blocks import SparseRows
     from shardps.tables import TableConfig, adagrad, sparse_table
 
     rows, dim, n = (1_000_000, 64, 10_000) if cfg.name != "tiny" else (20_000, 64, 2_000)

@@ -28,8 +28,7 @@ from shardps import kernels, tables
 from shardps.convert import config_to_proto, spec_to_proto
 from shardps.messages import GRADIENT, ROWS, Header, PullRequest, PushRequest, Selection
 from shardps.protos.v1 import common_pb2 as pb
-from shardps.server import storage
-from shardps.server.node import ServerNode
+from shardps.server.node import ServerNode, storage
 
 JOB, TABLE = "bench", "e"
 

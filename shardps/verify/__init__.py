@@ -14,7 +14,7 @@ is killed and cut off from etcd among the faults):
 * R is restored (no under-replicated block) after every failure that left >= R servers;
 * server RSS growth after warm-up stays <= 10 %;
 * at the end (healed, workloads stopped, final read done) every block's replicas are
-  bit-identical: same version and same digest (``GetBlockDigests``, ``server/digest.py``)
+  bit-identical: same version and same digest (``GetBlockDigests``, ``server/node/digest.py``)
   on every live server that holds it.
 
 Modules: ``cluster`` (processes and faults on them), ``workload`` (workers, readers and the

@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 
 from shardps import kernels
-from shardps.server import optimizers, storage_kernels
+from shardps.server import optimizers
+from shardps.server.node import storage_kernels
 from shardps.tables import InitKind, TableConfig, TableSpec, sparse_block_of
 
 if TYPE_CHECKING:
-    from shardps.server.lifecycle import Outcome, TableLifecycle
+    from shardps.server.node.lifecycle import Outcome, TableLifecycle
 
 MAPPED_MIN_BYTES = 64 << 10
 
@@ -205,7 +206,7 @@ class SparseRows:
         self.state: dict[str, _Rows] = {}
         self.row_steps: _Rows | None = None
         self.ticks: _Rows | None = None                 # lifecycle: tick of each row's last push
-        self.life: TableLifecycle | None = None         # lifecycle state (server/lifecycle.py)
+        self.life: TableLifecycle | None = None         # lifecycle state (server/node/lifecycle.py)
         self.used = 0                                   # slots handed out so far
         self.free = np.empty(0, dtype=np.int64)         # slots of removed rows, reused first
         self.block_counts = np.zeros(spec.num_blocks, dtype=np.int64)
@@ -320,7 +321,7 @@ class SparseRows:
         if self.life is None and not config.lifecycle.enabled:
             self.apply_rows(config, ids, grad)
             return None
-        from shardps.server import lifecycle
+        from shardps.server.node import lifecycle
         if tick is None:
             tick = int(self.lifecycle().now[sparse_block_of(ids[:1], self.spec.num_blocks)].max(initial=0)) + 1
         return lifecycle.apply_push(self, config, ids, grad.reshape(-1, self.dim), tick, wall)
@@ -396,7 +397,7 @@ class SparseRows:
     def lifecycle(self) -> TableLifecycle:
         """The table's lifecycle state here, created on first use."""
         if self.life is None:
-            from shardps.server.lifecycle import TableLifecycle
+            from shardps.server.node.lifecycle import TableLifecycle
             self.life = TableLifecycle(self.spec.num_blocks)
         return self.life
 

@@ -22,9 +22,8 @@ from shardps.rpc.codec import CHUNK_BYTES, assemble, decode_chunk, encode_chunk,
 from shardps.rpc.frames import FLAG_PACKED
 from shardps.rpc.status import Method, bind, grpc_code, proto_method
 from shardps.rpc.stubs import encode_snapshots
-from shardps.server import digest, lifecycle
 from shardps.server.auth import JOB, check_job
-from shardps.server.node import BlockSnapshot, ServerNode
+from shardps.server.node import BlockSnapshot, ServerNode, digest, lifecycle
 
 SERVICE = "shardps.v1.ParameterServer"
 MAX_HOLD_SECONDS = 600.0
@@ -157,10 +156,10 @@ class ParameterServerService:
 
     def __init__(self, node: ServerNode):
         from shardps.rpc.shm import ServerRegions
-        from shardps.server.admission import Admission
+        from shardps.server.node.admission import Admission
         self.node = node
         self.regions = ServerRegions()
-        self.admission = Admission()          # per-job limits (server/admission.py); off here
+        self.admission = Admission()          # per-job limits (server/node/admission.py); off here
 
     def methods(self) -> dict[str, Method]:
         return {

@@ -12,7 +12,7 @@ import numpy as np
 
 from shardps import kernels
 from shardps.protos.v1 import parameter_server_pb2 as ps
-from shardps.server.lifecycle import Outcome
+from shardps.server.node.lifecycle import Outcome
 
 _EMPTY = np.empty(0, dtype=np.int64)
 

@@ -21,7 +21,7 @@ import numpy as np
 from shardps import kernels
 from shardps.errors import FailedPrecondition, InvalidArgument
 from shardps.server import optimizers
-from shardps.server.storage import DIRECT_INDEX_MAX_ROWS, MAPPED_MIN_BYTES, SparseRows, storage, stored
+from shardps.server.node.storage import DIRECT_INDEX_MAX_ROWS, MAPPED_MIN_BYTES, SparseRows, storage, stored
 from shardps.tables import InitKind, TableConfig, TableKind, TableSpec, dense_initial_values
 
 __all__ = ["DIRECT_INDEX_MAX_ROWS", "MAPPED_MIN_BYTES", "AnyBlock", "Block", "BlockKey", "DenseBlock", "SparseBlock",
@@ -284,7 +284,7 @@ class SparseBlock(Block):
                       dropped: np.ndarray, evicted: np.ndarray, tick: int) -> None:
         """Backup: apply a primary's APPLY op with its lifecycle decisions (rows ``ids``
         applied, ``dropped`` not admitted, ``evicted`` removed after; see server.lifecycle)."""
-        from shardps.server import lifecycle
+        from shardps.server.node import lifecycle
         with self.table_rows.lock:
             lifecycle.apply_decided(self.table_rows, config, ids, grad.reshape(-1, self.dim),
                                     dropped, evicted, tick)
@@ -306,7 +306,7 @@ class SparseBlock(Block):
         life = self.table_rows.life
         sketch = 0
         if life is not None and life.sketched[self.key[2]]:
-            from shardps.server.lifecycle import SKETCH_BYTES
+            from shardps.server.node.lifecycle import SKETCH_BYTES
             sketch = SKETCH_BYTES
         return self.count * self.table_rows.row_bytes() + sketch
 
@@ -322,7 +322,7 @@ class SparseBlock(Block):
                 arrays[f"state.{name}"] = pages.take(slots)
             if sh.row_steps is not None:
                 arrays["row_steps"] = sh.row_steps.take(slots)
-            if sh.life is not None:       # lifecycle state (server/lifecycle.py) travels along
+            if sh.life is not None:       # lifecycle state (server/node/lifecycle.py) travels along
                 life_meta, life_arrays = sh.life.block_state(self.key[2])
                 meta["lifecycle"] = life_meta
                 arrays.update(life_arrays)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shardps.server.blocks import AnyBlock, BlockKey, SparseBlock
+from shardps.server.node.blocks import AnyBlock, BlockKey, SparseBlock
 
 DIGEST_BYTES = 16
 EXCLUDED_METADATA = ("version", "writers")

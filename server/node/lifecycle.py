@@ -45,7 +45,7 @@ from shardps import kernels
 from shardps.tables import LifecyclePolicy, TableConfig, splitmix64
 
 if TYPE_CHECKING:
-    from shardps.server.storage import SparseRows
+    from shardps.server.node.storage import SparseRows
 
 DEPTH = 4
 WIDTH = 4096                      # 12 bits of the hash per row of the sketch
@@ -83,7 +83,7 @@ class TableLifecycle:
     Not thread-safe: the owning ``SparseRows.lock`` is held."""
 
     def __init__(self, num_blocks: int):
-        from shardps.server.storage import storage
+        from shardps.server.node.storage import storage
         self.num_blocks = num_blocks
         n = num_blocks * CELLS
         # a mapping of its own is zero-filled and resident only for the blocks that count
