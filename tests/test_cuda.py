@@ -1,7 +1,9 @@
 """shardps with CUDA models: ``shardps worker --device cuda``, ``PSModel`` and
 ``PSEmbeddingBagCollection`` on the GPU, and a CPU run and a CUDA run of one seed ending with
-the same parameters (to float tolerance). A checkpoint / restore of a worker training on the
-GPU: tests/test_checkpoint.py (``test_worker_state_survives_a_restore[cuda]``).
+the same parameters (to float tolerance); the copies a GPU step makes (``DeviceCopies``:
+pinned staging buffers, the copy stream, the gradients' copies in flight together; their CPU
+side and the staging pool's decisions: tests/test_device_copies.py). A checkpoint / restore
+of a worker training on the GPU: tests/test_checkpoint.py (``test_worker_state_survives_a_restore[cuda]``).
 
 Runs where torch sees a CUDA device and skips, saying why, everywhere else; the device
 choice itself is tested on every machine in tests/test_device.py.
@@ -22,6 +24,7 @@ from torch import nn
 
 from shardps.tables import adagrad, normal, sgd, uniform
 from shardps.worker.device import no_cuda_reason
+from shardps.worker.device_copies import DeviceCopies, StagingPool
 from shardps.worker.embedding_bag import EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
 from shardps.worker.torch_ps import PSEmbedding, PSEmbeddingBagCollection, PSModel
 
@@ -86,14 +89,19 @@ def bags_batch():
 MODELS = {"recommender": (Recommender, recommender_batch), "bags": (Bags, bags_batch)}
 
 
-def train(make_module, batch, client, device: torch.device, steps: int = 12):
+LOOPS = {"plain": {}, "overlap": {"overlap": True}}      # lookahead 2 reads rows a push in flight races
+F32 = np.dtype(np.float32)
+
+
+def train(make_module, batch, client, device: torch.device, steps: int = 12, **options):
     """The README's loop on ``device``: the module and the batch there, the tables on the
-    servers (SGD for the dense parameters: every step moves by the gradient itself)."""
+    servers (SGD for the dense parameters: every step moves by the gradient itself).
+    ``options``: PSModel's (``LOOPS``)."""
     client.create_job()
     client.join(heartbeat=False)
     torch.manual_seed(0)
     module = make_module().to(device)
-    ps = PSModel(module, client, optimizer=sgd(0.1))
+    ps = PSModel(module, client, optimizer=sgd(0.1), **options)
     ps.create_tables()
     x, y = batch()
     x, y = x.to(device), y.to(device)
@@ -108,18 +116,24 @@ def train(make_module, batch, client, device: torch.device, steps: int = 12):
     return module, ps, losses
 
 
+@pytest.mark.parametrize("loop", sorted(LOOPS))
 @pytest.mark.parametrize("kind", sorted(MODELS))
-def test_a_cpu_run_and_a_cuda_run_of_one_seed_end_with_the_same_parameters(make_cluster, client_factory, kind):
+def test_a_cpu_run_and_a_cuda_run_of_one_seed_end_with_the_same_parameters(make_cluster, client_factory, kind,
+                                                                           loop):
     """PSModel (PSEmbedding, and PSEmbeddingBagCollection for "bags") trains a CUDA module:
     the batches, the rows it pulls and its parameters stay on the GPU, the losses fall, and
     the servers end with the values a CPU run of the same seed gives (float tolerance: the
-    GPU sums in another order)."""
+    GPU sums in another order). The rows and dense values went through pinned staging
+    buffers, the gradients came back through pinned buffers (``overlap``: sent while the
+    next step computes), and none was overwritten before it was read."""
     make_module, batch = MODELS[kind]
     cluster = make_cluster(2)
-    cpu_client, gpu_client = (client_factory(cluster.address, job=f"{kind}-{d}") for d in ("cpu", "cuda"))
-    _, _, cpu_losses = train(make_module, batch, cpu_client, CPU)
-    module, _, gpu_losses = train(make_module, batch, gpu_client, GPU)
+    cpu_client, gpu_client = (client_factory(cluster.address, job=f"{kind}-{loop}-{d}") for d in ("cpu", "cuda"))
+    _, _, cpu_losses = train(make_module, batch, cpu_client, CPU, **LOOPS[loop])
+    module, ps, gpu_losses = train(make_module, batch, gpu_client, GPU, **LOOPS[loop])
     assert all(p.device == GPU for p in module.parameters())
+    staged = ps.copies.pool.slots[F32]
+    assert staged and all(s.buffer.is_pinned() for s in staged), "the rows went through the staging pool"
     assert gpu_losses[-1] < gpu_losses[0], gpu_losses
     np.testing.assert_allclose(gpu_losses, cpu_losses, rtol=1e-4, atol=1e-6)
     on_cpu, on_gpu = cpu_client.state_dict(), gpu_client.state_dict()
@@ -168,3 +182,66 @@ def test_shardps_worker_trains_on_the_gpu(make_cluster, tmp_path, model, device,
     quarter = max(1, len(losses) // 4)
     assert sum(losses[-quarter:]) < sum(losses[:quarter]), "the loss falls"
     assert all(0.0 <= v <= 1.0 for v in result["metrics"].values())
+
+
+# ---------------------------------------------------------------- the copies of a GPU step
+def test_values_go_to_the_gpu_and_gradients_come_back_unchanged():
+    copies = DeviceCopies()
+    rows = np.random.default_rng(0).standard_normal((37, 8)).astype(np.float32)
+    ids = np.array([5, 0, 5, 2], dtype=np.int64)
+    on_gpu = [copies.to_device(a, GPU) for a in (rows, ids, np.zeros((0, 8), np.float32))]
+    assert [t.device for t in on_gpu] == [GPU] * 3 and on_gpu[1].dtype == torch.int64
+    back = copies.to_host_all([on_gpu[0], on_gpu[0] * 2, on_gpu[2]])
+    np.testing.assert_array_equal(back[0], rows)
+    np.testing.assert_array_equal(back[1], rows * 2)
+    assert back[2].shape == (0, 8)
+    np.testing.assert_array_equal(copies.to_host(on_gpu[1]), ids)
+
+
+def test_staging_and_gradient_buffers_are_pinned():
+    copies = DeviceCopies()
+    copies.to_device(np.ones((4, 4), np.float32), GPU)
+    copies.to_device(np.arange(6), GPU)
+    assert all(s.buffer.is_pinned() for slots in copies.pool.slots.values() for s in slots)
+    assert sorted(str(d) for d in copies.pool.slots) == ["float32", "int64"]
+    grad = copies.to_host(torch.ones(3, 4, device=GPU))
+    assert torch.from_numpy(grad).is_pinned(), "the gradient came back into pinned memory"
+
+
+def _busy_copy_stream(copies: DeviceCopies) -> None:
+    """Hold the copy stream for a while (~0.1 s): a copy queued now is in flight for that long."""
+    with torch.cuda.stream(copies.copy_stream(GPU)):
+        torch.cuda._sleep(200_000_000)
+
+
+@pytest.mark.parametrize("max_buffers, buffers", [(4, 2), (1, 1)])
+def test_a_staging_buffer_is_not_rewritten_while_its_copy_is_in_flight(max_buffers, buffers):
+    """Two copies back to back while the copy stream is held: the second takes another
+    buffer, or (a pool of one) waits for the first copy; both land right, and the compute
+    stream reads them without the host waiting."""
+    copies = DeviceCopies(StagingPool(max_buffers=max_buffers))
+    copies.to_device(np.zeros(1_000, np.float32), GPU)       # one buffer, idle: made before the stream is held
+    torch.cuda.synchronize(GPU)
+    _busy_copy_stream(copies)
+    first = copies.to_device(np.full(1_000, 1.0, np.float32), GPU)
+    second = copies.to_device(np.full(1_000, 2.0, np.float32), GPU)
+    assert len(copies.pool.slots[F32]) == buffers
+    assert float(first.sum()) == 1_000.0 and float(second.sum()) == 2_000.0
+
+
+def test_the_gradients_are_read_after_the_compute_stream_wrote_them():
+    copies = DeviceCopies()
+    grad = torch.ones(256, 256, device=GPU)
+    torch.cuda._sleep(200_000_000)                   # the compute stream is busy ...
+    grad.mul_(3.0)                                   # ... then writes the gradient
+    (on_host,) = copies.to_host_all([grad])
+    assert (on_host == 3.0).all()
+
+
+def test_a_value_copied_while_the_gpu_computes_reaches_the_compute_stream_intact():
+    copies = DeviceCopies()
+    _busy_copy_stream(copies)
+    values = np.arange(4_096, dtype=np.float32)
+    on_gpu = copies.to_device(values, GPU)
+    values[:] = -1.0                                 # the caller may reuse its array at once
+    np.testing.assert_array_equal(on_gpu.cpu().numpy(), np.arange(4_096, dtype=np.float32))

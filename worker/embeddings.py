@@ -28,6 +28,7 @@ from shardps import kernels
 from shardps.errors import InvalidArgument
 from shardps.tables import Initializer, OptimizerConfig, normal
 from shardps.worker.client import PSClient
+from shardps.worker.device_copies import DeviceCopies
 from shardps.worker.row_cache import CachePlan, RowCache, wanted_ids
 
 log = logging.getLogger("shardps.worker")
@@ -66,6 +67,7 @@ class PSRows(nn.Module):
         self.init = init or normal(0.0, 1.0, seed=0)
         self.num_blocks = num_blocks
         self.client: PSClient | None = None
+        self.copies = DeviceCopies()           # PSModel shares its own: one copy stream, one pool
         self._pending: list[tuple[np.ndarray, torch.Tensor]] = []
         self._prefetch: tuple[np.ndarray, "futures.Future | _Completing"] | None = None
         self._wanted: np.ndarray | None = None
@@ -149,7 +151,7 @@ class PSRows(nn.Module):
         flat = ids.reshape(-1)
         planned = self._take_plan(flat)
         if planned is not None:
-            unique_np, inverse = planned[1], torch.from_numpy(planned[2]).to(ids.device)
+            unique_np, inverse = planned[1], self.copies.to_device(planned[2], ids.device)
         else:                      # the batch was not announced: deduplicate it now
             unique, inverse = torch.unique(flat.long(), return_inverse=True)
             unique_np = unique.detach().cpu().numpy()
@@ -164,7 +166,7 @@ class PSRows(nn.Module):
             plan = self.cache_plan(unique_np, self.clock)
             rows_np = self.complete(plan, self.client.pull_rows(self.table, wanted_ids(unique_np, plan),
                                                                 clock=self.clock), self.clock)
-        rows = torch.from_numpy(rows_np).to(ids.device)
+        rows = self.copies.to_device(rows_np, ids.device)
         if self.training and torch.is_grad_enabled():
             rows.requires_grad_(True)
             self._pending.append((unique_np, rows))
@@ -183,13 +185,11 @@ class PSRows(nn.Module):
                 return plan
         return None
 
-    def take_gradients(self) -> list[tuple[np.ndarray, np.ndarray]]:
-        """(distinct ids, their gradient rows) of every lookup since the last call; clears
-        them. Rows that got no gradient are left out."""
-        out = []
-        for ids, rows in self._pending:
-            if rows.grad is not None:
-                out.append((ids, rows.grad.detach().cpu().numpy()))
+    def take_gradient_rows(self) -> list[tuple[np.ndarray, torch.Tensor]]:
+        """(distinct ids, their gradient rows, on the lookup's device) of every lookup since
+        the last call; clears them. Rows that got no gradient are left out. ``PSModel.push``
+        copies every table's rows to the host together (``DeviceCopies.to_host_all``)."""
+        out = [(ids, rows.grad) for ids, rows in self._pending if rows.grad is not None]
         self._pending = []
         return out
 

@@ -40,7 +40,7 @@ import collections
 import math
 import time
 from concurrent import futures
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -49,6 +49,7 @@ from torch import nn
 from shardps.errors import InvalidArgument
 from shardps.tables import OptimizerConfig, assigned, dense_table, sgd, sparse_table
 from shardps.worker.client import PSClient, PushResult
+from shardps.worker.device_copies import DeviceCopies
 from shardps.worker.embedding_bag import KeyedJaggedTensor, PSEmbeddingBagCollection
 from shardps.worker.embeddings import PSEmbedding, PSEmbeddingBag, PSRows, bind_caches
 from shardps.worker.lookups import LookupPlanner
@@ -87,11 +88,12 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         self.block_size = block_size
         self._report_steps = report_steps
         self.embeddings: dict[str, PSRows] = {}
+        self.copies = DeviceCopies()           # rows and dense values to the device, gradients back
         self.collections: list[PSEmbeddingBagCollection] = []
         for name, mod in module.named_modules():
             if isinstance(mod, PSRows):
                 mod.table = mod.table or name
-                mod.client = client
+                mod.client, mod.copies = client, self.copies
                 self.embeddings[name] = mod
             elif isinstance(mod, PSEmbeddingBagCollection):
                 self.collections.append(mod)
@@ -212,7 +214,7 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
             res = future.result()[1]                             # (push, pull) of an exchange
             for (emb, ids, plan, refreshed), rows in zip(carried, res.values[len(names):]):
                 emb._provide(ids, emb.complete(plan, rows, refreshed))
-            _load_dense(self.dense, names, res.values)
+            _load_dense(self.dense, names, res.values, self.copies)
             names = []                                           # loaded from the exchange
             waited = res.waited_seconds
         else:
@@ -235,7 +237,7 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
                    else self.client.pull_many(pulls, clock=self.step))
             for (emb, ids, plan, refreshed), rows in zip(wanted, res.values[len(names):]):
                 emb._provide(ids, emb.complete(plan, rows, refreshed))
-            _load_dense(self.dense, names, res.values)
+            _load_dense(self.dense, names, res.values, self.copies)
             waited = max(waited, res.waited_seconds)
         elif held is not None:
             self.client.push_many(held[0], clock=held[1], report_step=self.report_steps)
@@ -264,16 +266,7 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         if self._deferred_pull:                    # pulled, then no forward: load the values
             self._pull_now()
         started = time.perf_counter()
-        requests: list[tuple] = []
-        for name, p in self.dense.items():
-            if p.grad is not None:
-                requests.append((name, p.grad.detach().cpu().numpy()))
-        for emb in self.embeddings.values():
-            parts = emb.take_gradients()
-            if parts:
-                ids = np.concatenate([i for i, _ in parts])
-                grads = np.concatenate([g for _, g in parts])
-                requests.append((emb.table, ids, grads))
+        requests = _gradient_requests(self.dense, self.embeddings.values(), self.copies)
         self.flush()
         prefetch = None
         future = None
@@ -363,12 +356,29 @@ def _under(name: str, prefixes: Sequence[str]) -> bool:
     return any(name == p or name.startswith(p.rstrip(".") + ".") for p in prefixes)
 
 
-def _load_dense(dense: dict[str, nn.Parameter], names: list[str], values: list) -> None:
-    """Copy pulled values (``values[i]`` for ``names[i]``) into the dense parameters."""
+def _load_dense(dense: dict[str, nn.Parameter], names: list[str], values: list, copies: DeviceCopies) -> None:
+    """Copy pulled values (``values[i]`` for ``names[i]``) into the dense parameters (on a
+    GPU: through ``copies``, without waiting for the copies)."""
     with torch.no_grad():
         for name, v in zip(names, values[:len(names)]):
             p = dense[name]
-            p.copy_(torch.from_numpy(np.asarray(v)).reshape(p.shape))
+            p.copy_(copies.to_device(np.asarray(v), p.device).reshape(p.shape))
+
+
+def _gradient_requests(dense: dict[str, nn.Parameter], embeddings: Iterable[PSRows],
+                       copies: DeviceCopies) -> list[tuple]:
+    """A step's push: each dense gradient, then each embedding's gradient rows (one request
+    per table). The gradients reach the host in one ``copies.to_host_all``: on a GPU every
+    table's copy is in flight together and the training thread waits once."""
+    grads = {name: p.grad for name, p in dense.items() if p.grad is not None}
+    tables = [(emb.table, emb.take_gradient_rows()) for emb in embeddings]
+    on_host = iter(copies.to_host_all(list(grads.values()) + [grad for _, parts in tables for _, grad in parts]))
+    requests: list[tuple] = [(name, next(on_host)) for name in grads]
+    for table, parts in tables:
+        if parts:
+            rows = [next(on_host) for _ in parts]
+            requests.append((table, np.concatenate([ids for ids, _ in parts]), np.concatenate(rows)))
+    return requests
 
 
 class PSLambdaLR:
