@@ -23,6 +23,8 @@ with per-row learning-rate factors computed in float64 and rounded to float32 as
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 import numpy as np
@@ -374,6 +376,11 @@ def group_by_key(keys: np.ndarray, num_keys: int) -> list[tuple[int, np.ndarray]
 _WARM = False
 
 
+def _read_only(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False
+    return array
+
+
 def warm_up() -> None:
     """Compile every kernel now (or load it from numba's cache), with the argument types the
     data path uses, so that a process's first request or training step does not pay for it
@@ -381,15 +388,17 @@ def warm_up() -> None:
     global _WARM
     if _WARM or not AVAILABLE:
         return
-    rows, grad = np.zeros((2, 2), np.float32), np.zeros((1, 2), np.float32)
+    rows = np.zeros((2, 2), np.float32)
     slots = np.zeros(1, np.int64)
-    for steps in (_EMPTY_STEPS, np.zeros(2, np.int32)):      # SGD and Adagrad: with or without
-        _sgd(rows, _EMPTY_2D, steps, slots, grad, 0.1, 0.0, 0.0, 1.0, False)
-        _sgd(rows, np.zeros_like(rows), steps, slots, grad, 0.1, 0.0, 0.9, 1.0, False)
-        _adagrad(rows, np.zeros_like(rows), steps, slots, grad, 0.1, 0.0, 1e-10, 0.0)
-    # Adam always keeps per-row steps (it indexes them: never an empty array)
-    _adam(rows, np.zeros_like(rows), np.zeros_like(rows), np.zeros(2, np.int32), slots, grad,
-          0.1, 0.9, 0.999, 1e-8, 0.0)
+    # gradients decoded from a received frame are read-only views (numba types them apart)
+    for grad in (np.zeros((1, 2), np.float32), _read_only(np.zeros((1, 2), np.float32))):
+        for steps in (_EMPTY_STEPS, np.zeros(2, np.int32)):      # SGD and Adagrad: with or without
+            _sgd(rows, _EMPTY_2D, steps, slots, grad, 0.1, 0.0, 0.0, 1.0, False)
+            _sgd(rows, np.zeros_like(rows), steps, slots, grad, 0.1, 0.0, 0.9, 1.0, False)
+            _adagrad(rows, np.zeros_like(rows), steps, slots, grad, 0.1, 0.0, 1e-10, 0.0)
+        # Adam always keeps per-row steps (it indexes them: never an empty array)
+        _adam(rows, np.zeros_like(rows), np.zeros_like(rows), np.zeros(2, np.int32), slots, grad,
+              0.1, 0.9, 0.999, 1e-8, 0.0)
     unique_inverse(np.arange(128, dtype=np.int64))
     strictly_increasing(np.arange(4, dtype=np.int64))
     for kind in (InitKind.UNIFORM, InitKind.NORMAL):
@@ -398,3 +407,27 @@ def warm_up() -> None:
     group_by_key(np.zeros(4, np.int32), 4)          # clients group by server index (int32)
     route_rows(np.arange(4, dtype=np.int64), 4, np.zeros(4, np.int32), 1)
     _WARM = True
+
+
+def prepare(log, *others) -> tuple[float, int, int]:
+    """``warm_up()`` this module's kernels and those of ``others`` (modules with their own
+    ``warm_up``), and log how long it took and how: ``(seconds, signatures loaded from numba's
+    cache, signatures compiled)``. A process that compiled nothing did not pay for numba's
+    compiler; the container images ship the cache (``NUMBA_CACHE_DIR``) for that."""
+    if not AVAILABLE:
+        return 0.0, 0, 0
+    started = time.perf_counter()
+    warm_up()
+    for module in others:
+        module.warm_up()
+    took = time.perf_counter() - started
+    loaded = compiled = 0
+    for namespace in (globals(), *(vars(m) for m in others)):
+        for obj in namespace.values():
+            stats = getattr(obj, "stats", None)
+            if stats is not None and hasattr(stats, "cache_hits"):
+                loaded += sum(stats.cache_hits.values())
+                compiled += sum(stats.cache_misses.values())
+    log.info("data-path kernels ready in %.2f s: %d loaded from numba's cache, %d compiled (cache: %s)",
+             took, loaded, compiled, os.environ.get("NUMBA_CACHE_DIR") or "next to the sources")
+    return took, loaded, compiled

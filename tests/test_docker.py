@@ -43,6 +43,7 @@ WHEELHOUSE = ROOT / "wheelhouse"
 SERVER_IMAGE_LIMIT = 480_000_000
 MIN_ACCURACY = 0.95
 SERVERS = ("s0", "s1", "s2")
+KERNELS_LINE = re.compile(r"kernels ready in ([0-9.]+) s: (\d+) loaded from numba's cache, (\d+) compiled")
 FINAL_LINE = re.compile(r"shardps worker rank=(\d+) steps=(\d+) test_accuracy=([0-9.]+)")
 
 
@@ -176,6 +177,13 @@ def _final_line(container: str) -> tuple[int, int, float] | None:
     return (int(found[-1][0]), int(found[-1][1]), float(found[-1][2])) if found else None
 
 
+def _kernels_line(container: str) -> tuple[float, int, int] | None:
+    """(seconds, loaded from numba's cache, compiled) of a container's kernels log line."""
+    out = subprocess.run([_docker(), "logs", container], capture_output=True, text=True, timeout=60)
+    found = KERNELS_LINE.search(out.stdout + out.stderr)
+    return (float(found[1]), int(found[2]), int(found[3])) if found else None
+
+
 def _problems(compose: Compose) -> str:
     """The error and warning lines of every container, for a failure message."""
     logs = compose.run("logs", "--no-color", check=False, timeout=120).stdout
@@ -298,6 +306,12 @@ def test_compose_cluster_trains_scales_and_reports_a_dead_server(tmp_path):
         assert all(finals), f"a worker printed no final line: {finals}"
         low = [f for f in finals if f[2] < MIN_ACCURACY]
         assert not low, f"test accuracy below {MIN_ACCURACY}: {low}"
+
+        # -- every server and worker loaded its kernels from the image's numba cache
+        kernels = {c[:12]: _kernels_line(c) for svc in (*SERVERS, "worker") for c in compose.containers(svc)}
+        report("kernels", kernels)
+        compiled = {c: k for c, k in kernels.items() if k is None or k[2] != 0}
+        assert not compiled, f"containers compiled kernels (or logged none) instead of loading them: {compiled}"
         report("min_test_accuracy", min(f[2] for f in finals))
         failed = False
     finally:

@@ -1,11 +1,19 @@
 """The compiled kernels equal the numpy code they replace (``shardps.kernels``)."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from shardps import kernels
 from shardps.server import optimizers
 from shardps.tables import adagrad, adam, constant, initial_values, normal, sgd, uniform, zeros
+
+ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.skipif(not kernels.AVAILABLE, reason="numba is not installed")
 
@@ -97,3 +105,59 @@ def test_warm_up_compiles_every_kernel_for_the_data_paths_types():
                kernels._group, kernels._init_uniform, kernels._init_units):
         assert fn.signatures, f"{fn.__name__} was not compiled by warm_up"
     kernels.warm_up()                   # idempotent
+
+
+_BUILD = "from shardps.server.node.node import warm_up_kernels; warm_up_kernels()"
+# a server's and a worker's first requests in one process: every optimizer, sparse and dense,
+# over the data plane, and a PSModel step; then the signatures compiled so far, by kernel
+_SERVE = """
+import json, numpy as np, torch
+from shardps import kernels
+from shardps.server.node import storage_kernels
+from shardps.server.node.node import warm_up_kernels
+from shardps.worker import PSClient, adagrad, adam, sgd
+from shardps.worker.torch_ps import PSEmbedding, PSModel
+from tests.conftest import InProcessCluster
+warm_up_kernels()
+cluster = InProcessCluster(servers=1).start()
+try:
+    with PSClient(cluster.address, job="first-requests") as client:
+        client.create_job()
+        for name, opt in (("a", adagrad(lr=0.05)), ("b", adam(lr=0.01)), ("c", sgd(lr=0.1)),
+                          ("d", sgd(lr=0.1, momentum=0.9))):
+            client.create_sparse(name, dim=16, optimizer=opt)
+            ids = np.array([7, 9, 7], dtype=np.int64)
+            client.push_rows(name, ids, np.ones((3, 16), np.float32))
+            client.pull_rows(name, ids)
+        client.create_dense("w", shape=(10, 4), optimizer=adam(lr=0.1))
+        client.push_dense("w", np.ones((10, 4), np.float32))
+        client.pull_dense("w")
+        model = PSModel(torch.nn.Sequential(PSEmbedding(100, 4), torch.nn.Flatten(), torch.nn.Linear(8, 1)),
+                        client, optimizer=adagrad(lr=0.1))
+        model.create_tables()
+        model.pull()
+        model(torch.tensor([[1, 2], [2, 3]])).sum().backward()
+        model.push()
+        model.settle()
+finally:
+    cluster.stop()
+print(json.dumps({name: len(fn.stats.cache_misses) for module in (kernels, storage_kernels)
+                  for name, fn in vars(module).items() if getattr(fn, "stats", None) is not None
+                  and fn.stats.cache_misses}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not kernels.AVAILABLE, reason="numba is not installed")
+def test_a_process_given_a_built_cache_serves_without_compiling(tmp_path):
+    """What the images do: one process fills NUMBA_CACHE_DIR (the image build runs
+    ``warm_up_kernels``); a server and a worker started later with that cache serve their
+    first pushes and pulls (every optimizer, read-only frames, a PSModel step) without
+    compiling any kernel."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba"), "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-c", _BUILD], env=env, timeout=300, check=True)
+    out = subprocess.run([sys.executable, "-c", _SERVE], env=env, capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    compiled = json.loads(out.stdout.strip().splitlines()[-1])
+    assert compiled == {}, f"compiled in the request path, not by warm_up: {compiled}"

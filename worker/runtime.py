@@ -382,7 +382,7 @@ def run_worker(args) -> int:
         task = build_task(args)
         task.model.to(device)      # before PSModel: its tables start from these values
         from shardps import kernels
-        kernels.warm_up()          # before the first step, not inside it
+        kernels.prepare(log)       # before the first step, not inside it
         world = max(1, membership.world_size)
         opt, per_table = _lr_scaled(task, args, world)
         ps_model = PSModel(task.model, client, optimizer=opt, optimizers=per_table, overlap=args.overlap,

@@ -33,6 +33,7 @@ Data path rules (the .proto states the same contract):
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Callable, Sequence
@@ -54,12 +55,13 @@ from shardps.server.node.steps import SyncSteps
 from shardps.server.node.table import BlockTable
 from shardps.shardmap import ShardMapView
 
+log = logging.getLogger("shardps.server")
 
-def _warm_up() -> None:
-    """Compile (or load from numba's cache) the kernels of the data path."""
-    kernels.warm_up()
-    if kernels.AVAILABLE:
-        storage_kernels.warm_up()
+
+def warm_up_kernels() -> tuple[float, int, int]:
+    """The node's kernels compiled or loaded, and logged (``kernels.prepare``). The server
+    image runs it at build time so that its containers load every kernel and compile none."""
+    return kernels.prepare(log, storage_kernels)
 
 
 def _table_attr(name: str, doc: str) -> property:
@@ -74,7 +76,7 @@ class ServerNode:
         self.name = name
         self.limits = limits
         # the kernels' first use would otherwise land in the first requests (~0.3 s)
-        threading.Thread(target=_warm_up, name="kernels-warm-up", daemon=True).start()
+        threading.Thread(target=warm_up_kernels, name="kernels-warm-up", daemon=True).start()
         self.metrics = metrics or NodeMetrics()
         self._now = clock
         self.incarnation = 0

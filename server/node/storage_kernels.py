@@ -116,10 +116,13 @@ def assign(slot_of: np.ndarray, ids: np.ndarray, free: np.ndarray, used: int,
 
 
 def warm_up() -> None:
-    """Compile (or load from the cache) with the argument types SparseRows uses."""
-    slot_of = np.full(4, -1, dtype=np.int32)
-    rows = np.zeros((4, 2), np.float32)
-    ids = np.arange(2, dtype=np.int64)
-    gather(slot_of, rows, ids, np.empty((2, 2), np.float32))
-    assign(slot_of, ids, np.empty(0, np.int64), 0, np.zeros(2, np.int64))
-    scan(ids, 4, 2)
+    """Compile (or load from the cache) with the argument types SparseRows uses: ids as
+    arrays of their own and as read-only views of a received frame (numba types them apart)."""
+    read_only = np.arange(2, dtype=np.int64)
+    read_only.flags.writeable = False
+    for ids in (np.arange(2, dtype=np.int64), read_only):
+        slot_of = np.full(4, -1, dtype=np.int32)
+        rows = np.zeros((4, 2), np.float32)
+        gather(slot_of, rows, ids, np.empty((2, 2), np.float32))
+        assign(slot_of, ids, np.empty(0, np.int64), 0, np.zeros(2, np.int64))
+        scan(ids, 4, 2)
