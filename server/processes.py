@@ -17,22 +17,20 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import grpc
-from grpc_health.v1 import health_pb2
 from prometheus_client import start_http_server
 
 from shardps.errors import FailedPrecondition, ShardpsError
 from shardps.metrics import ManagerMetrics, NodeMetrics
-from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import manager_pb2 as mg
 from shardps.rpc import channels
+from shardps.rpc.failover import LeaderGate
 from shardps.rpc.peers import NodePeers
-from shardps.rpc.status import from_rpc_error
-from shardps.rpc.stubs import GrpcPeers, StubPool
+from shardps.rpc.status import translated
+from shardps.rpc.stubs import GrpcPeers, ManagerStub, StubPool
 from shardps.server.manager.checkpoints import CheckpointCoordinator
 from shardps.server.manager.etcd_store import EtcdClient
 from shardps.server.manager.records import ManagerSettings
-from shardps.server.manager.replica import LeaderGate, ManagerReplica
+from shardps.server.manager.replica import ManagerReplica
 from shardps.server.manager.runtime import ManagerRuntime, RuntimeSettings
 from shardps.server.manager.service import SERVICE as MANAGER_SERVICE
 from shardps.server.manager.service import ResourceManagerService
@@ -40,9 +38,6 @@ from shardps.server.node import NodeLimits, ServerNode
 from shardps.server.node.service import SERVICE as NODE_SERVICE
 from shardps.server.node.service import ParameterServerService
 from shardps.settings import ManagerProcessSettings, ServerProcessSettings, Serving
-
-_SERVING = health_pb2.HealthCheckResponse.SERVING
-_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -90,8 +85,7 @@ class _Serving:
         if tls is not None and serving.health_port >= 0:
             # Kubernetes gRPC probes cannot speak TLS: health also on a plaintext port
             self.health_server = channels.new_server(2)
-            from grpc_health.v1 import health_pb2_grpc
-            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            channels.add_health(self.health_server, self.health)
             self.health_port = channels.add_port(self.health_server, f"0.0.0.0:{serving.health_port}")
         self.metrics_server, self.metrics_address = _start_metrics(serving, registry)
         self.address = advertised(serving, self.port)
@@ -149,7 +143,7 @@ class ManagerProcess:
         return term
 
     def _on_role(self, leading: bool) -> None:
-        self.net.health.set(MANAGER_SERVICE, _SERVING if leading else _NOT_SERVING)
+        channels.set_serving(self.net.health, [MANAGER_SERVICE], leading, overall=False)
 
     @property
     def runtime(self) -> ManagerRuntime:
@@ -178,7 +172,7 @@ class ManagerProcess:
                         self.settings.replication)
         self.net.start()
         if self.replica is not None:
-            self.net.health.set("", _SERVING)         # alive; the service only while leading
+            channels.set_serving(self.net.health, [], True)   # alive; the service only while leading
             self.replica.start()
         else:
             self.runtime.start()
@@ -246,6 +240,16 @@ def _peers(name: str, address_of, pool: StubPool, timeout: float, tls, metadata)
     return NodePeers(GrpcPeers(name, address_of, pool, timeout), planes)
 
 
+class _ManagerCallFailed(Exception):
+    """A call of the server to the manager failed with ``error`` (a ShardpsError): kept apart
+    from the errors the node raises itself, since only the manager's FailedPrecondition
+    fences the server."""
+
+    def __init__(self, error: ShardpsError):
+        super().__init__(error.message)
+        self.error = error
+
+
 class ServerProcess:
     """A server node: registers with the manager, heartbeats, serves its blocks."""
 
@@ -273,18 +277,7 @@ class ServerProcess:
         self._tls = tls
         self._metadata = tuple(metadata)
         self._manager = channels.manager_channel(settings.manager, tls)
-        self._register = self._manager.unary_unary(
-            f"/{MANAGER_SERVICE}/RegisterServer",
-            request_serializer=mg.RegisterServerRequest.SerializeToString,
-            response_deserializer=mg.RegisterServerResponse.FromString)
-        self._heartbeat = self._manager.unary_unary(
-            f"/{MANAGER_SERVICE}/ServerHeartbeat",
-            request_serializer=mg.ServerHeartbeatRequest.SerializeToString,
-            response_deserializer=mg.ServerHeartbeatResponse.FromString)
-        self._get_map = self._manager.unary_unary(
-            f"/{MANAGER_SERVICE}/GetShardMap",
-            request_serializer=mg.GetShardMapRequest.SerializeToString,
-            response_deserializer=pb.ShardMap.FromString)
+        self._manager_stub = ManagerStub(self._manager)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._sync_thread: threading.Thread | None = None
@@ -316,10 +309,19 @@ class ServerProcess:
                 time.sleep(0.02)
         return self
 
+    def _call_manager(self, method, request):
+        """``method`` (a ``ManagerStub`` callable) with a 5 s timeout; its failure raises
+        ``_ManagerCallFailed``."""
+        try:
+            with translated("manager"):
+                return method(request, timeout=5.0, metadata=self._metadata)
+        except ShardpsError as error:
+            raise _ManagerCallFailed(error) from None
+
     def _register_once(self) -> None:
-        resp = self._register(mg.RegisterServerRequest(
+        resp = self._call_manager(self._manager_stub.RegisterServer, mg.RegisterServerRequest(
             name=self.node.name, address=self.address, metrics_address=self.net.metrics_address,
-            boot_id=self.boot_id, accepts_map_changes=True), timeout=5.0, metadata=self._metadata)
+            boot_id=self.boot_id, accepts_map_changes=True))
         self.node.reset(resp.incarnation)
         self.node.install_map(resp.map)
         self.heartbeat_seconds = resp.heartbeat_seconds or 0.5
@@ -339,8 +341,8 @@ class ServerProcess:
                     self._register_once()
                     registered = True
                 self._beat()
-            except grpc.RpcError as err:
-                error = from_rpc_error(err, "manager")
+            except _ManagerCallFailed as failed:
+                error = failed.error
                 if isinstance(error, FailedPrecondition):
                     log.warning("fenced by the manager (%s): dropping state and registering again",
                                 error.message)
@@ -364,10 +366,9 @@ class ServerProcess:
         if now - getattr(self, "_usage_published", 0.0) > 5.0:
             self._usage_published = now
             self.node.publish_usage(u)
-        resp = self._heartbeat(mg.ServerHeartbeatRequest(
+        resp = self._call_manager(self._manager_stub.ServerHeartbeat, mg.ServerHeartbeatRequest(
             name=self.node.name, incarnation=self.node.incarnation, epoch=self.node.epoch,
-            primary_blocks=u["primary_blocks"], replica_blocks=u["backup_blocks"], bytes=u["bytes"]),
-            timeout=5.0, metadata=self._metadata)
+            primary_blocks=u["primary_blocks"], replica_blocks=u["backup_blocks"], bytes=u["bytes"]))
         if self._update_revocations is not None:     # revoked job tokens: refused from now on
             self._update_revocations(resp.token_floors)
         if resp.retired:
@@ -394,15 +395,14 @@ class ServerProcess:
                 return
             try:
                 known = self.node.epoch
-                msg = self._get_map(mg.GetShardMapRequest(min_epoch=want, known_epoch=known), timeout=5.0,
-                                    metadata=self._metadata)
+                get_map = self._manager_stub.GetShardMap
+                msg = self._call_manager(get_map, mg.GetShardMapRequest(min_epoch=want, known_epoch=known))
                 try:
                     self.node.install_map(msg)
                 except FailedPrecondition:     # installed another epoch meanwhile: the whole map
-                    self.node.install_map(self._get_map(mg.GetShardMapRequest(min_epoch=want), timeout=5.0,
-                                                        metadata=self._metadata))
-            except grpc.RpcError as err:
-                log.debug("map fetch failed: %s", err.details())
+                    self.node.install_map(self._call_manager(get_map, mg.GetShardMapRequest(min_epoch=want)))
+            except _ManagerCallFailed as failed:
+                log.debug("map fetch failed: %s", failed.error.details)
                 self._stop.wait(0.2)
 
     def stop(self) -> None:

@@ -319,16 +319,15 @@ def cmd_local(args) -> int:
 
 
 def cmd_health(args) -> int:
-    import grpc
-
+    from shardps.errors import ShardpsError
     from shardps.rpc.channels import check_health
     # several addresses (manager replicas, comma-separated): healthy when one of them is
     code = 2
     for address in [a.strip() for a in args.address.split(",") if a.strip()] or [args.address]:
         try:
             status = check_health(address, args.service, args.timeout, _tls(_common(args)))
-        except grpc.RpcError as err:
-            print(f"{address}: unreachable ({err.code().name}: {err.details()})", file=sys.stderr)
+        except ShardpsError as err:         # what gRPC said: the call's status and details
+            print(f"{address}: unreachable ({err.status}: {err.details})", file=sys.stderr)
             continue
         print(f"{address}: {status}")
         if status == "SERVING":
@@ -381,10 +380,8 @@ def cmd_drain(args) -> int:
 def _manager_call(args, method: str, request, response_cls):
     """One unary call of ``method`` on the manager with this command's TLS and token;
     ``ShardpsError`` on failure."""
-    import grpc
-
     from shardps.rpc import channels
-    from shardps.rpc.status import from_rpc_error
+    from shardps.rpc.status import translated
     common = _common(args)
     token = common.resolved_token()
     metadata = (("authorization", f"Bearer {token}"),) if token else ()
@@ -392,10 +389,8 @@ def _manager_call(args, method: str, request, response_cls):
         rpc = ch.unary_unary(f"/shardps.v1.ResourceManager/{method}",
                              request_serializer=type(request).SerializeToString,
                              response_deserializer=response_cls.FromString)
-        try:
+        with translated(method):
             return rpc(request, timeout=10.0, metadata=metadata, wait_for_ready=True)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err, method) from None
 
 
 def _show_token(args, token: str, what: str) -> None:

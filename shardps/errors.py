@@ -9,9 +9,16 @@ from __future__ import annotations
 
 
 class ShardpsError(Exception):
-    """Root of every error shardps raises. ``code`` is the gRPC status code's name."""
+    """Root of every error shardps raises. ``code`` is the gRPC status code's name.
+
+    An error a remote call failed with (``shardps.rpc.status.from_rpc_error``) also keeps
+    ``status``, the name of the status code the call ended with (CANCELLED reads as
+    Unavailable, codes shardps does not use as Internal), and ``details``, the peer's text;
+    errors raised locally have None and ""."""
 
     code = "UNKNOWN"
+    status: str | None = None
+    details: str = ""
 
     def __init__(self, message: str):
         super().__init__(message)

@@ -103,9 +103,9 @@ def status_to_dict(st: mg.ClusterStatus) -> dict:
 def fetch_node_statuses(st: mg.ClusterStatus, tls=None, token: str = "", timeout: float = 5.0) -> list:
     """Each SERVING or DRAINING server's ``GetNodeStatus`` (its per-table usage and lifecycle
     figures); a server that does not answer is left out."""
-    import grpc
-
+    from shardps.errors import ShardpsError
     from shardps.protos.v1 import parameter_server_pb2 as ps
+    from shardps.rpc.status import translated
     from shardps.rpc.stubs import StubPool
     pool = StubPool(tls, (("authorization", f"Bearer {token}"),) if token else ())
     out = []
@@ -114,9 +114,10 @@ def fetch_node_statuses(st: mg.ClusterStatus, tls=None, token: str = "", timeout
             if s.server.state not in (pb.SERVING, pb.DRAINING):
                 continue
             try:
-                out.append(pool.get(s.server.address).GetNodeStatus(
-                    ps.GetNodeStatusRequest(), timeout=timeout, metadata=pool.metadata))
-            except grpc.RpcError:
+                with translated(f"GetNodeStatus of {s.server.name}"):
+                    out.append(pool.get(s.server.address).GetNodeStatus(
+                        ps.GetNodeStatusRequest(), timeout=timeout, metadata=pool.metadata))
+            except ShardpsError:
                 continue
     finally:
         pool.close()

@@ -16,8 +16,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from shardps.errors import DeadlineExceeded, Unavailable
+from shardps.errors import DeadlineExceeded, PermissionDenied, Unavailable
 from shardps.rpc import channels
+from shardps.rpc.status import from_rpc_error
 from tests.waiting import wait_for
 
 # ---------------------------------------------------------------------------- keepalive
@@ -183,10 +184,10 @@ def test_calls_to_an_absent_manager_fail_at_their_deadline_with_advice(client_fa
     assert "attempts in 2s" in str(err.value)
 
     started = time.monotonic()
-    with pytest.raises(grpc.RpcError) as rpc_err:
+    with pytest.raises(Unavailable) as health_err:
         channels.check_health(address, timeout=2.0)
     took = time.monotonic() - started
-    assert rpc_err.value.code() == grpc.StatusCode.UNAVAILABLE and 1.9 <= took < 4.0, took
+    assert health_err.value.status == "UNAVAILABLE" and 1.9 <= took < 4.0, took
 
     started = time.monotonic()
     with pytest.raises(DeadlineExceeded, match="reachable"):
@@ -203,9 +204,15 @@ class _Failed(grpc.RpcError):
         return self._code
 
 
+def _failed(code):
+    """The error an attempt raises for a call that failed with ``code`` (``status.translated``)."""
+    return from_rpc_error(_Failed(code), "call")
+
+
 def test_retries_back_off_and_stop_at_the_deadline():
     """call_with_retries on a fake clock: jittered doubling pauses, capped; the last
-    UNAVAILABLE is raised when the deadline leaves no time; other codes are not retried."""
+    UNAVAILABLE is raised when the deadline leaves no time; other codes (CANCELLED, which
+    also reads as Unavailable, among them) are not retried."""
     now = [0.0]
     pauses = []
 
@@ -215,25 +222,27 @@ def test_retries_back_off_and_stop_at_the_deadline():
 
     def attempt(left):
         now[0] += 0.01
-        raise _Failed(grpc.StatusCode.UNAVAILABLE)
+        raise _failed(grpc.StatusCode.UNAVAILABLE)
 
-    with pytest.raises(grpc.RpcError) as err:
+    with pytest.raises(Unavailable) as err:
         channels.call_with_retries(attempt, 3.0, clock=lambda: now[0], sleep=sleep, jitter=lambda: 0.5)
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert err.value.status == "UNAVAILABLE"
     assert pauses[:6] == [0.05, 0.1, 0.2, 0.4, 0.8, 1.0]
     assert 3.0 - 0.005 <= now[0] <= 3.0 + 0.011
 
-    calls = []
+    for code, cls in ((grpc.StatusCode.PERMISSION_DENIED, PermissionDenied),
+                      (grpc.StatusCode.CANCELLED, Unavailable)):
+        calls = []
 
-    def refused(left):
-        calls.append(left)
-        raise _Failed(grpc.StatusCode.PERMISSION_DENIED)
+        def refused(left, calls=calls, code=code):
+            calls.append(left)
+            raise _failed(code)
 
-    with pytest.raises(grpc.RpcError):
-        channels.call_with_retries(refused, 3.0, clock=lambda: now[0], sleep=sleep)
-    assert len(calls) == 1
+        with pytest.raises(cls):
+            channels.call_with_retries(refused, 3.0, clock=lambda: now[0], sleep=sleep)
+        assert len(calls) == 1, code
 
-    answers = iter([_Failed(grpc.StatusCode.UNAVAILABLE), "ok"])
+    answers = iter([_failed(grpc.StatusCode.UNAVAILABLE), "ok"])
 
     def flaky(left):
         a = next(answers)
@@ -247,9 +256,9 @@ def test_retries_back_off_and_stop_at_the_deadline():
 
     def unavailable(left):
         calls.append(left)
-        raise _Failed(grpc.StatusCode.UNAVAILABLE)
+        raise _failed(grpc.StatusCode.UNAVAILABLE)
 
-    with pytest.raises(grpc.RpcError):             # a sleep returning True: the caller closes
+    with pytest.raises(Unavailable):               # a sleep returning True: the caller closes
         channels.call_with_retries(unavailable, 3.0, clock=lambda: now[0], sleep=lambda s: True)
     assert len(calls) == 1
 

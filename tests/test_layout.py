@@ -1,5 +1,5 @@
 """The code stays readable in pieces: no hand-written module over 500 lines, no class over 300
-(generated protobuf code excepted)."""
+(generated protobuf code excepted); and only the transport room knows gRPC."""
 
 import ast
 from pathlib import Path
@@ -27,3 +27,51 @@ def test_no_module_over_500_lines_and_no_class_over_300():
                 too_big.append(f"{path.relative_to(ROOT)}: class {node.name}, "
                                f"{node.end_lineno - node.lineno + 1} lines")
     assert not too_long and not too_big, "split these: " + "; ".join(too_long + too_big)
+
+
+# Only shardps/rpc/ (and the generated code in protos/) knows gRPC: everything else makes its
+# calls inside ``shardps.rpc.status.translated`` and catches ShardpsError. The exceptions, each
+# with its reason:
+GRPC_ALLOWED = {
+    "server/node/service.py": "the ParameterServer servicer: the gRPC adapter of ServerNode",
+    "server/manager/service.py": "the ResourceManager servicer: the gRPC adapter of the manager",
+    "shardps/bench/transport.py": "measures grpcio itself: a bare handler, without the binder's layers",
+}
+
+
+def _grpc_uses(tree: ast.AST) -> list[str]:
+    """``import grpc`` / ``grpc_health`` / ... anywhere in the module, and handlers of RpcError."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""]
+        elif isinstance(node, ast.ExceptHandler) and node.type is not None and "RpcError" in ast.unparse(node.type):
+            found.append(f"line {node.lineno}: except {ast.unparse(node.type)}")
+            continue
+        else:
+            continue
+        found += [f"line {node.lineno}: imports {n}" for n in names if n.split(".")[0].startswith("grpc")]
+    return found
+
+
+def test_only_the_transport_room_knows_grpc():
+    offenders = []
+    for folder in ("shardps", "server", "worker"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel.startswith("shardps/rpc/") or rel in GRPC_ALLOWED:
+                continue
+            offenders += [f"{rel} {use}" for use in _grpc_uses(ast.parse(path.read_text()))]
+    assert not offenders, ("gRPC outside shardps/rpc (call inside shardps.rpc.status.translated and catch "
+                           "ShardpsError; or move the gRPC part into shardps/rpc): " + "; ".join(offenders))
+    assert all((ROOT / rel).exists() for rel in GRPC_ALLOWED), "an allowed module is gone: drop it from the list"
+
+
+def test_the_grpc_check_sees_imports_and_handlers():
+    source = ("import grpc\nfrom grpc_health.v1 import health_pb2\nimport grpcx.y, json\n"
+              "def f():\n    try:\n        pass\n    except (grpc.RpcError, OSError):\n        pass\n")
+    assert sorted(_grpc_uses(ast.parse(source))) == [
+        "line 1: imports grpc", "line 2: imports grpc_health.v1", "line 3: imports grpcx.y",
+        "line 7: except (grpc.RpcError, OSError)"]

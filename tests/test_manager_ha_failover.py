@@ -8,8 +8,7 @@ import pytest
 
 from shardps.bench.common import free_port
 from shardps.rpc import channels
-from shardps.rpc.failover import FailoverChannel, refused_by_follower
-from shardps.server.manager.replica import LeaderGate
+from shardps.rpc.failover import FailoverChannel, LeaderGate, refused_by_follower
 
 SERVICE = "test.Echo"
 METHOD = f"/{SERVICE}/Echo"

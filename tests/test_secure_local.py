@@ -11,10 +11,9 @@ import sys
 import threading
 from pathlib import Path
 
-import grpc
 import pytest
 
-from shardps.errors import PermissionDenied, Unauthenticated
+from shardps.errors import PermissionDenied, ShardpsError, Unauthenticated
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 pytestmark = pytest.mark.slow
@@ -95,9 +94,9 @@ def test_shardps_local_secure_serves_mutual_tls_with_tokens_and_the_readme_clien
     tls = TlsConfig.from_files(env["SHARDPS_TLS_CERT"], env["SHARDPS_TLS_KEY"], env["SHARDPS_TLS_CA"])
     assert check_health(manager, timeout=5, tls=tls) == "SERVING"
     # no TLS, or TLS without a client certificate: nothing is served
-    with pytest.raises(grpc.RpcError):
+    with pytest.raises(ShardpsError):
         check_health(manager, timeout=2)
-    with pytest.raises(grpc.RpcError):
+    with pytest.raises(ShardpsError):
         check_health(manager, timeout=2, tls=TlsConfig.from_files(ca=env["SHARDPS_TLS_CA"]))
     # the certificate without a token, and the job's token for admin work or another job
     token = Path(env["SHARDPS_TOKEN_FILE"]).read_text().strip()

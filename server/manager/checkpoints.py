@@ -8,14 +8,12 @@ import logging
 import threading
 import time
 
-import grpc
-
 from shardps import names
 from shardps.convert import spec_from_proto
 from shardps.errors import DeadlineExceeded, FailedPrecondition, NotFound, ShardpsError, Unavailable
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
-from shardps.rpc.status import from_rpc_error
+from shardps.rpc.status import translated
 from shardps.server.manager.checkpoint_files import latest, read_checkpoint, write_checkpoint
 from shardps.server.manager.checkpoint_plan import (
     CutPlan,
@@ -164,13 +162,11 @@ class CheckpointCoordinator:
         snapshots: dict[str, list] = {t.spec.name: [] for t in plan.tables}
         for index, refs in plan.snapshots.items():
             server = msg.servers[index]
-            try:
+            with translated(f"snapshot from {server.name}"):
                 stream = self.rt.pool.get(server.address).SnapshotBlocks(
                     ps.SnapshotBlocksRequest(epoch=plan.epoch, blocks=refs), timeout=120,
                     metadata=self.rt.pool.metadata)
                 _, snaps = decode_snapshots(stream)
-            except grpc.RpcError as err:
-                raise from_rpc_error(err, f"snapshot from {server.name}") from None
             for snap in snaps:
                 snapshots[snap.header.ref.table].append(snap)
         return snapshots
@@ -178,13 +174,14 @@ class CheckpointCoordinator:
     def _hold(self, servers, job: str, hold: bool) -> None:
         for s in servers:
             try:
-                self.rt.pool.get(s.address).HoldJob(ps.HoldJobRequest(job=job, hold=hold, hold_seconds=60),
-                                                    timeout=30, metadata=self.rt.pool.metadata)
-            except grpc.RpcError as err:
+                with translated(f"hold job {job} on {s.name}"):
+                    self.rt.pool.get(s.address).HoldJob(ps.HoldJobRequest(job=job, hold=hold, hold_seconds=60),
+                                                        timeout=30, metadata=self.rt.pool.metadata)
+            except ShardpsError as err:
                 if hold:
-                    raise from_rpc_error(err, f"hold job {job} on {s.name}") from None
+                    raise
                 log.warning("releasing the hold of job %s on %s failed (it expires by itself): %s",
-                            job, s.name, err.details())
+                            job, s.name, err.details)
 
     def restore(self, job: str, path: str) -> tuple[int, int, int]:
         """Recreate the job's tables from a checkpoint onto the current servers.
@@ -221,12 +218,10 @@ class CheckpointCoordinator:
         from shardps.rpc.stubs import encode_snapshots
         for index, snaps in plan_load(msg, job, blocks).items():
             server = msg.servers[index]
-            try:
+            with translated(f"load blocks on {server.name}"):
                 self.rt.pool.get(server.address).LoadBlocks(
                     encode_snapshots(snaps, msg.epoch), timeout=300,
                     metadata=self.rt.pool.metadata + (("x-shardps-source", "manager"),))
-            except grpc.RpcError as err:
-                raise from_rpc_error(err, f"load blocks on {server.name}") from None
 
     # ------------------------------------------------------------------ lost blocks
     def recover_lost(self) -> None:

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import threading
 
-import grpc
-
 from shardps import mapdelta
 from shardps.errors import FailedPrecondition
 from shardps.metrics import ManagerMetrics
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
-from shardps.rpc.status import from_rpc_error
+from shardps.rpc.status import translated
 
 MAP_HISTORY = 8             # published maps kept to answer "changes since epoch E"
 
@@ -69,18 +67,17 @@ class MapHistory:
         """Install ``request`` with ``stub`` (the server at ``address``); if it holds another
         epoch than the changes start from (FAILED_PRECONDITION), install ``whole``. Raises
         ShardpsError."""
+        what = f"install on {address}"
         try:
-            try:
+            with translated(what):
                 stub.InstallShardMap(request, timeout=timeout, metadata=metadata)
-                self.count_sent(request.map)
-                return
-            except grpc.RpcError as err:
-                if request is whole or not isinstance(from_rpc_error(err, ""), FailedPrecondition):
-                    raise
-            stub.InstallShardMap(whole, timeout=timeout, metadata=metadata)
-            self.count_sent(whole.map)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err, f"install on {address}") from None
+        except FailedPrecondition:
+            if request is whole:
+                raise
+            request = whole
+            with translated(what):
+                stub.InstallShardMap(whole, timeout=timeout, metadata=metadata)
+        self.count_sent(request.map)
 
     def count_sent(self, msg: pb.ShardMap) -> None:
         """Count a map sent to a server or a client (``shardps_map_sent_bytes``)."""

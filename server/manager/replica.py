@@ -8,13 +8,14 @@ service over it, through ``build_term``) and serves. Every change it acknowledge
 written to etcd in a transaction fenced by its leadership, so a new leader starts from every
 acknowledged change (tables, jobs, joins, epochs).
 
-Followers serve nothing of ``shardps.v1.ResourceManager``: every call is refused with
-UNAVAILABLE, "not the leader", and the trailing metadata ``x-shardps-leader`` naming the
-leader's address ("" while an election is under way). A refused call was not executed, so any
-client may send it again to the leader; clients built on ``shardps.rpc.failover`` (given the
-managers' addresses, comma-separated) do so at once. Health: the overall service ("") is
-SERVING on every replica that runs (liveness), ``shardps.v1.ResourceManager`` only on the
-leader (readiness: a Kubernetes Service routes to the leader alone).
+Followers serve nothing of ``shardps.v1.ResourceManager``: their ``LeaderGate``
+(``shardps.rpc.failover``) refuses every call with UNAVAILABLE, "not the leader", and the
+trailing metadata ``x-shardps-leader`` naming the leader's address ("" while an election is
+under way). A refused call was not executed, so any client may send it again to the leader;
+clients built on ``shardps.rpc.failover`` (given the managers' addresses, comma-separated) do
+so at once. Health: the overall service ("") is SERVING on every replica that runs
+(liveness), ``shardps.v1.ResourceManager`` only on the leader (readiness: a Kubernetes
+Service routes to the leader alone).
 
 A leader that loses its lease, or cannot write to etcd, drops its term (the state in memory
 is discarded, the reconcile loop stopped) and campaigns again.
@@ -27,14 +28,13 @@ import threading
 import time
 from typing import Callable, Protocol
 
-import grpc
-
+from shardps.rpc.failover import LeaderGate
+from shardps.rpc.status import Handler
 from shardps.server.manager.etcd_store import EtcdClient, EtcdStore
 from shardps.server.manager.leader import LeaderElection
 
 log = logging.getLogger("shardps.manager")
 
-LEADER_METADATA = "x-shardps-leader"
 # A new leader judges no lease before a full lease plus this: the longest a server's or a
 # worker's heartbeat may stay stuck on a leader that hangs rather than dies (their 5 s call
 # timeout; then their channel moves on, shardps/rpc/failover.py) and one more heartbeat.
@@ -44,37 +44,9 @@ TAKEOVER_GRACE_SECONDS = 6.0
 class Term(Protocol):
     """What a leader runs while it leads: the gRPC handler of the manager's service."""
 
-    handler: grpc.GenericRpcHandler
+    handler: Handler
 
     def stop(self) -> None: ...
-
-
-class LeaderGate(grpc.GenericRpcHandler):
-    """Routes ``service``'s calls to the current term's handler; refuses them, naming the
-    leader, when this replica does not lead. Calls of other services are not its business."""
-
-    def __init__(self, service: str, leader_address: Callable[[], str]):
-        self.prefix = f"/{service}/"
-        self.leader_address = leader_address
-        self.current: grpc.GenericRpcHandler | None = None
-
-    def service(self, handler_call_details):
-        method = handler_call_details.method
-        if not method.startswith(self.prefix):
-            return None
-        current = self.current
-        if current is not None:
-            return current.service(handler_call_details)
-        leader = self.leader_address()
-
-        def refuse(request, context):
-            context.set_trailing_metadata(((LEADER_METADATA, leader),))
-            where = f"the leader is {leader}" if leader else "no leader is elected yet: retry shortly"
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"this manager is not the leader: {where}")
-
-        if method.endswith("/WatchShardMap"):
-            return grpc.unary_stream_rpc_method_handler(refuse)
-        return grpc.unary_unary_rpc_method_handler(refuse)
 
 
 class ManagerReplica:

@@ -24,12 +24,11 @@ from dataclasses import dataclass
 from itertools import chain
 from typing import Callable
 
-import grpc
-
+from shardps.errors import ShardpsError
 from shardps.metrics import ManagerMetrics
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
-from shardps.rpc.status import from_rpc_error
+from shardps.rpc.status import translated
 from shardps.rpc.stubs import StubPool
 from shardps.server.manager import moves
 from shardps.server.manager.map_history import MapHistory
@@ -302,11 +301,11 @@ class ManagerRuntime:
             for m in items:
                 request.blocks.add(job=m.job, table=m.table, block=m.block)
             try:
-                self.pool.get(address[source]).CopyBlocks(request, timeout=self.runtime.copy_timeout,
-                                                          metadata=self.pool.metadata)
-            except grpc.RpcError as err:
-                log.warning("copying %d blocks %s -> %s failed: %s", len(items), source, dst,
-                            from_rpc_error(err, "CopyBlocks").message)
+                with translated("CopyBlocks"):
+                    self.pool.get(address[source]).CopyBlocks(request, timeout=self.runtime.copy_timeout,
+                                                              metadata=self.pool.metadata)
+            except ShardpsError as err:
+                log.warning("copying %d blocks %s -> %s failed: %s", len(items), source, dst, err.message)
                 failed.update(items)
 
         jobs = [self._executor.submit(copy, src, dst, items) for (src, dst), items in groups.items()]

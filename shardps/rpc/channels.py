@@ -42,7 +42,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from shardps.errors import InvalidArgument
+from shardps.errors import DeadlineExceeded, InvalidArgument, ShardpsError
+from shardps.rpc.status import translated
 from shardps.settings import MANAGER_PORT
 
 log = logging.getLogger("shardps.rpc")
@@ -144,9 +145,17 @@ def add_health_and_reflection(server: grpc.Server, service_names: list[str]) -> 
     return servicer
 
 
-def set_serving(servicer: health.HealthServicer, service_names: list[str], serving: bool) -> None:
+def add_health(server: grpc.Server, servicer: health.HealthServicer) -> None:
+    """Serve ``servicer`` (of ``add_health_and_reflection``) on ``server`` too."""
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+
+
+def set_serving(servicer: health.HealthServicer, service_names: list[str], serving: bool, *,
+                overall: bool = True) -> None:
+    """SERVING or NOT_SERVING for each of ``service_names`` and, with ``overall``, for the
+    server as a whole ("")."""
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-    for name in [""] + list(service_names):
+    for name in ([""] if overall else []) + list(service_names):
         servicer.set(name, status)
 
 
@@ -266,20 +275,22 @@ _LAST_ATTEMPT_SECONDS = 0.005    # less time left than this: no attempt can succ
 
 def call_with_retries(attempt, timeout: float, policy: RetryPolicy = RETRY, *,
                       clock=time.monotonic, sleep=time.sleep, jitter=random.random):
-    """``attempt(seconds_left)`` until it returns, retrying while it raises a
-    ``grpc.RpcError`` with code UNAVAILABLE (the peer is down, starting, or the connection
-    broke) for up to ``timeout`` seconds in all. Raises any other error at once, and the last
-    UNAVAILABLE once the deadline leaves no time for another attempt. Only for idempotent
-    calls: an UNAVAILABLE call may have been executed. ``sleep(seconds)`` pauses between
-    attempts; one that returns True (``threading.Event.wait`` of a set event: the caller is
-    closing) ends the retries with the last error. Blocking; thread-safe."""
+    """``attempt(seconds_left)`` until it returns, retrying while it raises the ``ShardpsError``
+    of a call that failed with UNAVAILABLE (``status``: the peer is down, starting, or the
+    connection broke; a CANCELLED call, also ``Unavailable``, is not retried) for up to
+    ``timeout`` seconds in all; attempts make their calls inside ``status.translated``.
+    Raises any other error at once, and the last UNAVAILABLE once the deadline leaves no time
+    for another attempt. Only for idempotent calls: an UNAVAILABLE call may have been
+    executed. ``sleep(seconds)`` pauses between attempts; one that returns True
+    (``threading.Event.wait`` of a set event: the caller is closing) ends the retries with the
+    last error. Blocking; thread-safe."""
     deadline = clock() + timeout
     delay = policy.initial_seconds
     while True:
         try:
             return attempt(max(_LAST_ATTEMPT_SECONDS, deadline - clock()))
-        except grpc.RpcError as err:
-            if err.code() != grpc.StatusCode.UNAVAILABLE:
+        except ShardpsError as err:
+            if err.status != "UNAVAILABLE":
                 raise
             if sleep(max(0.0, min(delay * (0.5 + jitter()), deadline - clock()))):
                 raise
@@ -295,7 +306,8 @@ class UnreachableWarnings:
     """While the calls to ``peer`` ("the manager at host:port") keep failing with UNAVAILABLE,
     a WARNING every ``every`` seconds (the first after ``every`` seconds) naming it, how long
     it has failed, gRPC's reason and what to check; one INFO line once it answers again.
-    Told of every attempt: ``attempted(err)`` of a failed one, ``answered()`` of a reply.
+    Told of every attempt: ``attempted(err)`` of a failed one (its ``ShardpsError``),
+    ``answered()`` of a reply.
     Thread-safe; ``clock`` is passed in."""
 
     def __init__(self, peer: str, every: float | None = None, clock=time.monotonic):
@@ -307,15 +319,13 @@ class UnreachableWarnings:
         self._last = 0.0                        # the last warning (or that first failure)
         self._lock = threading.Lock()
 
-    def attempted(self, err: grpc.RpcError) -> None:
-        """An attempt failed with ``err``: UNAVAILABLE (no connection) counts towards the
-        warnings; DEADLINE_EXCEEDED (a hung peer gives it too) changes nothing; any other
-        code is an answer."""
-        code = err.code() if hasattr(err, "code") else None
-        if code == grpc.StatusCode.UNAVAILABLE:
-            details = err.details() if hasattr(err, "details") else ""
-            self.failed(f"UNAVAILABLE: {details}" if details else "UNAVAILABLE")
-        elif code != grpc.StatusCode.DEADLINE_EXCEEDED:
+    def attempted(self, err: ShardpsError) -> None:
+        """An attempt failed with ``err``: a call that ended UNAVAILABLE (no connection;
+        ``status``) counts towards the warnings; DeadlineExceeded (a hung peer gives it too)
+        changes nothing; any other error is an answer."""
+        if err.status == "UNAVAILABLE":
+            self.failed(f"UNAVAILABLE: {err.details}" if err.details else "UNAVAILABLE")
+        elif not isinstance(err, DeadlineExceeded):
             self.answered()
 
     def failed(self, reason: str) -> None:
@@ -345,11 +355,15 @@ class UnreachableWarnings:
 def check_health(address: str, service: str = "", timeout: float = 3.0,
                  tls: TlsConfig | None = None) -> str:
     """The health status name of ``service`` at ``address`` (SERVING, NOT_SERVING, ...).
-    An unreachable address is tried again until ``timeout``; then raises its
-    grpc.RpcError (UNAVAILABLE, or DEADLINE_EXCEEDED when a connection stalled)."""
+    An unreachable address is tried again until ``timeout``; then raises its ``ShardpsError``
+    (``Unavailable``, or ``DeadlineExceeded`` when a connection stalled; ``status`` and
+    ``details`` say what gRPC reported)."""
     with channel(address, tls) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
-        resp = call_with_retries(
-            lambda left: stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=left),
-            timeout)
+
+        def attempt(left: float):
+            with translated(f"health check of {address}"):
+                return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=left)
+
+        resp = call_with_retries(attempt, timeout)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)

@@ -4,10 +4,11 @@ Given ``host:port,host:port,...`` (``channels.manager_channel``), the channel se
 to the replica it believes leads (the first address at first) and moves on when:
 
 * a replica refuses the call as a follower: UNAVAILABLE with trailing metadata
-  ``x-shardps-leader`` (``server/manager/replica.py``). A refused call was not executed, so
-  it is sent again at once to the leader named (added to the addresses when it is new), or,
-  while no leader is elected, after a short pause to the same replica (which learns the new
-  leader as soon as it is elected); until the call's deadline.
+  ``x-shardps-leader`` (``LeaderGate``, below, which ``server/manager/replica.py`` opens while
+  it leads). A refused call was not executed, so it is sent again at once to the leader named
+  (added to the addresses when it is new), or, while no leader is elected, after a short pause
+  to the same replica (which learns the new leader as soon as it is elected); until the call's
+  deadline.
 * a replica cannot be reached (UNAVAILABLE without that metadata) or does not answer in time
   (DEADLINE_EXCEEDED: it hangs, or is cut off): the next call goes to the next address. The
   error is raised: the call may have been executed, and only the caller knows whether it may
@@ -29,7 +30,7 @@ from typing import Callable
 
 import grpc
 
-LEADER_METADATA = "x-shardps-leader"     # server/manager/replica.py sets it on refusals
+LEADER_METADATA = "x-shardps-leader"     # LeaderGate sets it on refusals
 CONNECT_SECONDS = 1.0                    # wait_for_ready: how long one replica may take to connect
 REFUSED_PAUSE = 0.1                      # between tries while no leader is elected
 
@@ -43,6 +44,35 @@ def refused_by_follower(err: grpc.RpcError) -> str | None:
         if key == LEADER_METADATA:
             return value if isinstance(value, str) else value.decode()
     return None
+
+
+class LeaderGate(grpc.GenericRpcHandler):
+    """The replicas' side (``server/manager/replica.py``): routes ``service``'s calls to the
+    current term's handler; refuses them, naming the leader (``LEADER_METADATA``), when this
+    replica does not lead. Calls of other services are not its business."""
+
+    def __init__(self, service: str, leader_address: Callable[[], str]):
+        self.prefix = f"/{service}/"
+        self.leader_address = leader_address
+        self.current: grpc.GenericRpcHandler | None = None
+
+    def service(self, handler_call_details):
+        method = handler_call_details.method
+        if not method.startswith(self.prefix):
+            return None
+        current = self.current
+        if current is not None:
+            return current.service(handler_call_details)
+        leader = self.leader_address()
+
+        def refuse(request, context):
+            context.set_trailing_metadata(((LEADER_METADATA, leader),))
+            where = f"the leader is {leader}" if leader else "no leader is elected yet: retry shortly"
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"this manager is not the leader: {where}")
+
+        if method.endswith("/WatchShardMap"):
+            return grpc.unary_stream_rpc_method_handler(refuse)
+        return grpc.unary_unary_rpc_method_handler(refuse)
 
 
 class FailoverChannel(grpc.Channel):

@@ -1,6 +1,9 @@
 """The one table that maps shardps errors to gRPC status codes, both ways, and the service
 binder that wraps every handler with it (plus metrics and authentication).
 
+Callers outside ``shardps.rpc`` never see a ``grpc.RpcError``: they make their calls inside
+``with translated(what):`` and catch ``ShardpsError`` subclasses (``from_rpc_error``).
+
 Servicer methods are plain functions ``fn(request, call) -> response`` that raise
 ``ShardpsError``; ``bind`` turns them into a grpc generic handler that aborts with the mapped
 status code and the error's message, counts the call in ``grpc_server_*`` metrics and checks
@@ -15,7 +18,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -25,6 +28,7 @@ from shardps.errors import ShardpsError
 
 log = logging.getLogger("shardps.rpc")
 
+Handler = grpc.GenericRpcHandler      # what ``bind`` returns: the handlers of one service
 _TO_GRPC = {cls: getattr(grpc.StatusCode, code) for code, cls in errors.ERRORS_BY_CODE.items()}
 _FROM_GRPC = {getattr(grpc.StatusCode, code): cls for code, cls in errors.ERRORS_BY_CODE.items()}
 
@@ -47,9 +51,23 @@ def from_rpc_error(err: grpc.RpcError, what: str) -> ShardpsError:
     if code == grpc.StatusCode.CANCELLED:
         # not cancelled by us: the peer is stopping, or cut a stalled stream; retry elsewhere
         cls = errors.Unavailable
+    advice = ""
     if code == grpc.StatusCode.UNAVAILABLE:
-        details = f"{details} (is the process at that address running and reachable?)"
-    return cls(f"{what}: {code.name}: {details}")
+        advice = " (is the process at that address running and reachable?)"
+    exc = cls(f"{what}: {code.name}: {details}{advice}")
+    exc.status, exc.details = code.name, str(details)
+    return exc
+
+
+@contextlib.contextmanager
+def translated(what: str) -> Iterator[None]:
+    """Run the block's gRPC calls with their failures as shardps errors: a ``grpc.RpcError``
+    raised in the block (by a call, or while iterating a server-streaming reply) leaves it
+    as ``from_rpc_error(err, what)``, raised from None. Other exceptions pass unchanged."""
+    try:
+        yield
+    except grpc.RpcError as err:
+        raise from_rpc_error(err, what) from None
 
 
 def _wire_name(err: grpc.RpcError) -> str | None:

@@ -3,13 +3,14 @@
 * ``ParameterServerStub``: the callables of ``shardps.v1.ParameterServer`` (bulk messages are
   encoded and decoded with ``shardps.rpc.codec``: pushes send pre-encoded chunk bytes, pulls
   and snapshots come back as ``codec.Chunk``).
-* ``ManagerStub``: the callables of ``shardps.v1.ResourceManager``.
+* ``ManagerStub``: the callables of ``shardps.v1.ResourceManager`` (a server's registration
+  and heartbeats among them).
 * ``StubPool``: one channel and ``ParameterServerStub`` per server address.
 * ``GrpcPeers``: a server node's calls to other nodes (replication, block loads).
 
 Workers, the manager and server nodes all call servers through these; none of this imports
-``shardps.server``. Stubs raise ``grpc.RpcError``: callers translate it with
-``shardps.rpc.status.from_rpc_error``.
+``shardps.server``. Stubs raise ``grpc.RpcError``: callers make their calls inside
+``shardps.rpc.status.translated(what)`` and see ``ShardpsError`` instead.
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ class ManagerStub:
         def unary(name, req, resp):
             return ch.unary_unary(f"/{MANAGER}/{name}", request_serializer=req.SerializeToString,
                                   response_deserializer=resp.FromString)
+        self.RegisterServer = unary("RegisterServer", mg.RegisterServerRequest, mg.RegisterServerResponse)
+        self.ServerHeartbeat = unary("ServerHeartbeat", mg.ServerHeartbeatRequest, mg.ServerHeartbeatResponse)
         self.CreateJob = unary("CreateJob", mg.CreateJobRequest, mg.CreateJobResponse)
         self.EndJob = unary("EndJob", mg.EndJobRequest, mg.EndJobResponse)
         self.CreateTable = unary("CreateTable", mg.CreateTableRequest, mg.CreateTableResponse)

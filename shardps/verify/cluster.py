@@ -21,6 +21,7 @@ from shardps.netproxy import TcpProxy
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc.channels import channel
+from shardps.rpc.status import translated
 from shardps.verify.defects import ENV
 from shardps.verify.etcd import EtcdProcess, find_etcd
 
@@ -207,8 +208,9 @@ class VerifyCluster:
 
 
     def server_call(self, name: str, method: str, request, response_cls, timeout: float = 10.0):
-        """One unary ``ParameterServer`` call to server ``name`` (raises grpc.RpcError)."""
-        with channel(self.local.servers[name].address) as ch:
+        """One unary ``ParameterServer`` call to server ``name``; ``ShardpsError`` on failure
+        (its ``status`` and ``details`` say what gRPC reported)."""
+        with channel(self.local.servers[name].address) as ch, translated(f"{method} on server {name}"):
             call = ch.unary_unary(f"/shardps.v1.ParameterServer/{method}",
                                   request_serializer=type(request).SerializeToString,
                                   response_deserializer=response_cls.FromString)

@@ -11,8 +11,6 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 from typing import Callable
 
-import grpc
-
 from shardps.errors import ShardpsError
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.verify import checker
@@ -210,8 +208,8 @@ def _read_replicas(cluster: VerifyCluster) -> tuple[dict, list[str]]:
     for name in cluster.live():
         try:
             answer = cluster.block_digests(name)
-        except grpc.RpcError as exc:
-            errors.append(f"server {name} did not answer GetBlockDigests: {exc.code().name} {exc.details()}")
+        except ShardpsError as exc:
+            errors.append(f"server {name} did not answer GetBlockDigests: {exc.status} {exc.details}")
             continue
         for b in answer.blocks:
             held[(b.job, b.table, int(b.block))].append(
@@ -248,7 +246,7 @@ def _check_replicas(verdict: Verdict, cluster: VerifyCluster, replication: int, 
     for name in cluster.live():
         try:
             status = cluster.node_status(name)
-        except grpc.RpcError:
+        except ShardpsError:
             continue
         for t in status.tables:
             if t.budget_bytes:

@@ -1,8 +1,8 @@
 """The manager calls of one job: jobs, tables, the shard map, checkpoints, status, drains.
 
 ``Admin.call`` is the one way to the manager: it honours the call's deadline, retries the
-idempotent calls after UNAVAILABLE, counts the call in ``grpc_client_*`` metrics and turns
-``grpc.RpcError`` into ``ShardpsError``. ``Admin`` also keeps the client's shard map, the
+idempotent calls after UNAVAILABLE, counts the call in ``grpc_client_*`` metrics and raises
+``ShardpsError`` (``shardps.rpc.status.translated``). ``Admin`` also keeps the client's shard map, the
 only state the data path reads from the manager.
 """
 
@@ -14,16 +14,14 @@ import threading
 import time
 from typing import Callable
 
-import grpc
-
 from shardps import mapdelta
 from shardps.convert import config_from_proto, config_to_proto, consistency_to_proto, spec_to_proto
-from shardps.errors import DeadlineExceeded, InvalidArgument, NotFound
+from shardps.errors import DeadlineExceeded, InvalidArgument, NotFound, ShardpsError
 from shardps.metrics import WorkerMetrics
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import manager_pb2 as mg
 from shardps.rpc import channels
-from shardps.rpc.status import from_rpc_error
+from shardps.rpc.status import translated
 from shardps.rpc.stubs import MANAGER, ManagerStub
 from shardps.shardmap import GroupView, ShardMapView, TableView
 from shardps.tables import (
@@ -51,6 +49,13 @@ def parse_consistency(text: str) -> Consistency:
     """``async``/``asp``, ``sync``/``bsp`` or ``ssp``/``bounded`` (any case); InvalidArgument
     otherwise (``Consistency.parse``)."""
     return Consistency.parse(text)
+
+
+def _restated(exc: ShardpsError, message: str) -> ShardpsError:
+    """``exc`` with another message: its class, ``status`` and ``details`` kept."""
+    out = type(exc)(message)
+    out.status, out.details = exc.status, exc.details
+    return out
 
 
 class Admin:
@@ -96,8 +101,9 @@ class Admin:
             nonlocal attempts
             attempts += 1
             try:
-                reply = fn(request, timeout=left, metadata=self.metadata, **kw)
-            except grpc.RpcError as err:
+                with translated(what):
+                    reply = fn(request, timeout=left, metadata=self.metadata, **kw)
+            except ShardpsError as err:
                 self.unreachable.attempted(err)     # a warning every few seconds while unreachable
                 raise
             self.unreachable.answered()
@@ -107,16 +113,16 @@ class Admin:
             if idempotent:
                 return channels.call_with_retries(attempt, timeout, sleep=self.closed.wait)
             return attempt(timeout, wait_for_ready=True)
-        except grpc.RpcError as err:
-            code = err.code().name if hasattr(err, "code") else "UNKNOWN"
-            exc = from_rpc_error(err, what)
+        except ShardpsError as exc:
+            code = exc.status or "UNKNOWN"          # the metrics' label: the status the call ended with
+            waited = time.perf_counter() - started
             if attempts > 1:
-                exc = type(exc)(f"{exc.message} (gave up after {attempts} attempts in {timeout:g}s)")
-            elif not idempotent and code == "DEADLINE_EXCEEDED" and time.perf_counter() - started >= 0.95 * timeout:
+                exc = _restated(exc, f"{exc.message} (gave up after {attempts} attempts in {timeout:g}s)")
+            elif not idempotent and isinstance(exc, DeadlineExceeded) and waited >= 0.95 * timeout:
                 # this call's own deadline passed (not a deadline the manager reports)
-                exc = type(exc)(f"{exc.message} (waited {timeout:g}s for the manager at "
-                                f"{self.address}: is it running and reachable, or is the "
-                                f"timeout too short for this call?)")
+                exc = _restated(exc, f"{exc.message} (waited {timeout:g}s for the manager at "
+                                     f"{self.address}: is it running and reachable, or is the "
+                                     f"timeout too short for this call?)")
             raise exc from None
         finally:
             g = self.metrics.grpc
