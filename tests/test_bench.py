@@ -70,8 +70,9 @@ def test_tiny_run_writes_every_key(tmp_path):
     missing = [k for k in REQUIRED_KEYS if results.get(k) is None]
     assert not missing, f"keys without a number: {missing}"
     assert all(v is None or math.isfinite(v) for v in results.values())
-    for t in TARGETS:
-        assert f"target_{t.name}_met" in results, t.name
+    import torch
+    for t in TARGETS:          # every target has a verdict; those of GPU runs only where CUDA is
+        assert (f"target_{t.name}_met" in results) == (not t.cuda or torch.cuda.is_available()), t.name
     assert {p.name for p in img.glob("*.png")} >= {"bench-dense.png", "bench-sparse.png", "bench-e2e.png",
                                                    "bench-memory.png", "bench-curves.png", "bench-placement.png"}
     # the "Results of one run" section of docs/performance.md, from this run's files

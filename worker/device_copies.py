@@ -21,6 +21,7 @@ Not thread-safe: the training thread drives it.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Protocol, Sequence
 
@@ -145,6 +146,9 @@ class DeviceCopies:
     def __init__(self, pool: StagingPool | None = None):
         self.pool = pool or StagingPool()
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        # the training thread's time in GPU copies (staging, issuing, waiting for gradients):
+        # the "copies" part of a GPU worker's step; 0 on the CPU, where nothing is copied
+        self.seconds = 0.0
 
     def copy_stream(self, device: torch.device) -> torch.cuda.Stream:
         """The stream ``device``'s copies run on (one per device, made on first use)."""
@@ -161,6 +165,7 @@ class DeviceCopies:
             return torch.from_numpy(array)
         if device.type != "cuda" or array.size == 0:
             return torch.from_numpy(array).to(device)
+        started = time.perf_counter()
         slot = self.pool.take(array.dtype, array.size)
         staged = slot.buffer[:array.size].view(array.shape)
         np.copyto(staged.numpy(), array)
@@ -173,12 +178,14 @@ class DeviceCopies:
         self.pool.issued(slot, event)
         compute.wait_event(event)
         out.record_stream(compute)          # freed later: not reused before the compute stream is done with it
+        self.seconds += time.perf_counter() - started
         return out
 
     def to_host_all(self, tensors: Sequence[torch.Tensor]) -> list[np.ndarray]:
         """Each tensor as a numpy array on the host. The CPU: ``tensor.detach().numpy()`` (a
         view). A GPU: every copy is started, then one wait for them all; each array owns its
         pinned buffer."""
+        started = time.perf_counter()
         out: list[np.ndarray | torch.Tensor] = []
         waited: dict[torch.device, torch.cuda.Stream] = {}
         for tensor in tensors:
@@ -197,6 +204,8 @@ class DeviceCopies:
             out.append(host)
         for stream in waited.values():
             stream.synchronize()
+        if waited:
+            self.seconds += time.perf_counter() - started
         return [a.numpy() if isinstance(a, torch.Tensor) else a for a in out]
 
     def to_host(self, tensor: torch.Tensor) -> np.ndarray:

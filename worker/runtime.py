@@ -240,7 +240,7 @@ def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=Fals
     ps_model.settle()
     result = TrainResult(client.membership.rank, ps_model.step, samples, wall,
                          task.evaluate(task.model, *task.test), losses, result_curve, max_stale,
-                         dict(ps_model.timings, compute=compute), unique_rows,
+                         dict(ps_model.timings, compute=compute, copies=ps_model.copies.seconds), unique_rows,
                          int(client.metrics.sparse_bytes.labels("pushed")._value.get()), str(device),
                          int(client.metrics.bytes.labels("pulled")._value.get()),
                          int(client.metrics.sparse_bytes.labels("pulled")._value.get()),

@@ -12,7 +12,11 @@ Both runs: ``e2e_workers`` ``shardps worker`` processes against ``e2e_servers`` 
 * ``cache_on_hit_rate`` (rows read from the cache over rows looked up),
   ``cache_on_max_staleness`` (the oldest row read, in steps) and ``cache_on_staleness_bound``;
 * ``ratio_cache_on_over_off_samples_per_s``, ``ratio_cache_row_pull_bytes_on_over_off``,
-  ``cache_auc_gap_on_minus_off``.
+  ``cache_auc_gap_on_minus_off``;
+* where CUDA is present, the same with ``cache_gpu_`` in place of ``cache_``, through
+  ``shardps worker --device cuda`` (2 GPU workers, 2 servers, the largest of ``gpu_batches``),
+  with one GPU process holding the table beside them (``cache_gpu_single_*``,
+  ``ratio_cache_gpu_on_over_single``); elsewhere ``cache_gpu_skipped`` = 1.
 """
 
 from __future__ import annotations
@@ -38,38 +42,74 @@ def _per_step(results: list[dict]) -> dict[str, float]:
                                        default=0))}
 
 
-def run(cfg: BenchConfig, progress) -> dict[str, float]:
+def _off_and_on(cfg: BenchConfig, progress, prefix: str, argv: list[str], workers: int,
+                servers: int) -> dict[str, float]:
+    """The run without the cache, then with it, each against a fresh cluster: ``{prefix}_{off,on}_*``
+    and the ratios of on over off."""
     from shardps.local import LocalCluster
 
+    out: dict[str, float] = {}
+    for name, extra in (("off", []), ("on", ["--cache-bytes", str(cfg.cache_bytes),
+                                             "--cache-staleness", str(cfg.cache_staleness)])):
+        t0 = time.monotonic()
+        with LocalCluster(servers=servers, replication=1) as cluster:
+            results = ps_runs.train(cluster, f"{prefix}-{name}".replace("_", "-"), workers, argv + extra,
+                                    cfg.process_timeout_s)
+        summary = ps_runs.summarize(results)
+        figures = _per_step(results)
+        key = f"{prefix}_{name}"
+        out[f"{key}_samples_per_s"] = summary["samples_per_s"]
+        out[f"{key}_auc"] = summary["auc"]
+        out[f"{key}_pull_bytes_per_step"] = figures["pull_bytes_per_step"]
+        out[f"{key}_row_pull_bytes_per_step"] = figures["row_pull_bytes_per_step"]
+        if name == "on":
+            out[f"{key}_hit_rate"] = figures["hit_rate"]
+            out[f"{key}_max_staleness"] = figures["max_staleness"]
+        progress(f"{prefix.replace('_', ' ')} {name}: {summary['samples_per_s']:,.0f} samples/s, AUC "
+                 f"{summary['auc']:.4f}, {figures['pull_bytes_per_step'] / 1e3:,.0f} KB pulled per step "
+                 f"({figures['row_pull_bytes_per_step'] / 1e3:,.0f} KB of rows)"
+                 + (f", hit rate {figures['hit_rate']:.0%}, oldest row read {figures['max_staleness']:.0f} steps"
+                    if name == "on" else "") + f" ({time.monotonic() - t0:.0f}s including start-up)")
+    head = f"ratio_{prefix}"
+    out[f"{head}_on_over_off_samples_per_s"] = ratio(out[f"{prefix}_on_samples_per_s"],
+                                                     out[f"{prefix}_off_samples_per_s"])
+    out[f"{head}_row_pull_bytes_on_over_off"] = ratio(out[f"{prefix}_on_row_pull_bytes_per_step"],
+                                                      out[f"{prefix}_off_row_pull_bytes_per_step"])
+    out[f"{head}_pull_bytes_on_over_off"] = ratio(out[f"{prefix}_on_pull_bytes_per_step"],
+                                                  out[f"{prefix}_off_pull_bytes_per_step"])
+    out[f"{prefix}_auc_gap_on_minus_off"] = out[f"{prefix}_on_auc"] - out[f"{prefix}_off_auc"]
+    return out
+
+
+def _on_the_gpu(cfg: BenchConfig, progress) -> dict[str, float]:
+    """The same through ``shardps worker --device cuda``: 2 GPU workers (as many servers) at
+    the largest ``gpu_batches`` batch, against one GPU process holding the table
+    (``cache_gpu_*``, ``ratio_cache_gpu_on_over_single``); ``cache_gpu_skipped`` = 1 without CUDA."""
+    from shardps.bench import gpu
+    from shardps.worker.device import cuda_device_count, no_cuda_reason
+
+    if cuda_device_count() == 0:
+        progress(f"cache on the GPU: skipped, no CUDA device ({no_cuda_reason()})")
+        return {"cache_gpu_skipped": 1.0}
+    batch, workers = max(cfg.gpu_batches), 2
+    argv = gpu.gpu_args(cfg.e2e_rows, cfg.gpu_train_samples, batch)
+    single = gpu.run_single(argv, cfg.process_timeout_s)
+    progress(f"cache on the GPU: batch {batch}, one GPU process {single['samples_per_s']:,.0f} samples/s, "
+             f"AUC {single['auc']:.4f}")
+    out = {"cache_gpu_skipped": 0.0, "cache_gpu_batch": float(batch),
+           "cache_gpu_single_samples_per_s": single["samples_per_s"], "cache_gpu_single_auc": single["auc"]}
+    out.update(_off_and_on(cfg, progress, "cache_gpu", argv + ["--device", "cuda"], workers, workers))
+    out["ratio_cache_gpu_on_over_single"] = ratio(out["cache_gpu_on_samples_per_s"], single["samples_per_s"])
+    out["cache_gpu_on_auc_minus_single"] = out["cache_gpu_on_auc"] - single["auc"]
+    return out
+
+
+def run(cfg: BenchConfig, progress) -> dict[str, float]:
     n, rows, w = cfg.e2e_train_samples, cfg.e2e_rows, cfg.e2e_workers
     out: dict[str, float] = {"cache_on_staleness_bound": float(cfg.cache_staleness),
                              "cache_bytes_per_table": float(cfg.cache_bytes)}
     progress(f"cache: ctr, {n:,} samples, {w} workers, {cfg.e2e_servers} servers; cache {cfg.cache_bytes:,} "
              f"bytes per table, staleness bound {cfg.cache_staleness} steps")
-    for name, extra in (("off", []), ("on", ["--cache-bytes", str(cfg.cache_bytes),
-                                             "--cache-staleness", str(cfg.cache_staleness)])):
-        t0 = time.monotonic()
-        with LocalCluster(servers=cfg.e2e_servers, replication=1) as cluster:
-            results = ps_runs.train(cluster, f"cache-{name}", w, worker_args("async", rows, n) + extra,
-                                    cfg.process_timeout_s)
-        summary = ps_runs.summarize(results)
-        figures = _per_step(results)
-        out[f"cache_{name}_samples_per_s"] = summary["samples_per_s"]
-        out[f"cache_{name}_auc"] = summary["auc"]
-        out[f"cache_{name}_pull_bytes_per_step"] = figures["pull_bytes_per_step"]
-        out[f"cache_{name}_row_pull_bytes_per_step"] = figures["row_pull_bytes_per_step"]
-        if name == "on":
-            out["cache_on_hit_rate"] = figures["hit_rate"]
-            out["cache_on_max_staleness"] = figures["max_staleness"]
-        progress(f"cache {name}: {summary['samples_per_s']:,.0f} samples/s, AUC {summary['auc']:.4f}, "
-                 f"{figures['pull_bytes_per_step'] / 1e3:,.0f} KB pulled per step "
-                 f"({figures['row_pull_bytes_per_step'] / 1e3:,.0f} KB of rows)"
-                 + (f", hit rate {figures['hit_rate']:.0%}, oldest row read {figures['max_staleness']:.0f} steps"
-                    if name == "on" else "") + f" ({time.monotonic() - t0:.0f}s including start-up)")
-    out["ratio_cache_on_over_off_samples_per_s"] = ratio(out["cache_on_samples_per_s"], out["cache_off_samples_per_s"])
-    out["ratio_cache_row_pull_bytes_on_over_off"] = ratio(out["cache_on_row_pull_bytes_per_step"],
-                                                          out["cache_off_row_pull_bytes_per_step"])
-    out["ratio_cache_pull_bytes_on_over_off"] = ratio(out["cache_on_pull_bytes_per_step"],
-                                                      out["cache_off_pull_bytes_per_step"])
-    out["cache_auc_gap_on_minus_off"] = out["cache_on_auc"] - out["cache_off_auc"]
+    out.update(_off_and_on(cfg, progress, "cache", worker_args("async", rows, n), w, cfg.e2e_servers))
+    out.update(_on_the_gpu(cfg, progress))
     return out

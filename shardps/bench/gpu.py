@@ -22,7 +22,9 @@ slowest worker's loop time), ``gpu_{system}_b{B}_auc``, ``gpu_ps_w{W}_b{B}_over_
 ``gpu_ps_w{W}_b{B}_share_{compute,pull_wait,push_wait,barrier_wait}``: ``compute`` is the
 step's forward and backward including the GPU's work (the loop waits for the GPU before it
 pushes), the waits are time the loop spends on the servers while the GPU has nothing queued;
-``..._share_wait`` is their sum.
+``..._share_wait`` is their sum. ``..._share_copies``: the loop's own time on copies between
+host and GPU (staging pulled values into pinned buffers, waiting for the gradients' copies),
+a part of ``compute`` and ``push_wait``.
 """
 
 from __future__ import annotations
@@ -101,11 +103,12 @@ def run(cfg: BenchConfig, progress) -> dict[str, float]:
             out[f"{key}_samples_per_s"], out[f"{key}_auc"] = summary["samples_per_s"], summary["auc"]
             out[f"{key}_over_single"] = ratio(summary["samples_per_s"], single["samples_per_s"])
             out[f"{key}_auc_minus_single"] = summary["auc"] - single["auc"]
-            for phase in ("compute",) + WAITS:
+            for phase in ("compute", "copies") + WAITS:
                 out[f"{key}_share_{phase}"] = summary.get(f"share_{phase}", 0.0)
             out[f"{key}_share_wait"] = sum(out[f"{key}_share_{phase}"] for phase in WAITS)
             progress(f"batch {batch}: {w} GPU workers x {w} servers {summary['samples_per_s']:,.0f} samples/s "
                      f"({out[f'{key}_over_single']:.2f} x one process), AUC {summary['auc']:.4f}; loop: compute "
-                     f"{out[f'{key}_share_compute']:.0%}, waiting on the servers {out[f'{key}_share_wait']:.0%} "
+                     f"{out[f'{key}_share_compute']:.0%} (copies {out[f'{key}_share_copies']:.0%}), waiting on the "
+                     f"servers {out[f'{key}_share_wait']:.0%} "
                      f"({time.monotonic() - t0:.0f}s including start-up)")
     return out

@@ -30,6 +30,7 @@ class Target:
     op: str               # ">=" or "<="
     bound: float
     text: str
+    cuda: bool = False    # measured only where torch sees a CUDA device (else "not measured")
 
     def met(self, results: dict) -> bool | None:
         value = results.get(self.metric)
@@ -96,6 +97,17 @@ TARGETS = (
            "cache_on_samples_per_s >= 1.25 x cache_off_samples_per_s"),
     Target("cache_auc", "cache_auc_abs_gap_on_off", "<=", 0.003,
            "|cache_on_auc - cache_off_auc| <= 0.003"),
+    # on a CUDA machine only (the gpu and cache parts; elsewhere not measured)
+    Target("gpu_w2_speed", "gpu_ps_w2_b4096_over_single", ">=", 0.7,
+           "GPU: 2 workers x 2 servers, batch 4096 >= 0.7 x one GPU process", cuda=True),
+    Target("gpu_w2_auc", "gpu_ps_w2_b4096_auc_abs_gap", "<=", 0.005,
+           "GPU: |2 workers' AUC - one GPU process's| <= 0.005", cuda=True),
+    Target("gpu_w2_waits", "gpu_ps_w2_b4096_share_wait", "<=", 0.3,
+           "GPU: a worker's step waiting on the servers <= 0.3", cuda=True),
+    Target("cache_gpu_speed", "ratio_cache_gpu_on_over_single", ">=", 1.0,
+           "GPU: 2 workers with the cache, batch 4096 >= 1.0 x one GPU process", cuda=True),
+    Target("cache_gpu_auc", "cache_gpu_on_auc_abs_gap", "<=", 0.005,
+           "GPU: |2 workers with the cache's AUC - one GPU process's| <= 0.005", cuda=True),
 )
 
 
@@ -108,6 +120,11 @@ def add_derived(results: dict) -> None:
     cache_gap = results.get("cache_auc_gap_on_minus_off")
     if cache_gap is not None and math.isfinite(cache_gap):
         results["cache_auc_abs_gap_on_off"] = abs(cache_gap)
+    for gap_key, abs_key in (("gpu_ps_w2_b4096_auc_minus_single", "gpu_ps_w2_b4096_auc_abs_gap"),
+                             ("cache_gpu_on_auc_minus_single", "cache_gpu_on_auc_abs_gap")):
+        value = results.get(gap_key)
+        if value is not None and math.isfinite(value):
+            results[abs_key] = abs(value)
     waits = [results.get(f"e2e_ps_async_share_{k}") for k in ("pull_wait", "push_wait")]
     if all(w is not None and math.isfinite(w) for w in waits):
         results["e2e_ps_async_share_waits"] = sum(waits)
