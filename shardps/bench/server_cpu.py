@@ -85,7 +85,7 @@ def measure(variant: str, rows: int, blocks: int, batch: int, rounds: int, seed:
         for i, (ids, grads) in enumerate(work):
             t0 = time.thread_time()
             node.pull(PullRequest(Header(JOB, epoch=1), _segment(ids), ids.tobytes()))
-            header.sequence = i + 1
+            header.sequence = header.acked_below = i + 1     # the earlier pushes were acknowledged
             node.push(PushRequest(header, GRADIENT, _segment(ids), ids.tobytes() + grads.tobytes()))
             if i >= 5:                                         # the first rounds warm up
                 spent += time.thread_time() - t0
