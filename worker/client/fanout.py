@@ -120,8 +120,11 @@ class Fanout:
             attempt += 1
             for e in errors.values():
                 self.metrics.retries.labels(type(e).__name__).inc()
-            time.sleep(min(delay, max(0.0, deadline - time.monotonic())) * (0.5 + random.random()))
-            delay = min(delay * 2, 0.5)
+            if self.maps.view().epoch <= view.epoch:
+                # nothing new to route by: back off. A newer map (one that declared a paused
+                # server dead, whose calls were then abandoned) is retried with at once
+                time.sleep(min(delay, max(0.0, deadline - time.monotonic())) * (0.5 + random.random()))
+                delay = min(delay * 2, 0.5)
             view, pending, waited = self._reroute(view, retry, deadline)
             if waited:
                 retry_servers = []
