@@ -43,8 +43,8 @@ class FakeClock:
 
 @dataclass
 class FakePeers:
-    """Records every call. ``fail``: nodes whose calls raise Unavailable. ``out_of_sync``:
-    node -> keys its replicate reports stale. ``nodes``: name -> Layers to deliver to."""
+    """Records every call (``abandon`` too). ``fail``: nodes whose calls raise Unavailable.
+    ``out_of_sync``: node -> keys its replicate reports stale. ``nodes``: name -> Layers."""
 
     fail: set = field(default_factory=set)
     fail_kinds: set = field(default_factory=set)      # op kinds whose replicate raises Unavailable
@@ -70,7 +70,7 @@ class FakePeers:
             self.nodes[node].backup.load_blocks(epoch, self.source, snapshots)
 
     def abandon(self, node):
-        return 0
+        return self.calls.append(("abandon", node)) or 0
 
     def sent(self, what: str) -> list:
         return [c for c in self.calls if c[0] == what]

@@ -37,6 +37,16 @@ from shardps.server.manager.state import ManagerState
 from shardps.server.manager.store import StateFile, StateStore
 
 log = logging.getLogger("shardps.manager")
+SLOW_INSTALL_SECONDS = 0.5    # a map install slower than this is logged
+
+
+def _installed(metrics: ManagerMetrics, epoch: int, took: float, servers: int, last: str) -> None:
+    """Count a map's install on the servers; log one slower than ``SLOW_INSTALL_SECONDS``
+    (clients are shown the map only after every server has it)."""
+    metrics.install_seconds.observe(took)
+    if took > SLOW_INSTALL_SECONDS:
+        log.warning("epoch %d took %.2f s to install on %d servers (the last: %s); clients "
+                    "were shown it after that", epoch, took, servers, last)
 
 
 @dataclass(frozen=True)
@@ -143,12 +153,14 @@ class ManagerRuntime:
                                           changes if s.name in self.maps.accepts else whole, whole,
                                           self.runtime.install_timeout, self.pool.metadata): s.name
                     for s in targets}
+            slowest = ""
             for fut in futures.as_completed(jobs):
+                slowest = jobs[fut]
                 err = fut.exception()
                 if err is not None:
                     log.warning("epoch %d not installed on %s yet (%s); it catches up from its "
                                 "next heartbeat", msg.epoch, jobs[fut], err)
-            self.metrics.install_seconds.observe(self.now() - started)
+            _installed(self.metrics, msg.epoch, self.now() - started, len(jobs), slowest)
             with self._published_cond:
                 self._published = msg
                 self.maps.remember(msg)

@@ -152,9 +152,7 @@ class ServerNode:
         # forwards to a node this map declares dead (paused, cut off) would hold the data
         # requests the gate waits for until their timeout: they fail now instead
         alive = {s.name for s in view.servers if s.state != pb.DEAD}
-        for s in base.servers:
-            if s.state != pb.DEAD and s.name not in alive:
-                self.forwarder.peers.abandon(s.name)
+        self.forwarder.declare_dead(view.epoch, {s.name for s in (*base.servers, *view.servers)} - alive)
         with self.table.gate.exclusive():
             if view.epoch <= self.table.view.epoch:
                 return self.table.view.epoch

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, Sequence, cast
@@ -128,6 +129,28 @@ class Forwarder:
         self.metrics = metrics
         self.peers = peers
         self._now = clock
+        # nodes the newest map this node received declares dead: calls to them fail at once
+        self.dead: frozenset[str] = frozenset()
+        self._dead_epoch = 0
+        self._dead_lock = threading.Lock()
+
+    def declare_dead(self, epoch: int, nodes: set[str]) -> None:
+        """The map of ``epoch``, being installed, declares ``nodes`` dead: the calls in flight
+        to them fail now, and so does every later call until a newer map lists them alive.
+        Requests admitted under the old map still forward to its backups, and a paused backup
+        (its socket still accepts connections) would hold each of them, and so the install
+        that waits for them, until the forward timeout. An older map's call is ignored."""
+        with self._dead_lock:
+            if epoch < self._dead_epoch:
+                return
+            newly = nodes - self.dead
+            self.dead, self._dead_epoch = frozenset(nodes), epoch
+        for node in sorted(newly):
+            self.peers.abandon(node)
+
+    def _reachable(self, node: str) -> None:
+        if node in self.dead:
+            raise Unavailable(f"{node} was declared dead by the shard map")
 
     def forward_locked(self, ops: list[Op], blocks: list[AnyBlock]) -> None:
         """Send ops to every backup (block locks held). Out-of-sync blocks are sent whole.
@@ -146,6 +169,7 @@ class Forwarder:
         for node, items in by_node.items():
             started = self._now()
             try:
+                self._reachable(node)
                 stale = self.peers.replicate(node, self.table.view.epoch, [op for _, op, _ in items],
                                              [a for _, _, arrays in items for a in arrays])
                 for key in stale:
@@ -194,6 +218,7 @@ class Forwarder:
 
     def send_whole(self, blk: AnyBlock, node: str) -> None:
         """Load ``blk`` whole on ``node`` (lock held). Raises what ``peers`` raises."""
+        self._reachable(node)
         self.peers.load_blocks(node, self.table.view.epoch, [snapshot_block(blk)], resync=True)
         self.metrics.resyncs.inc()
 
@@ -206,6 +231,7 @@ class Forwarder:
             key, blk = self._primary_block(ref)
             with blk.lock:
                 snap = snapshot_block(blk)
+                self._reachable(destination)
                 self.peers.load_blocks(destination, self.table.view.epoch, [snap])
                 self.table.add_destination(key, destination)
             copied += 1
