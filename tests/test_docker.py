@@ -42,6 +42,7 @@ WHEELHOUSE = ROOT / "wheelhouse"
 # which compile the servers' row updates (shardps.kernels, 3-5x the numpy loop)
 SERVER_IMAGE_LIMIT = 480_000_000
 MIN_ACCURACY = 0.95
+STEP_DELAY = 0.05           # seconds per step of the test's workers (see the test)
 SERVERS = ("s0", "s1", "s2")
 KERNELS_LINE = re.compile(r"kernels ready in ([0-9.]+) s: (\d+) loaded from numba's cache, (\d+) compiled")
 FINAL_LINE = re.compile(r"shardps worker rank=(\d+) steps=(\d+) test_accuracy=([0-9.]+)")
@@ -81,9 +82,9 @@ def _compose_command() -> list[str]:
 class Compose:
     """`docker compose` / `docker-compose` on the repository's docker-compose.yml, one project."""
 
-    def __init__(self, project: str, env: dict[str, str]):
-        self.base = _compose_command() + ["-f", str(ROOT / "docker-compose.yml"),
-                                          "--project-directory", str(ROOT), "-p", project]
+    def __init__(self, project: str, env: dict[str, str], overrides: tuple[Path, ...] = ()):
+        files = [arg for f in (ROOT / "docker-compose.yml", *overrides) for arg in ("-f", str(f))]
+        self.base = _compose_command() + files + ["--project-directory", str(ROOT), "-p", project]
         self.project = project
         self.env = {**os.environ, **env}
 
@@ -234,8 +235,12 @@ def test_compose_cluster_trains_scales_and_reports_a_dead_server(tmp_path):
     results: dict = {}
     project = f"shardpstest{os.getpid()}{secrets.token_hex(3)}"
     refs = {"server": "shardps-test/server:latest", "worker": "shardps-test/worker:latest"}
+    # the workers sleep a little per step: two of them must still be training when the third
+    # joins (a worker's start-up, about 10 s here, is longer than digits' training, about 5 s)
+    slow = tmp_path / "slow-workers.yml"
+    slow.write_text(f"services:\n  worker:\n    environment:\n      SHARDPS_STEP_DELAY: \"{STEP_DELAY}\"\n")
     compose = Compose(project, {"IMAGE_REPO": "shardps-test", "IMAGE_TAG": "latest", "OFFLINE": "1",
-                                "WHEELHOUSE": "wheelhouse", "MANAGER_PORT": str(free_port())})
+                                "WHEELHOUSE": "wheelhouse", "MANAGER_PORT": str(free_port())}, (slow,))
 
     def report(key: str, value) -> None:
         results[key] = value
