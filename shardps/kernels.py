@@ -24,6 +24,7 @@ with per-row learning-rate factors computed in float64 and rounded to float32 as
 from __future__ import annotations
 
 import os
+import re
 import time
 from typing import Any
 
@@ -428,6 +429,10 @@ def prepare(log, *others) -> tuple[float, int, int]:
             if stats is not None and hasattr(stats, "cache_hits"):
                 loaded += sum(stats.cache_hits.values())
                 compiled += sum(stats.cache_misses.values())
-    log.info("data-path kernels ready in %.2f s: %d loaded from numba's cache, %d compiled (cache: %s)",
-             took, loaded, compiled, os.environ.get("NUMBA_CACHE_DIR") or "next to the sources")
+    log.info(READY_LOG, took, loaded, compiled, os.environ.get("NUMBA_CACHE_DIR") or "next to the sources")
     return took, loaded, compiled
+
+
+READY_LOG = "data-path kernels ready in %.2f s: %d loaded from numba's cache, %d compiled (cache: %s)"
+# ``prepare``'s log line, read back from a process's log: (seconds, loaded, compiled)
+READY_LINE = re.compile(r"kernels ready in ([0-9.]+) s: (\d+) loaded from numba's cache, (\d+) compiled")

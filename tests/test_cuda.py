@@ -195,7 +195,7 @@ def test_values_go_to_the_gpu_and_gradients_come_back_unchanged():
     np.testing.assert_array_equal(back[0], rows)
     np.testing.assert_array_equal(back[1], rows * 2)
     assert back[2].shape == (0, 8)
-    np.testing.assert_array_equal(copies.to_host(on_gpu[1]), ids)
+    np.testing.assert_array_equal(copies.to_host_all([on_gpu[1]])[0], ids)
 
 
 def test_staging_and_gradient_buffers_are_pinned():
@@ -204,7 +204,7 @@ def test_staging_and_gradient_buffers_are_pinned():
     copies.to_device(np.arange(6), GPU)
     assert all(s.buffer.is_pinned() for slots in copies.pool.slots.values() for s in slots)
     assert sorted(str(d) for d in copies.pool.slots) == ["float32", "int64"]
-    grad = copies.to_host(torch.ones(3, 4, device=GPU))
+    grad = copies.to_host_all([torch.ones(3, 4, device=GPU)])[0]
     assert torch.from_numpy(grad).is_pinned(), "the gradient came back into pinned memory"
 
 

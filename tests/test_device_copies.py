@@ -48,7 +48,7 @@ def test_to_host_all_on_the_cpu_returns_views_of_the_gradients():
     for grad, array in zip(grads, out):
         np.testing.assert_array_equal(array, grad.detach().numpy())
     assert np.shares_memory(out[0], grads[0].numpy()), "tensor.detach().cpu().numpy(), as before"
-    assert DeviceCopies().to_host(grads[0]).shape == (3, 4)
+    assert DeviceCopies().to_host_all([grads[0]])[0].shape == (3, 4)
 
 
 # ---------------------------------------------------------------- the pool's decisions

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import pytest
 
+from shardps import kernels
 from shardps.bench.common import free_port
 from tests.waiting import wait_for
 
@@ -44,7 +45,6 @@ SERVER_IMAGE_LIMIT = 480_000_000
 MIN_ACCURACY = 0.95
 STEP_DELAY = 0.05           # seconds per step of the test's workers (see the test)
 SERVERS = ("s0", "s1", "s2")
-KERNELS_LINE = re.compile(r"kernels ready in ([0-9.]+) s: (\d+) loaded from numba's cache, (\d+) compiled")
 FINAL_LINE = re.compile(r"shardps worker rank=(\d+) steps=(\d+) test_accuracy=([0-9.]+)")
 
 
@@ -181,7 +181,7 @@ def _final_line(container: str) -> tuple[int, int, float] | None:
 def _kernels_line(container: str) -> tuple[float, int, int] | None:
     """(seconds, loaded from numba's cache, compiled) of a container's kernels log line."""
     out = subprocess.run([_docker(), "logs", container], capture_output=True, text=True, timeout=60)
-    found = KERNELS_LINE.search(out.stdout + out.stderr)
+    found = kernels.READY_LINE.search(out.stdout + out.stderr)
     return (float(found[1]), int(found[2]), int(found[3])) if found else None
 
 

@@ -40,16 +40,24 @@ def _pushes(seed: int, n: int = 12):
         yield seq, ids, grads, rng.standard_normal(16).astype(np.float32)
 
 
-def _run(node: Layers, ascending: bool, seed: int, monkeypatch) -> int:
-    """Apply the pushes of ``seed`` to ``node``; returns how many took the fast path."""
-    admitted: list[bool] = []
-    admit = fast.admit_push
+def _watch(monkeypatch, name: str) -> list[bool]:
+    """Wrap ``fast.<name>``; the list records, per call, whether it answered (the fast path
+    took the push) rather than returned None (the general path)."""
+    took: list[bool] = []
+    original = getattr(fast, name)
 
     def watch(*a, **kw):
-        plan = admit(*a, **kw)
-        admitted.append(plan is not None)
-        return plan
-    monkeypatch.setattr(fast, "admit_push", watch)
+        out = original(*a, **kw)
+        took.append(out is not None)
+        return out
+    monkeypatch.setattr(fast, name, watch)
+    return took
+
+
+def _run(node: Layers, ascending: bool, seed: int, monkeypatch) -> int:
+    """Apply the pushes of ``seed`` to ``node``; returns how many took the fast path."""
+    admit = fast.admit_push
+    admitted = _watch(monkeypatch, "admit_push")
     for seq, ids, grads, dense in _pushes(seed):
         order = np.argsort(ids) if ascending else np.argsort(-ids)     # never ascending: general path
         e_seg, e_payload = rows_seg(ids[order], grads[order])
@@ -170,14 +178,7 @@ def test_a_copy_started_between_admission_and_apply_gets_the_push(monkeypatch):
 
 def test_only_the_pushs_own_unsettled_blocks_send_it_to_the_general_path(monkeypatch):
     primary, _ = _cluster(("s0",), adagrad(0.1))
-    served: list[bool] = []
-    apply = fast.apply_push
-
-    def watch(*a, **kw):
-        ack = apply(*a, **kw)
-        served.append(ack is not None)
-        return ack
-    monkeypatch.setattr(fast, "apply_push", watch)
+    served = _watch(monkeypatch, "apply_push")
     segments, payload = dense_seg(0, 8, np.ones(8))              # block 0 of "w" only
     primary.table.extra[("j", "w", 1)] = {"s2"}                  # another block being copied
     primary.table.needs_resync[("j", "e", 0)] = {"s2"}           # another block owed a resync

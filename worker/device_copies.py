@@ -207,7 +207,3 @@ class DeviceCopies:
         if waited:
             self.seconds += time.perf_counter() - started
         return [a.numpy() if isinstance(a, torch.Tensor) else a for a in out]
-
-    def to_host(self, tensor: torch.Tensor) -> np.ndarray:
-        """One tensor on the host (``to_host_all([tensor])[0]``)."""
-        return self.to_host_all([tensor])[0]

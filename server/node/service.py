@@ -41,8 +41,13 @@ def _np_dtype(code: int) -> str:
                               f"FLOAT64 or INT64") from None
 
 
-def collect_chunks(first, rest, header_cls, limit: int, what: str):
-    """Header of the first chunk and the concatenated data of all chunks (size-checked)."""
+def collect_chunks(chunks, header_cls, limit: int, what: str, empty: str = ""):
+    """Header of the first chunk and the concatenated data of all chunks (size-checked).
+    An empty stream is refused (``empty``: what the message adds)."""
+    rest = iter(chunks)
+    first = next(rest, None)
+    if first is None:
+        raise InvalidArgument(f"{what}: empty stream{empty}")
     header = first.parse_header(header_cls)
     if header is None:
         raise InvalidArgument(f"{what}: the first chunk must carry the header")
@@ -213,12 +218,8 @@ class ParameterServerService:
         return handler
 
     def push(self, chunks, call) -> ps.PushAck:
-        it = iter(chunks)
-        first = next(it, None)
-        if first is None:
-            raise InvalidArgument("Push: empty stream; send a PushChunk with a header")
-        header, payload = collect_chunks(first, it, ps.PushHeader,
-                                         self.node.limits.max_request_bytes, "Push")
+        header, payload = collect_chunks(chunks, ps.PushHeader, self.node.limits.max_request_bytes, "Push",
+                                         "; send a PushChunk with a header")
         check_job(call.principal, header.header.job)
         if header.shared_memory.name:
             if header.shared_memory.length != header.payload_bytes:
@@ -384,12 +385,8 @@ class ParameterServerService:
 
     # --- internal ---
     def replicate(self, chunks, call) -> ps.ReplicateAck:
-        it = iter(chunks)
-        first = next(it, None)
-        if first is None:
-            raise InvalidArgument("Replicate: empty stream")
-        header, payload = collect_chunks(first, it, ps.ReplicateHeader,
-                                         self.node.limits.max_request_bytes, "Replicate")
+        header, payload = collect_chunks(chunks, ps.ReplicateHeader, self.node.limits.max_request_bytes,
+                                         "Replicate")
         return self._replicate(header, payload)
 
     def _replicate(self, header: ps.ReplicateHeader, payload) -> ps.ReplicateAck:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import subprocess
 import time
@@ -25,10 +24,9 @@ import uuid
 
 import numpy as np
 
+from shardps import kernels
 from shardps.bench.common import free_port
 from shardps.errors import ShardpsError
-
-_KERNELS = re.compile(r"kernels ready in ([0-9.]+) s: (\d+) loaded from numba's cache, (\d+) compiled")
 
 
 def _docker(*args: str, timeout: float = 120) -> str:
@@ -88,7 +86,7 @@ def run_once(image: str, cache: bool, timeout: float = 180.0) -> dict:
         found = None
         while found is None and time.monotonic() < started + timeout:      # logged when all are ready
             logs = subprocess.run(["docker", "logs", names[1]], capture_output=True, text=True)
-            found = _KERNELS.search(logs.stderr + logs.stdout)
+            found = kernels.READY_LINE.search(logs.stderr + logs.stdout)
             time.sleep(0.2 if found is None else 0)
         return {"seconds": seconds,
                 "kernels_s": float(found.group(1)) if found else None,
