@@ -198,6 +198,46 @@ def test_values_go_to_the_gpu_and_gradients_come_back_unchanged():
     np.testing.assert_array_equal(copies.to_host_all([on_gpu[1]])[0], ids)
 
 
+def test_values_of_one_dtype_travel_in_one_copy():
+    """A step's dense values: arrays of one dtype share one staging buffer and one copy,
+    each tensor a view of it with its own shape; another dtype has its own."""
+    copies = DeviceCopies()
+    arrays = [np.full((3, 4), 1.0, np.float32), np.arange(5, dtype=np.float32), np.arange(3),
+              np.zeros(0, np.float32), np.full(7, 2.0, np.float32)]
+    out = copies.to_device_all(arrays, GPU)
+    for a, t in zip(arrays, out):
+        assert t.device == GPU and tuple(t.shape) == a.shape
+        np.testing.assert_array_equal(t.cpu().numpy(), a)
+    assert [len(copies.pool.slots[np.dtype(d)]) for d in (np.float32, np.int64)] == [1, 1]
+    assert out[0].untyped_storage().data_ptr() == out[4].untyped_storage().data_ptr(), "one copy"
+
+
+def test_an_announced_lookup_does_not_wait_for_the_gpu(make_cluster, client_factory):
+    """In the plain loop the lookup of an announced batch matches it without reading the
+    ids back (which waits for the GPU): under torch's sync check set to raise, the forward's
+    lookup runs, and reads the rows a pull gives."""
+    client = client_factory(make_cluster(1).address, job="no-sync")
+    module, ps, _ = train(Recommender, recommender_batch, client, GPU, steps=2)
+    x = recommender_batch()[0].to(GPU)
+    emb = module.items
+    emb.request_prefetch(x)
+    ps._pull_now()                                   # the rows, fetched before the forward
+    torch.cuda.synchronize(GPU)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        rows, inverse = emb._lookup(x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    want = client.pull_rows(emb.table, np.unique(x.cpu().numpy()))
+    np.testing.assert_array_equal(rows.detach().cpu().numpy(), want)
+    assert inverse.shape == x.shape
+
+
+def test_a_gpu_batch_written_after_it_was_announced_is_read_as_written(make_cluster, client_factory):
+    from tests.test_lookups import lookup_after_a_write
+    lookup_after_a_write(make_cluster(1), client_factory, GPU, "bumps-gpu")
+
+
 def test_staging_and_gradient_buffers_are_pinned():
     copies = DeviceCopies()
     copies.to_device(np.ones((4, 4), np.float32), GPU)

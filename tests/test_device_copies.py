@@ -37,6 +37,9 @@ def test_to_device_on_the_cpu_wraps_the_array_without_a_copy():
     assert np.shares_memory(out.numpy(), rows), "torch.from_numpy, as before"
     ids = np.array([4, 1, 1], dtype=np.int64)
     assert DeviceCopies().to_device(ids, CPU).tolist() == [4, 1, 1]
+    together = DeviceCopies().to_device_all([rows, ids, np.zeros((0, 2), np.float32)], CPU)
+    assert [tuple(t.shape) for t in together] == [(3, 4), (3,), (0, 2)]
+    assert np.shares_memory(together[0].numpy(), rows) and np.shares_memory(together[1].numpy(), ids)
 
 
 def test_to_host_all_on_the_cpu_returns_views_of_the_gradients():

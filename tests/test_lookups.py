@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from shardps.bench.many_tables import data_calls
-from shardps.tables import sgd
+from shardps.tables import normal, sgd
 from shardps.worker.lookups import LookupPlanner, Recipe
 from shardps.worker.torch_ps import PSEmbedding, PSModel
 
@@ -140,3 +140,40 @@ def test_a_pull_no_forward_took_is_completed_by_push(make_cluster, client_factor
     model.push()                                      # no forward: the pull is completed here
     assert float(module.head.bias.detach()) != 123.0
     np.testing.assert_array_equal(module.head.bias.detach().numpy(), c.pull_dense("head.bias"))
+
+
+class _Bumps(nn.Module):
+    """One table looked up with the forward's input, which ``bump`` first adds one to in
+    place: after ``PSModel`` announced (and fetched) the rows of the ids it held."""
+
+    def __init__(self):
+        super().__init__()
+        self.t0 = PSEmbedding(ROWS, DIM, table="t0", init=normal(0.0, 1.0, seed=3))
+
+    def forward(self, x, bump: bool = False):
+        if bump:
+            x.add_(1)
+        return self.t0(x)
+
+
+def lookup_after_a_write(cluster, client_factory, device: torch.device, job: str) -> None:
+    """A batch written in place after it was announced is read as written: its rows are
+    those of the new ids, not the announced ones (on a GPU, where a lookup matches the
+    announced tensor without reading it back, the write is what tells them apart)."""
+    c = client_factory(cluster.address, job=job)
+    c.create_job()
+    c.join(heartbeat=False)
+    module = _Bumps().to(device)
+    model = PSModel(module, c, optimizer=sgd(0.1))
+    model.create_tables()
+    x = (torch.arange(BATCH) * 7 % ROWS).to(device)
+    with torch.no_grad():
+        for bump in (False, False, True):           # the first forward learns the lookup
+            model.pull()
+            out = model(x, bump=bump).cpu().numpy()
+            np.testing.assert_array_equal(out, c.pull_rows("t0", x.cpu().numpy()), err_msg=f"bump={bump}")
+    assert int(x[0]) == 1
+
+
+def test_a_batch_written_after_it_was_announced_is_read_as_written(make_cluster, client_factory):
+    lookup_after_a_write(make_cluster(1), client_factory, torch.device("cpu"), "bumps")

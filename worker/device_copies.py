@@ -7,7 +7,8 @@ On a GPU (``DeviceCopies``, one per ``PSModel``):
 
 * ``to_device``: the array is copied into a pinned host staging buffer from a small pool (one
   per dtype; ``choose_staging`` decides which buffer, purely), then to the device with a
-  non-blocking copy on the device's copy stream. The compute stream waits for that copy on
+  non-blocking copy on the device's copy stream; ``to_device_all`` stages several arrays
+  of one dtype (a step's dense values) in one buffer and copies them together. The compute stream waits for that copy on
   the GPU (an event), the training thread does not. A staging buffer is written again only
   once the event recorded after its copy has completed.
 * ``to_host_all``: the copy of every gradient into pinned host memory is started on the copy
@@ -161,25 +162,45 @@ class DeviceCopies:
         """``array`` on ``device``. The CPU: ``torch.from_numpy(array)`` (shares its memory).
         A GPU: a new tensor, ready for the work queued on the current stream after this call
         (the stream waits for the copy; the host does not). Does not block."""
+        return self.to_device_all([array], device)[0]
+
+    def to_device_all(self, arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+        """Each array on ``device``, as ``to_device`` gives it; on a GPU the arrays of one
+        dtype travel together: one staging buffer, one copy, each tensor a view of it (a
+        step's dense values are a handful of small arrays, each a copy and an event of its
+        own otherwise)."""
         if device.type == "cpu":
-            return torch.from_numpy(array)
-        if device.type != "cuda" or array.size == 0:
-            return torch.from_numpy(array).to(device)
+            return [torch.from_numpy(a) for a in arrays]
+        if device.type != "cuda":
+            return [torch.from_numpy(a).to(device) for a in arrays]
         started = time.perf_counter()
-        slot = self.pool.take(array.dtype, array.size)
-        staged = slot.buffer[:array.size].view(array.shape)
-        np.copyto(staged.numpy(), array)
+        out: list[torch.Tensor | None] = [None] * len(arrays)
+        by_dtype: dict[np.dtype, list[int]] = {}
+        for i, a in enumerate(arrays):
+            if a.size:
+                by_dtype.setdefault(a.dtype, []).append(i)
+            else:
+                out[i] = torch.from_numpy(a).to(device)
         stream, compute = self.copy_stream(device), torch.cuda.current_stream(device)
-        event = torch.cuda.Event()
-        with torch.cuda.stream(stream):
-            out = torch.empty(array.shape, dtype=staged.dtype, device=device)     # the copy stream's memory
-            out.copy_(staged, non_blocking=True)
-            event.record(stream)
-        self.pool.issued(slot, event)
-        compute.wait_event(event)
-        out.record_stream(compute)          # freed later: not reused before the compute stream is done with it
+        for dtype, members in by_dtype.items():
+            offsets = np.cumsum([0] + [arrays[i].size for i in members])
+            slot = self.pool.take(dtype, int(offsets[-1]))
+            staged = slot.buffer[:int(offsets[-1])]
+            host = staged.numpy()
+            for i, lo, hi in zip(members, offsets[:-1], offsets[1:]):
+                np.copyto(host[lo:hi].reshape(arrays[i].shape), arrays[i])
+            event = torch.cuda.Event()
+            with torch.cuda.stream(stream):
+                together = torch.empty(staged.shape, dtype=staged.dtype, device=device)   # the copy stream's memory
+                together.copy_(staged, non_blocking=True)
+                event.record(stream)
+            self.pool.issued(slot, event)
+            compute.wait_event(event)
+            together.record_stream(compute)     # freed later: not reused before the compute stream is done with it
+            for i, lo, hi in zip(members, offsets[:-1], offsets[1:]):
+                out[i] = together[lo:hi].view(arrays[i].shape)
         self.seconds += time.perf_counter() - started
-        return out
+        return out      # type: ignore[return-value]
 
     def to_host_all(self, tensors: Sequence[torch.Tensor]) -> list[np.ndarray]:
         """Each tensor as a numpy array on the host. The CPU: ``tensor.detach().numpy()`` (a

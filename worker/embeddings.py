@@ -17,7 +17,7 @@ from __future__ import annotations
 import collections
 import logging
 from concurrent import futures
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -71,9 +71,9 @@ class PSRows(nn.Module):
         self._pending: list[tuple[np.ndarray, torch.Tensor]] = []
         self._prefetch: tuple[np.ndarray, "futures.Future | _Completing"] | None = None
         self._wanted: np.ndarray | None = None
-        # (batch ids, unique, inverse) of announced batches, oldest first (a PSModel with
-        # lookahead L announces the batch L steps ahead)
-        self._planned: collections.deque[tuple] = collections.deque(maxlen=8)
+        # announced batches, oldest first (a PSModel with lookahead L announces the batch L
+        # steps ahead)
+        self._planned: collections.deque[_Planned] = collections.deque(maxlen=8)
         self.last_unique = 0                   # distinct ids of the last lookup
         self.clock = 0                         # the worker's completed steps, sent with pulls (PSModel sets it)
         # PSModel's LookupPlanner.observe: sees each lookup's ids
@@ -97,7 +97,7 @@ class PSRows(nn.Module):
         The batch is copied, so a caller may reuse its buffer."""
         flat = ids.detach().reshape(-1).to("cpu", copy=True).numpy().astype(np.int64, copy=False)
         unique, inverse = kernels.unique_inverse(flat)
-        self._planned.append((flat, unique, inverse))
+        self._planned.append(_Planned(flat, unique, inverse, *_device_view(ids)))
         return unique
 
     def prefetch(self, ids: torch.Tensor) -> None:
@@ -148,12 +148,11 @@ class PSRows(nn.Module):
                                   f"got {ids.dtype}")
         if self._observer is not None:
             self._observer(self, ids)
-        flat = ids.reshape(-1)
-        planned = self._take_plan(flat)
+        planned = self._take_plan(ids)
         if planned is not None:
-            unique_np, inverse = planned[1], self.copies.to_device(planned[2], ids.device)
+            unique_np, inverse = planned.unique, self.copies.to_device(planned.inverse, ids.device)
         else:                      # the batch was not announced: deduplicate it now
-            unique, inverse = torch.unique(flat.long(), return_inverse=True)
+            unique, inverse = torch.unique(ids.reshape(-1).long(), return_inverse=True)
             unique_np = unique.detach().cpu().numpy()
         self.last_unique = int(unique_np.shape[0])
         rows_np = None
@@ -172,18 +171,27 @@ class PSRows(nn.Module):
             self._pending.append((unique_np, rows))
         return rows, inverse.reshape(ids.shape)
 
-    def _take_plan(self, flat: torch.Tensor) -> tuple | None:
+    def _take_plan(self, ids: torch.Tensor) -> "_Planned | None":
         """The announced plan of this batch (dropping older announced batches that were
-        never looked up), or None when the batch was not announced."""
+        never looked up), or None when the batch was not announced. On a GPU, ids that are
+        the announced tensor itself (the same view of the same memory, unwritten since:
+        ``_device_view``) match without reading them back, which would make the training
+        thread wait for the GPU at every lookup; other ids are compared on the host."""
         if not self._planned:
             return None
-        batch = flat.detach().cpu().numpy()
-        for k, plan in enumerate(self._planned):
-            if np.array_equal(plan[0], batch):
-                for _ in range(k + 1):
-                    self._planned.popleft()
-                return plan
-        return None
+        view = _device_view(ids)[0]
+        k = None if view is None else self._find(lambda plan: plan.view == view)
+        if k is None:
+            batch = ids.detach().reshape(-1).cpu().numpy()
+            k = self._find(lambda plan: np.array_equal(plan.flat, batch))
+        if k is None:
+            return None
+        for _ in range(k):
+            self._planned.popleft()
+        return self._planned.popleft()
+
+    def _find(self, match) -> int | None:
+        return next((k for k, plan in enumerate(self._planned) if match(plan)), None)
 
     def take_gradient_rows(self) -> list[tuple[np.ndarray, torch.Tensor]]:
         """(distinct ids, their gradient rows, on the lookup's device) of every lookup since
@@ -297,3 +305,28 @@ class PSEmbeddingBag(PSRows):
         last = self.include_last_offset if include_last_offset is None else include_last_offset
         return F.embedding_bag(inverse, rows, offsets, mode=self.mode, per_sample_weights=per_sample_weights,
                                include_last_offset=last, padding_idx=padding)
+
+
+class _Planned(NamedTuple):
+    """An announced batch: its ids on the host (``flat``), deduplicated (``unique``, and
+    ``inverse``: each id's index in them); on a GPU, the announced tensor's ``view``
+    (``_device_view``) and the tensor itself, held so that its memory is not reused for
+    another tensor while the plan waits."""
+
+    flat: np.ndarray
+    unique: np.ndarray
+    inverse: np.ndarray
+    view: tuple | None = None
+    held: torch.Tensor | None = None
+
+
+def _device_view(ids: torch.Tensor) -> tuple[tuple | None, torch.Tensor | None]:
+    """(which memory ``ids`` views, and how, and the version of that memory; ``ids``) for a
+    tensor on a GPU; (None, None) on the CPU, where a buffer may be written outside torch
+    (through numpy) without its version changing. Two GPU tensors with equal views hold the
+    same ids while the first is alive: the same bytes, written by nothing since (torch counts
+    every in-place write to a tensor and its views)."""
+    if ids.device.type == "cpu":
+        return None, None
+    return ((ids.device, ids.dtype, ids.untyped_storage().data_ptr(), ids.storage_offset(),
+             tuple(ids.shape), tuple(ids.stride()), ids._version), ids)

@@ -358,11 +358,16 @@ def _under(name: str, prefixes: Sequence[str]) -> bool:
 
 def _load_dense(dense: dict[str, nn.Parameter], names: list[str], values: list, copies: DeviceCopies) -> None:
     """Copy pulled values (``values[i]`` for ``names[i]``) into the dense parameters (on a
-    GPU: through ``copies``, without waiting for the copies)."""
+    GPU: through ``copies``, every parameter's values in one copy, without waiting for it)."""
+    params = [dense[name] for name in names]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, p in enumerate(params):
+        by_device.setdefault(p.device, []).append(i)
     with torch.no_grad():
-        for name, v in zip(names, values[:len(names)]):
-            p = dense[name]
-            p.copy_(copies.to_device(np.asarray(v), p.device).reshape(p.shape))
+        for device, members in by_device.items():
+            arrays = [np.asarray(values[i]) for i in members]
+            for i, on_device in zip(members, copies.to_device_all(arrays, device)):
+                params[i].copy_(on_device.reshape(params[i].shape))
 
 
 def _gradient_requests(dense: dict[str, nn.Parameter], embeddings: Iterable[PSRows],
