@@ -169,6 +169,7 @@ def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=Fals
             per_worker = n // count // bs
             idx = idx[:per_worker * bs]
         batch_list = list(batches(idx, bs))
+        announced: dict[int, torch.Tensor] = {}    # batch position -> its ids on the device, announced
         for i, b in enumerate(batch_list):
             if epoch == start_epoch and i < start_batch:
                 continue                   # resuming: these batches were trained before
@@ -186,14 +187,19 @@ def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=Fals
             ps_model.pull()
             max_stale = max(max_stale, client.last_staleness)
             t1 = time.perf_counter()
-            xb, yb = x[torch.as_tensor(b)].to(device), y[torch.as_tensor(b)].to(device)
+            xb = announced.pop(i, None)
+            if xb is None:
+                xb = x[torch.as_tensor(b)].to(device)
+            yb = y[torch.as_tensor(b)].to(device)
             loss = task.loss(task.model(xb), yb)
             unique_rows += sum(emb.last_unique for emb in embeddings)
             loss.backward()
             synchronize(device)      # compute is the GPU's work (push copies the gradients anyway)
             ahead = ps_model.lookahead if ps_model.overlap else 1
             if embeddings and args.prefetch and i + ahead < len(batch_list):
-                nxt = x[torch.as_tensor(batch_list[i + ahead])]
+                # on the device already: the lookup then recognises the tensor it was
+                # announced as, without reading its ids back from the GPU
+                nxt = announced[i + ahead] = x[torch.as_tensor(batch_list[i + ahead])].to(device)
                 for emb in embeddings:
                     if ps_model.overlap:
                         emb.request_prefetch(nxt)      # fetched with the next dense values
