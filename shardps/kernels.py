@@ -23,6 +23,7 @@ with per-row learning-rate factors computed in float64 and rounded to float32 as
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import time
@@ -291,7 +292,10 @@ def _init_units(rows, stream, out):
             out[i, j] = _unit(key, j)
 
 
+@functools.lru_cache(maxsize=256)
 def _stream_key(seed: int, stream: int) -> np.uint64:
+    """A table's initialiser stream, per (seed, stream): every read of new rows needs it
+    (numpy's splitmix64 on one value costs more than the rows' own kernel)."""
     return _tables_splitmix64(np.array([seed ^ stream], dtype=np.uint64))[0]
 
 

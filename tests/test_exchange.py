@@ -49,6 +49,30 @@ def test_an_exchange_pushes_then_pulls_one_call_per_server(make_cluster, client_
         assert got == {"Exchange": 0, "Push": servers, "Pull": servers}, got
 
 
+def test_a_push_reports_the_updates_its_dense_blocks_got_since_this_worker_pulled_them(make_cluster,
+                                                                                       client_factory):
+    """A worker pulls, another pushes three times, the first pushes: the servers count three
+    updates in between for each of its dense blocks (shardps_push_intervening_updates); a
+    pull's and a push's versions name every block, sparse ones too."""
+    cluster = make_cluster(2)
+    a = client_factory(cluster.address, job="between")
+    ids = _job(a)
+    b = client_factory(cluster.address, job="between")
+    b.join(heartbeat=False)
+    pulled = a.pull_many([("w",), ("e", ids)])
+    assert {t for t, _ in pulled.versions} == {"w", "e"} and len(pulled.versions) == 4 + 8
+    for _ in range(3):
+        b.push_dense("w", np.ones(400, np.float32))
+    pushed = a.push_dense("w", np.ones(400, np.float32))
+    assert sorted(pushed.versions.items()) == [(("w", blk), 4) for blk in range(4)]     # 3 pushes, then this
+
+    def between(stat: str) -> float:
+        return sum(s.metrics.registry.get_sample_value(f"shardps_push_intervening_updates_{stat}",
+                                                       {"training_job": "between"}) or 0.0
+                   for s in cluster.servers.values())
+    assert between("count") == 4 and between("sum") == 4 * 3
+
+
 def test_sync_steps_through_exchanges_equal_one_large_batch(make_cluster, client_factory):
     """Two joined SYNC workers, three steps each through exchange: every step is the mean
     of both workers' gradients, as one large batch would make it."""

@@ -125,14 +125,26 @@ def test_a_push_with_a_block_not_initialized_is_refused_whole():
     assert all(blk.count == 0 for key, blk in primary.table.blocks.items() if key[1] == "e")
 
 
-def test_a_pull_naming_a_table_twice_locks_each_block_once():
+def test_a_pull_of_several_tables_takes_the_fast_path(monkeypatch):
     primary, _ = _cluster(("s0",), adagrad(0.1))
+    took = _watch(monkeypatch, "read_pull")
+    e, ids = rows_seg([1, 2, 3, 40, 41])
+    w, _ = dense_seg(0, 16)
+    _, values = primary.pull(header(), w + e, ids)
+    assert took == [True], "every segment after the first is read by the fast path too"
+    assert [v.shape for v in values] == [(16,), (5, DIM)]
+
+
+def test_a_pull_naming_a_table_twice_locks_each_block_once(monkeypatch):
+    primary, _ = _cluster(("s0",), adagrad(0.1))
+    took = _watch(monkeypatch, "read_pull")
     e1, i1 = rows_seg([1, 2, 3])
     e2, i2 = rows_seg([3, 4])
     w1, _ = dense_seg(0, 8)
     w2, _ = dense_seg(4, 16)
     reply, values = primary.pull(header(), e1 + w1 + e2 + w2, i1 + i2)
     assert [v.shape for v in values] == [(3, DIM), (8,), (2, DIM), (12,)]
+    assert took == [True]
 
 
 def test_a_pull_with_a_segment_of_no_rows_answers_an_empty_array():

@@ -25,6 +25,7 @@ Same results, same replicas, same records as the general path (the tests run bot
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
@@ -98,15 +99,13 @@ def admit_push(table: BlockTable, job: str, epoch: int, kind: int, parsed: list[
         return None                     # a table named twice: the general path sums them
     held = table.blocks
     every: list[AnyBlock] = []
-    for u in units:
-        name = u.table.name
-        for b in u.blocks.tolist():
-            blk = held.get((job, name, b))
-            if blk is None:
-                return None
-            u.objects.append(blk)
+    for u in sorted(units, key=lambda u: u.table.name):     # the blocks in key order: a
+        name = u.table.name                                 # table's are in block order
+        objects = [held.get((job, name, b)) for b in u.blocks.tolist()]
+        if None in objects:
+            return None
+        u.objects = cast(list[AnyBlock], objects)
         every.extend(u.objects)
-    every.sort(key=lambda blk: blk.key)
     return FastPush(table, units, every)
 
 
@@ -232,14 +231,15 @@ def read_pull(table: BlockTable, epoch: int, parsed: list[Segment], reply: PullR
             blocks = np.flatnonzero(counts)
         if not serves(t, name, blocks, epoch):
             return None
-        objects: list = [held.get((t.job, t.name, b)) for b in blocks.tolist()]
-        if any(blk is None for blk in objects):
+        job, table_name = t.job, t.name
+        objects: list = [held.get((job, table_name, b)) for b in blocks.tolist()]
+        if None in objects:
             return None
         plan.append((s, t, blocks, objects))
-        every.extend(objects)
-    if len(plan) > 1:           # a table named twice: each block locked once
-        every = list({id(blk): blk for blk in every}.values())
-    every.sort(key=lambda blk: blk.key)
+    for _, _, _, objects in sorted(plan, key=lambda p: p[1].name):     # the blocks in key order:
+        every.extend(objects)                                          # a table's are in block order
+    if len({p[1].name for p in plan}) < len(plan):     # a table named twice: each block locked once
+        every = sorted({id(blk): blk for blk in every}.values(), key=lambda blk: blk.key)
     outputs = []
     with BlockLocks(every):
         for s, t, blocks, objects in plan:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Mapping
 from concurrent import futures
 from dataclasses import dataclass, field
 
@@ -40,11 +41,44 @@ from shardps.worker.client.transport import Payload, Transport
 from shardps.worker.routing import Piece, live_servers, route
 
 
+class BlockVersions(Mapping):
+    """(table, block) -> version, from the ``Versions`` of a call's replies: kept as they
+    came and made a dict only when read (a step's replies carry a version per block of every
+    table it touched, hundreds, which are rarely read)."""
+
+    def __init__(self):
+        self._replies: list[Versions] = []
+        self._dict: dict[tuple[str, int], int] | None = None
+
+    def add(self, v: Versions) -> None:
+        self._replies.append(v)
+        self._dict = None
+
+    def _pairs(self) -> dict[tuple[str, int], int]:
+        if self._dict is None:
+            self._dict = {}
+            for v in self._replies:
+                self._dict.update(_pairs(v))
+        return self._dict
+
+    def __getitem__(self, key: tuple[str, int]) -> int:
+        return self._pairs()[key]
+
+    def __iter__(self):
+        return iter(self._pairs())
+
+    def __len__(self) -> int:
+        return len(self._pairs())
+
+    def __repr__(self) -> str:
+        return f"BlockVersions({self._pairs()!r})"
+
+
 @dataclass
 class PushResult:
     """What the servers acknowledged for one push."""
 
-    versions: dict[tuple[str, int], int] = field(default_factory=dict)   # (table, block) -> version
+    versions: BlockVersions = field(default_factory=BlockVersions)      # (table, block) -> version
     duplicate_blocks: int = 0          # blocks that had already applied this push (a retry)
     clock: int = 0                     # the clock the push carried
 
@@ -54,7 +88,7 @@ class PullResult:
     """The values of one pull (in request order) and what the servers said about them."""
 
     values: list[np.ndarray]
-    versions: dict[tuple[str, int], int]                                # (table, block) -> version
+    versions: BlockVersions                                             # (table, block) -> version
     min_clock: int = 0                 # the group's slowest completed step, largest over servers
     clock: int = 0                     # the clock the pull carried (this worker's completed steps)
     waited_seconds: float = 0.0        # longest a server held the pull for stragglers (SYNC/SSP)
@@ -83,7 +117,7 @@ class DataPath:
         # in between); single-key writes and reads, atomic under the GIL
         self._versions: dict[tuple[str, int], int] = {}
         self._last_lock = threading.Lock()
-        self._last_pull = PullResult([], {})
+        self._last_pull = PullResult([], BlockVersions())
         self._last_clock = 0
         self.step = 0       # the clock of calls that name none (PSClient.next_step advances it)
 
@@ -112,7 +146,7 @@ class DataPath:
         becomes ``(ids, rows)``) with the values of ``pieces``. ``clock``: this worker's
         completed steps (SYNC / SSP pulls wait as the consistency model requires)."""
         deadline = self.deadline(timeout)
-        result = PullResult(outputs, {}, clock=self.step if clock is None else int(clock))
+        result = PullResult(outputs, BlockVersions(), clock=self.step if clock is None else int(clock))
         stored: dict[int, list] = {}
         self.fanout.run(pieces, deadline, self._pull_sender(result, stored, deadline))
         return self._finish_pull(result, stored)
@@ -203,10 +237,11 @@ class DataPath:
             if head.min_clock or header.session:
                 result.staleness = max(result.staleness, max(0, result.clock - int(head.min_clock)))
             result.waited_seconds = max(result.waited_seconds, head.waited_seconds)
+            dense = {p.table for p in ps_ if p.dense}
             for v in head.versions:
-                pairs = _pairs(v)
-                result.versions.update(pairs)
-                self._versions.update(pairs)
+                result.versions.add(v)
+                if v.table in dense:                # what base_versions reads
+                    self._versions.update(_pairs(v))
             result.min_clock = max(result.min_clock, int(head.min_clock))
 
     def server_clock(self, timeout: float | None = None) -> int:
@@ -275,7 +310,7 @@ class DataPath:
         def acknowledged(ack: PushAck) -> None:
             with lock:
                 for v in ack.versions:
-                    result.versions.update(_pairs(v))
+                    result.versions.add(v)
                 result.duplicate_blocks += ack.duplicate_blocks
 
         def send(server: str, address: str, ps_: list[Piece], view: ShardMapView) -> None:
@@ -296,7 +331,7 @@ class DataPath:
         pull, re-routed until the deadline, as ``push`` and ``pull`` do."""
         deadline = self.deadline(timeout)
         presult = PushResult(clock=int(clock))
-        lresult = PullResult(outputs, {}, clock=int(clock) + 1)
+        lresult = PullResult(outputs, BlockVersions(), clock=int(clock) + 1)
         stored: dict[int, list] = {}
         seq = self.session.begin_push()
         try:
