@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from shardps.bench.cache import hit_rate_ceiling
 from shardps.errors import InvalidArgument
 from shardps.tables import sgd
 from shardps.worker.row_cache import ROW_OVERHEAD_BYTES, RowCache
@@ -42,6 +43,28 @@ def test_a_cached_row_is_read_only_while_it_is_at_most_tau_steps_old(num_rows):
                                   np.concatenate([_rows([3], 1.0), _rows([5, 7], 0.5)]))
     assert c.max_age <= 2
     assert c.hits == 3 + 3 + 2 and c.summary()["hit_rate"] == 8 / c.lookups
+
+
+def test_the_hit_rate_ceiling_counts_a_row_fresh_for_tau_steps_after_each_read():
+    lookups = [np.array([1, 2]), np.array([1, 3]), np.array([1, 2])]
+    assert hit_rate_ceiling(lookups, 10, 1) == 1 / 6      # 1 at step 1; at step 2 both are 2 steps old
+    assert hit_rate_ceiling(lookups, 10, 2) == 3 / 6
+
+
+@pytest.mark.parametrize("tau", [1, 3, 8])
+def test_a_cache_with_room_for_every_row_reaches_the_ceiling_and_no_more(tau):
+    """The ceiling the cache bench reports (``hit_rate_ceiling``) is RowCache's own rule: with
+    room for every row, a cache fed the same lookups (rows read at the step of their use)
+    hits exactly as often; a smaller budget hits less."""
+    rng = np.random.default_rng(0)
+    lookups = [np.unique(rng.zipf(1.3, 64) % 500) for _ in range(60)]
+    for budget, exact in ((500 * ROW, True), (40 * ROW, False)):
+        cache = RowCache(4, budget, num_rows=500)
+        for step, ids in enumerate(lookups):
+            plan = cache.plan(ids, step, tau)
+            cache.complete(plan, _rows(plan.misses, step), step)
+        ceiling = hit_rate_ceiling(lookups, 500, tau)
+        assert (cache.hits / cache.lookups == ceiling) if exact else (cache.hits / cache.lookups < ceiling)
 
 
 def test_older_values_never_replace_newer_ones():

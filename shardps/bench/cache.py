@@ -13,6 +13,12 @@ Both runs: ``e2e_workers`` ``shardps worker`` processes against ``e2e_servers`` 
   ``cache_on_max_staleness`` (the oldest row read, in steps) and ``cache_on_staleness_bound``;
 * ``ratio_cache_on_over_off_samples_per_s``, ``ratio_cache_row_pull_bytes_on_over_off``,
   ``cache_auc_gap_on_minus_off``;
+* ``cache_hit_rate_ceiling``: what no cache of this design can exceed on this data, however
+  large (``hit_rate_ceiling``: every row kept, re-read once older than the staleness bound),
+  and so ``cache_row_pull_bytes_floor`` (1 - the ceiling: the lowest
+  ``ratio_cache_row_pull_bytes_on_over_off`` reachable); ``cache_staleness_for_quarter_bytes``:
+  the least staleness bound (a power of two, up to 1,024; 0: none) whose ceiling lets the row
+  bytes fall to a quarter;
 * where CUDA is present, the same with ``cache_gpu_`` in place of ``cache_``, through
   ``shardps worker --device cuda`` (2 GPU workers, 2 servers, the largest of ``gpu_batches``),
   with one GPU process holding the table beside them (``cache_gpu_single_*``,
@@ -22,6 +28,8 @@ Both runs: ``e2e_workers`` ``shardps worker`` processes against ``e2e_servers`` 
 from __future__ import annotations
 
 import time
+
+import numpy as np
 
 from shardps.bench import ps_runs
 from shardps.bench.common import ratio
@@ -104,12 +112,52 @@ def _on_the_gpu(cfg: BenchConfig, progress) -> dict[str, float]:
     return out
 
 
+def worker_lookups(rows: int, train_samples: int, workers: int, batch: int = 512, seed: int = 0) -> list[np.ndarray]:
+    """The distinct ids of each ctr batch the first of ``workers`` workers trains on
+    (``shardps worker --model ctr``'s data and sharding), in order."""
+    from shardps.worker.data import batches, shard_indices
+    from shardps.worker.models.ctr import generate
+
+    ids = generate(train_samples, rows, seed=1000)[0]      # as build_ctr
+    return [np.unique(ids[part]) for part in batches(shard_indices(train_samples, 0, seed, 0, workers), batch)]
+
+
+def hit_rate_ceiling(lookups: list[np.ndarray], rows: int, tau: int) -> float:
+    """The hit rate of an unbounded cache with staleness bound ``tau`` over ``lookups`` (the
+    distinct ids of each step, ``worker_lookups``): every row looked up is kept, and a row
+    read from the servers at step ``s`` serves the lookups of steps ``s + 1`` to ``s + tau``,
+    then is read again. ``RowCache`` never hits more (a bounded budget and the admission of
+    frequent rows only lose hits; its rows are read a step ahead of their use, one step
+    older): this bounds what any budget saves on this data."""
+    refreshed = np.full(rows, -(1 << 40), np.int64)
+    hits = looked = 0
+    for step, distinct in enumerate(lookups):
+        fresh = step - refreshed[distinct] <= tau
+        hits += int(fresh.sum())
+        looked += distinct.shape[0]
+        refreshed[distinct[~fresh]] = step
+    return hits / looked if looked else 0.0
+
+
+def _ceilings(cfg: BenchConfig, progress) -> dict[str, float]:
+    rows = cfg.e2e_rows
+    lookups = worker_lookups(rows, cfg.e2e_train_samples, cfg.e2e_workers)
+    ceiling = hit_rate_ceiling(lookups, rows, cfg.cache_staleness)
+    quarter = next((tau for tau in (1 << k for k in range(11)) if hit_rate_ceiling(lookups, rows, tau) >= 0.75), 0)
+    progress(f"cache ceiling on this data: at most {ceiling:.0%} of the rows a step looks up can be read from a "
+             f"cache at staleness {cfg.cache_staleness} (row bytes >= {1 - ceiling:.2f} x without); a quarter "
+             + (f"of the bytes needs staleness {quarter}" if quarter else "is out of reach up to staleness 1,024"))
+    return {"cache_hit_rate_ceiling": ceiling, "cache_row_pull_bytes_floor": 1.0 - ceiling,
+            "cache_staleness_for_quarter_bytes": float(quarter)}
+
+
 def run(cfg: BenchConfig, progress) -> dict[str, float]:
     n, rows, w = cfg.e2e_train_samples, cfg.e2e_rows, cfg.e2e_workers
     out: dict[str, float] = {"cache_on_staleness_bound": float(cfg.cache_staleness),
                              "cache_bytes_per_table": float(cfg.cache_bytes)}
     progress(f"cache: ctr, {n:,} samples, {w} workers, {cfg.e2e_servers} servers; cache {cfg.cache_bytes:,} "
              f"bytes per table, staleness bound {cfg.cache_staleness} steps")
+    out.update(_ceilings(cfg, progress))
     out.update(_off_and_on(cfg, progress, "cache", worker_args("async", rows, n), w, cfg.e2e_servers))
     out.update(_on_the_gpu(cfg, progress))
     return out

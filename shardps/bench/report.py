@@ -20,6 +20,7 @@ REQUIRED_KEYS = (
     "cache_on_samples_per_s", "cache_off_samples_per_s", "cache_on_auc", "cache_off_auc",
     "cache_on_pull_bytes_per_step", "cache_off_pull_bytes_per_step", "cache_on_row_pull_bytes_per_step",
     "cache_off_row_pull_bytes_per_step", "cache_on_hit_rate", "cache_on_max_staleness",
+    "cache_hit_rate_ceiling", "cache_row_pull_bytes_floor", "cache_staleness_for_quarter_bytes",
 )
 
 
