@@ -97,3 +97,13 @@ def test_control_map_simulation_small():
         assert 0 < res[f"{event}_bytes_delta"] < res[f"{event}_bytes_full"]
     assert res["worker_map_bytes"] < res["map_bytes"]
     assert main(["--servers", "6", "--blocks-per-server", "50", "--jobs", "3", "--workers", "30"]) in (0, 1)
+
+
+def test_server_cpu_measures_requests_of_one_and_of_several_tables(capsys):
+    from shardps.bench import server_cpu
+    assert server_cpu.main(["--rows", "40", "--rounds", "2", "--repeats", "1", "--blocks", "4",
+                            "--table-rows", "1000", "--dim", "4", "--tables", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == ["compiled", "no-cache", "numpy-init"]
+    assert all("of each of 3 tables" in line for line in lines)
+    assert server_cpu.measure("compiled", 1000, 4, 40, 2, tables=1, dim=4) > 0

@@ -13,6 +13,11 @@ per round (``time.thread_time``), median of ``--repeats`` runs, for
 
     python -m shardps.bench.server_cpu                     # 3,300 rows per round, 32 blocks
     python -m shardps.bench.server_cpu --rows 6500 --blocks 64
+    python -m shardps.bench.server_cpu --tables 12 --table-rows 100000 --dim 8 --rows 128
+                                 # a wide & deep step: 12 tables, 128 rows of each per round
+
+With ``--tables N`` each round pulls and pushes ``--rows`` ids of each of N tables in one
+request (the blocks of every table on this server), as a model with one table per field does.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from shardps import kernels, tables
+from shardps import kernels
+from shardps import tables as tables_
 from shardps.convert import config_to_proto, spec_to_proto
 from shardps.messages import GRADIENT, ROWS, Header, PullRequest, PushRequest, Selection
 from shardps.protos.v1 import common_pb2 as pb
@@ -33,23 +39,28 @@ from shardps.server.node import ServerNode, storage
 JOB, TABLE = "bench", "e"
 
 
-def _node(rows: int, dim: int, blocks: int) -> ServerNode:
-    """One node serving every block of one sparse table (no replicas)."""
-    spec = tables.sparse_table(TABLE, dim, num_rows=rows, init=tables.normal(0.0, 0.01, seed=7),
-                               num_blocks=blocks)
+def _names(tables: int) -> list[str]:
+    return [TABLE] if tables == 1 else [f"{TABLE}{i}" for i in range(tables)]
+
+
+def _node(rows: int, dim: int, blocks: int, tables: int = 1) -> ServerNode:
+    """One node serving every block of ``tables`` sparse tables (no replicas)."""
     msg = pb.ShardMap(epoch=1, replication=1)
     msg.servers.add(name="s0", address="s0:0", incarnation=1, state=pb.SERVING)
-    t = msg.tables.add(job=JOB, spec=spec_to_proto(spec),
-                       config=config_to_proto(tables.TableConfig(optimizer=tables.adam(2e-3))))
-    for _ in range(blocks):
-        t.blocks.add(replicas=[0], since_epoch=1, fresh_epoch=1)
+    for i, name in enumerate(_names(tables)):
+        spec = tables_.sparse_table(name, dim, num_rows=rows, init=tables_.normal(0.0, 0.01, seed=7 + i),
+                                    num_blocks=blocks)
+        t = msg.tables.add(job=JOB, spec=spec_to_proto(spec),
+                           config=config_to_proto(tables_.TableConfig(optimizer=tables_.adam(2e-3))))
+        for _ in range(blocks):
+            t.blocks.add(replicas=[0], since_epoch=1, fresh_epoch=1)
     node = ServerNode("s0")
     node.install_map(msg)
     return node
 
 
-def _segment(ids: np.ndarray) -> list[Selection]:
-    return [Selection(TABLE, ROWS, count=ids.shape[0])]
+def _segments(names: list[str], ids: list[np.ndarray]) -> list[Selection]:
+    return [Selection(name, ROWS, count=i.shape[0]) for name, i in zip(names, ids)]
 
 
 @contextmanager
@@ -64,29 +75,34 @@ def _variant(name: str):
     if name in ("no-cache", "numpy-init"):
         storage.SparseRows.__init__ = without_cache          # type: ignore[method-assign]
     if name == "numpy-init":
-        kernels.initial_values = tables.initial_values
+        kernels.initial_values = tables_.initial_values
     try:
         yield
     finally:
         kernels.initial_values, storage.SparseRows.__init__ = init, recent   # type: ignore[method-assign]
 
 
-def measure(variant: str, rows: int, blocks: int, batch: int, rounds: int, seed: int = 0) -> float:
-    """CPU milliseconds per pull + push round of ``batch`` random ids under ``variant``."""
+def measure(variant: str, rows: int, blocks: int, batch: int, rounds: int, seed: int = 0, tables: int = 1,
+            dim: int = 16) -> float:
+    """CPU milliseconds per pull + push round of ``batch`` random ids of each of ``tables``
+    tables under ``variant``."""
     rng = np.random.default_rng(seed)
+    names = _names(tables)
     with _variant(variant):
-        node = _node(rows, 16, blocks)
+        node = _node(rows, dim, blocks, tables)
         header = Header(JOB, epoch=1, session="w0", incarnation=1)
         work = []
         for _ in range(rounds + 5):
-            ids = np.unique(rng.integers(0, rows, batch)).astype("<i8")
-            work.append((ids, rng.standard_normal((ids.shape[0], 16)).astype("<f4")))
+            ids = [np.unique(rng.integers(0, rows, batch)).astype("<i8") for _ in names]
+            grads = [rng.standard_normal((i.shape[0], dim)).astype("<f4") for i in ids]
+            work.append((_segments(names, ids), b"".join(i.tobytes() for i in ids),
+                         b"".join(i.tobytes() + g.tobytes() for i, g in zip(ids, grads))))
         spent = 0.0
-        for i, (ids, grads) in enumerate(work):
+        for i, (segments, id_bytes, push_bytes) in enumerate(work):
             t0 = time.thread_time()
-            node.pull(PullRequest(Header(JOB, epoch=1), _segment(ids), ids.tobytes()))
+            node.pull(PullRequest(Header(JOB, epoch=1), segments, id_bytes))
             header.sequence = header.acked_below = i + 1     # the earlier pushes were acknowledged
-            node.push(PushRequest(header, GRADIENT, _segment(ids), ids.tobytes() + grads.tobytes()))
+            node.push(PushRequest(header, GRADIENT, segments, push_bytes))
             if i >= 5:                                         # the first rounds warm up
                 spent += time.thread_time() - t0
     return spent / rounds * 1e3
@@ -96,7 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m shardps.bench.server_cpu", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=3300, help="ids per round (the ctr batch's on one of 2 servers)")
-    p.add_argument("--blocks", type=int, default=32, help="blocks of the table on this server")
+    p.add_argument("--blocks", type=int, default=32, help="blocks of each table on this server")
+    p.add_argument("--tables", type=int, default=1, help="sparse tables in each request")
+    p.add_argument("--table-rows", type=int, default=1_000_000, help="rows of each table")
+    p.add_argument("--dim", type=int, default=16, help="each row's width")
     p.add_argument("--rounds", type=int, default=60)
     p.add_argument("--repeats", type=int, default=3, help="runs per variant, interleaved; medians printed")
     args = p.parse_args(argv)
@@ -105,11 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     got: dict[str, list[float]] = {v: [] for v in variants}
     for r in range(args.repeats):
         for v in variants:
-            got[v].append(measure(v, 1_000_000, args.blocks, args.rows, args.rounds, seed=r))
+            got[v].append(measure(v, args.table_rows, args.blocks, args.rows, args.rounds, seed=r,
+                                  tables=args.tables, dim=args.dim))
     base = statistics.median(got["compiled"])
     for v in variants:
         ms = statistics.median(got[v])
-        print(f"{v:<11} {ms:6.2f} ms CPU per pull + push of ~{args.rows:,} rows ({ms / base:.2f} x compiled)")
+        what = f"~{args.rows:,} rows" + (f" of each of {args.tables} tables" if args.tables > 1 else "")
+        print(f"{v:<11} {ms:6.2f} ms CPU per pull + push of {what} ({ms / base:.2f} x compiled)")
     return 0
 
 
