@@ -281,6 +281,7 @@ class ServerProcess:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._sync_thread: threading.Thread | None = None
+        self._stall_thread: threading.Thread | None = None
         self._wanted_epoch = 0
         self._wanted = threading.Condition()
         self.boot_id = secrets.token_hex(8)
@@ -303,6 +304,8 @@ class ServerProcess:
         self._thread.start()
         self._sync_thread = threading.Thread(target=self._sync_maps, name="map-sync", daemon=True)
         self._sync_thread.start()
+        self._stall_thread = threading.Thread(target=self._watch_stalls, name="stall-watch", daemon=True)
+        self._stall_thread.start()
         if wait_registered:
             deadline = time.monotonic() + wait_registered
             while self.node.incarnation == 0 and time.monotonic() < deadline and not self._stop.is_set():
@@ -319,12 +322,16 @@ class ServerProcess:
             raise _ManagerCallFailed(error) from None
 
     def _register_once(self) -> None:
+        sent = self.node.liveness.heartbeat_sent(time.monotonic())
         resp = self._call_manager(self._manager_stub.RegisterServer, mg.RegisterServerRequest(
             name=self.node.name, address=self.address, metrics_address=self.net.metrics_address,
             boot_id=self.boot_id, accepts_map_changes=True))
         self.node.reset(resp.incarnation)
         self.node.install_map(resp.map)
         self.heartbeat_seconds = resp.heartbeat_seconds or 0.5
+        if resp.lease_seconds:
+            self.node.liveness.configure(resp.lease_seconds, self.heartbeat_seconds, time.monotonic())
+        self.node.liveness.heartbeat_answered(sent, resp.map.epoch)
         self.net.set_serving(True)
         log.info("server %s registered (incarnation %d) at %s, epoch %d", self.node.name,
                  resp.incarnation, self.address, self.node.epoch)
@@ -366,9 +373,11 @@ class ServerProcess:
         if now - getattr(self, "_usage_published", 0.0) > 5.0:
             self._usage_published = now
             self.node.publish_usage(u)
+        sent = self.node.liveness.heartbeat_sent(time.monotonic())
         resp = self._call_manager(self._manager_stub.ServerHeartbeat, mg.ServerHeartbeatRequest(
             name=self.node.name, incarnation=self.node.incarnation, epoch=self.node.epoch,
             primary_blocks=u["primary_blocks"], replica_blocks=u["backup_blocks"], bytes=u["bytes"]))
+        self.node.liveness.heartbeat_answered(sent, resp.epoch)
         if self._update_revocations is not None:     # revoked job tokens: refused from now on
             self._update_revocations(resp.token_floors)
         if resp.retired:
@@ -383,6 +392,19 @@ class ServerProcess:
             with self._wanted:
                 self._wanted_epoch = max(self._wanted_epoch, resp.epoch)
                 self._wanted.notify_all()
+
+    def _watch_stalls(self) -> None:
+        """Tick the node's ``liveness`` five times a second (a tick long after the last one
+        is a stall of this process: ``server.node.liveness``), and log each stall noticed."""
+        live = self.node.liveness
+        logged = 0
+        while not self._stop.wait(0.2):
+            live.tick(time.monotonic())
+            stall = live.last_stall
+            if live.stalls > logged and stall is not None:
+                logged = live.stalls
+                log.warning("server %s did not run for %.1f s: refusing data requests until the manager "
+                            "answers a heartbeat", self.node.name, stall.lasted)
 
     def _sync_maps(self) -> None:
         """Fetch and install maps the heartbeats found newer than ours."""
@@ -412,7 +434,7 @@ class ServerProcess:
         self.net.stop()
         if self.data_plane is not None:
             self.data_plane.stop(grace=1.0)
-        for t in (self._thread, self._sync_thread):
+        for t in (self._thread, self._sync_thread, self._stall_thread):
             if t is not None:
                 t.join(timeout=1)     # a heartbeat in flight must not delay the stop
         self._manager.close()

@@ -399,3 +399,56 @@ def test_a_paused_server_is_routed_around_while_it_stays_paused(chaos, monkeypat
         np.testing.assert_array_equal(c.pull_rows("counters", ids)[:, 0], np.full(240, float(len(acks))))
     for w in workers:
         w.close()
+
+
+def test_a_resumed_primary_does_not_answer_a_reader_as_stale_as_itself(chaos):
+    """The primary of a dense block is paused (SIGSTOP) longer than its lease; the manager
+    gives the block to its backup, and a writer's pushes are acknowledged there. A reader
+    whose map is as old as the paused server's then pulls: its request waits in the paused
+    server's socket. When that server runs again it must not answer from its old copy (it
+    did, and the verifier caught it: "read missed an acknowledged push"): it noticed it did
+    not run, refuses until the manager answers it, and the reader's retry reads every
+    acknowledged push."""
+    import threading
+
+    from shardps.tables import sgd
+    cluster, _ = chaos(servers=2, replication=2, server_lease_seconds=3.0)
+    writer = PSClient(cluster.manager_address, "stale-read", timeout=30)
+    reader = PSClient(cluster.manager_address, "stale-read", timeout=30)
+    try:
+        writer.create_job()
+        writer.create_dense("w", (16,), optimizer=sgd(1.0))
+        writer.join(name="w0")
+        for _ in range(5):
+            writer.push_dense("w", -np.ones(16, np.float32))
+        assert reader.pull_dense("w")[0] == 5.0              # the reader's map: the primary below
+        view = reader.refresh_map()
+        t = view.table("stale-read", "w")
+        primary = view.server_names[int(t.primary[0])]
+        acked = [5]
+        stop = threading.Event()
+
+        def push_loop():
+            while not stop.is_set():
+                writer.push_dense("w", -np.ones(16, np.float32), timeout=30)
+                acked.append(acked[-1] + 1)
+
+        victim = cluster.servers[primary].popen
+        victim.send_signal(signal.SIGSTOP)
+        pushing = threading.Thread(target=push_loop, daemon=True)
+        try:
+            pushing.start()
+            wait_for("pushes acknowledged by the new primary", lambda: acked[-1] >= 8, 30, interval=0.05)
+            before = acked[-1]
+            read = reader.pull_dense_async("w")             # to the paused server: its map is old
+            time.sleep(0.3)
+        finally:
+            victim.send_signal(signal.SIGCONT)
+        value = float(read.result(timeout=60)[0])
+        stop.set()
+        pushing.join(timeout=30)
+        assert value >= before, f"read {value:.0f} < {before} acknowledged before the pull started"
+        assert "did not run for" in (cluster.work_dir / f"{primary}.log").read_text()
+    finally:
+        for c in (writer, reader):
+            c.close()

@@ -41,6 +41,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from shardps import kernels, mapdelta
+from shardps.errors import Unavailable
 from shardps.messages import PullReply, PullRequest, PushAck, PushRequest
 from shardps.metrics import NodeMetrics
 from shardps.protos.v1 import common_pb2 as pb
@@ -49,6 +50,7 @@ from shardps.server.node import lifecycle, storage_kernels
 from shardps.server.node.apply import JobHolds, PushApplier, forget_departed_writers
 from shardps.server.node.blocks import BlockKey
 from shardps.server.node.decode import NodeLimits
+from shardps.server.node.liveness import Liveness
 from shardps.server.node.pull import PullReader
 from shardps.server.node.replication import BackupApplier, BlockSnapshot, Forwarder, NoPeers, Peers
 from shardps.server.node.steps import SyncSteps
@@ -89,6 +91,7 @@ class ServerNode:
         self.pusher = PushApplier(self.table, self.steps, self.forwarder, self.holds, limits,
                                   self.metrics, clock)
         self.reader = PullReader(self.table, self.steps, limits, self.metrics, clock)
+        self.liveness = Liveness()          # ServerProcess configures it (the manager's lease)
 
     # ================================================================== state, read-only
     view = _table_attr("view", "The installed shard map (a ShardMapView).")
@@ -170,13 +173,23 @@ class ServerNode:
 
     # ================================================================== data path
     def push(self, request: PushRequest, deadline: float | None = None) -> PushAck:
-        """See ``PushApplier.push``."""
+        """See ``PushApplier.push``; refused with ``Unavailable`` after a stall (``liveness``)."""
+        self._check_live()
         return self.pusher.push(request, deadline)
 
     def pull(self, request: PullRequest, deadline: float | None = None,
              out_buffer=None) -> tuple[PullReply, list[np.ndarray]]:
-        """See ``PullReader.pull``."""
-        return self.reader.pull(request, deadline, out_buffer)
+        """See ``PullReader.pull``; refused with ``Unavailable`` after a stall (``liveness``),
+        also one that began while the values were read."""
+        self._check_live()
+        out = self.reader.pull(request, deadline, out_buffer)
+        self._check_live()
+        return out
+
+    def _check_live(self) -> None:
+        reason = self.liveness.refusal(self._now(), self.epoch)
+        if reason is not None:
+            raise Unavailable(f"server {self.name}: {reason}")
 
     def apply_replicated(self, epoch: int, source: str, ops: Sequence[ps.BlockOp],
                          payload) -> tuple[int, list[BlockKey]]:
