@@ -145,6 +145,7 @@ def refused_address():
         yield f"127.0.0.1:{s.getsockname()[1]}"
 
 
+@pytest.mark.slow          # waits out leases or retry intervals: over a second
 def test_a_client_that_cannot_reach_the_manager_says_so_every_few_seconds(
         refused_address, client_factory, caplog, monkeypatch):
     monkeypatch.setattr(channels, "UNREACHABLE_WARNING_SECONDS", 0.1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -94,6 +95,7 @@ def test_periodic_checkpoints_every_n_steps(make_cluster, client_factory, tmp_pa
     assert made == [(3, 3), (6, 6)]
 
 
+@pytest.mark.slow          # waits out leases or retry intervals: over a second
 def test_shardps_checkpoint_names_the_ranks_that_never_arrive_and_what_they_must_call(
         make_cluster, client_factory, tmp_path, capsys):
     cluster = make_cluster(2)

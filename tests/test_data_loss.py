@@ -37,6 +37,7 @@ def _lost(cluster, recovery: int):
     return (status, losses) if status.lost_blocks and losses else None
 
 
+@pytest.mark.slow          # waits out leases or retry intervals: over a second
 def test_lost_blocks_fail_loudly_in_every_job_until_reset(make_cluster, client_factory):
     cluster = make_cluster(2, replication=1, lease=1.0)
     a, b = client_factory(cluster.address, "a"), client_factory(cluster.address, "b")
@@ -73,6 +74,7 @@ def test_lost_blocks_fail_loudly_in_every_job_until_reset(make_cluster, client_f
     assert cluster.manager.service.get_cluster_status(None, None).lost_blocks > 0
 
 
+@pytest.mark.slow          # waits out leases or retry intervals: over a second
 def test_lost_blocks_are_restored_from_the_jobs_latest_checkpoint(make_cluster, client_factory, tmp_path):
     cluster = make_cluster(2, replication=1, lease=1.0, manager_settings={"checkpoint_dir": str(tmp_path)})
     a = client_factory(cluster.address, "a")

@@ -72,6 +72,7 @@ def replicate_calls(cluster, grpc_type: str) -> float:
         "grpc_code": "OK"}) or 0.0 for s in cluster.servers.values())
 
 
+@pytest.mark.slow          # waits out leases or retry intervals: over a second
 def test_failover_keeps_acknowledged_pushes_and_restores_r(make_cluster, client_factory):
     cluster = make_cluster(3, replication=2, lease=1.0)
     c = client_factory(cluster.address, timeout=30)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from shardps.metrics import ManagerMetrics
@@ -49,6 +50,7 @@ def test_replication_gauges():
     assert m.registry.get_sample_value("shardps_replication_unrestorable_blocks") == 30
 
 
+@pytest.mark.slow          # waits out leases or retry intervals: over a second
 def test_cluster_status_after_losing_servers_below_r(make_cluster, client_factory):
     """Two servers, R=2, one dies: the manager reports every block under-replicated (not 0,
     as when it counted against the servers left) and status says R cannot be restored."""

@@ -164,6 +164,7 @@ def _wait(condition, timeout: float, what: str) -> float:
     return time.monotonic() - started
 
 
+@pytest.mark.slow          # waits out leases or retry intervals: over a second
 def test_an_expired_token_is_refused_with_unauthenticated_naming_the_expiry(make_cluster, client_factory):
     cluster = _secure_cluster(make_cluster)
     admin = client_factory(cluster.address, job="team-a", token=ADMIN)
