@@ -103,6 +103,7 @@ TABLE: dict[str, dict[str, Rule]] = {
         "EndJob": Rule(ADMIN),
         "RevokeJobTokens": Rule(ADMIN, note="raises the job's token generation; answers a fresh token"),
         "CreateTable": _job(mg.CreateTableRequest, answer=OWN_JOB),
+        "CreateTables": _job(mg.CreateTablesRequest, answer=OWN_JOB),
         "DescribeTable": _job(mg.DescribeTableRequest, answer=OWN_JOB),
         "ListTables": _job(mg.ListTablesRequest, answer=OWN_JOB),
         "UpdateTableConfig": _job(mg.UpdateTableConfigRequest),

@@ -57,7 +57,7 @@ def test_fuzz_cross_job(make_cluster, client_factory, tmp_path):
     servers = {s.name: s.address for s in shard_map.servers}
     chans = {n: channels.channel(a) for n, a in servers.items()}
     manager = channels.channel(cluster.address)
-    limits = {"max_request_bytes": 1 << 30, "max_rows": 4_000_000, "max_segments": 1024}     # the defaults
+    limits = {"max_request_bytes": 1 << 30, "max_rows": 4_000_000, "max_segments": 65_535}   # the defaults
     w = World(cluster, Reference(tables, (member.session, member.incarnation), limits), servers, chans, manager,
               Wire())
     for t in tables.values():

@@ -45,7 +45,7 @@ def test_the_fuzzer_knows_every_rpc():
 @pytest.mark.slow          # over 10,000 messages, ~100 s
 @pytest.mark.timeout(900, method="thread")      # a stack dump instead of a silent hang
 def test_fuzz_worker_reachable_rpcs(make_cluster, client_factory, tmp_path):
-    limits = {"max_request_bytes": 2048, "max_rows": 16, "max_segments": 1024}
+    limits = {"max_request_bytes": 2048, "max_rows": 16, "max_segments": 65_535}
     cluster = make_cluster(2, server_settings={"max_request_bytes": limits["max_request_bytes"],
                                                "max_rows": limits["max_rows"]})
     client = client_factory(cluster.address, DATA_JOB, timeout=10.0)

@@ -3,7 +3,7 @@ plans (pure); and that the runtime persists what the decisions change."""
 
 import pytest
 
-from shardps.errors import AlreadyExists, FailedPrecondition, NotFound
+from shardps.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.server.manager.checkpoint_plan import plan_cut, plan_load
 from shardps.server.manager.records import ManagerSettings, ServerState
@@ -31,6 +31,54 @@ def test_table_creation_is_idempotent_and_conflicts_are_named():
         st.create_table("j", dense_table("w", (101,), block_size=10), TableConfig(sgd(0.1)))
     with pytest.raises(NotFound, match="job 'nope'"):
         st.create_table("nope", dense_table("w", (1,)), TableConfig())
+
+
+def test_tables_created_together_take_one_epoch_and_are_placed_in_balance():
+    """A model's every parameter at once: one map change, not one per table (the manager,
+    servers and clients each handle a whole map per change), balanced as one placement."""
+    st = make(3, 2)
+    epoch = st.epoch
+    tables = [(dense_table(f"w{i}", (4, 4)), TableConfig(sgd(0.1))) for i in range(300)]
+    tables.append((sparse_table("e", 8, num_blocks=64), TableConfig(sgd(0.2))))
+    got = st.create_tables("j", tables)
+    assert st.epoch == epoch + 1 and [created for _, created in got] == [True] * 301
+    assert [rec.spec.name for rec, _ in got] == [spec.name for spec, _ in tables]
+    assert st.tables[("j", "e")].config.optimizer.lr == 0.2
+    load = {f"s{n}": 0 for n in range(3)}
+    for rec, _ in got:
+        for b in rec.blocks:
+            assert len(set(b.replicas)) == 2 and b.since_epoch == epoch + 1
+            for node in b.replicas:
+                load[node] += 1
+    assert max(load.values()) - min(load.values()) <= 0.1 * sum(load.values()) / 3, load
+    again = st.create_tables("j", tables[:2] + [(dense_table("new", (3,)), TableConfig())])
+    assert [created for _, created in again] == [False, False, True] and st.epoch == epoch + 2
+    assert again[0][0] is got[0][0]
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    ((dense_table("w1", (5, 4)), TableConfig(sgd(0.1))), AlreadyExists, "'w1' of job 'j' exists with another spec"),
+    ((dense_table("w0", (4, 4)), TableConfig(sgd(0.1))), InvalidArgument, "'w0' of job 'j' is named twice"),
+    ((dense_table("w9", (0,)), TableConfig()), InvalidArgument, "w9"),
+])
+def test_tables_created_together_are_all_or_none(bad, error, match):
+    st = make(3, 2)
+    st.create_table("j", dense_table("w1", (4, 4)), TableConfig(sgd(0.1)))
+    epoch, before = st.epoch, set(st.tables)
+    with pytest.raises(error, match=match):
+        st.create_tables("j", [(dense_table("w0", (4, 4)), TableConfig(sgd(0.1))), bad,
+                               (dense_table("w2", (4, 4)), TableConfig(sgd(0.1)))])
+    assert st.epoch == epoch and set(st.tables) == before
+
+
+def test_a_job_quota_counts_every_table_created_together():
+    st = make(3, 2)
+    st.create_job("q", Consistency.ASYNC, 0, quota_bytes=1000)
+    config = TableConfig(sgd(0.1))                               # 200 bytes per table: values only
+    st.create_tables("q", [(dense_table(f"a{i}", (50,)), config) for i in range(4)])
+    with pytest.raises(ResourceExhausted, match="hold 1000 bytes and 'b1' needs 200 more"):
+        st.create_tables("q", [(dense_table("b0", (50,)), config), (dense_table("b1", (50,)), config)])
+    assert ("q", "b0") not in st.tables
 
 
 @pytest.mark.parametrize("r", [1, 2])

@@ -63,6 +63,17 @@ READERS = [lambda b: packed.read_push(b, b""), lambda b: packed.read_pull(b, b""
            packed.read_exchange_reply]
 
 
+def test_more_segments_than_a_packed_header_carries_are_refused_by_name():
+    """A request of over 65,535 segments to one server does not fit the 2-byte count: a
+    clear InvalidArgument before anything is sent (once a raw struct.error)."""
+    many = [m.Selection("w", m.RANGE, i, i + 1) for i in range(65_536)]
+    with pytest.raises(InvalidArgument, match="65536 segments in one request to one server: at most 65,535"):
+        packed.push(m.PushRequest(HEADER, m.GRADIENT, many), 0)
+    with pytest.raises(InvalidArgument, match="65536 segments"):
+        packed.pull(m.PullRequest(HEADER, many))
+    assert packed.read_pull(packed.pull(m.PullRequest(HEADER, many[:65_535])), b"").segments == many[:65_535]
+
+
 @settings(max_examples=400, deadline=None)
 @given(reader=st.sampled_from(READERS), data=st.binary(max_size=120), cut=st.integers(0, 200),
        flip=st.integers(0, 400))

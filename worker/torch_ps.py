@@ -146,14 +146,13 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
     def create_tables(self, timeout: float | None = None) -> None:
         """Create every table (idempotent) and offer this module's initial values; then pull
         the values that won, so every worker starts identical."""
-        for name, p in self.dense.items():
-            self.client.create_table(dense_table(name, tuple(p.shape), assigned(), self.block_size),
-                                     self.table_optimizer(name), timeout=timeout)
+        tables = [(dense_table(name, tuple(p.shape), assigned(), self.block_size), self.table_optimizer(name))
+                  for name, p in self.dense.items()]
         for emb in self.embeddings.values():
             assert emb.table is not None          # PSModel named every embedding's table
-            self.client.create_table(sparse_table(emb.table, emb.embedding_dim, emb.num_embeddings,
-                                                  emb.init, emb.num_blocks),
-                                     emb.optimizer or self.table_optimizer(emb.table), timeout=timeout)
+            tables.append((sparse_table(emb.table, emb.embedding_dim, emb.num_embeddings, emb.init, emb.num_blocks),
+                           emb.optimizer or self.table_optimizer(emb.table)))
+        self.client.create_tables(tables, timeout=timeout)      # one map change for the lot
         for name, p in self.dense.items():
             self.client.initialize_dense(name, p.detach().cpu().numpy(), timeout=timeout)
             self._base_lr[name] = self.table_optimizer(name).lr

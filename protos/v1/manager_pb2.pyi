@@ -160,6 +160,32 @@ class CreateTableResponse(_message.Message):
     epoch: int
     def __init__(self, table: _Optional[_Union[_common_pb2.TablePlacement, _Mapping]] = ..., created: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
 
+class TableDefinition(_message.Message):
+    __slots__ = ("spec", "config")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    spec: _common_pb2.TableSpec
+    config: _common_pb2.TableConfig
+    def __init__(self, spec: _Optional[_Union[_common_pb2.TableSpec, _Mapping]] = ..., config: _Optional[_Union[_common_pb2.TableConfig, _Mapping]] = ...) -> None: ...
+
+class CreateTablesRequest(_message.Message):
+    __slots__ = ("job", "tables")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    tables: _containers.RepeatedCompositeFieldContainer[TableDefinition]
+    def __init__(self, job: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[TableDefinition, _Mapping]]] = ...) -> None: ...
+
+class CreateTablesResponse(_message.Message):
+    __slots__ = ("tables", "created", "epoch")
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[_common_pb2.TablePlacement]
+    created: _containers.RepeatedScalarFieldContainer[bool]
+    epoch: int
+    def __init__(self, tables: _Optional[_Iterable[_Union[_common_pb2.TablePlacement, _Mapping]]] = ..., created: _Optional[_Iterable[bool]] = ..., epoch: _Optional[int] = ...) -> None: ...
+
 class DescribeTableRequest(_message.Message):
     __slots__ = ("job", "table")
     JOB_FIELD_NUMBER: _ClassVar[int]

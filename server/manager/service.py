@@ -54,6 +54,7 @@ class ResourceManagerService:
             "EndJob": proto_method(u, self.end_job, mg.EndJobRequest),
             "RevokeJobTokens": proto_method(u, self.revoke_job_tokens, mg.RevokeJobTokensRequest),
             "CreateTable": proto_method(u, scoped(self.create_table), mg.CreateTableRequest),
+            "CreateTables": proto_method(u, scoped(self.create_tables), mg.CreateTablesRequest),
             "DescribeTable": proto_method(u, scoped(self.describe_table), mg.DescribeTableRequest),
             "ListTables": proto_method(u, scoped(self.list_tables), mg.ListTablesRequest),
             "UpdateTableConfig": proto_method(u, scoped(self.update_table_config), mg.UpdateTableConfigRequest),
@@ -160,6 +161,19 @@ class ResourceManagerService:
         rec, created = self.rt.change(lambda s: s.create_table(req.job, spec, config))
         return mg.CreateTableResponse(table=self._placement(req.job, spec.name), created=created,
                                       epoch=self.rt.published.epoch)
+
+    def create_tables(self, req, call) -> mg.CreateTablesResponse:
+        items = []
+        for i, t in enumerate(req.tables):
+            names.check(names.TABLE, t.spec.name, f"tables[{i}].spec.name")
+            items.append((spec_from_proto(t.spec), config_from_proto(t.config)))
+        got = self.rt.change(lambda s: s.create_tables(req.job, items))
+        placed = {t.spec.name: t for t in self.rt.published.tables if t.job == req.job}
+        missing = [spec.name for spec, _ in items if spec.name not in placed]
+        if missing:
+            raise NotFound(f"table {missing[0]!r} of job {req.job!r} is not published yet: retry")
+        return mg.CreateTablesResponse(tables=[placed[spec.name] for spec, _ in items],
+                                       created=[created for _, created in got], epoch=self.rt.published.epoch)
 
     def _placement(self, job: str, name: str) -> pb.TablePlacement:
         with self.rt.lock:

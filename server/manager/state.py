@@ -9,8 +9,8 @@ installs the new map on the servers and only then shows it to clients.
 
 The decisions live beside this class, as functions of the state: ``servers.py`` (server
 membership and leases), ``groups.py`` (worker groups), ``moves.py`` (placement of blocks and
-block moves), ``losses.py`` (blocks that lost every replica). The methods below delegate
-to them, so callers use one object.
+block moves), ``losses.py`` (blocks that lost every replica), ``table_ops.py`` (creating
+tables). The methods below delegate to them, so callers use one object.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from collections import Counter
 from typing import Sequence
 
 from shardps.convert import config_to_proto, consistency_to_proto, spec_to_proto
-from shardps.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from shardps.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.server import optimizers
-from shardps.server.manager import groups, losses, moves, servers
+from shardps.server.manager import groups, losses, moves, servers, table_ops
 from shardps.server.manager.records import (
     BlockRecord,
     JobRecord,
@@ -34,9 +34,6 @@ from shardps.server.manager.records import (
     ServerRecord,
     ServerState,
     TableRecord,
-    dense_bytes,
-    describe_config,
-    describe_spec,
 )
 from shardps.server.placement import block_name
 from shardps.tables import Consistency, TableConfig, TableSpec, validate_job_name
@@ -158,44 +155,11 @@ class ManagerState:
 
     # ------------------------------------------------------------------ tables
     def create_table(self, job: str, spec: TableSpec, config: TableConfig) -> tuple[TableRecord, bool]:
-        self.job(job)
-        spec.validate()
-        config.validate()
-        existing = self.tables.get((job, spec.name))
-        if existing is not None:
-            if existing.spec != spec:
-                raise AlreadyExists(
-                    f"table {spec.name!r} of job {job!r} exists with another spec "
-                    f"({describe_spec(existing.spec)}; requested {describe_spec(spec)}): use "
-                    f"another name or delete it first")
-            created = existing.created          # None: restored, or persisted before it was kept
-            if created is not None and created != config.replace(version=0):
-                raise AlreadyExists(
-                    f"table {spec.name!r} of job {job!r} exists, created with "
-                    f"{describe_config(created)}; this call asks for {describe_config(config)}. "
-                    f"A job keeps its tables across runs: change the settings with update_config, "
-                    f"delete the table (or end the job), or use a fresh job per run")
-            return existing, False
-        nodes = self.candidates()
-        if not nodes:
-            raise FailedPrecondition("no live server to place the table on: start a server first")
-        quota = self.jobs[job].quota_bytes
-        if quota:
-            dense = sum(dense_bytes(t.spec, t.config) for (j, _), t in self.tables.items() if j == job)
-            need = dense_bytes(spec, config)
-            if dense + need > quota:
-                raise ResourceExhausted(
-                    f"job {job!r} storage quota_bytes={quota}: its dense tables hold {dense} bytes and "
-                    f"{spec.name!r} needs {need} more (values and optimizer state): raise the quota "
-                    f"or delete tables")
-        moves.warn_if_short(self, f"table {spec.name!r} of job {job!r}", nodes)
-        epoch = self.bump()
-        names = [block_name(job, spec.name, i) for i in range(spec.block_count)]
-        placement = moves.place_new(self, names, nodes)
-        blocks = [BlockRecord(placement[n], epoch, epoch) for n in names]
-        rec = TableRecord(job, spec, config.replace(version=1), blocks, created=config.replace(version=0))
-        self.tables[(job, spec.name)] = rec
-        return rec, True
+        return self.create_tables(job, [(spec, config)])[0]
+
+    def create_tables(self, job: str, tables: Sequence[tuple[TableSpec, TableConfig]]
+                      ) -> list[tuple[TableRecord, bool]]:
+        return table_ops.create_tables(self, job, tables)
 
     def table(self, job: str, name: str) -> TableRecord:
         self.job(job)

@@ -46,7 +46,7 @@ class NodeLimits:
     max_request_bytes: int = 1 << 30
     max_response_bytes: int = 1 << 30
     max_rows: int = 4_000_000
-    max_segments: int = 1024
+    max_segments: int = 65_535          # what a packed header's 2-byte count carries
     forward_timeout: float = 1.5
 
 

@@ -76,8 +76,15 @@ def _header(out: list, h: Header) -> None:
     out.append(_HEADER_TAIL.pack(h.incarnation, h.sequence, h.acked_below, h.clock, h.wire_dtype))
 
 
+def _count(out: list, n: int, what: str) -> None:
+    if n > 0xFFFF:
+        raise InvalidArgument(f"{n} {what}: at most 65,535 fit one packed header; send fewer "
+                              f"tables or ranges per call")
+    out.append(_H.pack(n))
+
+
 def _segments(out: list, segments) -> None:
-    out.append(_H.pack(len(segments)))
+    _count(out, len(segments), "segments in one request to one server")
     for s in segments:
         _str(out, s.table)
         if s.selector == RANGE:
@@ -124,7 +131,7 @@ def exchange(push_request: PushRequest, payload_bytes: int, pull_request: PullRe
 
 
 def _versions(out: list, versions: list[Versions]) -> None:
-    out.append(_H.pack(len(versions)))
+    _count(out, len(versions), "tables' versions in one reply")
     for v in versions:
         _str(out, v.table)
         blocks = np.asarray(v.blocks, dtype="<u4")

@@ -83,6 +83,7 @@ class ManagerStub:
         self.CreateJob = unary("CreateJob", mg.CreateJobRequest, mg.CreateJobResponse)
         self.EndJob = unary("EndJob", mg.EndJobRequest, mg.EndJobResponse)
         self.CreateTable = unary("CreateTable", mg.CreateTableRequest, mg.CreateTableResponse)
+        self.CreateTables = unary("CreateTables", mg.CreateTablesRequest, mg.CreateTablesResponse)
         self.DescribeTable = unary("DescribeTable", mg.DescribeTableRequest, pb.TablePlacement)
         self.ListTables = unary("ListTables", mg.ListTablesRequest, mg.ListTablesResponse)
         self.UpdateTableConfig = unary("UpdateTableConfig", mg.UpdateTableConfigRequest, pb.TableConfig)

@@ -101,6 +101,10 @@ def manager_request(data, w: World, method: str, tmp: str):
         return mg.CreateTableRequest(job=job, spec=draw_spec(w, one_of(w, table)),
                                      config=pb.TableConfig(optimizer=draw_optimizer(w, False),
                                                            allow_non_finite=coin(w)))
+    if method == "CreateTables":        # tables drawn as CreateTable draws them, of one job
+        drawn = [manager_request(data, w, "CreateTable", tmp) for _ in range(randint(w, 0, 3))]
+        return mg.CreateTablesRequest(job=drawn[0].job if drawn else one_of(w, job_any),
+                                      tables=[mg.TableDefinition(spec=d.spec, config=d.config) for d in drawn])
     if method == "DescribeTable":
         return mg.DescribeTableRequest(job=one_of(w, job_any),
                                        table=one_of(w, SCRATCH_TABLES + ["w", "e"] + BAD_NAMES))
@@ -179,6 +183,9 @@ def manager_safe(w: World, method: str, msg, tmp: str) -> bool:
     if method == "CreateTable":
         reserved = set(w.ref.tables) | {UNKNOWN_TABLE}
         return msg.spec.name not in reserved or job == DATA_JOB and msg.spec.name != UNKNOWN_TABLE
+    if method == "CreateTables":
+        return all(manager_safe(w, "CreateTable", mg.CreateTableRequest(job=job, spec=t.spec), tmp)
+                   for t in msg.tables)
     if method == "CreateJob":
         return job != UNKNOWN_JOB
     if method in ("JoinWorkerGroup", "LeaveWorkerGroup"):
@@ -207,6 +214,10 @@ def after_manager_call(w: World, method: str, msg, out: Outcome) -> None:
         t.config_version = pb.TableConfig.FromString(out.response).version
     if method == "CreateTable" and msg.job == DATA_JOB and msg.spec.name in w.ref.tables and out.code == OK:
         assert not mg.CreateTableResponse.FromString(out.response).created, f"data table re-created: {msg}"
+    if method == "CreateTables" and msg.job == DATA_JOB and out.code == OK:
+        reply = mg.CreateTablesResponse.FromString(out.response)
+        assert not any(created for t, created in zip(msg.tables, reply.created) if t.spec.name in w.ref.tables), \
+            f"data table re-created: {msg}"
 
 
 MANAGER_FUZZED = [m for m in RM_REQUESTS]

@@ -59,7 +59,7 @@ RM_REQUESTS = {   # name -> request class (every ResourceManager RPC is unary ex
     "RegisterServer": mg.RegisterServerRequest, "ServerHeartbeat": mg.ServerHeartbeatRequest,
     "DrainServer": mg.DrainServerRequest, "CreateJob": mg.CreateJobRequest,
     "EndJob": mg.EndJobRequest, "RevokeJobTokens": mg.RevokeJobTokensRequest,
-    "CreateTable": mg.CreateTableRequest,
+    "CreateTable": mg.CreateTableRequest, "CreateTables": mg.CreateTablesRequest,
     "DescribeTable": mg.DescribeTableRequest, "ListTables": mg.ListTablesRequest,
     "UpdateTableConfig": mg.UpdateTableConfigRequest, "DeleteTable": mg.DeleteTableRequest,
     "GetShardMap": mg.GetShardMapRequest, "WatchShardMap": mg.WatchShardMapRequest,

@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 from shardps import mapdelta
 from shardps.convert import config_from_proto, config_to_proto, consistency_to_proto, spec_to_proto
@@ -56,6 +56,23 @@ def _restated(exc: ShardpsError, message: str) -> ShardpsError:
     out = type(exc)(message)
     out.status, out.details = exc.status, exc.details
     return out
+
+
+def table_config(spec: TableSpec, optimizer: OptimizerConfig | None = None, allow_non_finite: bool = False,
+                 lifecycle: LifecyclePolicy | None = None) -> TableConfig:
+    """The config ``create_table`` asks for, its arguments checked with ``spec``:
+    InvalidArgument naming the table for any that is not what it should be."""
+    for what, value, cls in (("optimizer", optimizer, OptimizerConfig), ("lifecycle", lifecycle, LifecyclePolicy)):
+        if value is not None and not isinstance(value, cls):
+            raise InvalidArgument(f"table {spec.name!r}: {what}={value!r} must be a {cls.__name__} "
+                                  f"(or None)")
+    if not isinstance(allow_non_finite, bool):
+        raise InvalidArgument(f"table {spec.name!r}: allow_non_finite={allow_non_finite!r} must be "
+                              f"True or False")
+    config = TableConfig(optimizer or OptimizerConfig(), allow_non_finite, lifecycle=lifecycle or LifecyclePolicy())
+    spec.validate()
+    config.validate()
+    return config
 
 
 class Admin:
@@ -227,21 +244,23 @@ class Admin:
         """Create a table (idempotent for an identical spec; AlreadyExists otherwise) and
         wait for the shard map that places it. ``lifecycle``: a sparse table's memory budget,
         admission and TTL (docs/memory-budget.md)."""
-        for what, value, cls in (("optimizer", optimizer, OptimizerConfig), ("lifecycle", lifecycle, LifecyclePolicy)):
-            if value is not None and not isinstance(value, cls):
-                raise InvalidArgument(f"table {spec.name!r}: {what}={value!r} must be a {cls.__name__} "
-                                      f"(or None)")
-        if not isinstance(allow_non_finite, bool):
-            raise InvalidArgument(f"table {spec.name!r}: allow_non_finite={allow_non_finite!r} must be "
-                                  f"True or False")
-        config = TableConfig(optimizer or OptimizerConfig(), allow_non_finite,
-                             lifecycle=lifecycle or LifecyclePolicy())
-        spec.validate()
-        config.validate()
+        config = table_config(spec, optimizer, allow_non_finite, lifecycle)
         resp = self.call("CreateTable", self.stub.CreateTable, mg.CreateTableRequest(
             job=self.job, spec=spec_to_proto(spec), config=config_to_proto(config)), timeout, idempotent=True)
         view = self.refresh_map(min_epoch=resp.epoch)
         return view.table(self.job, spec.name)
+
+    def create_tables(self, tables: list[tuple[TableSpec, TableConfig]], timeout: float | None = None
+                      ) -> list[TableView]:
+        """Create ``tables`` ((spec, config) each, from ``table_config``) in one map change,
+        all or none, each as ``create_table`` would; wait for the map that places them."""
+        if not tables:
+            return []
+        resp = self.call("CreateTables", self.stub.CreateTables, mg.CreateTablesRequest(
+            job=self.job, tables=[mg.TableDefinition(spec=spec_to_proto(spec), config=config_to_proto(config))
+                                  for spec, config in tables]), timeout, idempotent=True)
+        view = self.refresh_map(min_epoch=resp.epoch)
+        return [view.table(self.job, spec.name) for spec, _ in tables]
 
     def table(self, name: str) -> TableView:
         """The table's spec, config and placement from the client's map (refreshed if
@@ -402,6 +421,15 @@ class ManagerCalls:
         """Create a table (idempotent for an identical spec; AlreadyExists otherwise);
         ``lifecycle``: a sparse table's memory budget (docs/memory-budget.md)."""
         return self._admin.create_table(spec, optimizer, allow_non_finite, timeout, lifecycle)
+
+    def create_tables(self, tables: Sequence[tuple[TableSpec, OptimizerConfig | None]],
+                      allow_non_finite: bool = False, timeout: float | None = None) -> list[TableView]:
+        """Create several tables ((spec, optimizer) each) in one map change: as
+        ``create_table`` each (idempotent for identical specs), all or none. A model's
+        tables together: the manager, the servers and this client handle one new map
+        instead of one per table (which grows with the tables already there)."""
+        return self._admin.create_tables([(spec, table_config(spec, optimizer, allow_non_finite))
+                                          for spec, optimizer in tables], timeout)
 
     def create_dense(self, name: str, shape, optimizer: OptimizerConfig | None = None,
                      init: Initializer | None = None, block_size: int = 0, **kw) -> TableView:
