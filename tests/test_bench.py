@@ -99,6 +99,17 @@ def test_control_map_simulation_small():
     assert main(["--servers", "6", "--blocks-per-server", "50", "--jobs", "3", "--workers", "30"]) in (0, 1)
 
 
+@pytest.mark.slow               # ~4 s: a manager and two servers in this process
+def test_exchange_split_divides_the_cpu_of_both_sides(capsys):
+    from shardps.bench import exchange_split
+    assert exchange_split.main(["--steps", "5", "--rounds", "1", "--warmup", "3"]) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[-2:]}
+    assert set(rows) == {"client", "servers"}
+    for cells in rows.values():
+        whole, parts = float(cells[1]), [float(cells[i]) for i in (2, 4, 6)]
+        assert whole > 0 and parts[0] > 0 and abs(sum(parts) - whole) < 1e-3    # kernels, socket, the rest
+
+
 def test_server_cpu_measures_requests_of_one_and_of_several_tables(capsys):
     from shardps.bench import server_cpu
     assert server_cpu.main(["--rows", "40", "--rounds", "2", "--repeats", "1", "--blocks", "4",
