@@ -34,9 +34,10 @@ from shardps.rpc import frames
 from shardps.server.node import storage_kernels
 
 # Python-level entry points of the compiled kernels (each a little glue and one compiled call)
-KERNELS: list[tuple[object, str]] = [(kernels, "apply_rows"), (kernels, "initial_values"), (kernels, "route_rows"),
-           (kernels, "unique_inverse"), (kernels, "sparse_block_of"), (kernels, "strictly_increasing"),
-           (storage_kernels, "gather"), (storage_kernels, "assign"), (storage_kernels, "scan")]
+KERNELS: list[tuple[object, str]] = [
+    (kernels, "apply_rows"), (kernels, "initial_values"), (kernels, "route_rows"), (kernels, "unique_inverse"),
+    (kernels, "sparse_block_of"), (kernels, "strictly_increasing"),
+    (storage_kernels, "gather"), (storage_kernels, "assign"), (storage_kernels, "scan")]
 SOCKET: list[tuple[object, str]] = [(frames, "send_parts"), (frames.FrameReader, "read_frame")]
 DENSE = (("fc1.weight", 26624), ("fc1.bias", 64), ("fc2.weight", 64), ("fc2.bias", 1))
 
