@@ -107,6 +107,7 @@ TABLE: dict[str, dict[str, Rule]] = {
         "DescribeTable": _job(mg.DescribeTableRequest, answer=OWN_JOB),
         "ListTables": _job(mg.ListTablesRequest, answer=OWN_JOB),
         "UpdateTableConfig": _job(mg.UpdateTableConfigRequest),
+        "UpdateTableConfigs": _job(mg.UpdateTableConfigsRequest),
         "DeleteTable": _job(mg.DeleteTableRequest),
         "GetShardMap": Rule(AUTHENTICATED, answer=OWN_JOB,
                             note="a job token sees every server and its own job's tables and group; "

@@ -9,7 +9,7 @@ from shardps.server.manager.checkpoint_plan import plan_cut, plan_load
 from shardps.server.manager.records import ManagerSettings, ServerState
 from shardps.server.manager.state import ManagerState
 from shardps.server.manager.store import StateFile
-from shardps.tables import Consistency, TableConfig, dense_table, sgd, sparse_table
+from shardps.tables import Consistency, TableConfig, adam, dense_table, sgd, sparse_table
 
 
 def make(n=3, r=2):
@@ -69,6 +69,24 @@ def test_tables_created_together_are_all_or_none(bad, error, match):
         st.create_tables("j", [(dense_table("w0", (4, 4)), TableConfig(sgd(0.1))), bad,
                                (dense_table("w2", (4, 4)), TableConfig(sgd(0.1)))])
     assert st.epoch == epoch and set(st.tables) == before
+
+
+def test_configs_changed_together_take_one_epoch_all_or_none():
+    st = make(3, 2)
+    st.create_tables("j", [(dense_table(f"w{i}", (4,)), TableConfig(sgd(0.1))) for i in range(50)])
+    epoch = st.epoch
+    got = st.update_table_configs("j", [(f"w{i}", TableConfig(sgd(0.01 * i)), 0) for i in range(50)])
+    assert st.epoch == epoch + 1 and [c.optimizer.lr for c in got] == [0.01 * i for i in range(50)]
+    assert all(c.version == 2 for c in got) and st.tables[("j", "w7")].config.optimizer.lr == 0.07
+    for bad, error, match in [
+        (("nope", TableConfig(sgd(0.5)), 0), NotFound, "'nope'"),
+        (("w3", TableConfig(adam(0.5)), 0), InvalidArgument, "'w3': the optimizer cannot change"),
+        (("w3", TableConfig(sgd(0.5)), 1), FailedPrecondition, "'w3' config is at version 2, not 1"),
+        (("w0", TableConfig(sgd(0.5)), 0), InvalidArgument, "'w0' of job 'j' is named twice"),
+    ]:
+        with pytest.raises(error, match=match):
+            st.update_table_configs("j", [("w0", TableConfig(sgd(0.9)), 0), bad])
+        assert st.epoch == epoch + 1 and st.tables[("j", "w0")].config.optimizer.lr == 0.0
 
 
 def test_a_job_quota_counts_every_table_created_together():

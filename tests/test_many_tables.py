@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardps.errors import AlreadyExists, InvalidArgument
+from shardps.errors import AlreadyExists, InvalidArgument, NotFound
 from shardps.tables import dense_table, sgd, sparse_table
 from shardps.worker.torch_ps import PSModel
 
@@ -30,6 +30,23 @@ def test_tables_created_together_take_one_map_change_all_or_none(make_cluster, c
     assert "fresh" not in names and "twice" not in names and len(names) == 201
     again = c.create_tables([(dense_table("w0", (3, 5)), sgd(0.1))])    # identical: idempotent
     assert again[0].name == "w0" and c.refresh_map().epoch == epoch + 1
+
+
+def test_a_schedule_sets_every_tables_learning_rate_in_one_map_change(make_cluster, client_factory):
+    cluster = make_cluster(2)
+    c = client_factory(cluster.address, job="lr")
+    c.create_job()
+    model = PSModel(_Wide(20), c, optimizer=sgd(0.2))
+    model.create_tables()
+    epoch = c.refresh_map().epoch
+    model.set_lr(lambda base: base / 4)
+    assert c.shard_map.epoch == epoch + 1
+    assert {c.table(name).config.optimizer.lr for name in model.dense} == {0.05}
+    with pytest.raises(InvalidArgument, match="table 'branches.3.bias': unknown setting"):
+        c.update_configs({"branches.0.bias": {"lr": 1.0}, "branches.3.bias": {"rate": 1.0}})
+    with pytest.raises(NotFound, match="'nope'"):
+        c.update_configs({"branches.0.bias": {"lr": 1.0}, "nope": {"lr": 1.0}})
+    assert c.refresh_map().epoch == epoch + 1 and c.table("branches.0.bias").config.optimizer.lr == 0.05
 
 
 def test_a_dense_table_of_thousands_of_blocks_pulls_and_pushes_whole(make_cluster, client_factory):

@@ -150,10 +150,9 @@ class ModelIO:
         return IncompatibleKeys(missing, unexpected)
 
     def set_lr(self, lr_of: Callable[[float], float]) -> None:
-        """Set every table's learning rate to ``lr_of(base_lr)`` (one manager call per table:
-        call it per epoch or every few hundred steps, not per step)."""
-        for table, base in self._base_lr.items():
-            self.client.update_config(table, lr=float(lr_of(base)))
+        """Set every table's learning rate to ``lr_of(base_lr)``: one change of the shard map
+        for all of them (call it per epoch or every few hundred steps, not per step)."""
+        self.client.update_configs({table: {"lr": float(lr_of(base))} for table, base in self._base_lr.items()})
 
     # ------------------------------------------------------------------ checkpoints
     def maybe_checkpoint(self, every: int = 0, epoch: int = 0, batch: int = 0,

@@ -218,6 +218,30 @@ class UpdateTableConfigRequest(_message.Message):
     expected_version: int
     def __init__(self, job: _Optional[str] = ..., table: _Optional[str] = ..., config: _Optional[_Union[_common_pb2.TableConfig, _Mapping]] = ..., expected_version: _Optional[int] = ...) -> None: ...
 
+class TableConfigChange(_message.Message):
+    __slots__ = ("table", "config", "expected_version")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    config: _common_pb2.TableConfig
+    expected_version: int
+    def __init__(self, table: _Optional[str] = ..., config: _Optional[_Union[_common_pb2.TableConfig, _Mapping]] = ..., expected_version: _Optional[int] = ...) -> None: ...
+
+class UpdateTableConfigsRequest(_message.Message):
+    __slots__ = ("job", "changes")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    changes: _containers.RepeatedCompositeFieldContainer[TableConfigChange]
+    def __init__(self, job: _Optional[str] = ..., changes: _Optional[_Iterable[_Union[TableConfigChange, _Mapping]]] = ...) -> None: ...
+
+class UpdateTableConfigsResponse(_message.Message):
+    __slots__ = ("configs",)
+    CONFIGS_FIELD_NUMBER: _ClassVar[int]
+    configs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TableConfig]
+    def __init__(self, configs: _Optional[_Iterable[_Union[_common_pb2.TableConfig, _Mapping]]] = ...) -> None: ...
+
 class DeleteTableRequest(_message.Message):
     __slots__ = ("job", "table")
     JOB_FIELD_NUMBER: _ClassVar[int]

@@ -58,6 +58,7 @@ class ResourceManagerService:
             "DescribeTable": proto_method(u, scoped(self.describe_table), mg.DescribeTableRequest),
             "ListTables": proto_method(u, scoped(self.list_tables), mg.ListTablesRequest),
             "UpdateTableConfig": proto_method(u, scoped(self.update_table_config), mg.UpdateTableConfigRequest),
+            "UpdateTableConfigs": proto_method(u, scoped(self.update_table_configs), mg.UpdateTableConfigsRequest),
             "DeleteTable": proto_method(u, scoped(self.delete_table), mg.DeleteTableRequest),
             "GetShardMap": proto_method(u, self.get_shard_map, mg.GetShardMapRequest),
             "WatchShardMap": proto_method("unary_stream", self.watch_shard_map, mg.WatchShardMapRequest,
@@ -196,6 +197,11 @@ class ResourceManagerService:
         new = self.rt.change(lambda s: s.update_table_config(req.job, req.table, config,
                                                              req.expected_version))
         return config_to_proto(new)
+
+    def update_table_configs(self, req, call) -> mg.UpdateTableConfigsResponse:
+        changes = [(c.table, config_from_proto(c.config), c.expected_version) for c in req.changes]
+        new = self.rt.change(lambda s: s.update_table_configs(req.job, changes))
+        return mg.UpdateTableConfigsResponse(configs=[config_to_proto(c) for c in new])
 
     def delete_table(self, req, call) -> mg.DeleteTableResponse:
         self.rt.change(lambda s: s.delete_table(req.job, req.table))

@@ -22,7 +22,6 @@ from typing import Sequence
 from shardps.convert import config_to_proto, consistency_to_proto, spec_to_proto
 from shardps.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from shardps.protos.v1 import common_pb2 as pb
-from shardps.server import optimizers
 from shardps.server.manager import groups, losses, moves, servers, table_ops
 from shardps.server.manager.records import (
     BlockRecord,
@@ -170,21 +169,10 @@ class ManagerState:
 
     def update_table_config(self, job: str, name: str, config: TableConfig,
                             expected_version: int = 0) -> TableConfig:
-        rec = self.table(job, name)
-        config.validate()
-        if expected_version and expected_version != rec.config.version:
-            raise FailedPrecondition(
-                f"table {name!r} config is at version {rec.config.version}, not "
-                f"{expected_version}: re-read it and retry")
-        old, new = rec.config.optimizer, config.optimizer
-        if old.kind is not new.kind or optimizers.state_names(old) != optimizers.state_names(new):
-            raise InvalidArgument(
-                f"table {name!r}: the optimizer cannot change from {old.kind.name}"
-                f"(momentum={old.momentum}) to {new.kind.name}(momentum={new.momentum}) "
-                f"while it holds state; change hyperparameters only")
-        rec.config = config.replace(version=rec.config.version + 1)
-        self.bump()
-        return rec.config
+        return self.update_table_configs(job, [(name, config, expected_version)])[0]
+
+    def update_table_configs(self, job: str, changes: Sequence[tuple[str, TableConfig, int]]) -> list[TableConfig]:
+        return table_ops.update_table_configs(self, job, changes)
 
     def delete_table(self, job: str, name: str) -> bool:
         rec = self.job(job)

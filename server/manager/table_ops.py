@@ -1,5 +1,5 @@
-"""Creating tables: a table, or several of one job in one epoch (a model's every parameter
-at once), all or none.
+"""Creating tables and changing their configs: one table, or several of one job in one epoch
+(a model's every parameter at once; a learning-rate schedule over all of them), all or none.
 
 Functions of (``ManagerState``, arguments); no I/O. Every check runs before anything
 changes; a creation bumps the epoch once.
@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Sequence
 
 from shardps.errors import AlreadyExists, FailedPrecondition, InvalidArgument, ResourceExhausted
+from shardps.server import optimizers
 from shardps.server.manager import moves
 from shardps.server.manager.records import BlockRecord, TableRecord, dense_bytes, describe_config, describe_spec
 from shardps.server.placement import block_name
@@ -90,3 +91,37 @@ def _check_quota(st: ManagerState, job: str, specs: list[TableSpec], configs: li
                 f"{spec.name!r} needs {need} more (values and optimizer state): raise the quota "
                 f"or delete tables")
         dense += need
+
+
+def update_table_configs(st: ManagerState, job: str, changes: Sequence[tuple[str, TableConfig, int]]
+                         ) -> list[TableConfig]:
+    """Replace the configs of tables of ``job`` ((name, config, expected_version) each; an
+    expected version of 0 matches any) in one epoch; returns the new configs. All or none:
+    every check runs before anything changes. The optimizer kind (and its state) cannot
+    change."""
+    seen: set[str] = set()
+    records = []
+    for name, config, expected_version in changes:
+        if name in seen:
+            raise InvalidArgument(f"table {name!r} of job {job!r} is named twice in one call: "
+                                  f"name each table once")
+        seen.add(name)
+        rec = st.table(job, name)
+        config.validate()
+        if expected_version and expected_version != rec.config.version:
+            raise FailedPrecondition(
+                f"table {name!r} config is at version {rec.config.version}, not "
+                f"{expected_version}: re-read it and retry")
+        old, new = rec.config.optimizer, config.optimizer
+        if old.kind is not new.kind or optimizers.state_names(old) != optimizers.state_names(new):
+            raise InvalidArgument(
+                f"table {name!r}: the optimizer cannot change from {old.kind.name}"
+                f"(momentum={old.momentum}) to {new.kind.name}(momentum={new.momentum}) "
+                f"while it holds state; change hyperparameters only")
+        records.append((rec, config))
+    if not records:
+        return []
+    for rec, config in records:
+        rec.config = config.replace(version=rec.config.version + 1)
+    st.bump()
+    return [rec.config for rec, _ in records]

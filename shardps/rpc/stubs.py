@@ -87,6 +87,8 @@ class ManagerStub:
         self.DescribeTable = unary("DescribeTable", mg.DescribeTableRequest, pb.TablePlacement)
         self.ListTables = unary("ListTables", mg.ListTablesRequest, mg.ListTablesResponse)
         self.UpdateTableConfig = unary("UpdateTableConfig", mg.UpdateTableConfigRequest, pb.TableConfig)
+        self.UpdateTableConfigs = unary("UpdateTableConfigs", mg.UpdateTableConfigsRequest,
+                                        mg.UpdateTableConfigsResponse)
         self.DeleteTable = unary("DeleteTable", mg.DeleteTableRequest, mg.DeleteTableResponse)
         self.GetShardMap = unary("GetShardMap", mg.GetShardMapRequest, pb.ShardMap)
         self.JoinWorkerGroup = unary("JoinWorkerGroup", mg.JoinWorkerGroupRequest, mg.JoinWorkerGroupResponse)

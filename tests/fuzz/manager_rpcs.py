@@ -122,6 +122,12 @@ def manager_request(data, w: World, method: str, tmp: str):
         return mg.UpdateTableConfigRequest(job=one_of(w, job_scratch), table=one_of(w, table),
                                            config=pb.TableConfig(optimizer=draw_optimizer(w, False)),
                                            expected_version=one_of(w, u64))
+    if method == "UpdateTableConfigs":  # changes drawn as UpdateTableConfig draws them, of one job
+        drawn = [manager_request(data, w, "UpdateTableConfig", tmp) for _ in range(randint(w, 0, 3))]
+        return mg.UpdateTableConfigsRequest(
+            job=drawn[0].job if drawn else one_of(w, job_any),
+            changes=[mg.TableConfigChange(table=d.table, config=d.config, expected_version=d.expected_version)
+                     for d in drawn])
     if method == "DeleteTable":
         return mg.DeleteTableRequest(job=one_of(w, job_any), table=one_of(w, table))
     if method == "GetShardMap":
@@ -212,6 +218,14 @@ def after_manager_call(w: World, method: str, msg, out: Outcome) -> None:
         assert o.kind == pb.SGD and o.momentum == 0, f"the optimizer state changed: {msg}"
         t.lr, t.weight_decay, t.allow_non_finite = o.lr, o.weight_decay, msg.config.allow_non_finite
         t.config_version = pb.TableConfig.FromString(out.response).version
+    if method == "UpdateTableConfigs" and msg.job == DATA_JOB and out.code == OK:
+        new = mg.UpdateTableConfigsResponse.FromString(out.response).configs
+        for change, config in zip(msg.changes, new):
+            if change.table in w.ref.tables:
+                t, o = w.ref.tables[change.table], change.config.optimizer
+                assert o.kind == pb.SGD and o.momentum == 0, f"the optimizer state changed: {msg}"
+                t.lr, t.weight_decay, t.allow_non_finite = o.lr, o.weight_decay, change.config.allow_non_finite
+                t.config_version = config.version
     if method == "CreateTable" and msg.job == DATA_JOB and msg.spec.name in w.ref.tables and out.code == OK:
         assert not mg.CreateTableResponse.FromString(out.response).created, f"data table re-created: {msg}"
     if method == "CreateTables" and msg.job == DATA_JOB and out.code == OK:

@@ -75,6 +75,30 @@ def table_config(spec: TableSpec, optimizer: OptimizerConfig | None = None, allo
     return config
 
 
+def changed_config(t: TableView, changes: dict) -> TableConfig:
+    """Table ``t``'s config with ``changes`` (optimizer hyperparameters, ``allow_non_finite``,
+    ``lifecycle``) applied, checked: InvalidArgument naming the table and the setting."""
+    name = t.name
+    settable = sorted({f.name for f in dataclasses.fields(OptimizerConfig)} - {"kind"})
+    unknown = sorted(set(changes) - set(settable) - {"allow_non_finite", "lifecycle"})
+    if unknown:
+        raise InvalidArgument(f"update_config of table {name!r}: unknown setting(s) {unknown}; "
+                              f"the settable ones are {settable + ['allow_non_finite', 'lifecycle']}")
+    allow = changes.pop("allow_non_finite", t.config.allow_non_finite)
+    lifecycle = changes.pop("lifecycle", t.config.lifecycle)
+    if not isinstance(allow, bool):
+        raise InvalidArgument(f"update_config of table {name!r}: allow_non_finite={allow!r} must be "
+                              f"True or False")
+    if not isinstance(lifecycle, LifecyclePolicy):
+        raise InvalidArgument(f"update_config of table {name!r}: lifecycle={lifecycle!r} must be a "
+                              f"LifecyclePolicy")
+    optimizer = dataclasses.replace(t.config.optimizer, **changes)
+    config = dataclasses.replace(t.config, optimizer=optimizer, allow_non_finite=allow,
+                                 lifecycle=lifecycle, version=0)
+    config.validate()
+    return config
+
+
 class Admin:
     """Manager calls of job ``job``. Every call blocks for at most ``timeout`` seconds
     (default ``default_timeout``) and raises ``ShardpsError``, never ``grpc.RpcError``.
@@ -281,27 +305,24 @@ class Admin:
         is not named keeps its value. Returns after every server installed the new config:
         the next push uses it."""
         t = self.refresh_map().table(self.job, check_name(name))
-        settable = sorted({f.name for f in dataclasses.fields(OptimizerConfig)} - {"kind"})
-        unknown = sorted(set(changes) - set(settable) - {"allow_non_finite", "lifecycle"})
-        if unknown:
-            raise InvalidArgument(f"update_config of table {name!r}: unknown setting(s) {unknown}; "
-                                  f"the settable ones are {settable + ['allow_non_finite', 'lifecycle']}")
-        allow = changes.pop("allow_non_finite", t.config.allow_non_finite)
-        lifecycle = changes.pop("lifecycle", t.config.lifecycle)
-        if not isinstance(allow, bool):
-            raise InvalidArgument(f"update_config of table {name!r}: allow_non_finite={allow!r} must be "
-                                  f"True or False")
-        if not isinstance(lifecycle, LifecyclePolicy):
-            raise InvalidArgument(f"update_config of table {name!r}: lifecycle={lifecycle!r} must be a "
-                                  f"LifecyclePolicy")
-        optimizer = dataclasses.replace(t.config.optimizer, **changes)
-        config = dataclasses.replace(t.config, optimizer=optimizer, allow_non_finite=allow,
-                                     lifecycle=lifecycle, version=0)
-        config.validate()
         resp = self.call("UpdateTableConfig", self.stub.UpdateTableConfig, mg.UpdateTableConfigRequest(
-            job=self.job, table=name, config=config_to_proto(config)), timeout)
+            job=self.job, table=name, config=config_to_proto(changed_config(t, changes))), timeout)
         self.refresh_map()
         return config_from_proto(resp)
+
+    def update_configs(self, changes: dict[str, dict], timeout: float | None = None) -> dict[str, TableConfig]:
+        """``update_config`` of several tables ({name: {setting: value}}) in one map change,
+        all or none; returns their new configs."""
+        if not changes:
+            return {}
+        view = self.refresh_map()
+        items = [mg.TableConfigChange(table=name, config=config_to_proto(
+            changed_config(view.table(self.job, check_name(name)), dict(settings))))
+            for name, settings in changes.items()]
+        resp = self.call("UpdateTableConfigs", self.stub.UpdateTableConfigs,
+                         mg.UpdateTableConfigsRequest(job=self.job, changes=items), timeout)
+        self.refresh_map()
+        return {c.table: config_from_proto(new) for c, new in zip(items, resp.configs)}
 
     def delete_table(self, name: str, timeout: float | None = None) -> None:
         self.call("DeleteTable", self.stub.DeleteTable,
@@ -455,6 +476,11 @@ class ManagerCalls:
         """Change optimizer hyperparameters (``lr=0.01``, ``momentum=...``) while training runs;
         returns after every server installed the new config: the next push uses it."""
         return self._admin.update_config(name, timeout, **changes)
+
+    def update_configs(self, changes: dict[str, dict], timeout: float | None = None) -> dict[str, TableConfig]:
+        """``update_config`` of several tables at once, ``{name: {"lr": 0.01, ...}}``: one
+        map change for all of them, all or none (a schedule over every table of a model)."""
+        return self._admin.update_configs(changes, timeout)
 
     def delete_table(self, name: str, timeout: float | None = None) -> None:
         self._admin.delete_table(name, timeout)
