@@ -107,7 +107,7 @@ def test_exchange_split_divides_the_cpu_of_both_sides(capsys):
     assert set(rows) == {"client", "servers"}
     for cells in rows.values():
         whole, parts = float(cells[1]), [float(cells[i]) for i in (2, 4, 6)]
-        assert whole > 0 and parts[0] > 0 and abs(sum(parts) - whole) < 1e-3    # kernels, socket, the rest
+        assert whole > 0 and parts[0] > 0 and abs(sum(parts) - whole) < 2.5e-3  # four numbers, each rounded
 
 
 def test_server_cpu_measures_requests_of_one_and_of_several_tables(capsys):
