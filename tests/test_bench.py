@@ -102,12 +102,16 @@ def test_control_map_simulation_small():
 @pytest.mark.slow               # ~4 s: a manager and two servers in this process
 def test_exchange_split_divides_the_cpu_of_both_sides(capsys):
     from shardps.bench import exchange_split
+    before = [getattr(owner, name) for owner, name in exchange_split.KERNELS + exchange_split.SOCKET]
     assert exchange_split.main(["--steps", "5", "--rounds", "1", "--warmup", "3"]) == 0
     rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[-2:]}
     assert set(rows) == {"client", "servers"}
-    for cells in rows.values():
-        whole, parts = float(cells[1]), [float(cells[i]) for i in (2, 4, 6)]
-        assert whole > 0 and parts[0] > 0 and abs(sum(parts) - whole) < 2.5e-3  # four numbers, each rounded
+    for side, cells in rows.items():
+        whole, kernel, socket_ = float(cells[1]), float(cells[2]), float(cells[4])
+        # each side's kernels and socket calls were seen on its own threads, and are part of it
+        assert 0 < kernel < whole and 0 < socket_ < whole, (side, cells)
+    # the wrappers are gone: other code in this process runs the functions themselves
+    assert [getattr(owner, name) for owner, name in exchange_split.KERNELS + exchange_split.SOCKET] == before
 
 
 def test_server_cpu_measures_requests_of_one_and_of_several_tables(capsys):

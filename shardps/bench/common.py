@@ -44,6 +44,19 @@ def ratio(a: float, b: float) -> float:
 
 
 # ---------------------------------------------------------------- ports and memory
+def in_process_cluster(servers: int = 1):
+    """(manager, [servers]): a manager (replication 1) and ``servers`` servers as threads of
+    this process on loopback (port 0), as ``shardps local`` starts them but without child
+    processes, so that a bench can reach into them. Stop the servers, then the manager."""
+    from shardps.server.processes import ManagerProcess, ServerProcess
+    from shardps.settings import ManagerProcessSettings, ServerProcessSettings, Serving
+    manager = ManagerProcess(ManagerProcessSettings(serving=Serving(listen="127.0.0.1:0", metrics_port=-1),
+                                                    replication=1)).start()
+    return manager, [ServerProcess(ServerProcessSettings(serving=Serving(listen="127.0.0.1:0", metrics_port=-1),
+                                                         name=f"s{i}", manager=manager.address)).start()
+                     for i in range(servers)]
+
+
 def free_port() -> int:
     """A loopback port free right now (for torch.distributed's tcp:// rendezvous, which needs
     a number before the listener exists; a clash makes the part fail, not hang)."""

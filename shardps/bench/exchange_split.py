@@ -30,6 +30,7 @@ import time
 import numpy as np
 
 from shardps import kernels
+from shardps.bench.common import in_process_cluster
 from shardps.rpc import frames
 from shardps.server.node import storage_kernels
 
@@ -49,9 +50,11 @@ class _Spent:
     def __init__(self):
         self.by = collections.Counter()
         self.depth = threading.local()
+        self.wrapped: list[tuple[object, str, object]] = []
 
     def wrap(self, owner, name: str, part: str) -> None:
         fn = getattr(owner, name)
+        self.wrapped.append((owner, name, fn))
 
         @functools.wraps(fn)
         def timed(*args, **kwargs):
@@ -66,6 +69,12 @@ class _Spent:
                     self.by[(threading.get_ident(), part)] += time.thread_time() - t0
         setattr(owner, name, timed)
 
+    def unwrap(self) -> None:
+        """Put every wrapped function back."""
+        for owner, name, fn in reversed(self.wrapped):
+            setattr(owner, name, fn)
+        self.wrapped.clear()
+
     def total(self, threads, part: str, inside: bool = True) -> float:
         """Of ``part``, on ``threads`` (``inside``) or on every other thread."""
         return sum(v for (t, p), v in self.by.items() if p == part and (t in threads) == inside)
@@ -76,17 +85,6 @@ def _cpu(threads) -> float:
     return sum(time.clock_gettime(time.pthread_getcpuclockid(t)) for t in threads)
 
 
-def _cluster():
-    from shardps.server.processes import ManagerProcess, ServerProcess
-    from shardps.settings import ManagerProcessSettings, ServerProcessSettings, Serving
-    manager = ManagerProcess(ManagerProcessSettings(serving=Serving(listen="127.0.0.1:0", metrics_port=-1),
-                                                    replication=1)).start()
-    servers = [ServerProcess(ServerProcessSettings(serving=Serving(listen="127.0.0.1:0", metrics_port=-1),
-                                                   name=f"s{i}", manager=manager.address)).start()
-               for i in range(2)]
-    return manager, servers
-
-
 def measure(steps: int, rounds: int, warmup: int = 200, progress=print) -> dict[str, float]:
     """{part: CPU milliseconds per step} of the client and the servers (medians of rounds)."""
     from shardps.tables import adagrad, adam, normal
@@ -95,7 +93,7 @@ def measure(steps: int, rounds: int, warmup: int = 200, progress=print) -> dict[
 
     kernels.warm_up()
     spent = _Spent()
-    manager, servers = _cluster()
+    manager, servers = in_process_cluster(2)
     server_threads: set[int] = set()
     try:
         for srv in servers:              # the threads that answer data requests
@@ -143,6 +141,7 @@ def measure(steps: int, rounds: int, warmup: int = 200, progress=print) -> dict[
                          f"servers {srv_all / steps * 1e3:.3f} ms of CPU per step")
             c.leave()
     finally:
+        spent.unwrap()
         for srv in servers:
             srv.stop()
         manager.stop()

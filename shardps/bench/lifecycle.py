@@ -25,6 +25,7 @@ import time
 
 import numpy as np
 
+from shardps.bench.common import in_process_cluster
 from shardps.bench.config import BenchConfig
 
 IDS = 100_000_000
@@ -50,8 +51,6 @@ def train(cfg: BenchConfig, data, test, policy, progress) -> dict:
     import torch
 
     from shardps.budget import set_lifecycle
-    from shardps.server.processes import ManagerProcess, ServerProcess
-    from shardps.settings import ManagerProcessSettings, ServerProcessSettings, Serving
     from shardps.tables import adagrad, adam
     from shardps.worker.client import PSClient
     from shardps.worker.models.ctr import CTRModel, auc, bce
@@ -59,10 +58,7 @@ def train(cfg: BenchConfig, data, test, policy, progress) -> dict:
 
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(1)
-    manager = ManagerProcess(ManagerProcessSettings(serving=Serving(listen="127.0.0.1:0", metrics_port=-1),
-                                                    replication=1)).start()
-    server = ServerProcess(ServerProcessSettings(serving=Serving(listen="127.0.0.1:0", metrics_port=-1),
-                                                 name="s0", manager=manager.address)).start()
+    manager, (server,) = in_process_cluster(1)
     client = PSClient(manager.address, "lifecycle", timeout=60)
     try:
         client.create_job()

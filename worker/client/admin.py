@@ -78,7 +78,7 @@ def table_config(spec: TableSpec, optimizer: OptimizerConfig | None = None, allo
 def changed_config(t: TableView, changes: dict) -> TableConfig:
     """Table ``t``'s config with ``changes`` (optimizer hyperparameters, ``allow_non_finite``,
     ``lifecycle``) applied, checked: InvalidArgument naming the table and the setting."""
-    name = t.name
+    name, changes = t.name, dict(changes)
     settable = sorted({f.name for f in dataclasses.fields(OptimizerConfig)} - {"kind"})
     unknown = sorted(set(changes) - set(settable) - {"allow_non_finite", "lifecycle"})
     if unknown:
@@ -268,11 +268,7 @@ class Admin:
         """Create a table (idempotent for an identical spec; AlreadyExists otherwise) and
         wait for the shard map that places it. ``lifecycle``: a sparse table's memory budget,
         admission and TTL (docs/memory-budget.md)."""
-        config = table_config(spec, optimizer, allow_non_finite, lifecycle)
-        resp = self.call("CreateTable", self.stub.CreateTable, mg.CreateTableRequest(
-            job=self.job, spec=spec_to_proto(spec), config=config_to_proto(config)), timeout, idempotent=True)
-        view = self.refresh_map(min_epoch=resp.epoch)
-        return view.table(self.job, spec.name)
+        return self.create_tables([(spec, table_config(spec, optimizer, allow_non_finite, lifecycle))], timeout)[0]
 
     def create_tables(self, tables: list[tuple[TableSpec, TableConfig]], timeout: float | None = None
                       ) -> list[TableView]:
@@ -304,11 +300,8 @@ class Admin:
         ``allow_non_finite`` or ``lifecycle`` (a LifecyclePolicy), while training runs; what
         is not named keeps its value. Returns after every server installed the new config:
         the next push uses it."""
-        t = self.refresh_map().table(self.job, check_name(name))
-        resp = self.call("UpdateTableConfig", self.stub.UpdateTableConfig, mg.UpdateTableConfigRequest(
-            job=self.job, table=name, config=config_to_proto(changed_config(t, changes))), timeout)
-        self.refresh_map()
-        return config_from_proto(resp)
+        name = check_name(name)
+        return self.update_configs({name: changes}, timeout)[name]
 
     def update_configs(self, changes: dict[str, dict], timeout: float | None = None) -> dict[str, TableConfig]:
         """``update_config`` of several tables ({name: {setting: value}}) in one map change,
@@ -317,7 +310,7 @@ class Admin:
             return {}
         view = self.refresh_map()
         items = [mg.TableConfigChange(table=name, config=config_to_proto(
-            changed_config(view.table(self.job, check_name(name)), dict(settings))))
+            changed_config(view.table(self.job, check_name(name)), settings)))
             for name, settings in changes.items()]
         resp = self.call("UpdateTableConfigs", self.stub.UpdateTableConfigs,
                          mg.UpdateTableConfigsRequest(job=self.job, changes=items), timeout)
