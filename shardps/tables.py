@@ -4,8 +4,9 @@ A job owns named tables. A DENSE table is an N-d float32 tensor, flattened (row-
 into blocks of ``block_size`` elements; block ``b`` holds the half-open range
 ``[b * block_size, min((b + 1) * block_size, numel))``. A SPARSE table is an embedding table of
 ``dim``-wide rows keyed by int64 ids; row ``id`` lives in block
-``splitmix64(id) % num_blocks``, with ``num_blocks`` fixed at creation. The block is the unit
-of placement, replication, migration and checkpoints.
+``splitmix64(id) % num_blocks``, with ``num_blocks`` fixed at creation (by default one block per
+4 MiB of the table's float32 values, from 1 to 64: ``default_sparse_blocks``). The block is the
+unit of placement, replication, migration and checkpoints.
 
 This module is pure (numpy only) and shared by the client, the servers and the manager.
 Validation raises ``InvalidArgument`` naming the bad value.
@@ -24,7 +25,7 @@ import numpy as np
 from shardps.errors import InvalidArgument, ResourceExhausted
 
 DEFAULT_BLOCK_SIZE = 1 << 16      # dense elements per block: 256 KiB of float32
-DEFAULT_SPARSE_BLOCKS = 64
+DEFAULT_SPARSE_BLOCKS, SPARSE_BLOCK_BYTES = 64, 4 << 20    # see default_sparse_blocks
 MAX_BLOCKS_PER_TABLE = 1 << 16
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.:/-]{1,128}$")
 _JOB_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -225,7 +226,8 @@ class TableSpec:
         if self.kind is TableKind.DENSE and self.block_size == 0:
             object.__setattr__(self, "block_size", DEFAULT_BLOCK_SIZE)
         if self.kind is TableKind.SPARSE and self.num_blocks == 0:
-            object.__setattr__(self, "num_blocks", DEFAULT_SPARSE_BLOCKS)
+            object.__setattr__(self, "num_blocks", default_sparse_blocks(*self.shape) if len(self.shape) == 2
+                               else DEFAULT_SPARSE_BLOCKS)
 
     # --- derived layout ---
     @property
@@ -285,6 +287,16 @@ class TableSpec:
                     f"use ZEROS, CONSTANT, UNIFORM or NORMAL")
         else:
             raise InvalidArgument(f"table {self.name!r}: unknown kind {self.kind!r}")
+
+
+def default_sparse_blocks(num_rows: int, dim: int) -> int:
+    """A sparse table's blocks when created without ``num_blocks``: one per 4 MiB of float32
+    values, 1 to 64 (64 for unbounded ids). A small table is placed whole on one server
+    (table-wise sharding, as TorchRec's planner does): each block a request touches costs a
+    lock, an exactly-once record and a version, more than splitting a few MiB spreads."""
+    if num_rows <= 0 or dim <= 0:
+        return DEFAULT_SPARSE_BLOCKS
+    return max(1, min(DEFAULT_SPARSE_BLOCKS, -(-num_rows * dim * 4 // SPARSE_BLOCK_BYTES)))
 
 
 def dense_table(name: str, shape, init: Initializer | None = None, block_size: int = 0) -> TableSpec:

@@ -24,6 +24,19 @@ def test_dense_layout_covers_the_tensor_in_blocks():
     assert covered[0] == (0, 16) and covered[-1] == (64, 70)
 
 
+@pytest.mark.parametrize("rows, dim, blocks", [
+    (100_000, 8, 1),            # 3.2 MB: placed whole
+    (1 << 17, 8, 1),            # exactly 4 MiB of values
+    ((1 << 17) + 1, 8, 2),
+    (1_000_000, 16, 16),        # 64 MB
+    (10_000_000, 64, 64),       # capped
+    (0, 16, 64),                # unbounded ids
+])
+def test_sparse_tables_get_a_block_per_4_mib_of_values(rows, dim, blocks):
+    assert sparse_table("e", dim, num_rows=rows).num_blocks == blocks
+    assert sparse_table("e", dim, num_rows=rows, num_blocks=7).num_blocks == 7     # as asked
+
+
 @pytest.mark.parametrize("spec, word", [
     (dense_table("w", (0, 3)), "dimension"),
     (dense_table("bad name!", (3,)), "name"),
