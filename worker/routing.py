@@ -95,6 +95,10 @@ def _route_sparse(t: TableView, p: Piece):
     assert p.ids is not None and p.positions is not None     # a sparse piece carries both
     if p.ids.shape[0] == 0:
         return
+    prim = t.primary
+    if prim[0] >= 0 and (prim.shape[0] == 1 or (prim == prim[0]).all()):
+        yield int(prim[0]), p          # the table on one server (a small one's default): whole
+        return
     if kernels.AVAILABLE:
         got = kernels.route_rows(p.ids, t.spec.num_blocks, t.primary, len(t.server_index))
         if isinstance(got, int):
