@@ -33,6 +33,20 @@ def test_table_creation_is_idempotent_and_conflicts_are_named():
         st.create_table("nope", dense_table("w", (1,)), TableConfig())
 
 
+def test_a_sparse_table_keeps_its_block_count_when_a_run_leaves_it_at_the_default():
+    """A job made when every sparse table got 64 blocks is reused by a run that leaves the
+    count to the default (one block per 4 MiB now); a count chosen otherwise conflicts."""
+    st = make()
+    old, _ = st.create_table("j", sparse_table("e", 8, num_rows=100_000, num_blocks=64), TableConfig(sgd(0.1)))
+    epoch = st.epoch
+    again, created = st.create_table("j", sparse_table("e", 8, num_rows=100_000), TableConfig(sgd(0.1)))
+    assert not created and again is old and again.spec.num_blocks == 64 and st.epoch == epoch
+    with pytest.raises(AlreadyExists, match="another spec"):
+        st.create_table("j", sparse_table("e", 8, num_rows=100_000, num_blocks=7), TableConfig(sgd(0.1)))
+    with pytest.raises(AlreadyExists, match="another spec"):         # not only the count differs
+        st.create_table("j", sparse_table("e", 8, num_rows=100_001), TableConfig(sgd(0.1)))
+
+
 def test_tables_created_together_take_one_epoch_and_are_placed_in_balance():
     """A model's every parameter at once: one map change, not one per table (the manager,
     servers and clients each handle a whole map per change), balanced as one placement."""

@@ -14,7 +14,7 @@ from shardps.server import optimizers
 from shardps.server.manager import moves
 from shardps.server.manager.records import BlockRecord, TableRecord, dense_bytes, describe_config, describe_spec
 from shardps.server.placement import block_name
-from shardps.tables import TableConfig, TableSpec
+from shardps.tables import TableConfig, TableKind, TableSpec, default_sparse_blocks
 
 if TYPE_CHECKING:
     from shardps.server.manager.state import ManagerState
@@ -63,7 +63,7 @@ def _existing(st: ManagerState, job: str, spec: TableSpec, config: TableConfig) 
     existing = st.tables.get((job, spec.name))
     if existing is None:
         return None
-    if existing.spec != spec:
+    if existing.spec != spec and not _blocks_left_to_the_table(existing.spec, spec):
         raise AlreadyExists(
             f"table {spec.name!r} of job {job!r} exists with another spec "
             f"({describe_spec(existing.spec)}; requested {describe_spec(spec)}): use "
@@ -76,6 +76,16 @@ def _existing(st: ManagerState, job: str, spec: TableSpec, config: TableConfig) 
             f"A job keeps its tables across runs: change the settings with update_config, "
             f"delete the table (or end the job), or use a fresh job per run")
     return existing
+
+
+def _blocks_left_to_the_table(existing: TableSpec, spec: TableSpec) -> bool:
+    """Whether ``spec`` differs from the table's only in a sparse block count the caller left
+    at its default (which the request cannot tell apart from choosing it): the table keeps
+    the count it was created with, so a job made when the default was another (64 for every
+    sparse table) is reused as it is. The count is layout, not values."""
+    return (spec.kind is TableKind.SPARSE and spec.num_blocks == default_sparse_blocks(spec.num_rows, spec.dim)
+            and TableSpec(spec.name, spec.kind, spec.shape, spec.init, spec.block_size,
+                          existing.num_blocks) == existing)
 
 
 def _check_quota(st: ManagerState, job: str, specs: list[TableSpec], configs: list[TableConfig]) -> None:
