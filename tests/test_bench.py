@@ -114,6 +114,23 @@ def test_exchange_split_divides_the_cpu_of_both_sides(capsys):
     assert [getattr(owner, name) for owner, name in exchange_split.KERNELS + exchange_split.SOCKET] == before
 
 
+@pytest.mark.slow               # ~15 s: two local clusters of two server processes, one process
+def test_many_tables_compares_a_block_count_with_the_default(capsys, monkeypatch):
+    from shardps.bench import many_tables
+    from shardps.worker.client import PSClient
+    counts: list[set[int]] = []
+    create = PSClient.create_tables
+
+    def spy(self, tables, *a, **kw):
+        counts.append({spec.num_blocks for spec, _ in tables if spec.kind.name == "SPARSE"})
+        return create(self, tables, *a, **kw)
+    monkeypatch.setattr(PSClient, "create_tables", spy)
+    many_tables.main(["--num-blocks", "4", "--rounds", "1", "--steps", "2"])
+    assert counts == [{4}, {1}]            # the variant's tables, then the default's (4 MiB each)
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("round 1/1: samples/s with 4 blocks per table ") and "one process" in line
+
+
 def test_server_cpu_measures_requests_of_one_and_of_several_tables(capsys):
     from shardps.bench import server_cpu
     assert server_cpu.main(["--rows", "40", "--rounds", "2", "--repeats", "1", "--blocks", "4",

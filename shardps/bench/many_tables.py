@@ -17,10 +17,17 @@ last step sends that step's push: one call more per server and run),
 ``ratio_e2e_many_tables_ps_over_single``; ``e2e_many_tables_computed_ids_*``: the same
 model computing each field's ids inside the forward (``x[:, i] + 0``), which ``PSModel``
 cannot fetch ahead: one pull per table per step, as every loop was before it could.
+
+``python -m shardps.bench.many_tables --num-blocks 64`` runs the case alone, its tables cut
+into that many blocks (0: the default, one block per 4 MiB of values: one here), in rounds
+that alternate with the default and with one process, and prints each:
+
+    python -m shardps.bench.many_tables --num-blocks 64 --rounds 3
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import numpy as np
@@ -68,8 +75,9 @@ def data_calls(client) -> float:
 
 
 def run_ps(ids: np.ndarray, labels: np.ndarray, fields: int, rows: int,
-           computed_ids: bool = False) -> tuple[float, float]:
-    """(samples/s, data calls per step per server) of the plain loop on two local servers."""
+           computed_ids: bool = False, num_blocks: int = 0) -> tuple[float, float]:
+    """(samples/s, data calls per step per server) of the plain loop on two local servers;
+    ``num_blocks``: each table's (0: the default)."""
     import torch
     import torch.nn.functional as F
 
@@ -83,7 +91,8 @@ def run_ps(ids: np.ndarray, labels: np.ndarray, fields: int, rows: int,
         client.create_job()
         client.join()
         module = _model(fields, rows, lambda i: PSEmbedding(rows, DIM, table=f"field{i}", optimizer=adagrad(0.05),
-                                                            init=normal(0.0, 0.01, seed=i)), computed_ids)
+                                                            init=normal(0.0, 0.01, seed=i), num_blocks=num_blocks),
+                        computed_ids)
         model = PSModel(module, client, optimizer=adam(2e-3))
         model.create_tables()
         xs, ys = torch.from_numpy(ids), torch.from_numpy(labels)
@@ -149,3 +158,28 @@ def run(cfg: BenchConfig, progress) -> dict[str, float]:
             "e2e_many_tables_computed_ids_samples_per_s": per_table,
             "e2e_many_tables_computed_ids_calls_per_step_per_server": per_table_calls,
             "ratio_e2e_many_tables_ps_over_single": ratio(ps, single)}
+
+
+def main(argv=None) -> None:
+    import torch
+
+    parser = argparse.ArgumentParser(prog="python -m shardps.bench.many_tables",
+                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-blocks", type=int, default=64,
+                        help="each table's blocks in the variant compared with the default (0: the default)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of (variant, default, one process)")
+    parser.add_argument("--steps", type=int, default=400, help="steps after the warm-up")
+    args = parser.parse_args(argv)
+    ids, labels = _data(WARMUP + args.steps, FIELDS, ROWS)
+    torch.set_num_threads(1)
+    for r in range(args.rounds):
+        variant, _ = run_ps(ids, labels, FIELDS, ROWS, num_blocks=args.num_blocks)
+        default, _ = run_ps(ids, labels, FIELDS, ROWS)
+        single = run_single(ids, labels, FIELDS, ROWS)
+        print(f"round {r + 1}/{args.rounds}: samples/s with {args.num_blocks} blocks per table {variant:,.0f}; "
+              f"default blocks {default:,.0f} ({ratio(default, variant):.2f}x); one process {single:,.0f}; "
+              f"against one process {ratio(variant, single):.3f} and {ratio(default, single):.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
