@@ -86,14 +86,12 @@ class LocalCluster:
         self.tls = tls
         self.token = token
         # several manager replicas (their state in etcd): each one's extra arguments (its
-        # --etcd ...); they listen on ports chosen now, so servers and clients get the list
+        # --etcd ...); each binds a free port at its first start (a port chosen here could be
+        # taken by another process before the replica binds it) and keeps it on restarts;
+        # servers and clients get the list once every replica started
         self.manager_replicas = [tuple(a) for a in manager_replicas]
-        if self.manager_replicas:
-            from shardps.bench.common import free_port
-            host = self.host_of("manager")
-            self.replica_addresses = [f"{host}:{free_port()}" for _ in self.manager_replicas]
-        else:
-            self.replica_addresses = []
+        host = self.host_of("manager")
+        self.replica_addresses = [f"{host}:0" for _ in self.manager_replicas]
         self.replicas: list[Proc | None] = [None] * len(self.manager_replicas)
         self.manager: Proc | None = None
         self.servers: dict[str, Proc] = {}
@@ -156,7 +154,8 @@ class LocalCluster:
         raise TimeoutError(f"{proc.role} {proc.name} at {proc.address} never reported SERVING")
 
     def start_replica(self, index: int, timeout: float = 60.0) -> Proc:
-        """Start manager replica ``index`` (again) on its address."""
+        """Start manager replica ``index``: on a free port the first time, then again on the
+        address it bound."""
         args = ["--listen", self.replica_addresses[index], "--metrics-port", "-1",
                 "--replication", str(self.replication), "--log-format", self.log_format,
                 "--checkpoint-dir", str(self.work_dir / "checkpoints")]
@@ -164,6 +163,7 @@ class LocalCluster:
             args += ["--server-lease-seconds", str(self.lease)]
         proc = self._spawn("manager", f"m{index}", args + list(self.manager_args) + list(self.manager_replicas[index]))
         self._wait_ready(proc, timeout)
+        self.replica_addresses[index] = proc.info.get("address") or self.replica_addresses[index]
         self.replicas[index] = proc
         return proc
 

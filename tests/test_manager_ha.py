@@ -15,6 +15,7 @@ kill -9, after a failover, until every block has R = 2 live replicas again.
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -25,7 +26,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shardps.bench.common import free_port
 from shardps.children import child_env
 from shardps.errors import ShardpsError
 from shardps.netproxy import TcpProxy
@@ -75,9 +75,10 @@ class HaCluster:
         self.work = work
         self.etcd = Etcd(etcd_binary(), work)
         self.procs: dict[str, subprocess.Popen] = {}
-        self.ports = [free_port() for _ in range(3)]
-        self.addresses = [f"127.0.0.1:{p}" for p in self.ports]
-        self.manager_list = ",".join(self.addresses)
+        # each replica binds a free port and names it in its ready file (a port chosen here
+        # could be taken before the replica binds it): known once they started
+        self.addresses: list[str] = []
+        self.manager_list = ""
         self.server_names = [f"s{i}" for i in range(servers)]
         # each replica reaches etcd through its own proxy: a test can cut one off from etcd
         self.etcd_proxies = [TcpProxy(("127.0.0.1", self.etcd.client_port)) for _ in range(3)]
@@ -90,19 +91,25 @@ class HaCluster:
         self.procs[name] = proc
         return proc
 
-    def start_manager(self, i: int) -> None:
-        self._spawn(f"m{i}", ["manager", "--listen", self.addresses[i], "--metrics-port", "-1",
+    def start_manager(self, i: int) -> Path:
+        """Start replica ``i`` on a free port; returns its ready file."""
+        ready = self.work / f"m{i}.ready"
+        self._spawn(f"m{i}", ["manager", "--listen", "127.0.0.1:0", "--ready-file", str(ready), "--metrics-port", "-1",
                               "--etcd", f"http://{self.etcd_proxies[i].address}", "--etcd-prefix", PREFIX,
                               "--replication", "2", "--server-lease-seconds", "3",
                               "--worker-lease-seconds", "30", "--leader-lease-seconds", "2"])
+        return ready
 
     def start_server(self, name: str) -> None:
         self._spawn(name, ["server", "--name", name, "--listen", "127.0.0.1:0", "--metrics-port", "-1",
                            "--manager", self.manager_list])
 
     def start(self) -> "HaCluster":
-        for i in range(3):
-            self.start_manager(i)
+        ready = [self.start_manager(i) for i in range(3)]
+        for i, f in enumerate(ready):
+            wait_for(f"manager replica {i}'s ready file", f.exists, 60, interval=0.05)
+        self.addresses = [json.loads(f.read_text())["address"] for f in ready]
+        self.manager_list = ",".join(self.addresses)
         wait_for("a manager leader", self.etcd.leader, 60, interval=0.1)
         for name in self.server_names:
             self.start_server(name)
