@@ -1,6 +1,8 @@
 """One round trip per server per step: Exchange (push, then pull) on the data plane, and the
 same results through gRPC where a server has no data plane (real servers on loopback)."""
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -29,15 +31,22 @@ def _job(client):
     return np.arange(0, 300, 3)
 
 
+@pytest.mark.parametrize("blocking", [False, True], ids=["async", "blocking"])
 @pytest.mark.parametrize("data_plane", [True, False], ids=["data-plane", "grpc-only-servers"])
-def test_an_exchange_pushes_then_pulls_one_call_per_server(make_cluster, client_factory, data_plane):
+def test_an_exchange_pushes_then_pulls_one_call_per_server(make_cluster, client_factory, data_plane, blocking):
     cluster = make_cluster(2, server_settings={} if data_plane else {"data_plane_port": -1})
     c = client_factory(cluster.address)
     ids = _job(c)
     before = {m: _calls(c, m) for m in ("Exchange", "Push", "Pull")}
-    pushed, pulled = c.exchange_async([("w", np.ones(400, np.float32)),
-                                       ("e", ids, np.ones((ids.shape[0], 4), np.float32))],
-                                      [("w",), ("e", ids)], clock=0).result()
+    threads = []
+    run = c._data.exchange
+    c._data.exchange = lambda *a, **kw: threads.append(threading.get_ident()) or run(*a, **kw)
+    pushes = [("w", np.ones(400, np.float32)), ("e", ids, np.ones((ids.shape[0], 4), np.float32))]
+    if blocking:            # in the calling thread: no hand-off to the client's executor
+        pushed, pulled = c.exchange(pushes, [("w",), ("e", ids)], clock=0)
+    else:
+        pushed, pulled = c.exchange_async(pushes, [("w",), ("e", ids)], clock=0).result()
+    assert (threads == [threading.get_ident()]) is blocking
     np.testing.assert_array_equal(pulled.values[0], -np.ones(400))       # the push, then the pull
     np.testing.assert_array_equal(pulled.values[1], -np.ones((ids.shape[0], 4)))
     assert pushed.versions and pulled.clock == 1 and pushed.clock == 0

@@ -231,9 +231,8 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
             self.flush()
             self._set_clock(self.step)
             pulls = [(n,) for n in names] + [(emb.table, wanted_ids(ids, plan)) for emb, ids, plan, _ in wanted]
-            res = (self.client.exchange_async(held[0], pulls, clock=held[1], report_step=self.report_steps
-                                              ).result()[1] if held is not None
-                   else self.client.pull_many(pulls, clock=self.step))
+            res = (self.client.exchange(held[0], pulls, clock=held[1], report_step=self.report_steps)[1]
+                   if held is not None else self.client.pull_many(pulls, clock=self.step))
             for (emb, ids, plan, refreshed), rows in zip(wanted, res.values[len(names):]):
                 emb._provide(ids, emb.complete(plan, rows, refreshed))
             _load_dense(self.dense, names, res.values, self.copies)

@@ -257,11 +257,20 @@ class PSClient(ManagerCalls, TableTransfer):
             return res.values[0] if values_only else res
         return run
 
+    def exchange(self, push_requests: Sequence[tuple], pull_requests: Sequence[tuple], clock: int,
+                 timeout: float | None = None, report_step: bool = False) -> tuple[PushResult, PullResult]:
+        """``exchange_async``, in the calling thread: ``(PushResult, PullResult)``."""
+        return self._exchange_call(push_requests, pull_requests, clock, timeout, report_step)()
+
     def exchange_async(self, push_requests: Sequence[tuple], pull_requests: Sequence[tuple], clock: int,
                        timeout: float | None = None, report_step: bool = False) -> futures.Future:
         """``push_many(push_requests, clock=clock, report_step=...)`` then ``pull_many(
         pull_requests, clock=clock + 1)`` in one round trip per server (each server applies
         the push, then serves the pull). The future's result: ``(PushResult, PullResult)``."""
+        return self._calls.submit(self._exchange_call(push_requests, pull_requests, clock, timeout, report_step))
+
+    def _exchange_call(self, push_requests, pull_requests, clock, timeout, report_step):
+        """A function running the exchange (arguments checked now)."""
         rq.check_call(timeout, clock)
         pushes = [rq.many_push(i, self.table(r[0]), r) for i, r in enumerate(rq.request_list(push_requests, "push"))]
         pulls = [rq.many_pull(i, self.table(r[0]), r) for i, r in enumerate(rq.request_list(pull_requests, "pull"))]
@@ -271,7 +280,7 @@ class PSClient(ManagerCalls, TableTransfer):
                                                  timeout, clock, report_step)
             pulled.values = [finish(v) for (_, _, finish), v in zip(pulls, pulled.values)]
             return pushed, pulled
-        return self._calls.submit(run)
+        return run
 
     # ================================================================== data: pushes
     def push_dense(self, table: str, grad, start: int | None = None, timeout: float | None = None,
