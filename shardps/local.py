@@ -163,7 +163,7 @@ class LocalCluster:
             args += ["--server-lease-seconds", str(self.lease)]
         proc = self._spawn("manager", f"m{index}", args + list(self.manager_args) + list(self.manager_replicas[index]))
         self._wait_ready(proc, timeout)
-        self.replica_addresses[index] = proc.info.get("address") or self.replica_addresses[index]
+        self.replica_addresses[index] = proc.address
         self.replicas[index] = proc
         return proc
 

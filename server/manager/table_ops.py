@@ -7,6 +7,7 @@ changes; a creation bumps the epoch once.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Sequence
 
 from shardps.errors import AlreadyExists, FailedPrecondition, InvalidArgument, ResourceExhausted
@@ -84,8 +85,7 @@ def _blocks_left_to_the_table(existing: TableSpec, spec: TableSpec) -> bool:
     the count it was created with, so a job made when the default was another (64 for every
     sparse table) is reused as it is. The count is layout, not values."""
     return (spec.kind is TableKind.SPARSE and spec.num_blocks == default_sparse_blocks(spec.num_rows, spec.dim)
-            and TableSpec(spec.name, spec.kind, spec.shape, spec.init, spec.block_size,
-                          existing.num_blocks) == existing)
+            and dataclasses.replace(spec, num_blocks=existing.num_blocks) == existing)
 
 
 def _check_quota(st: ManagerState, job: str, specs: list[TableSpec], configs: list[TableConfig]) -> None:
