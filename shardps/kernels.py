@@ -214,12 +214,59 @@ def strictly_increasing(ids: np.ndarray) -> bool:
     return bool(_increasing(ids))
 
 
-def coalesce(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+@njit(**_JIT)
+def _distinct(ids, table_bits):
+    """Whether no id of ``ids`` repeats: one pass over a hash set of ``2 ** table_bits`` slots."""
+    size = 1 << table_bits
+    mask = size - 1
+    keys = np.empty(size, dtype=np.int64)
+    used = np.zeros(size, dtype=np.bool_)
+    for i in range(ids.shape[0]):
+        x = ids[i]
+        p = np.int64((np.uint64(x) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(64 - table_bits))
+        while used[p]:
+            if keys[p] == x:
+                return False
+            p = (p + 1) & mask
+        used[p] = True
+        keys[p] = x
+    return True
+
+
+def _table_bits(n: int) -> int:
+    return max(4, int(n * 2 - 1).bit_length())     # a hash set's load factor <= 1/2
+
+
+def distinct(ids: np.ndarray) -> bool:
+    """Whether int64 ``ids`` hold no id twice, in any order: one compiled pass when they are
+    ascending, else one over a hash set (no sort)."""
+    if not AVAILABLE or ids.dtype != np.int64:
+        return bool(np.unique(ids).shape[0] == ids.shape[0])
+    return bool(ids.shape[0] <= 1 or _increasing(ids) or _distinct(ids, _table_bits(ids.shape[0])))
+
+
+def coalesce(ids: np.ndarray, values: np.ndarray, keep_order: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """``tables.coalesce`` (rows of repeated ids summed, ids ascending), returning at once,
-    after one compiled pass, when the ids are already unique and ascending (the common push)."""
-    if strictly_increasing(ids):
+    after one compiled pass, when the ids are already unique and ascending (the common push).
+    ``keep_order``: also when they are unique in any order (``distinct``), unsorted: what a
+    client sends (servers take unique ids in any order); repeated ids are still summed and
+    sorted."""
+    if (distinct(ids) if keep_order else strictly_increasing(ids)):
         return ids, values
     return _tables_coalesce(ids, values)
+
+
+def first_unique(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the distinct int64 ``ids`` in order of first appearance, index of each id in them):
+    ``unique_inverse`` without its sort, for requests (servers take ids in any order)."""
+    ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
+    if not AVAILABLE:
+        unique, index, inverse = np.unique(ids, return_index=True, return_inverse=True)
+        order = np.argsort(index, kind="stable")
+        rank = np.empty(order.shape[0], dtype=np.int64)
+        rank[order] = np.arange(order.shape[0], dtype=np.int64)
+        return unique[order], rank[inverse.reshape(-1)]
+    return _hash_unique(ids, _table_bits(ids.shape[0]))
 
 
 def unique_inverse(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -229,8 +276,7 @@ def unique_inverse(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if not AVAILABLE or ids.shape[0] < 64:
         unique, inverse = np.unique(ids, return_inverse=True)
         return unique, inverse.reshape(-1)
-    bits = max(4, int(ids.shape[0] * 2 - 1).bit_length())     # load factor <= 1/2
-    first, inverse = _hash_unique(ids, bits)
+    first, inverse = _hash_unique(ids, _table_bits(ids.shape[0]))
     order = np.argsort(first, kind="stable")
     rank = np.empty(order.shape[0], dtype=np.int64)
     rank[order] = np.arange(order.shape[0], dtype=np.int64)
@@ -406,6 +452,9 @@ def warm_up() -> None:
               0.1, 0.9, 0.999, 1e-8, 0.0)
     unique_inverse(np.arange(128, dtype=np.int64))
     strictly_increasing(np.arange(4, dtype=np.int64))
+    for ids in (np.arange(4, dtype=np.int64)[::-1].copy(), _read_only(np.arange(4, dtype=np.int64)[::-1].copy())):
+        distinct(ids)                   # not ascending: the hash set too
+        first_unique(ids)
     for kind in (InitKind.UNIFORM, InitKind.NORMAL):
         initial_values(Initializer(kind), np.arange(2, dtype=np.int64), 2)
     group_by_key(sparse_block_of(np.arange(4, dtype=np.int64), 4), 4)

@@ -39,6 +39,25 @@ def test_sparse_rows_duplicates_summed_and_unpushed_rows_initial(cluster, client
     assert usage == 4 * 8, "only pushed rows are stored"
 
 
+@pytest.mark.parametrize("num_blocks", [1, 8], ids=["whole", "split"])
+def test_unique_rows_in_any_order_round_trip(cluster, client_factory, num_blocks):
+    """Unique ids go as they come (no sort) and their rows come back in the caller's order,
+    read straight into the result when a server holds them all."""
+    c = client_factory(cluster.address)
+    c.create_job()
+    c.create_sparse("u", 4, num_rows=10_000, num_blocks=num_blocks, optimizer=sgd(1.0),
+                    init=normal(0, 0.1, seed=2))
+    rng = np.random.default_rng(num_blocks)
+    ids = rng.choice(10_000, 3_000, replace=False)
+    before = c.pull_rows("u", ids)
+    grads = rng.standard_normal((3_000, 4)).astype(np.float32)
+    c.push_rows("u", ids, grads)
+    order = rng.permutation(3_000)
+    np.testing.assert_array_equal(c.pull_rows("u", ids[order]), (before - grads)[order])
+    twice = np.concatenate([ids[order[:5]], ids[order[:5]]])
+    np.testing.assert_array_equal(c.pull_rows("u", twice), np.tile((before - grads)[order[:5]], (2, 1)))
+
+
 def test_several_tables_in_one_request_and_state_dict(cluster, client_factory):
     c = client_factory(cluster.address)
     c.create_job()

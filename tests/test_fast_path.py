@@ -1,8 +1,8 @@
 """The common push (``server/node/fast.py``) leaves exactly what the general path leaves:
 the same values, optimizer state, versions and exactly-once records, on the primary and on
-its backups. The same pushes go through both: the general path takes ids that are not
-ascending (the fast path admits only unique, ascending ids), the fast path the same ids
-sorted."""
+its backups. The same pushes go through both: the general path takes them with one id
+repeated (a second row of zeros: the fast path admits only unique ids, the general path sums
+repeated ones), the fast path the same ids unique, ascending or not."""
 
 from __future__ import annotations
 
@@ -54,13 +54,19 @@ def _watch(monkeypatch, name: str) -> list[bool]:
     return took
 
 
-def _run(node: Layers, ascending: bool, seed: int, monkeypatch) -> int:
-    """Apply the pushes of ``seed`` to ``node``; returns how many took the fast path."""
+def _run(node: Layers, order: str, seed: int, monkeypatch) -> int:
+    """Apply the pushes of ``seed`` to ``node``, their ids in ``order`` ("ascending",
+    "descending", or "repeated": descending with the first id again, its gradient row zeros);
+    returns how many took the fast path."""
     admit = fast.admit_push
     admitted = _watch(monkeypatch, "admit_push")
     for seq, ids, grads, dense in _pushes(seed):
-        order = np.argsort(ids) if ascending else np.argsort(-ids)     # never ascending: general path
-        e_seg, e_payload = rows_seg(ids[order], grads[order])
+        perm = np.argsort(ids) if order == "ascending" else np.argsort(-ids)
+        ids, grads = ids[perm], grads[perm]
+        if order == "repeated":
+            ids = np.concatenate([ids, ids[:1]])
+            grads = np.concatenate([grads, np.zeros((1, DIM), np.float32)])
+        e_seg, e_payload = rows_seg(ids, grads)
         w_seg, w_payload = dense_seg(0, 16, dense)
         request_header = header(session="w0", sequence=seq)
         request_header.acked_below = seq
@@ -82,12 +88,25 @@ def _state(node: Layers) -> dict:
 def test_the_fast_path_leaves_what_the_general_path_leaves(replicas, optimizer, monkeypatch):
     fast_primary, fast_backup = _cluster(replicas, optimizer)
     slow_primary, slow_backup = _cluster(replicas, optimizer)
-    assert _run(fast_primary, True, 5, monkeypatch) == 12
-    assert _run(slow_primary, False, 5, monkeypatch) == 0
+    assert _run(fast_primary, "ascending", 5, monkeypatch) == 12
+    assert _run(slow_primary, "repeated", 5, monkeypatch) == 0
     assert _state(fast_primary) == _state(slow_primary)
     if len(replicas) > 1:
         assert _state(fast_backup) == _state(slow_backup) == _state(fast_primary)
         assert fast_primary.peers.sent("replicate") and not fast_primary.peers.sent("load_blocks")
+
+
+@pytest.mark.parametrize("replicas", [("s0",), ("s0", "s1")], ids=["R=1", "R=2"])
+def test_unique_ids_in_any_order_take_the_fast_path_and_leave_the_same_state(replicas, monkeypatch):
+    """A client sends a push's ids as they come when none repeats (no sort): the fast path
+    takes them, and the rows, state and replicas are those of the same ids sorted."""
+    sorted_primary, sorted_backup = _cluster(replicas, adagrad(0.1))
+    unsorted_primary, unsorted_backup = _cluster(replicas, adagrad(0.1))
+    assert _run(sorted_primary, "ascending", 6, monkeypatch) == 12
+    assert _run(unsorted_primary, "descending", 6, monkeypatch) == 12
+    assert _state(unsorted_primary) == _state(sorted_primary)
+    if len(replicas) > 1:
+        assert _state(unsorted_backup) == _state(sorted_backup) == _state(sorted_primary)
 
 
 def test_a_retried_push_takes_the_general_path_and_is_counted_a_duplicate():

@@ -61,13 +61,48 @@ def test_sparse_rows_update_equals_the_numpy_optimizer(name):
 
 
 @pytest.mark.parametrize("n, high", [(0, 10), (1, 10), (100, 5), (13_312, 1 << 40), (50_000, 3_000)])
-def test_unique_inverse_equals_numpy(n, high):
+def test_deduplication_equals_numpy(n, high):
+    """``unique_inverse`` sorts as ``np.unique``; ``first_unique`` keeps the order of first
+    appearance; ``distinct`` says whether an id repeats, in any order."""
     rng = np.random.default_rng(n)
     ids = rng.integers(-high, high, n, dtype=np.int64)
     unique, inverse = kernels.unique_inverse(ids)
-    ref_unique, ref_inverse = np.unique(ids, return_inverse=True)
+    ref_unique, index, ref_inverse = np.unique(ids, return_index=True, return_inverse=True)
     np.testing.assert_array_equal(unique, ref_unique)
     np.testing.assert_array_equal(inverse, ref_inverse.reshape(-1))
+    first, inverse = kernels.first_unique(ids)
+    np.testing.assert_array_equal(first, ids[np.sort(index)])
+    np.testing.assert_array_equal(first[inverse], ids)
+    assert kernels.distinct(ids) == (unique.shape[0] == n)
+    shuffled = rng.permutation(unique)
+    assert kernels.distinct(shuffled) and kernels.distinct(unique)
+    if unique.shape[0] > 1:
+        assert not kernels.distinct(np.concatenate([shuffled, shuffled[-1:]]))
+
+
+def test_coalesce_keeps_unique_ids_in_their_order_and_sums_repeated_ones():
+    ids = np.array([9, 3, 7, 1], dtype=np.int64)
+    values = np.arange(8, dtype=np.float32).reshape(4, 2)
+    same_ids, same_values = kernels.coalesce(ids, values, keep_order=True)
+    assert same_ids is ids and same_values is values              # as given: no sort, no copy
+    sorted_ids, sorted_values = kernels.coalesce(ids, values)
+    np.testing.assert_array_equal(sorted_ids, [1, 3, 7, 9])
+    np.testing.assert_array_equal(sorted_values, values[[3, 1, 2, 0]])
+    summed_ids, summed = kernels.coalesce(np.array([9, 3, 9], dtype=np.int64), values[:3], keep_order=True)
+    np.testing.assert_array_equal(summed_ids, [3, 9])
+    np.testing.assert_array_equal(summed, [values[1], values[0] + values[2]])
+
+
+@pytest.mark.parametrize("unique", [False, True])
+def test_scan_finds_unique_ids_in_any_order_when_asked(unique):
+    from shardps.server.node import storage_kernels
+    ids = np.array([40, 3, 17, 8], dtype=np.int64)
+    status, blocks, counts = storage_kernels.scan(ids, 100, 4, unique=unique)
+    assert status == (1 if unique else 0) and counts.sum() == 4
+    np.testing.assert_array_equal(blocks, kernels.sparse_block_of(ids, 4))
+    assert storage_kernels.scan(np.sort(ids), 100, 4)[0] == 1
+    assert storage_kernels.scan(np.array([40, 3, 40], dtype=np.int64), 100, 4, unique=True)[0] == 0
+    assert storage_kernels.scan(np.array([40, 3, 100], dtype=np.int64), 100, 4, unique=True)[0] == -3
 
 
 @pytest.mark.parametrize("n", [0, 1, 63, 64, 13_312])
@@ -102,7 +137,7 @@ def test_initial_values_equal_the_numpy_reference_bit_for_bit(init):
 def test_warm_up_compiles_every_kernel_for_the_data_paths_types():
     kernels.warm_up()
     for fn in (kernels._sgd, kernels._adagrad, kernels._adam, kernels._hash_unique, kernels._block_of,
-               kernels._group, kernels._init_uniform, kernels._init_units):
+               kernels._group, kernels._init_uniform, kernels._init_units, kernels._distinct):
         assert fn.signatures, f"{fn.__name__} was not compiled by warm_up"
     kernels.warm_up()                   # idempotent
 

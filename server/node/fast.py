@@ -4,7 +4,7 @@ Most pushes are ASYNC gradients of sparse rows and dense ranges, on blocks this 
 and holds, of tables without lifecycle policies, from a writer whose push is new. For those:
 
 * ``admit_push`` checks the request with a few vectorised operations per table (the ids'
-  bounds, blocks and order in one compiled pass, ownership of every touched block at once)
+  bounds, blocks and uniqueness in one compiled pass, ownership of every touched block at once)
   and no per-block objects; it returns None for any other request, which the general path
   (``apply.PushApplier.apply_parts``) serves, and which raises the errors;
 * ``apply_push`` holds the blocks' locks, computes each sparse table's update in one
@@ -44,7 +44,7 @@ from shardps.tables import Consistency, TableKind, dense_blocks_of_range
 @dataclass
 class Unit:
     """One segment of an admitted push: its table, blocks (ascending) and data. Sparse:
-    ``ids`` unique and ascending, ``values`` ``[n, dim]``, ``blocks_of`` each id's block;
+    ``ids`` unique (in any order), ``values`` ``[n, dim]``, ``blocks_of`` each id's block;
     dense: the flat range ``[lo, hi)`` and its values."""
 
     table: TableView
@@ -88,8 +88,8 @@ def admit_push(table: BlockTable, job: str, epoch: int, kind: int, parsed: list[
         rows = table.sparse_rows.get((t.job, t.name))
         if rows is None or rows.life is not None or t.config.lifecycle.enabled or s.ids is None:
             return None
-        status, blocks_of, counts = storage_kernels.scan(s.ids, t.spec.num_rows, t.spec.num_blocks)
-        if status != 1:                 # repeated or unsorted ids, or out of bounds
+        status, blocks_of, counts = storage_kernels.scan(s.ids, t.spec.num_rows, t.spec.num_blocks, unique=True)
+        if status != 1:                 # repeated ids, or out of bounds
             return None
         blocks = np.flatnonzero(counts)
         if not serves(t, table.name, blocks, epoch):

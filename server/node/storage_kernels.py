@@ -5,7 +5,7 @@ one pass per request instead of a handful of numpy passes and fancy-indexed temp
   reply), and the positions of the ids that have no row (their initial values are filled by
   the caller);
 * ``scan``: a request's ids checked against the table's bounds, their blocks, and whether
-  they are unique and ascending, in one pass;
+  they are unique (ascending in one pass; in any other order also checked in a hash set);
 * ``assign``: the slot of every id, storing the missing ones (a free slot first, else the next
   unused one) and counting them per block; the positions of the new ones are returned so the
   caller can write their initial values and optimizer state.
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from shardps.kernels import _JIT, _splitmix64, njit
+from shardps.kernels import _JIT, _distinct, _splitmix64, _table_bits, njit
 
 
 @njit(**_JIT)
@@ -68,10 +68,11 @@ def _assign(slot_of, ids, free, used, num_blocks, block_counts, slots, new_pos):
 
 
 @njit(**_JIT)
-def _scan(ids, num_rows, num_blocks, blocks, counts):
+def _scan(ids, num_rows, num_blocks, blocks, counts, table_bits):
     """Block of each id into ``blocks`` and rows per block into ``counts``. Returns -1 - i
     for the first id out of [0, num_rows) (num_rows 0: any id), else 1 when the ids are
-    strictly increasing (unique and sorted) and 0 when they are not."""
+    unique: strictly increasing, or (``table_bits`` > 0) found so in a hash set of
+    ``2 ** table_bits`` slots; else 0."""
     nb = np.uint64(num_blocks)
     increasing = 1
     prev = np.int64(0)
@@ -85,16 +86,21 @@ def _scan(ids, num_rows, num_blocks, blocks, counts):
         b = np.int64(_splitmix64(np.uint64(x)) % nb)
         blocks[i] = b
         counts[b] += 1
+    if increasing == 0 and table_bits > 0 and _distinct(ids, table_bits):
+        return 1
     return increasing
 
 
-def scan(ids: np.ndarray, num_rows: int, num_blocks: int) -> tuple[int, np.ndarray, np.ndarray]:
+def scan(ids: np.ndarray, num_rows: int, num_blocks: int,
+         unique: bool = False) -> tuple[int, np.ndarray, np.ndarray]:
     """(status, block of each id, rows per block) of a sparse segment's ids in one pass:
-    status 1: the ids are unique and ascending; 0: they are not; -1 - i: id ``i`` is out of
-    [0, num_rows)."""
+    status 1: the ids are unique and ascending, or, with ``unique``, unique in any order (a
+    second pass over a hash set where they are not ascending); 0: not so; -1 - i: id ``i``
+    is out of [0, num_rows)."""
     blocks = np.empty(ids.shape[0], dtype=np.int64)
     counts = np.zeros(num_blocks, dtype=np.int64)
-    return _scan(ids, num_rows, num_blocks, blocks, counts), blocks, counts
+    bits = _table_bits(ids.shape[0]) if unique else 0
+    return _scan(ids, num_rows, num_blocks, blocks, counts, bits), blocks, counts
 
 
 def gather(slot_of: np.ndarray, rows: np.ndarray, ids: np.ndarray, out: np.ndarray) -> np.ndarray:

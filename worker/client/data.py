@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shardps import dtypes
+from shardps import dtypes, kernels
 from shardps.dtypes import WireDType
 from shardps.errors import DeadlineExceeded, Unavailable
 from shardps.messages import GRADIENT, RANGE, ROWS, PullReply, PullRequest, PushAck, PushRequest, Selection, Versions
@@ -214,20 +214,12 @@ class DataPath:
             count = int(layout.elements)
             if not p.dense:             # the reply's ids (an export's) and rows of a sparse table
                 sparse_bytes += int(layout.ids) * 8 + count * wire.itemsize
-            if p.dense and not p.all_stored and wire is WireDType.FLOAT32:
-                out = outputs[p.item][p.offset:p.offset + (p.stop - p.start)]
-                if out.size != count or not out.flags.c_contiguous:
-                    raise Unavailable(f"pull from {server}: {count} values for a range of {out.size}")
-                payload.read_into(byte_view(out))          # straight into the result
-                continue
-            values = dtypes.decode(payload.read(count * wire.itemsize), wire, count)
             if p.all_stored:
+                values = dtypes.decode(payload.read(count * wire.itemsize), wire, count)
                 with lock:
                     stored.setdefault(p.item, []).append((got_ids, values.copy()))
-            elif p.dense:
-                outputs[p.item][p.offset:p.offset + (p.stop - p.start)] = values
             else:
-                outputs[p.item][p.positions] = values.reshape(p.rows, -1)
+                _place_values(server, p, outputs[p.item], payload, count, wire)
         if payload.consumed != len(payload):
             raise Unavailable(f"pull from {server}: payload has {len(payload)} bytes; "
                               f"the header describes {payload.consumed}")
@@ -408,6 +400,41 @@ def base_versions(p: Piece, view: ShardMapView, job: str, versions: dict[tuple[s
         if v is not None:
             out[b] = v
     return out
+
+
+def _place_values(server: str, p: Piece, output: np.ndarray, payload: Payload, count: int,
+                  wire: WireDType) -> None:
+    """The ``count`` values (``wire``) of pulled piece ``p`` from ``payload`` into their place
+    in ``output``: read straight into it where the place is one run of float32 (a dense
+    range; sparse rows bound for consecutive rows of ``output``), else decoded and scattered."""
+    if p.dense:
+        out = output[p.offset:p.offset + (p.stop - p.start)]
+        if wire is WireDType.FLOAT32:
+            if out.size != count or not out.flags.c_contiguous:
+                raise Unavailable(f"pull from {server}: {count} values for a range of {out.size}")
+            payload.read_into(byte_view(out))
+            return
+        out[:] = dtypes.decode(payload.read(count * wire.itemsize), wire, count)
+        return
+    run = _run(p.positions) if wire is WireDType.FLOAT32 else None
+    if run is not None and output[run:run + p.rows].flags.c_contiguous:
+        out = output[run:run + p.rows]
+        if out.size != count:
+            raise Unavailable(f"pull from {server}: {count} values for {p.rows} rows of {out.size // max(1, p.rows)}")
+        payload.read_into(byte_view(out))
+        return
+    output[p.positions] = dtypes.decode(payload.read(count * wire.itemsize), wire, count).reshape(p.rows, -1)
+
+
+def _run(positions: np.ndarray | None) -> int | None:
+    """The first of ``positions`` when they are consecutive (``k, k + 1, ...``; a piece
+    routed whole), else None."""
+    if positions is None or not positions.shape[0]:
+        return None
+    first = int(positions[0])
+    if int(positions[-1]) - first != positions.shape[0] - 1 or not kernels.strictly_increasing(positions):
+        return None
+    return first
 
 
 def _pairs(v: Versions) -> dict[tuple[str, int], int]:

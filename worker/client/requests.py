@@ -61,12 +61,12 @@ def as_float32(values, t: TableView, what: str = "gradient") -> np.ndarray:
 
 
 def distinct(ids: np.ndarray) -> tuple[np.ndarray, Finish]:
-    """(each distinct id once, ascending; a function taking their rows to the rows of
-    ``ids``). Ids already distinct and ascending (e.g. from ``torch.unique``) are neither
-    sorted again nor gathered afterwards."""
-    if kernels.strictly_increasing(ids):
+    """(each distinct id once, in order of first appearance; a function taking their rows
+    to the rows of ``ids``). Ids already distinct, in any order, are neither copied nor
+    gathered afterwards; none are sorted (servers take ids in any order)."""
+    if kernels.distinct(ids):
         return ids, lambda rows: rows
-    unique, inverse = kernels.unique_inverse(ids)
+    unique, inverse = kernels.first_unique(ids)
     return unique, lambda rows: rows[inverse]
 
 
@@ -244,7 +244,7 @@ def rows_push(item: int, t: TableView, ids, grads, allow_empty: bool = False) ->
                 f"gradient rows for sparse table {t.name!r} have shape {tuple(grads.shape)}; "
                 f"{n} ids of a table with dim {dim} need ({n}, {dim})")
         grads = grads.reshape(n, dim)
-    ids, grads = kernels.coalesce(ids, grads)
+    ids, grads = kernels.coalesce(ids, grads, keep_order=True)
     return Piece(item, t.name, False, ids=ids, positions=np.arange(ids.shape[0]), values=grads)
 
 
