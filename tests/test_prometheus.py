@@ -14,6 +14,7 @@ Prometheus's HTTP API and must parse and return a non-empty result.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import time
@@ -27,7 +28,6 @@ import numpy as np
 import pytest
 import yaml
 
-from shardps.bench.common import free_port
 from tests.debian import debian_binary
 from tests.sessions import ClientSession
 from tests.waiting import wait_for
@@ -112,6 +112,9 @@ def http_json(url: str, timeout: float = 10.0) -> dict:
         return json.loads(err.read())
 
 
+_LISTENING = re.compile(r'msg="Listening on" address=(127\.0\.0\.1:\d+)')
+
+
 class Prometheus:
     """One Prometheus server on loopback with its own config and storage."""
 
@@ -121,11 +124,10 @@ class Prometheus:
         self.dir.mkdir(parents=True)
         self.config_path = self.dir / "prometheus.yml"
         self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = ""                   # known once it listens (wait_ready): it binds port 0
         self.log_path = self.dir / "prometheus.log"
         cmd = [binary, f"--config.file={self.config_path}", f"--storage.tsdb.path={self.dir / 'data'}",
-               f"--web.listen-address=127.0.0.1:{self.port}"]
+               "--web.listen-address=127.0.0.1:0"]
         if shutil.which("setpriv"):       # dies with the test process even if that is killed
             cmd = ["setpriv", "--pdeathsig", "TERM", "--"] + cmd
         with open(self.log_path, "wb") as log:
@@ -136,6 +138,12 @@ class Prometheus:
         while time.monotonic() < deadline:
             if self.popen.poll() is not None:
                 raise RuntimeError(f"prometheus {self.name} exited with {self.popen.returncode}:\n{self.log()}")
+            if not self.url:                # the port it bound, from its log line
+                found = _LISTENING.search(self.log_path.read_text(errors="replace"))
+                if found is None:
+                    time.sleep(0.1)
+                    continue
+                self.url = f"http://{found.group(1)}"
             try:
                 with _HTTP.open(f"{self.url}/-/ready", timeout=2) as r:
                     if r.status == 200:
@@ -238,7 +246,7 @@ class KubernetesTargets:
         pods = [self.pod("manager-0", "manager", manager)]
         pods += [self.pod(n, "server", a) for n, a in servers.items()]
         pods += [self.pod(f"worker-{i}", "worker", a) for i, a in enumerate(workers)]
-        pods.append(self.pod("not-annotated", "other", f"127.0.0.1:{free_port()}", scrape="false"))
+        pods.append(self.pod("not-annotated", "other", "127.0.0.1:9", scrape="false"))     # never scraped
         _write_targets(self.file, pods)
 
 
@@ -307,11 +315,14 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path):
     proms: list[Prometheus] = []
     try:
         cluster.start()
-        worker_metrics = [f"127.0.0.1:{free_port()}" for _ in range(2)]
-        for i, address in enumerate(worker_metrics):
+        ready_files = [tmp_path / f"worker-{i}.ready" for i in range(2)]
+        for i, ready in enumerate(ready_files):      # each binds a free port and names it there
             cluster.start_worker(f"worker-{i}", [
                 "--job", "demo", "--model", "digits-cnn", "--mode", "ssp", "--staleness", "2",
-                "--epochs", "1000", "--metrics-host", "127.0.0.1", "--metrics-port", address.rsplit(":", 1)[1]])
+                "--epochs", "1000", "--metrics-host", "127.0.0.1", "--metrics-port", "0",
+                "--ready-file", str(ready)])
+        wait_for("both workers to join", lambda: all(r.exists() for r in ready_files), 120, 0.1)
+        worker_metrics = [json.loads(r.read_text())["metrics"] for r in ready_files]
         sources = [ComposeTargets(tmp_path), KubernetesTargets(tmp_path)]
 
         def write_targets() -> None:

@@ -11,11 +11,13 @@ import ctypes
 import json
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -58,11 +60,31 @@ def in_process_cluster(servers: int = 1):
 
 
 def free_port() -> int:
-    """A loopback port free right now (for torch.distributed's tcp:// rendezvous, which needs
-    a number before the listener exists; a clash makes the part fail, not hang)."""
+    """A loopback port free right now, for a program that needs a number before its listener
+    exists (etcd, retried on a clash; containers of ``first_request``). Another process may
+    take it first: where the listener can bind port 0 and say which it got, it does."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class FileRendezvous:
+    """Where torch.distributed's ranks meet: a ``file://`` store (``url``) in a fresh
+    directory, so that no port is chosen before its listener exists (another process could
+    take it first). A context manager giving the url; ``close`` removes the directory."""
+
+    def __init__(self):
+        self._dir = tempfile.mkdtemp(prefix="shardps-rendezvous-")
+        self.url = f"file://{self._dir}/store"
+
+    def close(self) -> None:
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> str:
+        return self.url
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def proc_status_kb(pid: int, field: str = "VmRSS") -> int:
