@@ -37,3 +37,19 @@ def test_cheap_initialisers_are_not_remembered():
     rows = SparseRows(sparse_table("e", 4, init=uniform(-1.0, 1.0, seed=1)))
     rows.read(np.arange(10, dtype=np.int64))
     assert rows.recent is None
+
+
+def test_a_new_config_gets_its_optimizer_state_after_pushes_under_the_old_one():
+    """The state a config needs is ensured once per config: a later config (momentum added,
+    Adagrad's starting accumulator) is still honoured."""
+    rows = SparseRows(sparse_table("e", 2, num_rows=100, init=uniform(0.0, 0.0, seed=1)))
+    ids = np.array([4, 9], dtype=np.int64)
+    plain = TableConfig(sgd(1.0))
+    rows.apply_rows(plain, ids, np.ones((2, 2), np.float32))
+    rows.apply_rows(plain, ids, np.ones((2, 2), np.float32))
+    assert set(rows.state) == set() and np.array_equal(rows.read(ids), -2 * np.ones((2, 2), np.float32))
+    momentum = TableConfig(sgd(1.0, momentum=0.5))
+    rows.apply_rows(momentum, ids, np.ones((2, 2), np.float32))
+    rows.apply_rows(momentum, ids, np.ones((2, 2), np.float32))
+    assert set(rows.state) == {"momentum_buffer"}
+    np.testing.assert_array_equal(rows.read(ids), -2 - 1 - 1.5 * np.ones((2, 2), np.float32))

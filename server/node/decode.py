@@ -33,7 +33,6 @@ from shardps.shardmap import ShardMapView, TableView
 from shardps.tables import (
     MAX_CLOCK,
     TableKind,
-    check_ids,
     check_range,
     dense_blocks_of_range,
 )
@@ -196,7 +195,7 @@ def parse_segments(view: ShardMapView, server: str, limits: NodeLimits, header: 
                     f"payload has {total - offset} bytes left")
             s.ids = np.frombuffer(view_payload[offset:offset + nbytes], dtype="<i8")
             offset += nbytes
-            check_ids(spec, s.ids)
+            storage_kernels.check_ids(spec, s.ids)
             if with_values:
                 n_values = count * spec.dim
                 vbytes = n_values * wire.itemsize
@@ -267,7 +266,7 @@ def sparse_blocks(server: str, epoch: int, header: Header, segment: Segment,
     t, spec = segment.table, segment.table.spec
     assert segment.ids is not None                   # a sparse segment carries its ids
     if kernels.AVAILABLE:
-        blocks = np.flatnonzero(storage_kernels.scan(segment.ids, 0, spec.num_blocks)[2])
+        blocks = storage_kernels.scan(segment.ids, 0, spec.num_blocks)[2].nonzero()[0]
     else:
         touched = np.zeros(spec.num_blocks, dtype=bool)
         touched[kernels.sparse_block_of(segment.ids, spec.num_blocks)] = True
@@ -284,8 +283,12 @@ def serves(t: TableView, server: str, blocks: np.ndarray, epoch: int) -> bool:
     and none of them moved after ``epoch`` (the request's): one vectorised check, the common
     case of ``check_owned``'s first rule."""
     mine = t.server_index.get(server)
-    return mine is not None and bool((t.primary[blocks] == mine).all()
-                                     and (t.since_epoch[blocks] <= np.uint64(epoch)).all())
+    if mine is None:
+        return False
+    if blocks.shape[0] == 1:            # a small table's one block: no arrays to build
+        b = blocks[0]
+        return bool(t.primary[b] == mine and t.since_epoch[b] <= epoch)
+    return bool((t.primary[blocks] == mine).all() and (t.since_epoch[blocks] <= np.uint64(epoch)).all())
 
 
 def owned(server: str, header: Header, parts: list[Part],

@@ -91,7 +91,7 @@ def admit_push(table: BlockTable, job: str, epoch: int, kind: int, parsed: list[
         status, blocks_of, counts = storage_kernels.scan(s.ids, t.spec.num_rows, t.spec.num_blocks, unique=True)
         if status != 1:                 # repeated ids, or out of bounds
             return None
-        blocks = np.flatnonzero(counts)
+        blocks = counts.nonzero()[0]
         if not serves(t, table.name, blocks, epoch):
             return None
         units.append(Unit(t, blocks, s.values, ids=s.ids, blocks_of=blocks_of, rows=rows))
@@ -228,7 +228,7 @@ def read_pull(table: BlockTable, epoch: int, parsed: list[Segment], reply: PullR
             status, _, counts = storage_kernels.scan(s.ids, t.spec.num_rows, t.spec.num_blocks)
             if status < 0:
                 return None
-            blocks = np.flatnonzero(counts)
+            blocks = counts.nonzero()[0]
         if not serves(t, name, blocks, epoch):
             return None
         job, table_name = t.job, t.name

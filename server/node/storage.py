@@ -211,6 +211,7 @@ class SparseRows:
         self.free = np.empty(0, dtype=np.int64)         # slots of removed rows, reused first
         self.block_counts = np.zeros(spec.num_blocks, dtype=np.int64)
         self.recent = _RecentInits(spec) if spec.init.kind is InitKind.NORMAL else None
+        self._state_for: TableConfig | None = None      # the config whose state is ensured
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """Slot of each id, or -1 where the row is not stored."""
@@ -246,6 +247,8 @@ class SparseRows:
         return out
 
     def _ensure_state(self, config: TableConfig | None, names=()) -> None:
+        if config is not None and config is self._state_for and not names:
+            return                  # ensured for this config (frozen) already: every push's case
         wanted = set(names)
         if config is not None:
             wanted |= set(optimizers.state_names(config.optimizer))
@@ -256,6 +259,8 @@ class SparseRows:
             self.state["sum"].fill = config.optimizer.initial_accumulator_value
         if config is not None and optimizers.needs_row_steps(config.optimizer):
             self._ensure_row_steps()
+        if config is not None and not names:
+            self._state_for = config
 
     def _pages(self, shape: tuple, dtype, fill) -> _Rows:
         """New per-row arrays covering the slots handed out so far, at ``fill``."""

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from shardps.kernels import _JIT, _distinct, _splitmix64, _table_bits, njit
+from shardps.kernels import _JIT, AVAILABLE, _distinct, _splitmix64, _table_bits, njit
+from shardps.tables import TableSpec
+from shardps.tables import check_ids as _tables_check_ids
 
 
 @njit(**_JIT)
@@ -91,6 +93,22 @@ def _scan(ids, num_rows, num_blocks, blocks, counts, table_bits):
     return increasing
 
 
+@njit(**_JIT)
+def _inside(ids, num_rows):
+    for i in range(ids.shape[0]):
+        if ids[i] < 0 or ids[i] >= num_rows:
+            return False
+    return True
+
+
+def check_ids(spec: TableSpec, ids: np.ndarray) -> None:
+    """``tables.check_ids`` (InvalidArgument for an id outside ``[0, num_rows)``, naming it)
+    in one compiled pass over int64 ids where numpy makes two reductions."""
+    if AVAILABLE and ids.dtype == np.int64 and (spec.num_rows <= 0 or _inside(ids, spec.num_rows)):
+        return
+    _tables_check_ids(spec, ids)        # numpy's check: raises, naming the id, where one is outside
+
+
 def scan(ids: np.ndarray, num_rows: int, num_blocks: int,
          unique: bool = False) -> tuple[int, np.ndarray, np.ndarray]:
     """(status, block of each id, rows per block) of a sparse segment's ids in one pass:
@@ -132,3 +150,4 @@ def warm_up() -> None:
         gather(slot_of, rows, ids, np.empty((2, 2), np.float32))
         assign(slot_of, ids, np.empty(0, np.int64), 0, np.zeros(2, np.int64))
         scan(ids, 4, 2)
+        _inside(ids, 4)
