@@ -58,6 +58,31 @@ def test_unique_rows_in_any_order_round_trip(cluster, client_factory, num_blocks
     np.testing.assert_array_equal(c.pull_rows("u", twice), np.tile((before - grads)[order[:5]], (2, 1)))
 
 
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "socket"])
+def test_bulk_rows_on_one_host_go_through_shared_memory(cluster, client_factory, shared_memory, monkeypatch):
+    """A push's and a pull's rows (512 KB) travel in a shared-memory region named in the data
+    plane's frames where the client allows it, and arrive as they do through the socket."""
+    from shardps.rpc import dataplane_transport
+    used = []
+    region_for = dataplane_transport.DataPlaneTransport._region
+
+    def spy(self, plane, address, nbytes):
+        region = region_for(self, plane, address, nbytes)
+        used.append(region is not None)
+        return region
+    monkeypatch.setattr(dataplane_transport.DataPlaneTransport, "_region", spy)
+    c = client_factory(cluster.address, shared_memory=shared_memory)
+    c.create_job()
+    c.create_sparse("big", 16, num_rows=100_000, num_blocks=1, optimizer=sgd(1.0), init=normal(0, 0.1, seed=4))
+    rng = np.random.default_rng(0)
+    ids = rng.choice(100_000, 8_000, replace=False)
+    before = c.pull_rows("big", ids)
+    grads = rng.standard_normal((8_000, 16)).astype(np.float32)
+    c.push_rows("big", ids, grads)
+    np.testing.assert_array_equal(c.pull_rows("big", ids), before - grads)
+    assert used and all(used) == shared_memory
+
+
 def test_several_tables_in_one_request_and_state_dict(cluster, client_factory):
     c = client_factory(cluster.address)
     c.create_job()

@@ -31,6 +31,14 @@ def test_requests_round_trip():
     assert a.segments == SEGMENTS and b.segments == SEGMENTS[:2] and b.header == HEADER
 
 
+def test_a_shared_region_before_a_header_round_trips_and_refuses_negative_numbers():
+    head = packed.pull(m.PullRequest(HEADER, SEGMENTS))
+    name, offset, length, rest = packed.read_shared_region(packed.shared_region("shardps-ab12", 64, 1 << 33) + head)
+    assert (name, offset, length, bytes(rest)) == ("shardps-ab12", 64, 1 << 33, head)
+    with pytest.raises(InvalidArgument, match="must not be negative"):
+        packed.read_shared_region(packed.shared_region("shardps-ab12", -1, 8))
+
+
 def test_replies_round_trip():
     ack = m.PushAck([m.Versions("emb", [0, 5, 63], [1, 2, 1 << 50]), m.Versions("w", [0], [9])], 2)
     reply = m.PullReply([m.Layout(1, 100), m.Layout(2, 16, 4)], ack.versions, 8400, -3, True, 0.25)
@@ -60,7 +68,7 @@ def test_more_base_versions_than_a_two_byte_count_round_trip():
 
 READERS = [lambda b: packed.read_push(b, b""), lambda b: packed.read_pull(b, b""),
            lambda b: packed.read_exchange(b, memoryview(b"")), packed.read_push_ack, packed.read_pull_reply,
-           packed.read_exchange_reply]
+           packed.read_exchange_reply, packed.read_shared_region]
 
 
 def test_more_segments_than_a_packed_header_carries_are_refused_by_name():

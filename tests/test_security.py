@@ -263,10 +263,14 @@ def test_node_status_shows_a_job_token_only_its_own_job(secure, client_factory):
 def test_another_jobs_shared_memory_region_is_permission_denied(secure, client_factory):
     import secrets
 
+    from shardps import messages as m
+    from shardps.errors import PermissionDenied
     from shardps.protos.v1 import common_pb2 as pb
     from shardps.protos.v1 import parameter_server_pb2 as ps
-    from shardps.rpc import channels
+    from shardps.rpc import channels, packed
     from shardps.rpc.codec import encode_chunk
+    from shardps.rpc.dataplane import DataPlaneConnection
+    from shardps.rpc.frames import FLAG_PACKED, FLAG_SHARED
     from shardps.rpc.shm import ClientRegions, available
     from shardps.rpc.stubs import ParameterServerStub
     if not available():
@@ -297,5 +301,17 @@ def test_another_jobs_shared_memory_region_is_permission_denied(secure, client_f
             with pytest.raises(grpc.RpcError) as err:
                 list(stub.Pull(pull, timeout=5, metadata=md_b))
             assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, err.value.details()
+        # the same region named in data-plane frames (flag SHARED): refused as well
+        plane = next(s for s in secure.servers.values() if s.address == server).data_plane.address
+        head, selection = m.Header("team-b", view.epoch), [m.Selection("w", m.RANGE, 0, 8)]
+        shared = packed.shared_region(region.name, 0, 32)
+        with DataPlaneConnection(plane, metadata=md_b) as conn:
+            with pytest.raises(PermissionDenied):
+                conn.call("Push", shared + packed.push(m.PushRequest(head, m.GRADIENT, selection), 32),
+                          timeout=5, flags=FLAG_PACKED | FLAG_SHARED)
+            with pytest.raises(PermissionDenied):
+                conn.call("Pull", shared + packed.pull(m.PullRequest(head, selection)), timeout=5,
+                          flags=FLAG_PACKED | FLAG_SHARED)
+        assert bytes(region.view(0, 16)) == nonce
     finally:
         regions.close()

@@ -398,14 +398,16 @@ class OpenDataPlaneRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ...) -> None: ...
 
 class OpenDataPlaneResponse(_message.Message):
-    __slots__ = ("address", "max_frame_bytes", "packed")
+    __slots__ = ("address", "max_frame_bytes", "packed", "shared_memory")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     address: str
     max_frame_bytes: int
     packed: bool
-    def __init__(self, address: _Optional[str] = ..., max_frame_bytes: _Optional[int] = ..., packed: _Optional[bool] = ...) -> None: ...
+    shared_memory: bool
+    def __init__(self, address: _Optional[str] = ..., max_frame_bytes: _Optional[int] = ..., packed: _Optional[bool] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
 
 class ExchangeHeader(_message.Message):
     __slots__ = ("push", "pull")

@@ -24,6 +24,7 @@ Same results, same replicas, same records as the general path (the tests run bot
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -207,11 +208,13 @@ def _sparse_ops(u: Unit, values: np.ndarray, writer: Writer, backed: list[bool])
     return out
 
 
-def read_pull(table: BlockTable, epoch: int, parsed: list[Segment], reply: PullReply) -> list[np.ndarray] | None:
+def read_pull(table: BlockTable, epoch: int, parsed: list[Segment], reply: PullReply,
+              out_buffer=None) -> list[np.ndarray] | None:
     """The values of a pull routed with map ``epoch``, in the common case (gate held shared,
     consistency wait done): one float32 array per segment, the segments' layouts and blocks' versions in ``reply``;
     None for any other pull (an export, another wire dtype, a block not served here: the
-    general path, ``PullReader._read_parts``, reads it or raises)."""
+    general path, ``PullReader._read_parts``, reads it or raises). ``out_buffer`` (large
+    enough: the caller checked): the arrays are views of it, one after the other."""
     if table.missing:
         return None
     held, name = table.blocks, table.name
@@ -241,15 +244,20 @@ def read_pull(table: BlockTable, epoch: int, parsed: list[Segment], reply: PullR
     if len({p[1].name for p in plan}) < len(plan):     # a table named twice: each block locked once
         every = sorted({id(blk): blk for blk in every}.values(), key=lambda blk: blk.key)
     outputs = []
+    offset = 0
     with BlockLocks(every):
         for s, t, blocks, objects in plan:
+            shape = (s.hi - s.lo,) if s.ids is None else (s.ids.shape[0], t.spec.dim)
+            if out_buffer is None:
+                out = np.empty(shape, dtype=np.float32)
+            else:
+                out = np.frombuffer(out_buffer, "<f4", count=math.prod(shape), offset=offset).reshape(shape)
+                offset += out.nbytes
             if s.ids is None:
-                out = np.empty(s.hi - s.lo, dtype=np.float32)
                 for blk in objects:
                     lo, hi = max(s.lo, blk.start), min(s.hi, blk.stop)
                     blk.read(lo, hi, out=out[lo - s.lo:hi - s.lo])
             else:
-                out = np.empty((s.ids.shape[0], t.spec.dim), dtype=np.float32)
                 if objects:                     # no block: a segment of no rows
                     rows = objects[0].table_rows
                     with rows.lock:

@@ -93,9 +93,13 @@ class PullReader:
                     f"pull would return {out_bytes} bytes; the limit max_response_bytes is "
                     f"{self.limits.max_response_bytes}: pull smaller ranges")
             t1 = time.perf_counter()
-            fast_values = fast.read_pull(table, header.epoch, parsed, header_out) if out_buffer is None else None
+            in_place = out_buffer is not None and out_bytes <= len(out_buffer)
+            fast_values = fast.read_pull(table, header.epoch, parsed, header_out, out_buffer if in_place else None)
             t2 = time.perf_counter()
-            if fast_values is not None:
+            if fast_values is not None and in_place:       # written straight into the buffer
+                header_out.in_shared_memory = True
+                header_out.payload_bytes = out_bytes
+            elif fast_values is not None:
                 outputs = fast_values
             else:
                 t1, t2 = self._read_parts(header, parsed, header_out, outputs, out_buffer, out_bytes)

@@ -19,7 +19,7 @@ from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc import messages, packed
 from shardps.rpc.codec import CHUNK_BYTES, assemble, decode_chunk, encode_chunk, split_payload, write_into
-from shardps.rpc.frames import FLAG_PACKED
+from shardps.rpc.frames import FLAG_PACKED, FLAG_SHARED
 from shardps.rpc.status import Method, bind, grpc_code, proto_method
 from shardps.rpc.stubs import encode_snapshots
 from shardps.server.auth import JOB, check_job
@@ -74,6 +74,16 @@ def collect_chunks(chunks, header_cls, limit: int, what: str, empty: str = ""):
                               f"{declared} (truncated stream?)")
     payload = assemble(pieces, total) if pieces else memoryview(b"")
     return header, payload
+
+
+def _shared_region(method: str, header: bytes, payload) -> tuple[pb.SharedMemoryRef, bytes]:
+    """The shared-memory region a data-plane frame with ``FLAG_SHARED`` names before its
+    header (where a push's payload lies or a pull's reply goes), and the header after it."""
+    if method not in ("Push", "Pull") or (method == "Push" and len(payload)):
+        raise InvalidArgument(f"{method}: flag SHARED is for a Pull, or a Push whose frame carries "
+                              f"no payload bytes ({len(payload)} here)")
+    name, offset, length, rest = packed.read_shared_region(header)
+    return pb.SharedMemoryRef(name=name, offset=offset, length=length), bytes(rest)
 
 
 def decode_snapshots(chunks) -> tuple[int, list[BlockSnapshot]]:
@@ -258,7 +268,8 @@ class ParameterServerService:
         check_job(call.principal, request.job)
         return ps.OpenDataPlaneResponse(address=self.data_plane_address,
                                         max_frame_bytes=self.data_plane_max_frame_bytes,
-                                        packed=bool(self.data_plane_address))
+                                        packed=bool(self.data_plane_address),
+                                        shared_memory=bool(self.data_plane_address))
 
     data_plane_address = ""               # set by the process that serves a data plane
     data_plane_max_frame_bytes = 0
@@ -291,16 +302,17 @@ class ParameterServerService:
     def _data_plane(self, method, header: bytes, payload: memoryview, call):
         packed_form = bool(call.flags & FLAG_PACKED)
         try:
+            region, header = _shared_region(method, header, payload) if call.flags & FLAG_SHARED else (None, header)
             if method == "Push":
                 push, declared = (packed.read_push(header, payload) if packed_form
                                   else _push_from_proto(ps.PushHeader.FromString(header), payload))
-                ack = self._dp_push(_scoped(_DP_PUSH, call, push), declared, call)
+                ack = self._dp_push(_scoped(_DP_PUSH, call, push), declared, call, region)
                 return (packed.push_ack(ack) if packed_form
                         else messages.push_ack(ack).SerializeToString()), None
             if method == "Pull":
                 pull = (packed.read_pull(header, payload) if packed_form
                         else _pull_from_proto(ps.PullRequest.FromString(header), payload))
-                reply, arrays = self._dp_pull(_scoped(_DP_PULL, call, pull), call)
+                reply, arrays = self._dp_pull(_scoped(_DP_PULL, call, pull), call, region)
                 return (packed.pull_reply(reply) if packed_form
                         else messages.pull_header(reply).SerializeToString()), arrays
             if method == "Exchange":
@@ -330,10 +342,12 @@ class ParameterServerService:
             self._refused(exc)
             raise
 
-    def _dp_push(self, push: PushRequest, declared: int, call) -> PushAck:
+    def _dp_push(self, push: PushRequest, declared: int, call, region: pb.SharedMemoryRef | None = None) -> PushAck:
         job = push.header.job
         names.check(names.JOB, job, "header.job")
         check_job(call.principal, job)
+        if region is not None:              # the job's own region (ServerRegions checks the binding)
+            push.payload = self._open_shared(region, job)
         payload = push.payload
         if declared and declared != len(payload):
             raise InvalidArgument(f"Push: the header declares {declared} payload bytes; "
@@ -344,12 +358,17 @@ class ParameterServerService:
         with self.admission.admit(job, len(payload)):
             return self.node.push(push, call.deadline)
 
-    def _dp_pull(self, pull: PullRequest, call) -> tuple[PullReply, list]:
+    def _dp_pull(self, pull: PullRequest, call, region: pb.SharedMemoryRef | None = None) -> tuple[PullReply, list]:
         job = pull.header.job
         names.check(names.JOB, job, "header.job")
         check_job(call.principal, job)
         with self.admission.admit(job):
-            return self.node.pull(pull, call.deadline)
+            out = None if region is None else self._open_shared(region, job)
+            reply, arrays = self.node.pull(pull, call.deadline, out_buffer=out)
+        if region is not None and not reply.in_shared_memory:   # not read in place: copied there
+            self.write_shared_memory(region, arrays, job)
+            reply.in_shared_memory, arrays = True, []
+        return reply, arrays
 
     # --- shared-memory fast path (same host) ---
     def probe_shared_memory(self, request, call) -> ps.ProbeSharedMemoryResponse:

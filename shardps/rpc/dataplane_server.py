@@ -71,7 +71,7 @@ class DataPlaneCall:
     peer_certificate: dict | None = None
     principal: Any = None
     deadline: float | None = None
-    flags: int = 0                   # the request frame's flags (``frames.FLAG_PACKED``)
+    flags: int = 0                   # the request frame's ``frames.FLAG_PACKED`` and ``FLAG_SHARED``
 
     def invocation_metadata(self) -> tuple:
         """The client's metadata pairs (what a grpc.ServicerContext returns)."""
@@ -313,7 +313,7 @@ class DataPlaneServer:
         name, full = names
         call = DataPlaneCall(name, full, p.request_id, conn.peer, metadata, cert, None,
                              time.monotonic() + p.timeout_ms / 1000.0 if p.timeout_ms else None,
-                             p.flags & frames.FLAG_PACKED)
+                             p.flags & (frames.FLAG_PACKED | frames.FLAG_SHARED))
         status, message, header, plen = _OK, "", b"", 0
         parts: list = []
         pause = 0.0
@@ -345,7 +345,7 @@ class DataPlaneServer:
         if status != _OK:
             parts, plen = [], 0
         self._reply(conn, p.method, p.request_id, status, message, header, parts, plen, tls,
-                    packed=bool(call.flags) and status == _OK)
+                    packed=bool(call.flags & frames.FLAG_PACKED) and status == _OK)
         return pause
 
     def _reply(self, conn: _Connection, method: int, request_id: int, status: int, message: str,

@@ -2,9 +2,13 @@
 (``shardps.rpc.dataplane``), gRPC where a server has none.
 
 Each server is asked once for its data-plane address (``OpenDataPlane``, job-scoped, over
-gRPC); then Push, Pull and Exchange go through a ``DataPlanePool`` (payloads of
-``SHM_PREFERRED_BYTES`` or more to a server on this host go through shared memory instead),
-with the same token in the connection's HELLO and the same TLS certificates. Their headers
+gRPC); then Push, Pull and Exchange go through a ``DataPlanePool``, with the same token in
+the connection's HELLO and the same TLS certificates. A push's payload or a pull's reply of
+``SHARED_BYTES`` or more to a server on this host that maps this process's memory (proved
+over gRPC, ``ProbeSharedMemory``) travels through a shared-memory region named in the frame
+(``frames.FLAG_SHARED``): written once, read in place, no bytes through the socket; a server
+that does not offer that (``OpenDataPlaneResponse.shared_memory``) gets payloads of
+``SHM_PREFERRED_BYTES`` or more over gRPC with shared memory. Their headers
 travel in the packed form (``shardps.rpc.packed``) to servers that speak it
 (``OpenDataPlaneResponse.packed``), as protobuf to the others. A server that answers
 UNIMPLEMENTED or an empty address is served by the ``GrpcTransport`` given as ``fallback``
@@ -28,9 +32,9 @@ from shardps.errors import InvalidArgument, Unavailable
 from shardps.messages import PullRequest, PushAck, PushRequest
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc import messages, packed
-from shardps.rpc.codec import byte_view
+from shardps.rpc.codec import byte_view, write_into
 from shardps.rpc.dataplane import DataPlanePool
-from shardps.rpc.frames import FLAG_PACKED
+from shardps.rpc.frames import FLAG_PACKED, FLAG_SHARED
 from shardps.rpc.grpc_transport import GrpcTransport
 from shardps.rpc.payload import Payload
 from shardps.rpc.status import from_rpc_error
@@ -39,6 +43,10 @@ log = logging.getLogger("shardps.client")
 # Payloads this large go through shared memory (the gRPC transport's same-host path) where the
 # server maps this process's memory: one copy instead of two through the loopback socket.
 SHM_PREFERRED_BYTES = 4 << 20
+# Push payloads and pull replies this large go through shared memory within the data plane's
+# own frames where the server offers it (one copy into the region instead of two through the
+# loopback socket; smaller ones cost more in the region's bookkeeping than they save)
+SHARED_BYTES = 256 << 10
 T = TypeVar("T")
 
 
@@ -49,6 +57,7 @@ class _Plane:
 
     address: str
     packed: bool = False
+    shared: bool = False            # takes bulk bytes in shared memory (frames.FLAG_SHARED)
 
 
 _NONE = _Plane("")              # cached: this server has no data plane
@@ -87,6 +96,15 @@ class DataPlaneTransport:
         plane = self._plane(address, timeout)
         payload = list(request.payload)
         nbytes = _nbytes(payload)
+        region = self._region(plane, address, nbytes)
+        if region is not None:
+            try:
+                write_into(region.view(0, nbytes), payload)
+                return self._call(plane, address, "Push", packed.shared_region(region.name, 0, nbytes)
+                                  + packed.push(request, nbytes), [], timeout,
+                                  lambda raw, _: _decoded(server, packed.read_push_ack, raw), FLAG_SHARED)
+            finally:
+                self.fallback.release_region(region)
         if not plane.address or (nbytes >= SHM_PREFERRED_BYTES and self.fallback.shares_memory_with(address)):
             return self.fallback.push(server, address, request, timeout)
         if plane.packed:
@@ -98,10 +116,25 @@ class DataPlaneTransport:
 
     def pull(self, server, address, request: PullRequest, reply_bytes, timeout, consume):
         plane = self._plane(address, timeout)
+        ids = list(request.ids) if request.ids else []      # the ids travel raw, beside the header
+        region = self._region(plane, address, reply_bytes or 0)
+        if region is not None:
+            def placed(head: bytes, view: memoryview):
+                reply = _decoded(server, packed.read_pull_reply, head)
+                if not reply.in_shared_memory:
+                    return consume(reply, Payload([view]))
+                if reply.payload_bytes > region.size:
+                    raise Unavailable(f"malformed reply from {server}: {reply.payload_bytes} bytes in a "
+                                      f"shared-memory region of {region.size}")
+                return consume(reply, Payload([region.view(0, reply.payload_bytes)]))
+            try:
+                return self._call(plane, address, "Pull", packed.shared_region(region.name, 0, region.size)
+                                  + packed.pull(request), ids, timeout, placed, FLAG_SHARED)
+            finally:
+                self.fallback.release_region(region)
         big = (reply_bytes or 0) >= SHM_PREFERRED_BYTES
         if not plane.address or (big and self.fallback.shares_memory_with(address)):
             return self.fallback.pull(server, address, request, reply_bytes, timeout, consume)
-        ids = list(request.ids) if request.ids else []      # the ids travel raw, beside the header
         if plane.packed:
             def use(head: bytes, view: memoryview):
                 return consume(_decoded(server, packed.read_pull_reply, head), Payload([view]))
@@ -164,9 +197,17 @@ class DataPlaneTransport:
         self.fallback.close()
 
     # --- internals ---
-    def _call(self, plane: _Plane, address: str, method: str, head: bytes, buffers: list, timeout, consume):
+    def _region(self, plane: _Plane, address: str, nbytes: int):
+        """A shared-memory region for ``nbytes`` of bulk bytes to this server, or None (below
+        ``SHARED_BYTES``, no such data plane, or another host)."""
+        if not plane.shared or nbytes < SHARED_BYTES:
+            return None
+        return self.fallback.shared_region(address, nbytes)
+
+    def _call(self, plane: _Plane, address: str, method: str, head: bytes, buffers: list, timeout, consume,
+              flags: int = 0):
         with self._observed(address, method, time.perf_counter()):
-            flags = FLAG_PACKED if plane.packed else 0
+            flags |= FLAG_PACKED if plane.packed else 0
             return self.pool.call(plane.address, method, head, buffers, timeout=timeout, consume=consume,
                                   flags=flags)
 
@@ -199,7 +240,7 @@ class DataPlaneTransport:
             call = self.fallback.pool.get(address).OpenDataPlane.future(
                 ps.OpenDataPlaneRequest(job=self.job), timeout=min(timeout, 5.0), metadata=self.metadata)
             resp = self.fallback.in_flight.wait(address, call, f"OpenDataPlane on {address}")
-            found = _Plane(resp.address, resp.packed) if resp.address else _NONE
+            found = _Plane(resp.address, resp.packed, resp.packed and resp.shared_memory) if resp.address else _NONE
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.CANCELLED:     # abandoned: declared dead
                 raise from_rpc_error(err, f"OpenDataPlane on {address}") from None

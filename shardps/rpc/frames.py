@@ -20,7 +20,9 @@ offset    size  field
 2         1     version (``VERSION``; a frame of another version is refused)
 3         1     flags: ``FLAG_REPLY`` (1) on replies, ``FLAG_CLOSE`` (2) when the sender
                 closes the connection after this frame, ``FLAG_PACKED`` (4) when the
-                header is in the packed form (``shardps.rpc.packed``) instead of protobuf
+                header is in the packed form (``shardps.rpc.packed``) instead of protobuf,
+                ``FLAG_SHARED`` (8) on a Push or Pull whose bulk bytes are in shared memory
+                (the header begins with the region: ``packed.shared_region``)
 4         2     method id (``METHOD_IDS``; ``HELLO`` = 0 opens every connection)
 6         2     status: a gRPC status code number (0 = OK); 0 in requests
 8         8     request id, chosen by the client, echoed by the reply
@@ -58,6 +60,7 @@ PREFIX_BYTES = PREFIX.size          # 40
 FLAG_REPLY = 1
 FLAG_CLOSE = 2
 FLAG_PACKED = 4
+FLAG_SHARED = 8
 
 HELLO = 0
 # The ParameterServer methods the data plane carries (ids are part of the wire format:

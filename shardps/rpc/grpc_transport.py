@@ -148,6 +148,15 @@ class GrpcTransport:
                 self._shm.release(region)
         return bool(self._shm_ok.get(address))
 
+    def shared_region(self, address: str, nbytes: int):
+        """A region of at least ``nbytes`` that the server at ``address`` maps (proved once per
+        region), for one call; give it back with ``release_region``. None where the payload
+        is under ``SHM_MIN_BYTES`` or the server cannot map this process's memory."""
+        return self._shared_memory_for(address, nbytes)
+
+    def release_region(self, region) -> None:
+        self._release(region)
+
     def _shared_memory_for(self, address: str, nbytes: int):
         """A shared-memory region of ``nbytes`` for a call to ``address``, or None when the
         payload is small or the server cannot map our memory (another host or container).

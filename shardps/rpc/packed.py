@@ -21,6 +21,9 @@ Layout (``<`` little-endian; ``str`` is ``<H`` length then UTF-8 bytes)::
     reply     H segments, then per segment B dtype, Q elements, Q ids; versions
     exchange  I length of the push ack, push ack, pull reply
     reply
+    shared    str name, Q offset, Q length: with ``frames.FLAG_SHARED``, before a Push's or
+    region    Pull's header (packed or protobuf): where the push's payload lies, or where the
+              pull's reply values go
 
 Decoding refuses anything that does not fit (short, trailing bytes, bad UTF-8, an unknown
 selector) with InvalidArgument naming what; it never reads past the buffer.
@@ -160,6 +163,13 @@ def exchange_reply(ack: PushAck, reply: PullReply) -> bytes:
     return _I.pack(len(head)) + head + pull_reply(reply)
 
 
+def shared_region(name: str, offset: int, length: int) -> bytes:
+    out: list = []
+    _str(out, name)
+    out.append(_RANGE.pack(offset, length))
+    return b"".join(out)
+
+
 # ====================================================================== reading
 class _Reader:
     """Fields read in order from a buffer, never past its end."""
@@ -236,6 +246,18 @@ def _read_segments(r: _Reader) -> list[Selection]:
             s.base_versions = dict(zip(blocks.tolist(), versions.tolist()))
         out.append(s)
     return out
+
+
+def read_shared_region(buf) -> tuple[str, int, int, memoryview]:
+    """(name, offset, length, the rest of ``buf``) of a header that begins with a shared
+    region (``shared_region``)."""
+    r = _Reader(buf, "shared-memory region")
+    name = r.str()
+    offset, length = r.take(_RANGE)
+    if offset < 0 or length < 0:
+        raise InvalidArgument(f"packed shared-memory region {name!r}: offset {offset} and length {length} "
+                              f"must not be negative")
+    return name, offset, length, r.buf[r.pos:]
 
 
 def read_push(buf, payload) -> tuple[PushRequest, int]:
