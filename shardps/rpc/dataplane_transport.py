@@ -44,8 +44,9 @@ log = logging.getLogger("shardps.client")
 # server maps this process's memory: one copy instead of two through the loopback socket.
 SHM_PREFERRED_BYTES = 4 << 20
 # Push payloads and pull replies this large go through shared memory within the data plane's
-# own frames where the server offers it (one copy into the region instead of two through the
-# loopback socket; smaller ones cost more in the region's bookkeeping than they save)
+# own frames where the server offers it: one copy into the region instead of two through the
+# loopback socket. Measured (rows x 64 float32, pull + push): 128 KB 1.12 ms through the region
+# against 0.99 through the socket, 256 KB 1.04 against 1.26, 512 KB 1.29 against 1.44
 SHARED_BYTES = 256 << 10
 T = TypeVar("T")
 
