@@ -28,7 +28,7 @@ from typing import Callable, TypeVar
 import grpc
 from google.protobuf.message import DecodeError
 
-from shardps.errors import InvalidArgument, Unavailable
+from shardps.errors import InvalidArgument, PermissionDenied, Unavailable
 from shardps.messages import PullRequest, PushAck, PushRequest
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc import messages, packed
@@ -104,6 +104,8 @@ class DataPlaneTransport:
                 return self._call(plane, address, "Push", packed.shared_region(region.name, 0, nbytes)
                                   + packed.push(request, nbytes), [], timeout,
                                   lambda raw, _: _decoded(server, packed.read_push_ack, raw), FLAG_SHARED)
+            except (InvalidArgument, PermissionDenied):
+                self.fallback.forget_regions(address)     # see _region; then through the socket
             finally:
                 self.fallback.release_region(region)
         if not plane.address or (nbytes >= SHM_PREFERRED_BYTES and self.fallback.shares_memory_with(address)):
@@ -131,6 +133,8 @@ class DataPlaneTransport:
             try:
                 return self._call(plane, address, "Pull", packed.shared_region(region.name, 0, region.size)
                                   + packed.pull(request), ids, timeout, placed, FLAG_SHARED)
+            except (InvalidArgument, PermissionDenied):
+                self.fallback.forget_regions(address)     # see _region; then through the socket
             finally:
                 self.fallback.release_region(region)
         big = (reply_bytes or 0) >= SHM_PREFERRED_BYTES
@@ -200,7 +204,10 @@ class DataPlaneTransport:
     # --- internals ---
     def _region(self, plane: _Plane, address: str, nbytes: int):
         """A shared-memory region for ``nbytes`` of bulk bytes to this server, or None (below
-        ``SHARED_BYTES``, no such data plane, or another host)."""
+        ``SHARED_BYTES``, no such data plane, or another host). A call through it that the
+        server refuses as invalid is sent again through the socket, and this server's regions
+        are proved again before their next use: a server restarted at the same address knows
+        none of them (and a request that is itself invalid is refused again)."""
         if not plane.shared or nbytes < SHARED_BYTES:
             return None
         return self.fallback.shared_region(address, nbytes)

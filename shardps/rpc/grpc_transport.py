@@ -157,6 +157,11 @@ class GrpcTransport:
     def release_region(self, region) -> None:
         self._release(region)
 
+    def forget_regions(self, address: str) -> None:
+        """Prove regions to the server at ``address`` again before their next use (it no
+        longer knows them: it restarted at the same address)."""
+        self._shm_proved = {key for key in self._shm_proved if key[0] != address}
+
     def _shared_memory_for(self, address: str, nbytes: int):
         """A shared-memory region of ``nbytes`` for a call to ``address``, or None when the
         payload is small or the server cannot map our memory (another host or container).
