@@ -27,6 +27,10 @@ log = logging.getLogger("shardps.client")
 SHM_MIN_BYTES = 32 << 10       # payloads this large go through shared memory when possible
 
 
+class _Unproved(Exception):
+    """A call through a shared-memory region the server does not know (``GrpcTransport.push``)."""
+
+
 class GrpcTransport:
     """``Transport`` over gRPC (``StubPool``) with the shared-memory fast path: a payload of
     ``SHM_MIN_BYTES`` or more to a server that proved it maps this process's memory goes
@@ -45,9 +49,18 @@ class GrpcTransport:
         self.in_flight = InFlight()                    # by address: abandon() cancels them
 
     def push(self, server, address, request: PushRequest, timeout: float) -> PushAck:
+        """Send a push. One through a shared-memory region that the server refuses as invalid
+        (it no longer knows the region: restarted at the same address) is sent again in
+        chunks, and the server's regions are proved again before their next use."""
+        try:
+            return self._push(server, address, request, timeout, shared=True)
+        except _Unproved:
+            return self._push(server, address, request, timeout, shared=False)
+
+    def _push(self, server, address, request: PushRequest, timeout: float, shared: bool) -> PushAck:
         arrays = list(request.payload)
         header = messages.push_header(request, sum(byte_view(a).nbytes for a in arrays))
-        region = self._shared_memory_for(address, header.payload_bytes)
+        region = self._shared_memory_for(address, header.payload_bytes) if shared else None
         if region is not None:          # same host: write the bytes once, send a reference
             view = region.view(0, header.payload_bytes)
             write_into(view, arrays)
@@ -72,6 +85,7 @@ class GrpcTransport:
             return messages.push_ack_plain(self.in_flight.wait(address, call, f"push to {server}"))
         except grpc.RpcError as err:
             code = err.code().name
+            self._unproved(region, address, err)
             raise from_rpc_error(err, f"push to {server}") from None
         finally:
             if region is not None:
@@ -79,7 +93,14 @@ class GrpcTransport:
             self.observe("Push", "client_stream", code, started)
 
     def pull(self, server, address, request: PullRequest, reply_bytes, timeout, consume):
-        region = self._shared_memory_for(address, reply_bytes) if reply_bytes else None
+        """Send a pull and ``consume`` its reply; a region refused as ``push`` says."""
+        try:
+            return self._pull(server, address, request, reply_bytes, timeout, consume, shared=True)
+        except _Unproved:
+            return self._pull(server, address, request, reply_bytes, timeout, consume, shared=False)
+
+    def _pull(self, server, address, request: PullRequest, reply_bytes, timeout, consume, shared: bool):
+        region = self._shared_memory_for(address, reply_bytes) if reply_bytes and shared else None
         message = messages.pull_message(request, self.chunk_bytes,
                                         b"".join(byte_view(a) for a in request.ids) if request.ids else b"")
         if region is not None:
@@ -103,12 +124,21 @@ class GrpcTransport:
             return consume(messages.pull_reply_plain(head), payload)
         except grpc.RpcError as err:
             code = err.code().name
+            self._unproved(region, address, err)
             raise from_rpc_error(err, f"pull from {server}") from None
         finally:
             payload = None                  # drop views of the region before releasing it
             if region is not None:
                 self._release(region)
             self.observe("Pull", "server_stream", code, started)
+
+    def _unproved(self, region, address: str, err: grpc.RpcError) -> None:
+        """Raise ``_Unproved`` if ``err`` refuses a call that went through ``region`` as
+        invalid: the server does not know the region (see ``push``)."""
+        if region is not None and err.code() in (grpc.StatusCode.INVALID_ARGUMENT,
+                                                 grpc.StatusCode.PERMISSION_DENIED):
+            self.forget_regions(address)
+            raise _Unproved() from None
 
     def _release(self, region) -> None:
         assert self._shm is not None        # regions come from it
