@@ -31,6 +31,12 @@ class InvalidArgument(ShardpsError):
     code = "INVALID_ARGUMENT"
 
 
+class UnknownRegion(InvalidArgument):
+    """A shared-memory region this server does not know for the job: never proved to it with
+    ProbeSharedMemory, or proved to a process that has since restarted. Prove it again (the
+    client does, and sends that call's bytes another way)."""
+
+
 class NotFound(ShardpsError):
     """Unknown job, table, server or session."""
 
@@ -122,5 +128,5 @@ ERRORS_BY_CODE: dict[str, type[ShardpsError]] = {
 # without reading the message.
 WIRE_KEY = "x-shardps-error"
 ERRORS_BY_NAME: dict[str, type[ShardpsError]] = {
-    cls.__name__: cls for cls in (*ERRORS_BY_CODE.values(), StaleEpoch)
+    cls.__name__: cls for cls in (*ERRORS_BY_CODE.values(), StaleEpoch, UnknownRegion)
 }

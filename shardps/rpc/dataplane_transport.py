@@ -28,7 +28,7 @@ from typing import Callable, TypeVar
 import grpc
 from google.protobuf.message import DecodeError
 
-from shardps.errors import InvalidArgument, PermissionDenied, Unavailable
+from shardps.errors import InvalidArgument, Unavailable, UnknownRegion
 from shardps.messages import PullRequest, PushAck, PushRequest
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc import messages, packed
@@ -104,7 +104,7 @@ class DataPlaneTransport:
                 return self._call(plane, address, "Push", packed.shared_region(region.name, 0, nbytes)
                                   + packed.push(request, nbytes), [], timeout,
                                   lambda raw, _: _decoded(server, packed.read_push_ack, raw), FLAG_SHARED)
-            except (InvalidArgument, PermissionDenied):
+            except UnknownRegion:
                 self.fallback.forget_regions(address)     # see _region; then through the socket
             finally:
                 self.fallback.release_region(region)
@@ -133,7 +133,7 @@ class DataPlaneTransport:
             try:
                 return self._call(plane, address, "Pull", packed.shared_region(region.name, 0, region.size)
                                   + packed.pull(request), ids, timeout, placed, FLAG_SHARED)
-            except (InvalidArgument, PermissionDenied):
+            except UnknownRegion:
                 self.fallback.forget_regions(address)     # see _region; then through the socket
             finally:
                 self.fallback.release_region(region)
@@ -205,9 +205,9 @@ class DataPlaneTransport:
     def _region(self, plane: _Plane, address: str, nbytes: int):
         """A shared-memory region for ``nbytes`` of bulk bytes to this server, or None (below
         ``SHARED_BYTES``, no such data plane, or another host). A call through it that the
-        server refuses as invalid is sent again through the socket, and this server's regions
-        are proved again before their next use: a server restarted at the same address knows
-        none of them (and a request that is itself invalid is refused again)."""
+        server answers with ``UnknownRegion`` (restarted at the same address, it knows none of
+        this client's regions) is sent again through the socket, and this server's regions are
+        proved again before their next use."""
         if not plane.shared or nbytes < SHARED_BYTES:
             return None
         return self.fallback.shared_region(address, nbytes)

@@ -12,7 +12,7 @@ import time
 import grpc
 from google.protobuf.message import DecodeError
 
-from shardps.errors import InvalidArgument, Unavailable
+from shardps.errors import InvalidArgument, ShardpsError, Unavailable, UnknownRegion
 from shardps.messages import PullRequest, PushAck, PushRequest
 from shardps.metrics import WorkerMetrics, labelled
 from shardps.protos.v1 import common_pb2 as pb
@@ -49,9 +49,9 @@ class GrpcTransport:
         self.in_flight = InFlight()                    # by address: abandon() cancels them
 
     def push(self, server, address, request: PushRequest, timeout: float) -> PushAck:
-        """Send a push. One through a shared-memory region that the server refuses as invalid
-        (it no longer knows the region: restarted at the same address) is sent again in
-        chunks, and the server's regions are proved again before their next use."""
+        """Send a push. One through a shared-memory region that the server does not know
+        (``UnknownRegion``: restarted at the same address) is sent again in chunks, and the
+        server's regions are proved again before their next use."""
         try:
             return self._push(server, address, request, timeout, shared=True)
         except _Unproved:
@@ -85,8 +85,7 @@ class GrpcTransport:
             return messages.push_ack_plain(self.in_flight.wait(address, call, f"push to {server}"))
         except grpc.RpcError as err:
             code = err.code().name
-            self._unproved(region, address, err)
-            raise from_rpc_error(err, f"push to {server}") from None
+            raise self._failure(region, address, from_rpc_error(err, f"push to {server}")) from None
         finally:
             if region is not None:
                 self._release(region)
@@ -124,21 +123,20 @@ class GrpcTransport:
             return consume(messages.pull_reply_plain(head), payload)
         except grpc.RpcError as err:
             code = err.code().name
-            self._unproved(region, address, err)
-            raise from_rpc_error(err, f"pull from {server}") from None
+            raise self._failure(region, address, from_rpc_error(err, f"pull from {server}")) from None
         finally:
             payload = None                  # drop views of the region before releasing it
             if region is not None:
                 self._release(region)
             self.observe("Pull", "server_stream", code, started)
 
-    def _unproved(self, region, address: str, err: grpc.RpcError) -> None:
-        """Raise ``_Unproved`` if ``err`` refuses a call that went through ``region`` as
-        invalid: the server does not know the region (see ``push``)."""
-        if region is not None and err.code() in (grpc.StatusCode.INVALID_ARGUMENT,
-                                                 grpc.StatusCode.PERMISSION_DENIED):
+    def _failure(self, region, address: str, exc: ShardpsError) -> Exception:
+        """What a failed call raises: ``_Unproved`` where it went through ``region`` and the
+        server does not know the region (see ``push``), else ``exc``."""
+        if region is not None and isinstance(exc, UnknownRegion):
             self.forget_regions(address)
-            raise _Unproved() from None
+            return _Unproved()
+        return exc
 
     def _release(self, region) -> None:
         assert self._shm is not None        # regions come from it

@@ -22,7 +22,7 @@ import secrets
 import threading
 import time
 
-from shardps.errors import InvalidArgument, PermissionDenied, ResourceExhausted
+from shardps.errors import InvalidArgument, PermissionDenied, ResourceExhausted, UnknownRegion
 
 SHM_DIR = "/dev/shm"
 NAME_RE = re.compile(r"shardps-[0-9a-f]{16,64}")     # whole-string matches only (fullmatch)
@@ -88,12 +88,12 @@ class ServerRegions:
 
     def view_for(self, name: str, offset: int, length: int, job: str) -> memoryview:
         """A view of a region bound to ``job`` (see ``bind``). PermissionDenied if another job
-        holds it, InvalidArgument if no job proved it yet."""
+        holds it, UnknownRegion if no job proved it to this process."""
         with self._lock:
             owner = self._owner.get(name)
         if owner is None:
-            raise InvalidArgument(f"shared-memory region {name!r} was not proved by job {job!r}: "
-                                  f"call ProbeSharedMemory first")
+            raise UnknownRegion(f"shared-memory region {name!r} was not proved by job {job!r}: "
+                                f"call ProbeSharedMemory first")
         if owner != job:
             raise PermissionDenied(f"shared-memory region {name!r} belongs to another job, not "
                                    f"{job!r}: regions are not shared between jobs")
