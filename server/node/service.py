@@ -242,19 +242,12 @@ class ParameterServerService:
     def pull(self, request: ps.PullRequest, call):
         check_job(call.principal, request.header.job)
         ref = request.reply_shared_memory
-        out_buffer = self._open_shared(ref, request.header.job) if ref.name else None
-        with self.admission.admit(request.header.job):
-            reply, arrays = self.node.pull(messages.pull_request(request), call.deadline, out_buffer=out_buffer)
-            header = messages.pull_header(reply)
+        reply, arrays = self._pulled(messages.pull_request(request), call.deadline, ref if ref.name else None)
+        header = messages.pull_header(reply)
+        if header.in_shared_memory:            # in the client's memory
+            yield encode_chunk(header.SerializeToString(), None)
+            return
         chunk = max(MIN_CHUNK_BYTES, min(request.chunk_bytes or CHUNK_BYTES, MAX_CHUNK_BYTES))
-        if header.in_shared_memory:            # written straight into the client's memory
-            yield encode_chunk(header.SerializeToString(), None)
-            return
-        if ref.name:
-            self.write_shared_memory(ref, arrays, request.header.job)
-            header.in_shared_memory = True
-            yield encode_chunk(header.SerializeToString(), None)
-            return
         head = header.SerializeToString()
         for piece in split_payload(arrays, chunk):
             yield encode_chunk(head, piece)
@@ -362,10 +355,17 @@ class ParameterServerService:
         job = pull.header.job
         names.check(names.JOB, job, "header.job")
         check_job(call.principal, job)
+        return self._pulled(pull, call.deadline, region)
+
+    def _pulled(self, pull: PullRequest, deadline, region: pb.SharedMemoryRef | None) -> tuple[PullReply, list]:
+        """``node.pull`` under the job's admission (gRPC and the data plane); with ``region``
+        (the job's shared memory, checked first) the values land there: read straight into
+        it where the pull allows, else copied after, and no arrays are returned."""
+        job = pull.header.job
+        out = None if region is None else self._open_shared(region, job)
         with self.admission.admit(job):
-            out = None if region is None else self._open_shared(region, job)
-            reply, arrays = self.node.pull(pull, call.deadline, out_buffer=out)
-        if region is not None and not reply.in_shared_memory:   # not read in place: copied there
+            reply, arrays = self.node.pull(pull, deadline, out_buffer=out)
+        if region is not None and not reply.in_shared_memory:
             self.write_shared_memory(region, arrays, job)
             reply.in_shared_memory, arrays = True, []
         return reply, arrays

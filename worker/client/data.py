@@ -417,11 +417,11 @@ def _place_values(server: str, p: Piece, output: np.ndarray, payload: Payload, c
         out[:] = dtypes.decode(payload.read(count * wire.itemsize), wire, count)
         return
     run = _run(p.positions) if wire is WireDType.FLOAT32 else None
-    if run is not None and output[run:run + p.rows].flags.c_contiguous:
-        out = output[run:run + p.rows]
-        if out.size != count:
-            raise Unavailable(f"pull from {server}: {count} values for {p.rows} rows of {out.size // max(1, p.rows)}")
-        payload.read_into(byte_view(out))
+    rows = None if run is None else output[run:run + p.rows]
+    if rows is not None and rows.flags.c_contiguous:
+        if rows.size != count:
+            raise Unavailable(f"pull from {server}: {count} values for {p.rows} rows of {rows.size // max(1, p.rows)}")
+        payload.read_into(byte_view(rows))
         return
     output[p.positions] = dtypes.decode(payload.read(count * wire.itemsize), wire, count).reshape(p.rows, -1)
 
