@@ -7,21 +7,19 @@ die with the benchmark process if it is killed (PR_SET_PDEATHSIG).
 
 from __future__ import annotations
 
-import ctypes
 import json
 import multiprocessing as mp
 import os
-import shutil
-import signal
 import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
 from typing import Sequence
+
+from shardps.children import child_env, die_with_parent
 
 PROXY_VARIABLES = ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "grpc_proxy", "all_proxy",
                    "ALL_PROXY")
@@ -68,23 +66,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class FileRendezvous:
-    """Where torch.distributed's ranks meet: a ``file://`` store (``url``) in a fresh
-    directory, so that no port is chosen before its listener exists (another process could
-    take it first). A context manager giving the url; ``close`` removes the directory."""
-
-    def __init__(self):
-        self._dir = tempfile.mkdtemp(prefix="shardps-rendezvous-")
-        self.url = f"file://{self._dir}/store"
-
-    def close(self) -> None:
-        shutil.rmtree(self._dir, ignore_errors=True)
-
-    def __enter__(self) -> str:
-        return self.url
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+def file_rendezvous(directory: str) -> str:
+    """Where torch.distributed's ranks meet: a ``file://`` store in ``directory`` (a fresh
+    one), so that no port is chosen before its listener exists (another process could take
+    it first)."""
+    return f"file://{directory}/store"
 
 
 def proc_status_kb(pid: int, field: str = "VmRSS") -> int:
@@ -121,13 +107,6 @@ def metric_sum(samples: dict, name: str, **labels) -> float:
 
 
 # ---------------------------------------------------------------- processes
-def die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def clean_environment() -> None:
     """Loopback traffic must never go through a proxy (gRPC honours http_proxy)."""
     for var in PROXY_VARIABLES:
@@ -152,9 +131,12 @@ class Children:
         return p
 
     def popen(self, cmd: list[str], log_path: Path, env: dict | None = None) -> subprocess.Popen:
+        """Start ``cmd`` (a ``shardps`` command: it asks to die with this process itself,
+        ``shardps.children``; no ``preexec_fn``, which runs Python in a fork of this
+        process's gRPC threads and has aborted children before their exec)."""
         logf = open(log_path, "ab")
         try:
-            p = subprocess.Popen(cmd, stdout=logf, stderr=logf, env=env, preexec_fn=die_with_parent)
+            p = subprocess.Popen(cmd, stdout=logf, stderr=logf, env=child_env(env))
         finally:
             logf.close()
         self.procs.append(p)
@@ -180,7 +162,7 @@ class Children:
 
 
 def _child_main(target, args) -> None:
-    die_with_parent()
+    die_with_parent(os.getppid())
     target(*args)
 
 

@@ -17,9 +17,10 @@ before evaluation), its peak RSS (VmHWM), and rank 0 the test AUC.
 
 from __future__ import annotations
 
+import tempfile
 import time
 
-from shardps.bench.common import BenchError, Children, FileRendezvous, self_peak_rss_kb
+from shardps.bench.common import BenchError, Children, file_rendezvous, self_peak_rss_kb
 
 
 def _rank_main(rank: int, world: int, rendezvous: str, opts: dict, queue) -> None:
@@ -90,10 +91,10 @@ def run_ddp(rows: int, sparse: bool, train_samples: int, world: int = 2, seed: i
     """Train with DDP in ``world`` spawned processes; one result dict per rank, rank order."""
     opts = {"rows": rows, "sparse": sparse, "train_samples": train_samples, "seed": seed,
             "steps": steps, "evaluate": evaluate}
-    with Children() as children, FileRendezvous() as rendezvous:
+    with Children() as children, tempfile.TemporaryDirectory(prefix="shardps-ddp-") as store:
         queue = children.ctx.Queue()
         for rank in range(world):
-            children.spawn(_rank_main, rank, world, rendezvous, opts, queue)
+            children.spawn(_rank_main, rank, world, file_rendezvous(store), opts, queue)
         results: dict[int, dict] = {}
         deadline = time.monotonic() + timeout
         import queue as queue_mod

@@ -18,10 +18,11 @@ measures both.
 
 from __future__ import annotations
 
+import tempfile
 import time
 from typing import Any
 
-from shardps.bench.common import BenchError, Children, FileRendezvous
+from shardps.bench.common import BenchError, Children, file_rendezvous
 
 _TABLES: dict = {}      # in the ps process
 
@@ -139,12 +140,12 @@ class RpcBaseline:
         self.timeout = timeout
         self._children = Children()
         self._conn: Any = None       # the trainer's end of a multiprocessing Pipe, once started
-        self._rendezvous: FileRendezvous | None = None
+        self._store: tempfile.TemporaryDirectory | None = None     # the ranks' file:// store
 
     def start(self) -> "RpcBaseline":
         try:
-            self._rendezvous = FileRendezvous()
-            rendezvous = self._rendezvous.url
+            self._store = tempfile.TemporaryDirectory(prefix="shardps-rpc-")
+            rendezvous = file_rendezvous(self._store.name)
             ctx = self._children.ctx
             parent, child = ctx.Pipe()
             self._children.spawn(_ps_main, rendezvous, self.channels)
@@ -179,9 +180,9 @@ class RpcBaseline:
             self._conn.close()
             self._conn = None
         self._children.stop()
-        if self._rendezvous is not None:
-            self._rendezvous.close()
-            self._rendezvous = None
+        if self._store is not None:
+            self._store.cleanup()
+            self._store = None
 
     def __enter__(self) -> "RpcBaseline":
         return self.start()
