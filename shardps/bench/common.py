@@ -59,18 +59,12 @@ def in_process_cluster(servers: int = 1):
 
 def free_port() -> int:
     """A loopback port free right now, for a program that needs a number before its listener
-    exists (etcd, retried on a clash; containers of ``first_request``). Another process may
-    take it first: where the listener can bind port 0 and say which it got, it does."""
+    exists: torch.distributed's tcp:// rendezvous (a clash makes the part fail, not hang), etcd
+    (retried on a clash), the containers of ``first_request``. Another process may take it
+    first: where the listener can bind port 0 and say which it got, it does."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def file_rendezvous(directory: str) -> str:
-    """Where torch.distributed's ranks meet: a ``file://`` store in ``directory`` (a fresh
-    one), so that no port is chosen before its listener exists (another process could take
-    it first)."""
-    return f"file://{directory}/store"
 
 
 def proc_status_kb(pid: int, field: str = "VmRSS") -> int:

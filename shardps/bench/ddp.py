@@ -17,23 +17,22 @@ before evaluation), its peak RSS (VmHWM), and rank 0 the test AUC.
 
 from __future__ import annotations
 
-import tempfile
 import time
 
-from shardps.bench.common import BenchError, Children, file_rendezvous, self_peak_rss_kb
+from shardps.bench.common import BenchError, Children, free_port, self_peak_rss_kb
 
 
-def _rank_main(rank: int, world: int, rendezvous: str, opts: dict, queue) -> None:
+def _rank_main(rank: int, world: int, port: int, opts: dict, queue) -> None:
     import warnings
     warnings.filterwarnings("ignore")
     try:
-        queue.put((rank, _train(rank, world, rendezvous, opts)))
+        queue.put((rank, _train(rank, world, port, opts)))
     except BaseException as exc:        # the driver reports it
         queue.put((rank, {"error": f"{type(exc).__name__}: {exc}"}))
         raise
 
 
-def _train(rank: int, world: int, rendezvous: str, opts: dict) -> dict:
+def _train(rank: int, world: int, port: int, opts: dict) -> dict:
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -45,7 +44,7 @@ def _train(rank: int, world: int, rendezvous: str, opts: dict) -> dict:
 
     torch.set_num_threads(1)
     rows, sparse, seed = opts["rows"], opts["sparse"], opts["seed"]
-    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         torch.manual_seed(seed)
         emb = nn.Embedding(rows, DIM, sparse=sparse)
@@ -91,10 +90,11 @@ def run_ddp(rows: int, sparse: bool, train_samples: int, world: int = 2, seed: i
     """Train with DDP in ``world`` spawned processes; one result dict per rank, rank order."""
     opts = {"rows": rows, "sparse": sparse, "train_samples": train_samples, "seed": seed,
             "steps": steps, "evaluate": evaluate}
-    with Children() as children, tempfile.TemporaryDirectory(prefix="shardps-ddp-") as store:
+    with Children() as children:
         queue = children.ctx.Queue()
+        port = free_port()
         for rank in range(world):
-            children.spawn(_rank_main, rank, world, file_rendezvous(store), opts, queue)
+            children.spawn(_rank_main, rank, world, port, opts, queue)
         results: dict[int, dict] = {}
         deadline = time.monotonic() + timeout
         import queue as queue_mod

@@ -18,11 +18,10 @@ measures both.
 
 from __future__ import annotations
 
-import tempfile
 import time
 from typing import Any
 
-from shardps.bench.common import BenchError, Children, file_rendezvous
+from shardps.bench.common import BenchError, Children, free_port
 
 _TABLES: dict = {}      # in the ps process
 
@@ -56,9 +55,9 @@ def scatter_sgd(name: str, ids, grads, lr: float) -> None:
 
 
 # ---------------------------------------------------------------- processes
-def _options(rendezvous: str, channels):
+def _options(port: int, channels):
     from torch.distributed import rpc
-    return rpc.TensorPipeRpcBackendOptions(init_method=rendezvous, _transports=["uv"],
+    return rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", _transports=["uv"],
                                            _channels=channels, num_worker_threads=8, rpc_timeout=300)
 
 
@@ -67,22 +66,22 @@ def _quiet() -> None:
     warnings.filterwarnings("ignore")       # torch.distributed's device-selection notices
 
 
-def _ps_main(rendezvous: str, channels) -> None:
+def _ps_main(port: int, channels) -> None:
     _quiet()
     import torch
     from torch.distributed import rpc
     torch.set_num_threads(1)
-    rpc.init_rpc("ps", rank=1, world_size=2, rpc_backend_options=_options(rendezvous, channels))
+    rpc.init_rpc("ps", rank=1, world_size=2, rpc_backend_options=_options(port, channels))
     rpc.shutdown()          # blocks until the trainer shuts down too
 
 
-def _trainer_main(rendezvous: str, channels, conn) -> None:
+def _trainer_main(port: int, channels, conn) -> None:
     _quiet()
     import numpy as np
     import torch
     from torch.distributed import rpc
     torch.set_num_threads(1)
-    rpc.init_rpc("trainer", rank=0, world_size=2, rpc_backend_options=_options(rendezvous, channels))
+    rpc.init_rpc("trainer", rank=0, world_size=2, rpc_backend_options=_options(port, channels))
     grads: dict = {}
     try:
         conn.send(("ready", None))
@@ -140,16 +139,14 @@ class RpcBaseline:
         self.timeout = timeout
         self._children = Children()
         self._conn: Any = None       # the trainer's end of a multiprocessing Pipe, once started
-        self._store: tempfile.TemporaryDirectory | None = None     # the ranks' file:// store
 
     def start(self) -> "RpcBaseline":
         try:
-            self._store = tempfile.TemporaryDirectory(prefix="shardps-rpc-")
-            rendezvous = file_rendezvous(self._store.name)
+            port = free_port()
             ctx = self._children.ctx
             parent, child = ctx.Pipe()
-            self._children.spawn(_ps_main, rendezvous, self.channels)
-            self._children.spawn(_trainer_main, rendezvous, self.channels, child)
+            self._children.spawn(_ps_main, port, self.channels)
+            self._children.spawn(_trainer_main, port, self.channels, child)
             self._conn = parent
             self._expect("ready", 120.0)
         except BaseException:
@@ -180,9 +177,6 @@ class RpcBaseline:
             self._conn.close()
             self._conn = None
         self._children.stop()
-        if self._store is not None:
-            self._store.cleanup()
-            self._store = None
 
     def __enter__(self) -> "RpcBaseline":
         return self.start()
