@@ -91,6 +91,11 @@ MODELS = {"recommender": (Recommender, recommender_batch), "bags": (Bags, bags_b
 
 LOOPS = {"plain": {}, "overlap": {"overlap": True}}      # lookahead 2 reads rows a push in flight races
 F32 = np.dtype(np.float32)
+# 1 % of the tables' learning rate (adagrad lr 0.1; sgd 0.1 for the dense parameters): on an
+# H100, 38 of the recommender's 5,824 row values ended up to 2.6e-4 from the CPU run's (its
+# losses agreed to 1e-4); a lost or doubled Adagrad step of these 12 moves a row's value by
+# about lr / sqrt(12) = 0.029 where its gradients are of one size
+TABLE_ATOL = 1e-3
 
 
 def train(make_module, batch, client, device: torch.device, steps: int = 12, **options):
@@ -123,7 +128,8 @@ def test_a_cpu_run_and_a_cuda_run_of_one_seed_end_with_the_same_parameters(make_
     """PSModel (PSEmbedding, and PSEmbeddingBagCollection for "bags") trains a CUDA module:
     the batches, the rows it pulls and its parameters stay on the GPU, the losses fall, and
     the servers end with the values a CPU run of the same seed gives (float tolerance: the
-    GPU sums in another order). The rows and dense values went through pinned staging
+    GPU sums in another order, and Adagrad's step g / sqrt(sum g^2 + eps) magnifies that
+    rounding where a component's gradient is near zero; ``TABLE_ATOL``). The rows and dense values went through pinned staging
     buffers, the gradients came back through pinned buffers (``overlap``: sent while the
     next step computes), and none was overwritten before it was read."""
     make_module, batch = MODELS[kind]
@@ -139,7 +145,7 @@ def test_a_cpu_run_and_a_cuda_run_of_one_seed_end_with_the_same_parameters(make_
     on_cpu, on_gpu = cpu_client.state_dict(), gpu_client.state_dict()
     assert sorted(on_cpu) == sorted(on_gpu) and len(on_gpu) >= 3
     for name in on_cpu:
-        np.testing.assert_allclose(on_gpu[name], on_cpu[name], rtol=1e-4, atol=1e-5,
+        np.testing.assert_allclose(on_gpu[name], on_cpu[name], rtol=1e-4, atol=TABLE_ATOL,
                                    err_msg=f"{kind}: table {name} differs between the CPU and CUDA runs")
 
 
