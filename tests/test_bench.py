@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 
@@ -47,6 +48,21 @@ def test_targets_and_table_from_a_results_dict():
     assert "MISSED" in text and "not measured" in text
 
 
+def test_the_scale_targets_read_the_point_of_8_workers_and_every_point_for_sync():
+    results = {"scale_w1_s1_ps_sync_over_ddp_sparse": 1.3, "scale_w2_s2_ps_sync_over_ddp_sparse": 0.9}
+    add_derived(results)
+    assert "scale_worst_ps_sync_over_ddp_sparse" not in results, "no verdict without the 8 x 4 point"
+    assert "target_scale_sync_met" not in results
+    results.update(scale_w8_s4_ps_sync_over_ddp_sparse=1.1, scale_w8_s4_ps_async_over_w_single=0.75,
+                   scale_w8_s4_ps_async_over_ddp_sparse=1.9)
+    add_derived(results)
+    assert results["scale_worst_ps_sync_over_ddp_sparse"] == 0.9
+    assert results["target_scale_sync_met"] == 0.0
+    assert results["target_scale_w8_vs_single_met"] == 1.0
+    assert results["target_scale_w8_vs_ddp_sparse_met"] == 0.0
+    assert "target_scale_w8_per_core_met" not in results
+
+
 def test_placement_simulation_small():
     from shardps.bench.placement_sim import main, simulate
     res = simulate(5, 40)
@@ -71,8 +87,10 @@ def test_tiny_run_writes_every_key(tmp_path):
     assert not missing, f"keys without a number: {missing}"
     assert all(v is None or math.isfinite(v) for v in results.values())
     import torch
-    for t in TARGETS:          # every target has a verdict; those of GPU runs only where CUDA is
-        assert (f"target_{t.name}_met" in results) == (not t.cuda or torch.cuda.is_available()), t.name
+    for t in TARGETS:          # every target has a verdict; those of GPU runs only where CUDA is,
+        measured = ((not t.cuda or torch.cuda.is_available())       # those of many cores where they are
+                    and (os.cpu_count() or 1) >= t.cores)
+        assert (f"target_{t.name}_met" in results) == measured, t.name
     assert {p.name for p in img.glob("*.png")} >= {"bench-dense.png", "bench-sparse.png", "bench-e2e.png",
                                                    "bench-memory.png", "bench-curves.png", "bench-placement.png"}
     # the "Results of one run" section of docs/performance.md, from this run's files

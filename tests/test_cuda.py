@@ -129,9 +129,10 @@ def test_a_cpu_run_and_a_cuda_run_of_one_seed_end_with_the_same_parameters(make_
     the batches, the rows it pulls and its parameters stay on the GPU, the losses fall, and
     the servers end with the values a CPU run of the same seed gives (float tolerance: the
     GPU sums in another order, and Adagrad's step g / sqrt(sum g^2 + eps) magnifies that
-    rounding where a component's gradient is near zero; ``TABLE_ATOL``). The rows and dense values went through pinned staging
-    buffers, the gradients came back through pinned buffers (``overlap``: sent while the
-    next step computes), and none was overwritten before it was read."""
+    rounding where a component's gradient is near zero; ``TABLE_ATOL``). The rows and dense
+    values went through pinned staging buffers, the gradients came back through pinned
+    buffers (``overlap``: sent while the next step computes), and none was overwritten
+    before it was read."""
     make_module, batch = MODELS[kind]
     cluster = make_cluster(2)
     cpu_client, gpu_client = (client_factory(cluster.address, job=f"{kind}-{loop}-{d}") for d in ("cpu", "cuda"))

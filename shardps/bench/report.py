@@ -32,6 +32,7 @@ class Target:
     bound: float
     text: str
     cuda: bool = False    # measured only where torch sees a CUDA device (else "not measured")
+    cores: int = 0        # measured only on a machine with at least this many cores
 
     def met(self, results: dict) -> bool | None:
         value = results.get(self.metric)
@@ -52,6 +53,8 @@ _SAME_HOST = (
     Target("dense_pull", "ratio_dense_pull_ps_over_rpc", ">=", 1.0, "ps_dense_pull_gbps >= 1.0 x rpc_dense_pull_gbps"),
     Target("sparse", "ratio_sparse_ps_over_rpc", ">=", 2.0, "ps_sparse_rows_per_s >= 2 x rpc_sparse_rows_per_s"),
 )
+
+SCALE_CORES = 12          # the scale part's largest point: 8 workers + 4 servers
 
 TARGETS = (
     *_SAME_HOST,
@@ -109,6 +112,15 @@ TARGETS = (
            "GPU: 2 workers with the cache, batch 4096 >= 1.0 x one GPU process", cuda=True),
     Target("cache_gpu_auc", "cache_gpu_on_auc_abs_gap", "<=", 0.005,
            "GPU: |2 workers with the cache's AUC - one GPU process's| <= 0.005", cuda=True),
+    # the scale part's point of 8 workers and 4 servers, on a machine of 12 or more cores
+    Target("scale_w8_vs_single", "scale_w8_s4_ps_async_over_w_single", ">=", 0.7,
+           "scale: 8 workers x 4 servers async >= 0.7 x 8 x one process", cores=SCALE_CORES),
+    Target("scale_w8_vs_ddp_sparse", "scale_w8_s4_ps_async_over_ddp_sparse", ">=", 2.0,
+           "scale: 8 workers x 4 servers async >= 2 x sparse DDP", cores=SCALE_CORES),
+    Target("scale_w8_per_core", "scale_w8_s4_ps_async_per_core_over_ddp_sparse_per_core", ">=", 1.5,
+           "scale: async per core used (W + S) >= 1.5 x sparse DDP's (W)", cores=SCALE_CORES),
+    Target("scale_sync", "scale_worst_ps_sync_over_ddp_sparse", ">=", 1.0,
+           "scale: sync >= 1.0 x sparse DDP at every point", cores=SCALE_CORES),
 )
 
 
@@ -129,6 +141,10 @@ def add_derived(results: dict) -> None:
     waits = [results.get(f"e2e_ps_async_share_{k}") for k in ("pull_wait", "push_wait")]
     if all(w is not None and math.isfinite(w) for w in waits):
         results["e2e_ps_async_share_waits"] = sum(waits)
+    if results.get("scale_w8_s4_ps_sync_over_ddp_sparse") is not None:
+        syncs = [v for k, v in results.items() if k.startswith("scale_w") and k.endswith("_ps_sync_over_ddp_sparse")]
+        if all(v is not None and math.isfinite(v) for v in syncs):
+            results["scale_worst_ps_sync_over_ddp_sparse"] = min(syncs)
     for t in TARGETS:
         met = t.met(results)
         if met is not None:
@@ -273,4 +289,6 @@ if __name__ == "__main__":
 
     path = sys.argv[1] if len(sys.argv) > 1 else "bench/results/latest.json"
     with open(path) as fh, open(path[:-len(".json")] + ".meta.json") as mh:
-        print(markdown_results(json.load(fh), json.load(mh)))
+        results = json.load(fh)
+        add_derived(results)        # also the verdicts of targets added since the run
+        print(markdown_results(results, json.load(mh)))
