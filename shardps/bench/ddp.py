@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 
-from shardps.bench.common import BenchError, Children, free_port, self_peak_rss_kb
+from shardps.bench.common import BenchError, Children, self_peak_rss_kb
 
 
 def _rank_main(rank: int, world: int, port: int, opts: dict, queue) -> None:
@@ -44,7 +44,9 @@ def _train(rank: int, world: int, port: int, opts: dict) -> dict:
 
     torch.set_num_threads(1)
     rows, sparse, seed = opts["rows"], opts["sparse"], opts["seed"]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # the driver holds the store (bound to a port of its own choosing): no port is probed
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
         torch.manual_seed(seed)
         emb = nn.Embedding(rows, DIM, sparse=sparse)
@@ -90,11 +92,14 @@ def run_ddp(rows: int, sparse: bool, train_samples: int, world: int = 2, seed: i
     """Train with DDP in ``world`` spawned processes; one result dict per rank, rank order."""
     opts = {"rows": rows, "sparse": sparse, "train_samples": train_samples, "seed": seed,
             "steps": steps, "evaluate": evaluate}
+    import torch.distributed as dist
+
+    # the ranks' rendezvous: a store listening on port 0 here, its port handed to them
+    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
     with Children() as children:
         queue = children.ctx.Queue()
-        port = free_port()
         for rank in range(world):
-            children.spawn(_rank_main, rank, world, port, opts, queue)
+            children.spawn(_rank_main, rank, world, store.port, opts, queue)
         results: dict[int, dict] = {}
         deadline = time.monotonic() + timeout
         import queue as queue_mod
