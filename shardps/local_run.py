@@ -107,6 +107,8 @@ def _worker_args(args, worker_flags: list[str], index: int = 0, count: int = 1) 
                 continue
             if flag in OUTPUT_FLAGS:
                 value = worker_file(str(value), index, count)
+            if flag == "--wait-workers" and not value and args.mode == "sync":
+                value = count           # a SYNC job's workers start together (rendezvous)
             out += [flag, str(value).lower() if isinstance(value, bool) else str(value)]
     return out
 

@@ -57,6 +57,21 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.slow          # processes (shardps local)
+def test_local_starts_a_sync_jobs_workers_together():
+    """``shardps local --mode sync``: its workers wait for one another before the first
+    step (``--wait-workers`` = ``--workers``) unless told otherwise; other modes start at once."""
+    from shardps.local_run import _worker_args
+
+    def wait_flag(*argv: str) -> str:
+        args = build_parser().parse_args(["local", "--workers", "3", *argv])
+        flags = _worker_args(args, FLAGS["worker"], 0, args.workers)
+        return flags[flags.index("--wait-workers") + 1]
+
+    assert wait_flag("--mode", "sync") == "3"
+    assert wait_flag("--mode", "sync", "--wait-workers", "2") == "2"
+    assert wait_flag("--mode", "async") == "0"
+
+
 def test_local_cluster_stops_cleanly_on_sigterm(tmp_path):
     proc = subprocess.Popen(SHARDPS + ["local", "--servers", "2", "--port", "0", "--work-dir", str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

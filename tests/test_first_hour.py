@@ -1,6 +1,8 @@
 """The public API as the README teaches it, in every consistency mode (real servers on
 loopback)."""
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -103,3 +105,12 @@ def test_wait_for_workers_names_how_many_joined(make_cluster, client_factory):
     assert c.wait_for_workers(1, timeout=5) == 1
     with pytest.raises(DeadlineExceeded, match="1 of 2 workers"):
         c.wait_for_workers(2, timeout=0.3)
+    # a wait returns when the map shows the next join (it long-polls the map's epoch)
+    seen: list[int] = []
+    waiting = threading.Thread(target=lambda: seen.append(c.wait_for_workers(2, timeout=60)))
+    waiting.start()
+    waiting.join(timeout=0.5)
+    assert waiting.is_alive() and not seen, "returned before the second worker joined"
+    client_factory(cluster.address, job="group").join(heartbeat=False)
+    waiting.join(timeout=30)
+    assert seen == [2]

@@ -20,6 +20,14 @@ import time
 from dataclasses import dataclass, field
 
 log = logging.getLogger("shardps.worker")
+WAIT_WORKERS_SECONDS = 600.0        # --wait-workers: how long a worker waits for the others
+CACHE_STALENESS_SAMPLES = 4096      # --cache-staleness 0: the steps this many samples take
+
+
+def cache_staleness_for(batch: int) -> int:
+    """``--cache-staleness 0``: the steps ``CACHE_STALENESS_SAMPLES`` samples take at ``batch``
+    (at least 1)."""
+    return max(1, CACHE_STALENESS_SAMPLES // max(1, batch))
 
 
 def add_training_flags(fs) -> None:
@@ -59,7 +67,12 @@ def add_training_flags(fs) -> None:
     fs.add("--cache-bytes", 0, "keep each embedding table's hot rows on the worker, up to this many bytes per "
            "table, and read them without a pull while they are at most --cache-staleness steps old "
            "(0: no cache; ASYNC jobs only: SYNC and SSP jobs read every row from the servers)")
-    fs.add("--cache-staleness", 8, "the most steps a cached row is read after it was pulled")
+    fs.add("--cache-staleness", 0, "the most steps a cached row is read after it was pulled (0: the steps "
+           f"{CACHE_STALENESS_SAMPLES:,} samples take at the batch size: 8 at 512, 1 at 4,096. A bound in steps "
+           "skips more of the worker's own updates to a row the larger its batch)")
+    fs.add("--wait-workers", 0, "before the first step, wait until the job has this many workers (0: start "
+           "at once). Give SYNC jobs their worker count: every worker then starts at step 0 with the same share "
+           f"of the data and, with --scale-lr, the same learning rate. Fails after {WAIT_WORKERS_SECONDS:.0f} s")
     fs.add("--checkpoint-every", 0, "join a checkpoint every this many steps (0: only on demand)")
     fs.add("--ready-file", "", "write a JSON line (name, rank, metrics address, pid) here once joined")
 
@@ -389,11 +402,12 @@ def run_worker(args) -> int:
         task.model.to(device)      # before PSModel: its tables start from these values
         from shardps import kernels
         kernels.prepare(log)       # before the first step, not inside it
-        world = max(1, membership.world_size)
+        world = max(1, membership.world_size, _wait_for_workers(client, args.wait_workers))
         opt, per_table = _lr_scaled(task, args, world)
         ps_model = PSModel(task.model, client, optimizer=opt, optimizers=per_table, overlap=args.overlap,
                            lookahead=args.lookahead or _default_lookahead(task.model),
-                           cache_bytes=args.cache_bytes, cache_staleness=args.cache_staleness)
+                           cache_bytes=args.cache_bytes, cache_staleness=args.cache_staleness
+                           or cache_staleness_for(args.batch_size or task.batch_size))
         ps_model.create_tables()
         resume = ps_model.resume()
         if resume is not None:
@@ -418,6 +432,18 @@ def run_worker(args) -> int:
         client.close()
         if metrics_server is not None:
             metrics_server.shutdown()
+
+
+def _wait_for_workers(client, wanted: int) -> int:
+    """``--wait-workers``: how many workers the job has once it has ``wanted`` (0: at once)."""
+    from shardps.errors import DeadlineExceeded
+    if wanted <= 0:
+        return 0
+    log.info("waiting for %d workers of job %s to join (--wait-workers)", wanted, client.job)
+    try:
+        return client.wait_for_workers(wanted, timeout=WAIT_WORKERS_SECONDS)
+    except DeadlineExceeded as exc:
+        raise DeadlineExceeded(f"--wait-workers {wanted}: {exc.message}") from None
 
 
 def _wait_for_manager(client, timeout: float = 120.0) -> None:

@@ -2,9 +2,11 @@
 
 Workers are started as ``shardps.bench.probe`` wrapping the ``shardps worker`` command (the
 same arguments ``LocalCluster.start_worker`` passes), each writing its ``TrainResult`` JSON
-(``--result-file``) and its peak RSS. Aggregate samples/s = all workers' samples over the
-slowest worker's training-loop wall time (set-up, data generation and evaluation excluded):
-the conservative reading when workers do not start at the same instant.
+(``--result-file``) and its peak RSS. The workers wait for one another before their first
+step (``--wait-workers``), as DDP's ranks meet at a barrier before theirs: a SYNC job's first
+worker would otherwise count the others' start-up as its own steps' waiting. Aggregate
+samples/s = all workers' samples over the slowest worker's training-loop wall time (set-up,
+data generation and evaluation excluded).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ def train(cluster, job: str, workers: int, args: list[str], timeout: float) -> l
             for f in (result_file, rss_file):
                 f.unlink(missing_ok=True)
             cmd = worker_command(cluster.manager_address, name,
-                                 ["--job", job, "--result-file", str(result_file)] + args, rss_file)
+                                 ["--job", job, "--result-file", str(result_file),
+                                  "--wait-workers", str(workers)] + args, rss_file)
             procs.append(children.popen(cmd, log, env))
             logs.append(log)
             files.append((result_file, rss_file))

@@ -352,17 +352,23 @@ class Admin:
                          mg.GetClusterStatusRequest(), timeout, idempotent=True)
 
     def wait_for_workers(self, count: int, timeout: float | None = None) -> int:
-        """Poll the shard map until the job's group has ``count`` members (see PSClient)."""
+        """Wait until the job's group has ``count`` members (see PSClient): a long poll of the
+        shard map, whose epoch moves with every join."""
         deadline = time.monotonic() + (self.default_timeout if timeout is None else timeout)
+        view = self.refresh_map()
         while True:
-            group = self.refresh_map().groups.get(self.job)
+            group = view.groups.get(self.job)
             joined = len(group.members) if group is not None else 0
             if joined >= count:
                 return joined
-            if time.monotonic() >= deadline:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
                 raise DeadlineExceeded(f"{joined} of {count} workers of job {self.job!r} joined before "
                                        f"the deadline: start the others, or wait longer (timeout=)")
-            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+            try:
+                view = self.refresh_map(min_epoch=view.epoch + 1, timeout=min(remaining, 30.0))
+            except DeadlineExceeded:
+                view = self.shard_map            # the long poll's own deadline: look again
 
 
 class ManagerCalls:
