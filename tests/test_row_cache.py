@@ -67,6 +67,14 @@ def test_a_cache_with_room_for_every_row_reaches_the_ceiling_and_no_more(tau):
         assert (cache.hits / cache.lookups == ceiling) if exact else (cache.hits / cache.lookups < ceiling)
 
 
+def test_the_workers_default_bound_is_the_same_number_of_samples_at_every_batch_size():
+    """``shardps worker --cache-staleness 0`` (its default): 4,096 samples' worth of steps. On
+    ctr with 2 workers at batch 4,096 a bound of 8 steps cost 0.04 AUC against no cache, and
+    1 step none (docs/performance.md, "The worker-side embedding cache")."""
+    from shardps.worker.runtime import cache_staleness_for
+    assert [cache_staleness_for(b) for b in (64, 512, 4096, 100_000)] == [64, 8, 1, 1]
+
+
 def test_older_values_never_replace_newer_ones():
     c = RowCache(4, 10 * ROW, 100)
     c.store(np.array([1]), _rows([1], 5.0), refreshed=7)
