@@ -118,18 +118,18 @@ def test_wait_for_workers_names_how_many_joined(make_cluster, client_factory):
 
 def test_a_worker_whose_join_completes_the_group_does_not_wait_for_one_that_already_left(
         make_cluster, client_factory):
-    """``shardps worker --wait-workers 2``: the first worker saw the second join, trained its
-    few steps and left before the second looked at the group; the second goes on (its join
-    made two), instead of waiting for a second member that will not come."""
-    from shardps.worker.runtime import _wait_for_workers
+    """``wait_for_workers(2)`` (``shardps worker --wait-workers 2``): the first worker saw the
+    second join, trained its few steps and left before the second looked at the group; the
+    second goes on (its join made two), instead of waiting for a second member that will not
+    come."""
     cluster = make_cluster(1)
     fast, slow = (client_factory(cluster.address, job="rendezvous") for _ in range(2))
     fast.create_job("sync")
     assert fast.join(heartbeat=False).world_size == 1
     joined = slow.join(heartbeat=False)
     assert joined.world_size == 2
-    assert _wait_for_workers(fast, 2, 1) == 2
+    assert fast.wait_for_workers(2, timeout=5) == 2
     fast.leave()
     slow.refresh_map()
     assert len(slow.group().members) == 1
-    assert _wait_for_workers(slow, 2, joined.world_size) == 2
+    assert slow.wait_for_workers(2, timeout=5) == 2

@@ -402,7 +402,7 @@ def run_worker(args) -> int:
         task.model.to(device)      # before PSModel: its tables start from these values
         from shardps import kernels
         kernels.prepare(log)       # before the first step, not inside it
-        world = max(1, membership.world_size, _wait_for_workers(client, args.wait_workers, membership.world_size))
+        world = max(1, membership.world_size, _wait_for_workers(client, args.wait_workers))
         opt, per_table = _lr_scaled(task, args, world)
         ps_model = PSModel(task.model, client, optimizer=opt, optimizers=per_table, overlap=args.overlap,
                            lookahead=args.lookahead or _default_lookahead(task.model),
@@ -434,14 +434,12 @@ def run_worker(args) -> int:
             metrics_server.shutdown()
 
 
-def _wait_for_workers(client, wanted: int, on_joining: int) -> int:
+def _wait_for_workers(client, wanted: int) -> int:
     """``--wait-workers``: how many workers the job has once it has had ``wanted`` (0: at
-    once). ``on_joining``: its workers when this one joined, this one included. A worker
-    whose join made ``wanted`` goes on at once: the others already joined, and a fast one
-    may have finished its steps and left by the time it would look."""
+    once; ``PSClient.wait_for_workers``)."""
     from shardps.errors import DeadlineExceeded
-    if wanted <= 0 or on_joining >= wanted:
-        return on_joining
+    if wanted <= 0:
+        return 0
     log.info("waiting for %d workers of job %s to join (--wait-workers)", wanted, client.job)
     try:
         return client.wait_for_workers(wanted, timeout=WAIT_WORKERS_SECONDS)

@@ -22,9 +22,10 @@ Both runs: ``e2e_workers`` ``shardps worker`` processes against ``e2e_servers`` 
 * where CUDA is present, the same with ``cache_gpu_`` in place of ``cache_``, through
   ``shardps worker --device cuda`` (2 GPU workers, 2 servers, the largest of ``gpu_batches``),
   with one GPU process holding the table beside them (``cache_gpu_single_*``,
-  ``ratio_cache_gpu_on_over_single``), the staleness bound the same in samples as on the CPU
-  (``cache_gpu_on_staleness_bound``: 1 step of 4,096 for 8 of 512; at 8 steps of 4,096 the
-  workers' AUC fell by 0.06); elsewhere ``cache_gpu_skipped`` = 1.
+  ``ratio_cache_gpu_on_over_single``), the staleness bound ``shardps worker``'s default at
+  that batch, the CPU runs' 8 steps of 512 in samples (``cache_gpu_on_staleness_bound``: 1
+  step of 4,096; at 8 steps of 4,096 the workers' AUC fell by 0.06); elsewhere
+  ``cache_gpu_skipped`` = 1.
 """
 
 from __future__ import annotations
@@ -37,8 +38,6 @@ from shardps.bench import ps_runs
 from shardps.bench.common import ratio
 from shardps.bench.config import BenchConfig
 from shardps.bench.e2e import worker_args
-
-CTR_BATCH = 512          # the ctr model's batch, at which cache_staleness is given
 
 
 def _per_step(results: list[dict]) -> dict[str, float]:
@@ -108,8 +107,8 @@ def _on_the_gpu(cfg: BenchConfig, progress) -> dict[str, float]:
     single = gpu.run_single(argv, cfg.process_timeout_s)
     progress(f"cache on the GPU: batch {batch}, one GPU process {single['samples_per_s']:,.0f} samples/s, "
              f"AUC {single['auc']:.4f}")
-    # the CPU runs' bound in samples (8 steps of 512): 1 step of 4,096
-    staleness = max(1, cfg.cache_staleness * CTR_BATCH // batch)
+    from shardps.worker.runtime import cache_staleness_for
+    staleness = cache_staleness_for(batch)      # shardps worker's default: 1 step of 4,096
     out = {"cache_gpu_skipped": 0.0, "cache_gpu_batch": float(batch), "cache_gpu_on_staleness_bound": float(staleness),
            "cache_gpu_single_samples_per_s": single["samples_per_s"], "cache_gpu_single_auc": single["auc"]}
     out.update(_off_and_on(cfg, progress, "cache_gpu", argv + ["--device", "cuda"], workers, workers, staleness))

@@ -3,10 +3,11 @@
 Workers are started as ``shardps.bench.probe`` wrapping the ``shardps worker`` command (the
 same arguments ``LocalCluster.start_worker`` passes), each writing its ``TrainResult`` JSON
 (``--result-file``) and its peak RSS. The workers wait for one another before their first
-step (``--wait-workers``), as DDP's ranks meet at a barrier before theirs: a SYNC job's first
-worker would otherwise count the others' start-up as its own steps' waiting. Aggregate
-samples/s = all workers' samples over the slowest worker's training-loop wall time (set-up,
-data generation and evaluation excluded).
+step (``--wait-workers``), as DDP's ranks meet at a barrier before theirs. Aggregate samples/s
+= all workers' samples over the slowest worker's training-loop wall time (set-up, data
+generation and evaluation excluded): without the wait, a worker that started first trained
+part of its loop alone, and that reading counted its solo start as time the workers shared
+(on 2 cores it overstated async by about a third, docs/performance.md).
 """
 
 from __future__ import annotations

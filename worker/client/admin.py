@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from shardps import mapdelta
 from shardps.convert import config_from_proto, config_to_proto, consistency_to_proto, spec_to_proto
@@ -33,6 +33,9 @@ from shardps.tables import (
     TableSpec,
 )
 from shardps.worker.client import requests
+
+if TYPE_CHECKING:
+    from shardps.worker.client.membership import GroupMember  # it imports this module
 
 log = logging.getLogger("shardps.client")
 
@@ -376,6 +379,7 @@ class ManagerCalls:
     they delegate to its ``_admin``)."""
 
     _admin: Admin
+    _member: GroupMember
 
     @property
     def shard_map(self) -> ShardMapView:
@@ -432,8 +436,9 @@ class ManagerCalls:
         """Block until the job's worker group has at least ``count`` members; returns how many
         joined. Raises DeadlineExceeded naming how many had joined. (In SYNC, a worker that
         joins late starts at the group's current step; earlier steps averaged over the
-        workers present then.)"""
-        return self._admin.wait_for_workers(count, timeout)
+        workers present then.) A client whose ``join`` made ``count`` returns at once: a fast
+        worker may have finished its steps and left before this one looks."""
+        return self._member.wait_for_workers(count, timeout)
 
     def create_table(self, spec: TableSpec, optimizer: OptimizerConfig | None = None,
                      allow_non_finite: bool = False, timeout: float | None = None,
