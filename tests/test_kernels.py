@@ -93,6 +93,29 @@ def test_coalesce_keeps_unique_ids_in_their_order_and_sums_repeated_ones():
     np.testing.assert_array_equal(summed, [values[1], values[0] + values[2]])
 
 
+@pytest.mark.parametrize("n, high", [(0, 1), (1, 1), (7, 3), (2000, 300), (3000, 3000)])
+def test_sum_rows_adds_each_ids_rows_in_the_order_given_compiled_or_not(n, high):
+    """SYNC steps sum every worker's rows of an id: one after another in the order pushed,
+    so that a table applied at once and block by block give the same bits (numpy's
+    ``reduceat`` adds four rows in another order)."""
+    from shardps.server.node import storage_kernels
+
+    rng = np.random.default_rng(n)
+    ids = rng.integers(0, high, n).astype(np.int64)
+    rows = (rng.standard_normal((n, 8)) * rng.choice([1e-8, 1.0, 1e8], (n, 8))).astype(np.float32)
+    if n:
+        rows[0, 0] = -0.0                      # a first row is copied: -0.0 stays -0.0
+    expected: dict[int, np.ndarray] = {}
+    for i, x in enumerate(ids.tolist()):
+        expected[x] = expected[x] + rows[i] if x in expected else rows[i].copy()
+    for sum_rows in (storage_kernels.sum_rows, storage_kernels._sum_rows_numpy):
+        got_ids, got = sum_rows(ids, rows)
+        assert got_ids.tolist() == list(expected)                    # order of first appearance
+        assert got.shape == (len(expected), 8) and got.dtype == np.float32
+        for k, x in enumerate(got_ids.tolist()):
+            np.testing.assert_array_equal(got[k].view(np.uint32), expected[x].view(np.uint32))
+
+
 @pytest.mark.parametrize("unique", [False, True])
 def test_scan_finds_unique_ids_in_any_order_when_asked(unique):
     from shardps.server.node import storage_kernels

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from shardps.convert import config_to_proto, consistency_to_proto, spec_to_proto
-from shardps.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, StaleEpoch, Unavailable
+from shardps.errors import InvalidArgument, NotFound, ResourceExhausted, StaleEpoch, Unavailable
 from shardps.messages import PullRequest, PushRequest
 from shardps.metrics import NodeMetrics
 from shardps.protos.v1 import common_pb2 as pb
@@ -366,100 +366,6 @@ def test_a_failing_backup_is_marked_and_the_primary_keeps_the_op():
     assert not node.table.needs_resync
     (_, dest, _, snaps), = node.peers.sent("load_blocks")
     assert dest == "s1" and snaps[0].header.version == 1
-
-
-# ====================================================================== SYNC steps
-def test_sync_step_is_the_mean_over_live_workers_and_applied_steps_are_closed():
-    node = Layers()
-    node.install(shard_map(1, [dense_w(replicas=[["s0"]])],
-                           [G(["w0", "w1"], mode=Consistency.SYNC)]))
-    blk = node.table.blocks[(JOB, "w", 0)]
-    segments, payload = dense_seg(0, 8, np.full(8, 2.0))
-    node.push(header(session="w0", sequence=1, clock=0), segments, payload)
-    assert blk.values is None and node.steps.clocks[JOB].applied_steps == 0   # w1 not yet
-    segments, payload = dense_seg(0, 8, np.full(8, 4.0))
-    node.push(header(session="w1", sequence=1, clock=0), segments, payload)
-    np.testing.assert_array_equal(blk.values, np.full(8, -3.0))              # -(2 + 4) / 2
-    assert node.steps.clocks[JOB].applied_steps == 1 and not blk.pending
-    with pytest.raises(FailedPrecondition, match="step 0 .*already applied"):
-        node.push(header(session="w0", sequence=2, clock=0), segments, payload)
-    np.testing.assert_array_equal(blk.values, np.full(8, -3.0))
-    assert not blk.pending
-
-
-def test_a_promoted_backup_applies_the_sync_step_its_old_primary_did_not_forward():
-    """The backup closed step 0 when both workers reported it (the primary applies), then the
-    primary's APPLY_STEP never arrived and the backup became primary: it applies step 0 from
-    the gradients it holds (the verifier's seed 3: acknowledged SYNC pushes lost)."""
-    peers = FakePeers(fail_kinds={ps.APPLY_STEP})
-    primary, backup = Layers("s0", peers), Layers("s1")
-    peers.nodes["s1"] = backup
-    group = G(["w0", "w1"], mode=Consistency.SYNC)
-    for n in (primary, backup):
-        n.install(shard_map(1, [dense_w()], [group]))
-    for rank, g in enumerate((2.0, 4.0)):
-        segments, payload = dense_seg(0, 8, np.full(8, g))
-        primary.push(header(session=f"w{rank}", sequence=1, clock=0), segments, payload)
-        backup.steps.clocks[JOB].report(f"w{rank}", 0, 1)     # next_step reports to every server
-    backup.steps.apply_ready(JOB)
-    blk = backup.table.blocks[(JOB, "w", 0)]
-    assert blk.values is None and 0 in blk.pending           # closed here, left to the primary
-    assert backup.steps.clocks[JOB].applied_steps == 1
-    backup.install(shard_map(2, [dense_w(replicas=[["s1"]], since=2)], [group], dead=("s0",)))
-    np.testing.assert_array_equal(blk.values, np.full(8, -3.0))
-    assert not blk.pending and backup.steps.clocks[JOB].applied_steps == 1
-
-
-def test_a_block_copied_with_accumulated_gradients_applies_them_as_primary():
-    primary, dest = Layers("s0"), Layers("s1")
-    group = G(["w0", "w1"], mode=Consistency.SYNC)
-    primary.install(shard_map(1, [dense_w(replicas=[["s0"]])], [group]))
-    dest.install(shard_map(1, [dense_w(replicas=[["s0", "s1"]])], [group]))
-    segments, payload = dense_seg(0, 8, np.full(8, 2.0))
-    primary.push(header(session="w0", sequence=1, clock=0), segments, payload)   # w1: not yet
-    dest.backup.load_blocks(1, "s0", [snapshot_block(primary.table.blocks[(JOB, "w", 0)])])
-    dest.install(shard_map(2, [dense_w(replicas=[["s1"]], since=2)], [group], dead=("s0",)))
-    for w in ("w0", "w1"):
-        dest.steps.clocks[JOB].report(w, 0)
-    dest.steps.apply_ready(JOB)
-    np.testing.assert_array_equal(dest.table.blocks[(JOB, "w", 0)].values, np.full(8, -1.0))   # -2 / 2
-
-
-def test_a_sync_pull_counts_as_its_workers_report_of_the_step_before():
-    """w1 pushed nothing here for step 0 and its report went to the servers of its older map;
-    its pull of step 1 says it completed step 0, so the step applies instead of both pulls
-    waiting for each other until the deadline."""
-    node = Layers()
-    node.install(shard_map(1, [dense_w(replicas=[["s0"]])], [G(["w0", "w1"], mode=Consistency.SYNC)]))
-    segments, payload = dense_seg(0, 8, np.full(8, 2.0))
-    node.push(header(session="w0", sequence=1, clock=0), segments, payload)
-    assert node.steps.clocks[JOB].applied_steps == 0
-    segments, _ = dense_seg(0, 8)
-    out, arrays = node.pull(header(session="w1", clock=1), segments, b"", deadline=node.clock.now)
-    assert node.steps.clocks[JOB].applied_steps == 1
-    np.testing.assert_array_equal(np.frombuffer(arrays[0], dtype="<f4"), np.full(8, -1.0))   # -2 / 2
-
-
-def test_a_sync_push_counts_as_its_workers_report_of_the_step_before():
-    """As above, for a push: w1's report of step 0 did not reach this server; its push of
-    step 1 is taken (not refused as ahead of the clock) and step 0 applies."""
-    node = Layers()
-    node.install(shard_map(1, [dense_w(replicas=[["s0"]])], [G(["w0", "w1"], mode=Consistency.SYNC)]))
-    segments, payload = dense_seg(0, 8, np.full(8, 2.0))
-    node.push(header(session="w0", sequence=1, clock=0), segments, payload)
-    node.push(header(session="w1", sequence=2, clock=1), segments, payload)
-    assert node.steps.clocks[JOB].applied_steps == 1
-    np.testing.assert_array_equal(node.table.blocks[(JOB, "w", 0)].values, np.full(8, -1.0))
-    assert list(node.table.blocks[(JOB, "w", 0)].pending) == [1]
-
-
-def test_sync_push_from_a_non_member_is_refused():
-    node = Layers()
-    node.install(shard_map(1, [dense_w(replicas=[["s0"]])], [G(["w0"], mode=Consistency.SYNC)]))
-    segments, payload = dense_seg(0, 8, np.ones(8))
-    with pytest.raises(FailedPrecondition, match="not a member"):
-        node.push(push_header(), segments, payload)
-    assert node.table.blocks[(JOB, "w", 0)].version == 0
 
 
 # ====================================================================== facade

@@ -349,7 +349,7 @@ class BackupApplier:
                     if t is None:
                         stale.append(key)
                         continue
-                    self.steps.apply_step_locked(blk, t, int(op.step), int(op.divisor))
+                    self.steps.apply_step_locked([blk], t, int(op.step), int(op.divisor))
                 else:
                     raise InvalidArgument(f"unknown block op kind {op.kind}")
                 blk.remember(writer)

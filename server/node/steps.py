@@ -24,10 +24,10 @@ import time
 
 import numpy as np
 
-from shardps import kernels
 from shardps.errors import FailedPrecondition, Unavailable
 from shardps.protos.v1 import parameter_server_pb2 as ps
-from shardps.server.node.blocks import AnyBlock, BlockKey, DenseBlock
+from shardps.server.node import storage_kernels
+from shardps.server.node.blocks import AnyBlock, BlockKey, DenseBlock, SparseBlock
 from shardps.server.node.clocks import JobClock
 from shardps.server.node.replication import Forwarder, Op
 from shardps.server.node.table import BlockTable
@@ -179,22 +179,24 @@ class SyncSteps:
                 with self.table.gate.shared(), contextlib.ExitStack() as stack:
                     with self.table.lock:
                         keys = sorted(self.pending.get(job, set()))
-                    ops: list[Op] = []
                     touched: list[AnyBlock] = []
+                    due: list[AnyBlock] = []
                     for key in keys:
                         blk = self.table.blocks.get(key)
                         if blk is None or not self.table.is_primary(key):
                             continue
                         stack.enter_context(blk.lock)
                         touched.append(blk)
-                        if step not in blk.pending:
-                            continue
-                        t = self.table.view.tables[(key[0], key[1])]
-                        self.apply_step_locked(blk, t, step, divisor)
-                        ops.append((key, ps.BlockOp(job=key[0], table=key[1], block=key[2],
-                                                    kind=ps.APPLY_STEP, step=step, divisor=divisor,
-                                                    version=blk.version,
-                                                    config_version=t.config.version), []))
+                        if step in blk.pending:
+                            due.append(blk)
+                    ops: list[Op] = []
+                    for t, blocks in self._by_table(due):
+                        self.apply_step_locked(blocks, t, step, divisor)
+                        ops.extend((blk.key, ps.BlockOp(job=blk.key[0], table=blk.key[1], block=blk.key[2],
+                                                        kind=ps.APPLY_STEP, step=step, divisor=divisor,
+                                                        version=blk.version,
+                                                        config_version=t.config.version), [])
+                                   for blk in blocks)
                     try:
                         self.forwarder.forward_locked(ops, touched)
                     except Unavailable as exc:
@@ -204,24 +206,62 @@ class SyncSteps:
             if len(ready):
                 clock.skip_to(ready.stop)
 
-    def apply_step_locked(self, blk: AnyBlock, t: TableView, step: int, divisor: int) -> None:
-        """Apply ``blk``'s accumulated gradients of ``step`` divided by ``divisor`` (the live
-        workers). Block lock held; a primary and its backups call it alike."""
-        parts = blk.pending.pop(step, [])
+    def _by_table(self, blocks: list[AnyBlock]) -> list[tuple[TableView, list[AnyBlock]]]:
+        """``blocks`` (in key order) by table, each table's in one list where one call applies
+        them (``apply_step_locked``: sparse blocks without lifecycle policies), else one list
+        per block."""
+        groups: list[tuple[TableView, list[AnyBlock]]] = []
+        for blk in blocks:
+            t = self.table.view.tables[(blk.key[0], blk.key[1])]
+            if groups and groups[-1][0] is t and _table_at_once(blk, t):
+                groups[-1][1].append(blk)
+            else:
+                groups.append((t, [blk]))
+        return groups
+
+    def apply_step_locked(self, blocks: list[AnyBlock], t: TableView, step: int, divisor: int) -> None:
+        """Apply the accumulated gradients of ``step`` of ``blocks`` (one dense block, or sparse
+        blocks of table ``t``) divided by ``divisor`` (the live workers). Block locks held; a
+        primary applies a table's blocks in one call, a backup each block as its APPLY_STEP
+        arrives, with the same results: each row's gradients are summed in the order they
+        were accumulated (``storage_kernels.sum_rows``) and rows update independently."""
+        parts = [p for blk in blocks for p in blk.pending.pop(step, [])]
+        blk = blocks[0]
         if isinstance(blk, DenseBlock):
             total = np.zeros(blk.size, dtype=np.float32)
             for lo, hi, g in parts:
                 total[lo - blk.start:hi - blk.start] += g
             total /= np.float32(divisor)
             blk.apply_gradient(t.config, blk.start, blk.stop, total)
-        else:
+        elif len(blocks) > 1:
+            assert isinstance(blk, SparseBlock)
             if parts:
-                ids = np.concatenate([p[0] for p in parts])
-                grads = np.concatenate([p[1] for p in parts])
-                ids, grads = kernels.coalesce(ids, grads)
-                blk.apply_gradient(t.config, ids, grads / np.float32(divisor))
-            else:
-                blk.version += 1
-        if not blk.pending:
-            with self.table.lock:
-                self.pending.get(blk.key[0], set()).discard(blk.key)
+                ids, grads = self._summed(parts, divisor)
+                with blk.table_rows.lock:
+                    blk.table_rows.apply_rows(t.config, ids, grads)
+            for b in blocks:
+                b.version += 1
+        elif parts:
+            blk.apply_gradient(t.config, *self._summed(parts, divisor))
+        else:
+            blk.version += 1
+        for b in blocks:
+            if not b.pending:
+                with self.table.lock:
+                    self.pending.get(b.key[0], set()).discard(b.key)
+
+    @staticmethod
+    def _summed(parts: list, divisor: int) -> tuple[np.ndarray, np.ndarray]:
+        """(distinct ids, mean gradient rows) of sparse parts ``(ids, rows)``."""
+        ids, grads = storage_kernels.sum_rows(np.concatenate([p[0] for p in parts]),
+                                              np.concatenate([p[1] for p in parts]))
+        grads /= np.float32(divisor)
+        return ids, grads
+
+
+def _table_at_once(blk: AnyBlock, t: TableView) -> bool:
+    """Whether ``blk``'s step may be applied with its table's other blocks in one call: a
+    sparse block whose rows keep no lifecycle state (lifecycle decisions are made per
+    block, on its clock)."""
+    return (isinstance(blk, SparseBlock) and blk.table_rows.life is None
+            and not t.config.lifecycle.enabled)

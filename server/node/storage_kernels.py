@@ -8,7 +8,10 @@ one pass per request instead of a handful of numpy passes and fancy-indexed temp
   they are unique (ascending in one pass; in any other order also checked in a hash set);
 * ``assign``: the slot of every id, storing the missing ones (a free slot first, else the next
   unused one) and counting them per block; the positions of the new ones are returned so the
-  caller can write their initial values and optimizer state.
+  caller can write their initial values and optimizer state;
+* ``sum_rows``: the rows of repeated ids summed (a SYNC step's gradients from every worker),
+  each id's rows added in the order given, so any split of the same rows into blocks sums
+  them alike (a primary applies a table's blocks at once, a backup block by block).
 
 Both release the GIL. Compiled with numba as ``shardps.kernels`` is (``_JIT``: cached,
 ``nogil``, numpy's error model); callers check ``kernels.AVAILABLE`` and keep their numpy
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from shardps.kernels import _JIT, AVAILABLE, _distinct, _splitmix64, _table_bits, njit
+from shardps.kernels import _JIT, AVAILABLE, _distinct, _splitmix64, _table_bits, first_unique, njit
 from shardps.tables import TableSpec
 from shardps.tables import check_ids as _tables_check_ids
 
@@ -101,6 +104,63 @@ def _inside(ids, num_rows):
     return True
 
 
+@njit(**_JIT)
+def _sum_rows(ids, rows, table_bits, first, out):
+    """Distinct ``ids`` in order of first appearance into ``first``, each one's rows summed
+    into ``out`` in the order given (the first copied, not added to a zero: -0.0 stays).
+    Returns how many are distinct."""
+    size = 1 << table_bits
+    mask = size - 1
+    keys = np.empty(size, dtype=np.int64)
+    index = np.full(size, -1, dtype=np.int64)
+    d = rows.shape[1]
+    count = 0
+    for i in range(ids.shape[0]):
+        x = ids[i]
+        p = np.int64((np.uint64(x) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(64 - table_bits))
+        while index[p] >= 0 and keys[p] != x:
+            p = (p + 1) & mask
+        k = index[p]
+        if k < 0:
+            index[p] = count
+            keys[p] = x
+            first[count] = x
+            for j in range(d):
+                out[count, j] = rows[i, j]
+            count += 1
+        else:
+            for j in range(d):
+                out[k, j] += rows[i, j]
+    return count
+
+
+def sum_rows(ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct int64 ``ids`` in order of first appearance, float32 ``rows`` ``[n, dim]`` of
+    repeated ids summed): each id's rows added one after another in the order they come,
+    compiled or not (``np.add.reduceat``, as ``tables.coalesce`` sums, may add three or more
+    rows in another order)."""
+    if not AVAILABLE or ids.shape[0] <= 1:
+        return _sum_rows_numpy(ids, rows)
+    first = np.empty(ids.shape[0], dtype=np.int64)
+    out = np.empty(rows.shape, dtype=np.float32)
+    m = _sum_rows(ids, rows, _table_bits(ids.shape[0]), first, out)
+    return first[:m], out[:m]
+
+
+def _sum_rows_numpy(ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``sum_rows`` without numba: the first row of each id copied, the others added in
+    order by ``np.add.at`` (unbuffered, one index after another)."""
+    first, inverse = first_unique(ids)
+    n = ids.shape[0]
+    at = np.empty(first.shape[0], dtype=np.int64)
+    at[inverse[::-1]] = np.arange(n - 1, -1, -1)         # the last write wins: each id's first row
+    out = np.array(rows[at], dtype=np.float32)
+    rest = np.ones(n, dtype=bool)
+    rest[at] = False
+    np.add.at(out, inverse[rest], rows[rest])
+    return first, out
+
+
 def check_ids(spec: TableSpec, ids: np.ndarray) -> None:
     """``tables.check_ids`` (InvalidArgument for an id outside ``[0, num_rows)``, naming it)
     in one compiled pass over int64 ids where numpy makes two reductions."""
@@ -150,4 +210,5 @@ def warm_up() -> None:
         gather(slot_of, rows, ids, np.empty((2, 2), np.float32))
         assign(slot_of, ids, np.empty(0, np.int64), 0, np.zeros(2, np.int64))
         scan(ids, 4, 2)
+        sum_rows(ids, np.zeros((2, 2), np.float32))
         _inside(ids, 4)
