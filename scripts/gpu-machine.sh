@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The checks and figures that only a machine with a CUDA device and 16 cores can give, in one
-# run of under 10 minutes: the CUDA tests, then the bench's `scale`, `gpu` and `cache` parts.
+# The checks and figures that only a machine with a CUDA device and 16 cores can give: the
+# CUDA tests and the bench's `gpu` and `cache` parts, then (a second call) its `scale` part.
 #
-#   bash scripts/gpu-machine.sh            # on such a machine, from the repository's root
+#   bash scripts/gpu-machine.sh                  # tests, gpu, cache: about 6 minutes
+#   PARTS=scale bash scripts/gpu-machine.sh      # scale: about 6 minutes more
 #
 # Writes into $OUT (default bench/results/gpu-machine): env.txt (versions, cores, GPU),
 # tests.log, bench.log (the parts' progress lines) and device.json (+ device.meta.json), the
@@ -10,10 +11,13 @@
 #
 # Without an installed shardps (a bare machine with PyTorch, numpy and numba), put the other
 # wheels it needs in .whl/ (grpcio, protobuf, grpcio-health-checking, grpcio-reflection,
-# uhashring, prometheus-client, for that machine's Python): they go to /tmp/site, and the
-# source tree's packages are linked where the installed names expect them.
-# BENCH_ARGS (default --quick) and LIMITS ("tests scale gpu cache" seconds) tune a run; on an
-# H100 with 16 cores the four took 54 s (pytest), about 200, 136 and 84 s.
+# uhashring, prometheus-client, cryptography, cffi, pycparser, for that machine's Python): they
+# go to /tmp/site, and the source tree's packages are linked where the installed names expect.
+# PARTS (default "tests gpu cache"), BENCH_ARGS (default --quick; e.g. --scale-points 8x4) and
+# LIMITS ("tests scale gpu cache" seconds) tune a run. On an H100 with 16 cores: pytest 66 s;
+# gpu 117 s to its 2-worker point at batch 4096 (both batches, 1, 2 and 4 workers: about 190 s);
+# cache 85 s; scale 153 s to its 4x4 point, and the 8x4 point alone took over 87 s. A part cut
+# at its limit writes no figures, hence two calls: one call's command may run 10 minutes.
 set -u
 OUT=${OUT:-bench/results/gpu-machine}
 mkdir -p "$OUT"
@@ -24,7 +28,8 @@ if [ -d .whl ]; then
     for d in protos server worker; do [ -e "shardps/$d" ] || ln -s "../$d" "shardps/$d"; done
     export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-read -r T_TESTS T_SCALE T_GPU T_CACHE <<< "${LIMITS:-80 240 150 95}"
+read -r T_TESTS T_SCALE T_GPU T_CACHE <<< "${LIMITS:-90 500 220 110}"
+PARTS=${PARTS:-tests gpu cache}
 {
     date -u; echo "cores: $(nproc)"; nvidia-smi -L 2>&1
     python3 -c "import sys, torch, numpy, numba, grpc, google.protobuf as pb
@@ -39,11 +44,18 @@ step() {  # step SECONDS LOG COMMAND...: run COMMAND under a time limit, its out
     echo "== rc=$? after $SECONDS s of this script" | tee -a "$log"
     tail -n 4 "$log"
 }
-step "$T_TESTS" "$OUT/tests.log" python3 -m pytest -q -p no:cacheprovider -o addopts="-ra" \
-    tests/test_cuda.py tests/test_device.py tests/test_device_copies.py \
-    "tests/test_checkpoint.py::test_worker_state_survives_a_restore"
-for part in scale gpu cache; do
-    case $part in scale) secs=$T_SCALE ;; gpu) secs=$T_GPU ;; cache) secs=$T_CACHE ;; esac
+for part in $PARTS; do
+    case $part in
+        tests)
+            step "$T_TESTS" "$OUT/tests.log" python3 -m pytest -q -p no:cacheprovider -o addopts="-ra" \
+                tests/test_cuda.py tests/test_device.py tests/test_device_copies.py \
+                "tests/test_checkpoint.py::test_worker_state_survives_a_restore"
+            continue ;;
+        scale) secs=$T_SCALE ;;
+        gpu) secs=$T_GPU ;;
+        cache) secs=$T_CACHE ;;
+        *) echo "unknown part $part (tests, scale, gpu, cache)" >&2; exit 2 ;;
+    esac
     # shellcheck disable=SC2086
     step "$secs" "$OUT/bench.log" python3 -m shardps.bench ${BENCH_ARGS:---quick} --only "$part" \
         --out "$OUT/device.json"

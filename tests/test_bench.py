@@ -157,3 +157,35 @@ def test_server_cpu_measures_requests_of_one_and_of_several_tables(capsys):
     assert [line.split()[0] for line in lines] == ["compiled", "no-cache", "numpy-init"]
     assert all("of each of 3 tables" in line for line in lines)
     assert server_cpu.measure("compiled", 1000, 4, 40, 2, tables=1, dim=4) > 0
+
+
+def test_chosen_scale_points_and_gpu_sizes_reach_the_config_and_bad_ones_are_refused(capsys):
+    from shardps.bench import scale
+    from shardps.bench.cli import build_parser
+
+    args = build_parser().parse_args(["--scale-points", "8x4,2x2", "--gpu-batches", "4096", "--gpu-workers", "2"])
+    assert (args.scale_points, args.gpu_batches, args.gpu_workers) == (((8, 4), (2, 2)), (4096,), (2,))
+    assert scale.points(16, args.scale_points) == [(8, 4), (2, 2)]
+    assert scale.points(2, args.scale_points) == []                    # workers + servers > cores
+    assert scale.points(16) == list(scale.POINTS)
+    for bad in (["--scale-points", "8"], ["--scale-points", "8x0"], ["--gpu-batches", "4096,x"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(bad)
+        assert repr(bad[1]) in capsys.readouterr().err
+
+
+def test_report_merges_results_files_and_names_a_missing_one(tmp_path, capsys):
+    import json
+
+    from shardps.bench.report import main
+
+    (tmp_path / "a.json").write_text(json.dumps({"gpu_ps_w2_b4096_over_single": 0.5,
+                                                 "cache_gpu_on_auc_abs_gap": 0.001}))
+    (tmp_path / "b.json").write_text(json.dumps({"gpu_ps_w2_b4096_over_single": 1.3, "cache_gpu_on_auc_abs_gap": None}))
+    assert main([str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "1.300" in next(s for s in lines if "gpu_ps_w2_b4096_over_single" in s)    # the later file wins
+    assert "1.00e-03" in next(s for s in lines if "cache_gpu_on_auc_abs_gap" in s)    # but not with a null
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "missing.json")])
+    assert "missing.json: no such results file" in capsys.readouterr().err

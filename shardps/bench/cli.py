@@ -66,7 +66,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plots", default="", metavar="DIR", help="also draw the PNG plots into DIR")
     p.add_argument("--seed", type=int, default=0, help="seed of every generated tensor and id set")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--scale-points", type=_points, default=(), metavar="WxS,...",
+                   help="the scale part's (workers x servers) points, e.g. 8x4 (default: every one of "
+                        "1x1, 2x2, 4x4 and 8x4 that the cores fit)")
+    p.add_argument("--gpu-batches", type=_numbers, default=(), metavar="B,...",
+                   help="the gpu part's batch sizes per process (default: 512,4096); the cache part's "
+                        "GPU case uses the largest")
+    p.add_argument("--gpu-workers", type=_numbers, default=(), metavar="W,...",
+                   help="the gpu part's worker counts (default: 1,2,4)")
     return p
+
+
+def _numbers(text: str) -> tuple[int, ...]:
+    """``4096`` or ``512,4096``: positive integers."""
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers separated by commas") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers separated by commas")
+    return values
+
+
+def _points(text: str) -> tuple[tuple[int, int], ...]:
+    """``8x4`` or ``2x2,8x4``: (workers, servers) pairs."""
+    try:
+        return tuple((w, s) for w, s in (_numbers(p.replace("x", ",")) for p in text.split(",")))
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(f"{text!r}: give WORKERSxSERVERS pairs separated by commas, "
+                                         f"e.g. 2x2,8x4") from None
 
 
 def _finite_or_none(v):
@@ -85,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     clean_environment()
     cfg = PRESETS[args.preset].replace(seed=args.seed)
+    chosen = {"scale_points": args.scale_points, "gpu_batches": args.gpu_batches, "gpu_workers": args.gpu_workers}
+    cfg = cfg.replace(**{k: v for k, v in chosen.items() if v})
     parts = args.only or list(PARTS)
     out_path = Path(args.out)
     meta_path = out_path.with_name(out_path.stem + ".meta.json")

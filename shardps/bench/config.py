@@ -47,6 +47,7 @@ class BenchConfig:
     cache_staleness: int = 8
     # scale: the ctr model at the (workers, servers) points the cores fit (shardps/bench/scale.py)
     scale_train_samples: int = 200_000
+    scale_points: tuple[tuple[int, int], ...] = ()     # (): every point of scale.POINTS the cores fit
     # many tables: the plain loop on 12 single-hot tables (shardps/bench/many_tables.py)
     many_tables_steps: int = 400
     # memory

@@ -283,12 +283,35 @@ def markdown_results(results: dict, meta: dict) -> str:
     return "\n".join(out)
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
+    import argparse
     import json
-    import sys
+    from pathlib import Path
 
-    path = sys.argv[1] if len(sys.argv) > 1 else "bench/results/latest.json"
-    with open(path) as fh, open(path[:-len(".json")] + ".meta.json") as mh:
-        results = json.load(fh)
-        add_derived(results)        # also the verdicts of targets added since the run
-        print(markdown_results(results, json.load(mh)))
+    p = argparse.ArgumentParser(
+        prog="python -m shardps.bench.report",
+        description="Print the \"Results of one run\" section of docs/performance.md (the targets' "
+                    "verdicts first) from a bench run's JSON, deriving the verdicts of targets added "
+                    "since that run. Several files are merged, later ones winning (parts run apart, "
+                    "e.g. on a GPU machine).")
+    p.add_argument("results", nargs="*", default=["bench/results/latest.json"],
+                   help="results JSON of `python -m shardps.bench --out` (default bench/results/latest.json); "
+                        "its .meta.json beside it is read where present")
+    args = p.parse_args(argv)
+    results: dict = {}
+    meta: dict = {}
+    for name in args.results:
+        path = Path(name)
+        if not path.is_file():
+            p.error(f"{name}: no such results file (python -m shardps.bench --out writes one)")
+        results.update({k: v for k, v in json.loads(path.read_text()).items() if v is not None})
+        meta_path = path.with_name(path.stem + ".meta.json")
+        if meta_path.is_file():
+            meta = json.loads(meta_path.read_text())
+    add_derived(results)        # also the verdicts of targets added since the run
+    print(markdown_results(results, meta))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

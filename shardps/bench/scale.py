@@ -30,9 +30,10 @@ from shardps.bench.e2e import run_single, worker_args
 POINTS = ((1, 1), (2, 2), (4, 4), (8, 4))
 
 
-def points(cores: int) -> list[tuple[int, int]]:
-    """The (workers, servers) points with workers + servers <= ``cores``."""
-    return [(w, s) for w, s in POINTS if w + s <= cores]
+def points(cores: int, chosen: tuple[tuple[int, int], ...] = ()) -> list[tuple[int, int]]:
+    """The (workers, servers) points with workers + servers <= ``cores``: of ``POINTS``, or of
+    ``chosen`` where given (``--scale-points``)."""
+    return [(w, s) for w, s in (chosen or POINTS) if w + s <= cores]
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -49,8 +50,8 @@ def run(cfg: BenchConfig, progress) -> dict[str, float]:
     out: dict[str, float] = {"scale_cores": float(cores)}
     single = run_single(rows, n, cfg.process_timeout_s)["samples_per_s"]
     out["scale_single_samples_per_s"] = single
-    progress(f"scale: {cores} cores, points {points(cores)}; one process {single:,.0f} samples/s")
-    for w, s in points(cores):
+    progress(f"scale: {cores} cores, points {points(cores, cfg.scale_points)}; one process {single:,.0f} samples/s")
+    for w, s in points(cores, cfg.scale_points):
         key = f"scale_w{w}_s{s}"
         for mode in ("async", "sync"):
             t0 = time.monotonic()
