@@ -30,12 +30,10 @@ class WireDType(Enum):
         if isinstance(value, WireDType):
             return value
         if isinstance(value, int):
-            if value == 0:
-                return cls.FLOAT32
-            try:
-                return cls(value)
-            except ValueError:
-                raise InvalidArgument(f"unknown wire dtype number {value}") from None
+            found = _BY_NUMBER.get(value)          # every segment of every reply: no Enum call
+            if found is None:
+                raise InvalidArgument(f"unknown wire dtype number {value}")
+            return found
         key = str(value).lower().replace("torch.", "")
         if key in _ALIASES:
             return _ALIASES[key]
@@ -52,6 +50,7 @@ _ALIASES = {
     "bfloat16": WireDType.BFLOAT16, "bf16": WireDType.BFLOAT16,
     "float64": WireDType.FLOAT64, "fp64": WireDType.FLOAT64, "double": WireDType.FLOAT64,
 }
+_BY_NUMBER = {0: WireDType.FLOAT32, **{d.value: d for d in WireDType}}    # 0: the proto default
 VALUE_DTYPES = (WireDType.FLOAT32, WireDType.FLOAT16, WireDType.BFLOAT16, WireDType.FLOAT64)
 
 
