@@ -11,7 +11,7 @@ import pytest
 
 from shardps.server.node import fast, snapshot_block
 from shardps.server.node.digest import block_digest
-from shardps.tables import TableConfig, adagrad, adam, normal, sparse_table
+from shardps.tables import Consistency, TableConfig, adagrad, adam, normal, sparse_table
 from tests.test_node_layers import FakePeers, G, Layers, T, dense_seg, dense_w, header, rows_seg, shard_map
 
 ROWS, DIM = 500, 4
@@ -61,18 +61,25 @@ def _run(node: Layers, order: str, seed: int, monkeypatch) -> int:
     admit = fast.admit_push
     admitted = _watch(monkeypatch, "admit_push")
     for seq, ids, grads, dense in _pushes(seed):
-        perm = np.argsort(ids) if order == "ascending" else np.argsort(-ids)
-        ids, grads = ids[perm], grads[perm]
-        if order == "repeated":
-            ids = np.concatenate([ids, ids[:1]])
-            grads = np.concatenate([grads, np.zeros((1, DIM), np.float32)])
-        e_seg, e_payload = rows_seg(ids, grads)
-        w_seg, w_payload = dense_seg(0, 16, dense)
         request_header = header(session="w0", sequence=seq)
         request_header.acked_below = seq
-        node.push(request_header, w_seg + e_seg, w_payload + e_payload)
+        node.push(request_header, *_segments(ids, grads, dense, order))
     monkeypatch.setattr(fast, "admit_push", admit)
     return sum(admitted)
+
+
+def _segments(ids, grads, dense, order: str):
+    """(segments, payload) of a push of table "e"'s rows and table "w"'s 16 elements, the
+    ids in ``order`` ("ascending", "descending", or "repeated": descending with the first id
+    again, its gradient row zeros)."""
+    perm = np.argsort(ids) if order == "ascending" else np.argsort(-ids)
+    ids, grads = ids[perm], grads[perm]
+    if order == "repeated":
+        ids = np.concatenate([ids, ids[:1]])
+        grads = np.concatenate([grads, np.zeros((1, DIM), np.float32)])
+    e_seg, e_payload = rows_seg(ids, grads)
+    w_seg, w_payload = dense_seg(0, 16, dense)
+    return w_seg + e_seg, w_payload + e_payload
 
 
 def _state(node: Layers) -> dict:
@@ -239,3 +246,71 @@ def test_only_blocks_with_backups_are_forwarded_and_their_backups_follow():
     assert sorted(backup.table.blocks) == [("j", "e", b) for b in (0, 2, 4, 6)] + [("j", "w", 0)]
     for key, blk in backup.table.blocks.items():
         assert block_digest(blk) == block_digest(primary.table.blocks[key]), key
+
+
+def _sync_run(node: Layers, order: str, seed: int, monkeypatch) -> int:
+    """Steps of a SYNC group of two workers: each pushes its rows (``order`` as in ``_run``)
+    and a dense gradient, then the step applies; returns how many pushes were accumulated
+    by the fast path."""
+    accumulated = _watch(monkeypatch, "accumulate_push")
+    pushes = list(_pushes(seed))
+    for step in range(len(pushes) // 2):
+        for rank in range(2):
+            _, ids, grads, dense = pushes[2 * step + rank]
+            request_header = header(session=f"w{rank}", sequence=step + 1, clock=step)
+            request_header.acked_below = step + 1
+            node.push(request_header, *_segments(ids, grads, dense, order))
+        assert node.steps.clocks["j"].applied_steps == step + 1
+    return sum(accumulated)
+
+
+@pytest.mark.parametrize("replicas", [("s0",), ("s0", "s1")], ids=["R=1", "R=2"])
+def test_a_sync_push_accumulated_by_the_fast_path_leaves_what_the_general_path_leaves(replicas, monkeypatch):
+    """SYNC members' pushes with unique ids are accumulated by ``fast.accumulate_push``;
+    with a repeated id (a zero row) by the general path. Once every step is applied the
+    rows, optimizer state, versions and exactly-once records are the same, on the primary
+    and its backup (which accumulates the forwarded parts and applies each block's step)."""
+    def cluster():
+        peers = FakePeers()
+        primary, backup = Layers("s0", peers), Layers("s1")
+        peers.nodes["s1"] = backup
+        sparse = T(sparse_table("e", DIM, num_rows=ROWS, num_blocks=8, init=normal(0.0, 0.1, seed=3)),
+                   [list(replicas)] * 8, TableConfig(optimizer=adagrad(0.1)))
+        msg = shard_map(1, [sparse, dense_w(replicas=[replicas] * 2, config=TableConfig(optimizer=adagrad(0.1)))],
+                        [G(["w0", "w1"], mode=Consistency.SYNC)])
+        primary.install(msg)
+        backup.install(msg)
+        return primary, backup
+
+    fast_primary, fast_backup = cluster()
+    slow_primary, slow_backup = cluster()
+    assert _sync_run(fast_primary, "descending", 8, monkeypatch) == 12
+    assert _sync_run(slow_primary, "repeated", 8, monkeypatch) == 0
+    assert _state(fast_primary) == _state(slow_primary)
+    if len(replicas) > 1:
+        assert _state(fast_backup) == _state(slow_backup) == _state(fast_primary)
+        assert not fast_primary.peers.sent("load_blocks")
+
+
+def test_a_sync_push_for_an_applied_step_is_refused_by_the_fast_path_and_changes_nothing(monkeypatch):
+    """The fast path decides the step (``SyncSteps.check_step_open``) before anything
+    changes: a member's push for a step already applied is refused, and no block keeps a
+    part of it."""
+    from shardps.errors import FailedPrecondition
+
+    node, _ = _cluster(("s0",), adagrad(0.1))
+    node.install(shard_map(2, [T(sparse_table("e", DIM, num_rows=ROWS, num_blocks=8, init=normal(0.0, 0.1, seed=3)),
+                                 [["s0"]] * 8, TableConfig(optimizer=adagrad(0.1)))],
+                           [G(["w0", "w1"], mode=Consistency.SYNC)]))
+    accumulated = _watch(monkeypatch, "accumulate_push")
+    ids = np.arange(0, 40, dtype=np.int64)
+    for rank in range(2):
+        seg, payload = rows_seg(ids, np.ones((40, DIM), np.float32))
+        node.push(header(epoch=2, session=f"w{rank}", sequence=1, clock=0), seg, payload)
+    assert node.steps.clocks["j"].applied_steps == 1 and accumulated == [True, True]
+    before = _state(node)
+    seg, payload = rows_seg(ids, np.ones((40, DIM), np.float32))
+    with pytest.raises(FailedPrecondition, match="step 0 .*already applied"):
+        node.push(header(epoch=2, session="w0", sequence=2, clock=0), seg, payload)
+    assert _state(node) == before
+    assert not any(blk.pending for blk in node.table.blocks.values())

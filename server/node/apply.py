@@ -175,10 +175,17 @@ class PushApplier:
                     f"client=true) and number the pushes from 1 (common.proto, RequestHeader)")
             group = table.view.groups.get(header.job)
             sync = group is not None and group.consistency is Consistency.SYNC and kind == GRADIENT
-            plan = fast.admit_push(table, header.job, header.epoch, kind, parsed) if parsed else None
+            member = sync and table.member(header)
+            plan = fast.admit_push(table, header.job, header.epoch, kind, parsed, member) if parsed else None
             t1 = time.perf_counter()
-            ack = None if plan is None else fast.apply_push(plan, writer, self.forwarder.forward_locked,
-                                                             self._updates_between)
+            if plan is None:
+                ack = None
+            elif member:
+                self._adopt(header)
+                ack = fast.accumulate_push(plan, header.job, writer, int(header.clock), self.steps,
+                                           self.forwarder.forward_locked)
+            else:
+                ack = fast.apply_push(plan, writer, self.forwarder.forward_locked, self._updates_between)
             if plan is not None and ack is not None:
                 self._observe(started, plan.units[0].table.config.optimizer.kind.name, t0, t1)
             else:
@@ -217,17 +224,22 @@ class PushApplier:
                 f"group, and session {header.session!r} is not a member under epoch "
                 f"{table.view.epoch}: join the group (PSClient.join) before pushing")
         if sync and table.member(header):
-            clock = self.steps.clocks.get(header.job)
-            if clock is not None and not clock.adopt(int(header.clock), pushing=True):
-                # a SYNC worker pushes step t only after pulling step t, which waited for
-                # step t - 1: a clock further ahead is not a real worker's
-                raise FailedPrecondition(
-                    f"SYNC push for step {header.clock} while this server has applied "
-                    f"{clock.applied_steps} steps: a worker pushes step t after pulling it")
+            self._adopt(header)
         ack = self.apply_parts(parts, kind, writer, sync, int(header.clock), parsed)
         if parts:
             self._observe(started, parts[0].table.config.optimizer.kind.name, t0, t1)
         return ack
+
+    def _adopt(self, header: Header) -> None:
+        """A SYNC member's push of step ``header.clock``: the clock learns the group's step
+        (``JobClock.adopt``), or FailedPrecondition for a step further ahead than any real
+        worker's: a SYNC worker pushes step t only after pulling step t, which waited for
+        step t - 1."""
+        clock = self.steps.clocks.get(header.job)
+        if clock is not None and not clock.adopt(int(header.clock), pushing=True):
+            raise FailedPrecondition(
+                f"SYNC push for step {header.clock} while this server has applied "
+                f"{clock.applied_steps} steps: a worker pushes step t after pulling it")
 
     def check_writer(self, header: Header) -> None:
         """A session's pushes are accepted only from its current incarnation: an older one

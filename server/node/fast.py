@@ -15,6 +15,11 @@ and holds, of tables without lifecycle policies, from a writer whose push is new
   missing, owed a resync or being copied (a copy destination added after admission) sends
   the push, whole, to the general path, which forwards to the copy too.
 
+``accumulate_push`` takes a SYNC member's push the same way: admitted as above, the step
+decided (``SyncSteps.check_step_open``: a push for an applied step is refused before
+anything changes), each block's part kept for the step (one grouping pass per sparse table),
+the same records, versions and forwarding (ACCUMULATE operations) as the general path's.
+
 ``read_pull`` does the same for the common pull (float32 values of dense ranges and sparse
 rows, not an export): ownership checked per table at once, every block locked at once, each
 sparse table's rows gathered in one compiled pass.
@@ -26,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -40,6 +45,9 @@ from shardps.server.node.decode import Segment, serves
 from shardps.server.node.table import BlockTable
 from shardps.shardmap import TableView
 from shardps.tables import Consistency, TableKind, dense_blocks_of_range
+
+if TYPE_CHECKING:
+    from shardps.server.node.steps import SyncSteps
 
 
 @dataclass
@@ -67,13 +75,16 @@ class FastPush:
     blocks: list[AnyBlock]              # every block, sorted by key
 
 
-def admit_push(table: BlockTable, job: str, epoch: int, kind: int, parsed: list[Segment]) -> FastPush | None:
-    """The plan of a push in the common case (see the module docstring), or None. Reads
-    the table's view and dicts (gate held shared); changes nothing."""
+def admit_push(table: BlockTable, job: str, epoch: int, kind: int, parsed: list[Segment],
+               sync: bool = False) -> FastPush | None:
+    """The plan of a push in the common case (see the module docstring), or None. ``sync``:
+    a SYNC member's push, to be accumulated (``accumulate_push``), not applied. Reads the
+    table's view and dicts (gate held shared); changes nothing."""
     view = table.view
     group = view.groups.get(job)
-    if kind != ps.GRADIENT or (group is not None and (group.consistency is not Consistency.ASYNC
-                                                       or group.quota_bytes)):
+    mode = Consistency.SYNC if sync else Consistency.ASYNC
+    if kind != ps.GRADIENT or (group is None and sync) or (
+            group is not None and (group.consistency is not mode or group.quota_bytes)):
         return None
     units: list[Unit] = []
     for s in parsed:
@@ -135,12 +146,9 @@ def apply_push(plan: FastPush, writer: Writer, forward, updates_between) -> Push
     sends the blocks' operations to their backups (``Forwarder.forward_locked``), decided
     per block under the locks (``BlockTable.has_backups``); ``updates_between`` (block key,
     updates) observes the versions pushed against (dense ``base_versions``)."""
-    table = plan.table
     with BlockLocks(plan.blocks):
-        if applied_any(plan.blocks, writer) or _unsettled(table, plan.blocks):
-            return None             # a retry, or a block the general path must handle
-        if any(not blk.initialized for u in plan.units if u.ids is None for blk in u.objects):  # type: ignore[union-attr]
-            return None             # a dense block without its initial values: refused whole there
+        if _for_the_general_path(plan, writer):
+            return None
         ops: list = []
         for u in plan.units:
             t = u.table
@@ -168,20 +176,90 @@ def apply_push(plan: FastPush, writer: Writer, forward, updates_between) -> Push
             if u.ids is not None:           # dense blocks counted their update themselves
                 for blk in u.objects:
                     blk.version += 1
-        remember_all(plan.blocks, writer)
-        if ops:
-            for blk_op in ops:
-                blk_op[1].version = blk_op[3].version
-            forward([blk_op[:3] for blk_op in ops], plan.blocks)
-        ack = PushAck()
+        return _commit(plan, writer, ops, forward)
+
+
+def accumulate_push(plan: FastPush, job: str, writer: Writer, step: int, steps: "SyncSteps",
+                    forward) -> PushAck | None:
+    """Accumulate an admitted SYNC push (``admit_push(sync=True)``) into its step: as
+    ``apply_push``, but each block keeps its part for ``steps`` to apply once the step is
+    complete (``SyncSteps.accumulate``'s copies, one grouping pass per sparse table instead
+    of a request part per block). ``SyncSteps.check_step_open`` decides the step, or refuses
+    the push, before anything changes. The caller checked membership and the clock."""
+    table = plan.table
+    with BlockLocks(plan.blocks):
+        if _for_the_general_path(plan, writer):
+            return None
+        step = steps.check_step_open(job, step, plan.blocks, writer)
+        ops: list = []
         for u in plan.units:
-            ack.versions.append(Versions(u.table.name, u.blocks, [blk.version for blk in u.objects]))
-        return ack
+            t = u.table
+            backed = _backed(u)
+            if u.ids is None:
+                for blk, has in zip(u.objects, backed):
+                    assert isinstance(blk, DenseBlock)
+                    lo, hi = max(u.lo, blk.start), min(u.hi, blk.stop)
+                    values = np.array(u.values[lo - u.lo:hi - u.lo], dtype=np.float32)
+                    blk.accumulate(step, (lo, hi, values))
+                    if has:
+                        ops.append(_op(blk, t, writer, ps.BlockOp(range=pb.Range(start=lo, stop=hi),
+                                                                  element_count=hi - lo), [values], step))
+                continue
+            assert u.blocks_of is not None     # a sparse unit
+            values = u.values.reshape(-1, t.spec.dim)
+            for blk, pos, has in zip(u.objects, _by_block(u), backed):
+                ids, rows = u.ids[pos], np.ascontiguousarray(values[pos], dtype=np.float32)
+                blk.accumulate(step, (ids, rows))
+                if has:
+                    ops.append(_op(blk, t, writer, ps.BlockOp(id_count=ids.shape[0], element_count=rows.size),
+                                   [ids, rows], step))
+        for blk in plan.blocks:
+            blk.version += 1
+        with table.lock:
+            steps.pending.setdefault(job, set()).update(blk.key for blk in plan.blocks)
+        return _commit(plan, writer, ops, forward)
 
 
-def _op(blk: AnyBlock, t: TableView, writer: Writer, op: ps.BlockOp, arrays: list) -> tuple:
-    """(key, op, arrays, block) of an APPLY of ``blk`` (its version is set once committed)."""
-    op.job, op.table, op.block, op.kind = blk.key[0], blk.key[1], blk.key[2], ps.APPLY
+def _for_the_general_path(plan: FastPush, writer: Writer) -> bool:
+    """Whether an admitted push goes to the general path after all (locks held): a retry
+    (a block already applied it: the general path counts the duplicates), a block the general
+    path must handle (``_unsettled``), or a dense block without its initial values (refused
+    whole there)."""
+    return (applied_any(plan.blocks, writer) or _unsettled(plan.table, plan.blocks)
+            or any(not blk.initialized for u in plan.units if u.ids is None for blk in u.objects))  # type: ignore[union-attr]
+
+
+def _commit(plan: FastPush, writer: Writer, ops: list, forward) -> PushAck:
+    """The end of a fast push (locks held, every block changed): the writer's exactly-once
+    record, the operations' versions and their forwarding, the acknowledgement."""
+    remember_all(plan.blocks, writer)
+    if ops:
+        for blk_op in ops:
+            blk_op[1].version = blk_op[3].version
+        forward([blk_op[:3] for blk_op in ops], plan.blocks)
+    ack = PushAck()
+    for u in plan.units:
+        ack.versions.append(Versions(u.table.name, u.blocks, [blk.version for blk in u.objects]))
+    return ack
+
+
+def _by_block(u: Unit) -> list[np.ndarray]:
+    """The positions of a sparse unit's rows in each of its blocks (``u.blocks`` order)."""
+    assert u.blocks_of is not None
+    order = np.argsort(u.blocks_of, kind="stable")
+    sorted_blocks = u.blocks_of[order]
+    starts = np.searchsorted(sorted_blocks, u.blocks, side="left").tolist()
+    ends = np.searchsorted(sorted_blocks, u.blocks, side="right").tolist()
+    return [order[a:z] for a, z in zip(starts, ends)]
+
+
+def _op(blk: AnyBlock, t: TableView, writer: Writer, op: ps.BlockOp, arrays: list, step: int | None = None) -> tuple:
+    """(key, op, arrays, block) of an APPLY of ``blk`` (its version is set once committed),
+    or, with ``step``, an ACCUMULATE into that SYNC step."""
+    op.job, op.table, op.block = blk.key[0], blk.key[1], blk.key[2]
+    op.kind = ps.APPLY if step is None else ps.ACCUMULATE
+    if step is not None:
+        op.step = step
     op.writer.CopyFrom(ps.WriterId(session=writer.session, incarnation=writer.incarnation,
                                    sequence=writer.sequence, acked_below=writer.acked_below))
     op.config_version = t.config.version
@@ -191,17 +269,12 @@ def _op(blk: AnyBlock, t: TableView, writer: Writer, op: ps.BlockOp, arrays: lis
 def _sparse_ops(u: Unit, values: np.ndarray, writer: Writer, backed: list[bool]) -> list:
     """One op per block of a sparse unit that has backups (``backed``, per block), with its
     ids and rows."""
-    assert u.ids is not None and u.blocks_of is not None
+    assert u.ids is not None
     t = u.table
-    order = np.argsort(u.blocks_of, kind="stable")
-    sorted_blocks = u.blocks_of[order]
-    starts = np.searchsorted(sorted_blocks, u.blocks, side="left")
-    ends = np.searchsorted(sorted_blocks, u.blocks, side="right")
     out = []
-    for a, z, blk, has in zip(starts.tolist(), ends.tolist(), u.objects, backed):
+    for pos, blk, has in zip(_by_block(u), u.objects, backed):
         if not has:
             continue
-        pos = order[a:z]
         ids, rows = np.ascontiguousarray(u.ids[pos]), np.ascontiguousarray(values[pos], dtype=np.float32)
         out.append(_op(blk, t, writer, ps.BlockOp(id_count=ids.shape[0], element_count=rows.size),
                        [ids, rows]))
