@@ -83,8 +83,7 @@ def admit_push(table: BlockTable, job: str, epoch: int, kind: int, parsed: list[
     view = table.view
     group = view.groups.get(job)
     mode = Consistency.SYNC if sync else Consistency.ASYNC
-    if kind != ps.GRADIENT or (group is None and sync) or (
-            group is not None and (group.consistency is not mode or group.quota_bytes)):
+    if kind != ps.GRADIENT or (group is not None and (group.consistency is not mode or group.quota_bytes)):
         return None
     units: list[Unit] = []
     for s in parsed:
@@ -186,7 +185,6 @@ def accumulate_push(plan: FastPush, job: str, writer: Writer, step: int, steps: 
     complete (``SyncSteps.accumulate``'s copies, one grouping pass per sparse table instead
     of a request part per block). ``SyncSteps.check_step_open`` decides the step, or refuses
     the push, before anything changes. The caller checked membership and the clock."""
-    table = plan.table
     with BlockLocks(plan.blocks):
         if _for_the_general_path(plan, writer):
             return None
@@ -213,10 +211,8 @@ def accumulate_push(plan: FastPush, job: str, writer: Writer, step: int, steps: 
                 if has:
                     ops.append(_op(blk, t, writer, ps.BlockOp(id_count=ids.shape[0], element_count=rows.size),
                                    [ids, rows], step))
-        for blk in plan.blocks:
+        for blk in plan.blocks:         # tracked as pending by check_step_open
             blk.version += 1
-        with table.lock:
-            steps.pending.setdefault(job, set()).update(blk.key for blk in plan.blocks)
         return _commit(plan, writer, ops, forward)
 
 

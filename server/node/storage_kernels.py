@@ -105,33 +105,22 @@ def _inside(ids, num_rows):
 
 
 @njit(**_JIT)
-def _sum_rows(ids, rows, table_bits, first, out):
-    """Distinct ``ids`` in order of first appearance into ``first``, each one's rows summed
-    into ``out`` in the order given (the first copied, not added to a zero: -0.0 stays).
-    Returns how many are distinct."""
-    size = 1 << table_bits
-    mask = size - 1
-    keys = np.empty(size, dtype=np.int64)
-    index = np.full(size, -1, dtype=np.int64)
+def _add_in_order(inverse, rows, out):
+    """Row ``i`` of ``rows`` into row ``inverse[i]`` of ``out``, one after another: copied where
+    it is that row's first (``first_unique`` numbers the ids in order of first appearance, so
+    row ``k`` first appears when ``k`` rows have been seen; copied, not added to a zero: -0.0
+    stays), added otherwise."""
     d = rows.shape[1]
-    count = 0
-    for i in range(ids.shape[0]):
-        x = ids[i]
-        p = np.int64((np.uint64(x) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(64 - table_bits))
-        while index[p] >= 0 and keys[p] != x:
-            p = (p + 1) & mask
-        k = index[p]
-        if k < 0:
-            index[p] = count
-            keys[p] = x
-            first[count] = x
+    seen = 0
+    for i in range(inverse.shape[0]):
+        k = inverse[i]
+        if k == seen:
             for j in range(d):
-                out[count, j] = rows[i, j]
-            count += 1
+                out[k, j] = rows[i, j]
+            seen += 1
         else:
             for j in range(d):
                 out[k, j] += rows[i, j]
-    return count
 
 
 def sum_rows(ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -139,12 +128,12 @@ def sum_rows(ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     repeated ids summed): each id's rows added one after another in the order they come,
     compiled or not (``np.add.reduceat``, as ``tables.coalesce`` sums, may add three or more
     rows in another order)."""
-    if not AVAILABLE or ids.shape[0] <= 1:
+    if not AVAILABLE:
         return _sum_rows_numpy(ids, rows)
-    first = np.empty(ids.shape[0], dtype=np.int64)
-    out = np.empty(rows.shape, dtype=np.float32)
-    m = _sum_rows(ids, rows, _table_bits(ids.shape[0]), first, out)
-    return first[:m], out[:m]
+    first, inverse = first_unique(ids)
+    out = np.empty((first.shape[0], rows.shape[1]), dtype=np.float32)
+    _add_in_order(inverse, rows, out)
+    return first, out
 
 
 def _sum_rows_numpy(ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
