@@ -207,8 +207,10 @@ def bind_caches(modules, client: PSClient, cache_bytes: int, staleness: int, loo
     ``cache_bytes``) read up to ``staleness`` steps old, in ASYNC jobs only: in SYNC jobs any
     step may change any row (their results stay those of one large batch), and in SSP jobs a
     cached row would add its age to the staleness the job's bound already allows.
-    ``lookahead``: a row pulled ahead is that many steps old less one when read (at least
-    one, for a lookup's own prefetch), so the bound must allow it."""
+    ``lookahead``: a lookup is planned that many steps ahead of its step, and the rows
+    cached by then were read from the servers at the earliest one step after the last plan's:
+    a cached row is at least ``lookahead`` steps old (one for a lookup's own prefetch), so a
+    lower bound would never read one."""
     from shardps.tables import Consistency
     wanted = [m for m in modules if m.cache is None
               and (m.cache_bytes if m.cache_bytes is not None else cache_bytes) > 0]
@@ -219,10 +221,11 @@ def bind_caches(modules, client: PSClient, cache_bytes: int, staleness: int, loo
         log.info("job %s is %s: embedding rows are read from the servers every step (the cache is for "
                  "ASYNC jobs)", client.job, group.consistency.name)
         return
-    least = max(1, lookahead - 1)
+    least = max(1, lookahead)
     if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < least:
-        raise InvalidArgument(f"cache_staleness={staleness!r}: must be an integer >= {least} (a row pulled "
-                              f"ahead of its step is {least} step(s) old when read)")
+        raise InvalidArgument(f"cache_staleness={staleness!r}: must be an integer >= {least} (with lookahead "
+                              f"{lookahead} a cached row is at least {least} step(s) old when a lookup is "
+                              f"planned: a lower bound never reads one)")
     for m in wanted:
         m.cache = RowCache(m.embedding_dim, m.cache_bytes if m.cache_bytes is not None else cache_bytes,
                            m.num_embeddings)

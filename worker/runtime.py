@@ -24,10 +24,11 @@ WAIT_WORKERS_SECONDS = 600.0        # --wait-workers: how long a worker waits fo
 CACHE_STALENESS_SAMPLES = 4096      # --cache-staleness 0: the steps this many samples take
 
 
-def cache_staleness_for(batch: int) -> int:
-    """``--cache-staleness 0``: the steps ``CACHE_STALENESS_SAMPLES`` samples take at ``batch``
-    (at least 1)."""
-    return max(1, CACHE_STALENESS_SAMPLES // max(1, batch))
+def cache_staleness_for(batch: int, lookahead: int = 1) -> int:
+    """``--cache-staleness 0``: the steps ``CACHE_STALENESS_SAMPLES`` samples take at ``batch``,
+    at least ``lookahead`` (the age of the youngest cached row when a lookup is planned: a
+    lower bound would never read one)."""
+    return max(1, lookahead, CACHE_STALENESS_SAMPLES // max(1, batch))
 
 
 def add_training_flags(fs) -> None:
@@ -68,8 +69,10 @@ def add_training_flags(fs) -> None:
            "table, and read them without a pull while they are at most --cache-staleness steps old "
            "(0: no cache; ASYNC jobs only: SYNC and SSP jobs read every row from the servers)")
     fs.add("--cache-staleness", 0, "the most steps a cached row is read after it was pulled (0: the steps "
-           f"{CACHE_STALENESS_SAMPLES:,} samples take at the batch size: 8 at 512, 1 at 4,096. A bound in steps "
-           "skips more of the worker's own updates to a row the larger its batch)")
+           f"{CACHE_STALENESS_SAMPLES:,} samples take at the batch size, at least the lookahead: 8 at 512, 2 at "
+           "4,096 with --overlap. A bound in steps skips more of the worker's own updates to a row the larger "
+           "its batch; with --overlap it must be at least the lookahead, the age of the youngest cached row "
+           "when a lookup is planned)")
     fs.add("--wait-workers", 0, "before the first step, wait until the job has this many workers (0: start "
            "at once). Give SYNC jobs their worker count: every worker then starts at step 0 with the same share "
            f"of the data and, with --scale-lr, the same learning rate. Fails after {WAIT_WORKERS_SECONDS:.0f} s")
@@ -404,10 +407,11 @@ def run_worker(args) -> int:
         kernels.prepare(log)       # before the first step, not inside it
         world = max(1, membership.world_size, _wait_for_workers(client, args.wait_workers))
         opt, per_table = _lr_scaled(task, args, world)
+        lookahead = args.lookahead or _default_lookahead(task.model)
         ps_model = PSModel(task.model, client, optimizer=opt, optimizers=per_table, overlap=args.overlap,
-                           lookahead=args.lookahead or _default_lookahead(task.model),
-                           cache_bytes=args.cache_bytes, cache_staleness=args.cache_staleness
-                           or cache_staleness_for(args.batch_size or task.batch_size))
+                           lookahead=lookahead, cache_bytes=args.cache_bytes,
+                           cache_staleness=args.cache_staleness or cache_staleness_for(
+                               args.batch_size or task.batch_size, lookahead if args.overlap else 1))
         ps_model.create_tables()
         resume = ps_model.resume()
         if resume is not None:

@@ -211,8 +211,8 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         if self._prefetch and self._prefetch[0][0] == self.step:
             _, future, carried = self._prefetch.popleft()
             res = future.result()[1]                             # (push, pull) of an exchange
-            for (emb, ids, plan, refreshed), rows in zip(carried, res.values[len(names):]):
-                emb._provide(ids, emb.complete(plan, rows, refreshed))
+            for emb, ids, rows in _completed(carried, res.values[len(names):]):
+                emb._provide(ids, rows)
             _load_dense(self.dense, names, res.values, self.copies)
             names = []                                           # loaded from the exchange
             waited = res.waited_seconds
@@ -266,6 +266,7 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         started = time.perf_counter()
         requests = _gradient_requests(self.dense, self.embeddings.values(), self.copies)
         self.flush()
+        self._cache_arrived()
         prefetch = None
         future = None
         if not self.overlap and self.lookups.learned:
@@ -303,6 +304,19 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
             result = future.result()
         self.timings["push_wait"] += time.perf_counter() - started
         return result
+
+    def _cache_arrived(self) -> None:
+        """Complete the embedding rows of every prefetch whose exchange has returned (``flush``
+        waited for the last one) while its step is still ahead: its rows enter the caches now,
+        before this push plans the lookups of step ``step + lookahead``. With lookahead 2 a
+        cached row is then 2 steps old when a plan reads it; completed when its step reads
+        it, 3."""
+        names = len(self.dense)
+        for k, (use, future, carried) in enumerate(self._prefetch):
+            if isinstance(carried, _Completed) or not future.done() or future.exception() is not None:
+                continue
+            rows = future.result()[1].values[names:]
+            self._prefetch[k] = (use, future, _Completed(_completed(carried, rows)))
 
     @property
     def lookahead(self) -> int:
@@ -352,6 +366,19 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
 def _under(name: str, prefixes: Sequence[str]) -> bool:
     """Whether parameter ``name`` lies under one of the module paths ``prefixes``."""
     return any(name == p or name.startswith(p.rstrip(".") + ".") for p in prefixes)
+
+
+class _Completed(list):
+    """A prefetch's (embedding, ids, rows), completed before its step (``_cache_arrived``)."""
+
+
+def _completed(carried, pulled) -> list:
+    """(embedding, ids, rows) of a prefetch's lookups: each plan's cached rows with its
+    ``pulled`` misses (which refresh the cache); as they were if already completed."""
+    if isinstance(carried, _Completed):
+        return carried
+    return [(emb, ids, emb.complete(plan, rows, refreshed))
+            for (emb, ids, plan, refreshed), rows in zip(carried, pulled)]
 
 
 def _load_dense(dense: dict[str, nn.Parameter], names: list[str], values: list, copies: DeviceCopies) -> None:

@@ -23,8 +23,8 @@ Both runs: ``e2e_workers`` ``shardps worker`` processes against ``e2e_servers`` 
   ``shardps worker --device cuda`` (2 GPU workers, 2 servers, the largest of ``gpu_batches``),
   with one GPU process holding the table beside them (``cache_gpu_single_*``,
   ``ratio_cache_gpu_on_over_single``), the staleness bound ``shardps worker``'s default at
-  that batch, the CPU runs' 8 steps of 512 in samples (``cache_gpu_on_staleness_bound``: 1
-  step of 4,096; at 8 steps of 4,096 the workers' AUC fell by 0.06); elsewhere
+  that batch with lookahead 2 (``cache_gpu_on_staleness_bound``: 2 steps of 4,096, the least
+  bound that reads a cached row; at 8 steps of 4,096 the workers' AUC fell by 0.06); elsewhere
   ``cache_gpu_skipped`` = 1.
 """
 
@@ -108,7 +108,7 @@ def _on_the_gpu(cfg: BenchConfig, progress) -> dict[str, float]:
     progress(f"cache on the GPU: batch {batch}, one GPU process {single['samples_per_s']:,.0f} samples/s, "
              f"AUC {single['auc']:.4f}")
     from shardps.worker.runtime import cache_staleness_for
-    staleness = cache_staleness_for(batch)      # shardps worker's default: 1 step of 4,096
+    staleness = cache_staleness_for(batch, 2)   # shardps worker's default: 2 steps of 4,096 (lookahead 2)
     out = {"cache_gpu_skipped": 0.0, "cache_gpu_batch": float(batch), "cache_gpu_on_staleness_bound": float(staleness),
            "cache_gpu_single_samples_per_s": single["samples_per_s"], "cache_gpu_single_auc": single["auc"]}
     out.update(_off_and_on(cfg, progress, "cache_gpu", argv + ["--device", "cuda"], workers, workers, staleness))
