@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 import grpc
+import numpy as np
 from google.protobuf.message import DecodeError
 
 from shardps.errors import InvalidArgument, Unavailable, UnknownRegion
@@ -65,7 +66,7 @@ _NONE = _Plane("")              # cached: this server has no data plane
 
 
 def _nbytes(buffers) -> int:
-    return sum(byte_view(b).nbytes for b in buffers)
+    return sum(b.nbytes if isinstance(b, np.ndarray) else byte_view(b).nbytes for b in buffers)
 
 
 def _decoded(server: str, decode: Callable[[bytes], T], raw: bytes) -> T:

@@ -31,6 +31,7 @@ selector) with InvalidArgument naming what; it never reads past the buffer.
 
 from __future__ import annotations
 
+import functools
 import struct
 
 import numpy as np
@@ -60,22 +61,35 @@ _PUSH = struct.Struct("<BQ")
 _PULL_REPLY = struct.Struct("<QqBdH")
 _LAYOUT = struct.Struct("<BQQ")
 _SELECTORS = {None: 0, RANGE: 1, ROWS: 2}
+_SELECT_RANGE = struct.Struct("<Bqq")         # a segment's selector and its range
+_SELECT_ROWS = struct.Struct("<BQ")           # ... and its rows' count
+_NO_SELECTOR = _B.pack(0)
+_NO_VERSIONS = _I.pack(0)                     # base versions: none
 
 
 # ====================================================================== writing
-def _str(out: list, text: str) -> None:
+@functools.lru_cache(maxsize=4096)
+def _packed_str(text: str) -> bytes:
+    """``text`` as a packed ``str``: a job's, a session's and its tables' names recur in every
+    request, so each is encoded once."""
     raw = text.encode()
     if len(raw) > 0xFFFF:
         raise InvalidArgument(f"{text[:40]!r}...: a name of {len(raw)} bytes does not fit a packed header")
-    out.append(_H.pack(len(raw)))
-    out.append(raw)
+    return _H.pack(len(raw)) + raw
+
+
+def _str(out: list, text: str) -> None:
+    out.append(_packed_str(text))
+
+
+@functools.lru_cache(maxsize=1024)
+def _header_head(job: str, epoch: int, session: str) -> bytes:
+    """A header's fields up to its session: the same in each request of a session's epoch."""
+    return b"".join((_B.pack(VERSION), _packed_str(job), _Q.pack(epoch), _packed_str(session)))
 
 
 def _header(out: list, h: Header) -> None:
-    out.append(_B.pack(VERSION))
-    _str(out, h.job)
-    out.append(_Q.pack(h.epoch))
-    _str(out, h.session)
+    out.append(_header_head(h.job, h.epoch, h.session))
     out.append(_HEADER_TAIL.pack(h.incarnation, h.sequence, h.acked_below, h.clock, h.wire_dtype))
 
 
@@ -89,16 +103,17 @@ def _count(out: list, n: int, what: str) -> None:
 def _segments(out: list, segments) -> None:
     _count(out, len(segments), "segments in one request to one server")
     for s in segments:
-        _str(out, s.table)
+        out.append(_packed_str(s.table))
         if s.selector == RANGE:
-            out.append(_B.pack(1))
-            out.append(_RANGE.pack(s.start, s.stop))
+            out.append(_SELECT_RANGE.pack(1, s.start, s.stop))
         elif s.selector == ROWS:
-            out.append(_B.pack(3 if s.all_stored else 2))
-            out.append(_Q.pack(s.count))
+            out.append(_SELECT_ROWS.pack(3 if s.all_stored else 2, s.count))
         else:
-            out.append(_B.pack(0))
-        _base_versions(out, s.base_versions)
+            out.append(_NO_SELECTOR)
+        if s.base_versions:
+            _base_versions(out, s.base_versions)
+        else:
+            out.append(_NO_VERSIONS)
 
 
 def _base_versions(out: list, base: dict[int, int]) -> None:

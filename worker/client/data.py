@@ -208,13 +208,14 @@ class DataPath:
         sparse_bytes = 0
         for p, layout in zip(ps_, head.segments):
             wire = WireDType.parse(int(layout.dtype))
-            got_ids = np.empty(0, np.int64)          # a server holding none of the rows
-            if layout.ids:
-                got_ids = np.frombuffer(payload.read(int(layout.ids) * 8), dtype="<i8").copy()
+            if layout.ids and not p.all_stored:
+                payload.read(int(layout.ids) * 8)        # the ids of rows asked by id: known
             count = int(layout.elements)
             if not p.dense:             # the reply's ids (an export's) and rows of a sparse table
                 sparse_bytes += int(layout.ids) * 8 + count * wire.itemsize
             if p.all_stored:
+                got_ids = (np.frombuffer(payload.read(int(layout.ids) * 8), dtype="<i8").copy() if layout.ids
+                           else np.empty(0, np.int64))           # a server holding none of the rows
                 values = dtypes.decode(payload.read(count * wire.itemsize), wire, count)
                 with lock:
                     stored.setdefault(p.item, []).append((got_ids, values.copy()))
