@@ -277,7 +277,7 @@ def unique_inverse(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         unique, inverse = np.unique(ids, return_inverse=True)
         return unique, inverse.reshape(-1)
     first, inverse = _hash_unique(ids, _table_bits(ids.shape[0]))
-    order = np.argsort(first, kind="stable")
+    order = np.argsort(first)      # distinct keys: any sort orders them alike (stable: 4 x slower)
     rank = np.empty(order.shape[0], dtype=np.int64)
     rank[order] = np.arange(order.shape[0], dtype=np.int64)
     return first[order], rank[inverse]
