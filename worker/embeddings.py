@@ -225,7 +225,7 @@ def bind_caches(modules, client: PSClient, cache_bytes: int, staleness: int, loo
     if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < least:
         raise InvalidArgument(f"cache_staleness={staleness!r}: must be an integer >= {least} (with lookahead "
                               f"{lookahead} a cached row is at least {least} step(s) old when a lookup is "
-                              f"planned: a lower bound never reads one)")
+                              f"planned: a lower bound never reads one): raise it, or set the lookahead to 1")
     for m in wanted:
         m.cache = RowCache(m.embedding_dim, m.cache_bytes if m.cache_bytes is not None else cache_bytes,
                            m.num_embeddings)
