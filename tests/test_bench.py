@@ -132,6 +132,23 @@ def test_exchange_split_divides_the_cpu_of_both_sides(capsys):
     assert [getattr(owner, name) for owner, name in exchange_split.KERNELS + exchange_split.SOCKET] == before
 
 
+@pytest.mark.slow               # ~10 s: two server processes, a worker in this process
+def test_worker_split_measures_the_loop_the_exchanges_and_the_servers(capsys):
+    from shardps.bench import worker_split
+    from shardps.worker import runtime
+    train = runtime.train_with_ps
+    assert worker_split.main(["--train-samples", "40960", "--rounds", "1"]) == 0
+    assert runtime.train_with_ps is train            # the wrapper is gone
+    out = capsys.readouterr().out
+    assert "round 1/1: 80 steps" in out, out
+    table = {line[:30].strip(): float(line[30:]) for line in out.splitlines()[-5:]}
+    assert set(table) == {"wall", "training thread cpu", "other threads cpu", "servers cpu",
+                          "forward and backward alone"}, table
+    # every part ran and took time; the training thread's CPU fits in the wall time
+    assert all(v > 0 for v in table.values()), table
+    assert table["training thread cpu"] <= table["wall"] * 1.05, table
+
+
 @pytest.mark.slow               # ~15 s: two local clusters of two server processes, one process
 def test_many_tables_compares_a_block_count_with_the_default(capsys, monkeypatch):
     from shardps.bench import many_tables

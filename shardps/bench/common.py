@@ -76,6 +76,13 @@ def proc_status_kb(pid: int, field: str = "VmRSS") -> int:
     raise BenchError(f"/proc/{pid}/status has no {field}")
 
 
+def proc_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (``/proc/PID/stat``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def self_peak_rss_kb() -> int:
     """This process's peak resident memory (VmHWM), KiB."""
     return proc_status_kb(os.getpid(), "VmHWM")

@@ -23,7 +23,7 @@ import os
 import time
 
 from shardps.bench import ddp, ps_runs
-from shardps.bench.common import ratio
+from shardps.bench.common import proc_cpu_seconds, ratio
 from shardps.bench.config import BenchConfig
 from shardps.bench.e2e import run_single, worker_args
 
@@ -34,12 +34,6 @@ def points(cores: int, chosen: tuple[tuple[int, int], ...] = ()) -> list[tuple[i
     """The (workers, servers) points with workers + servers <= ``cores``: of ``POINTS``, or of
     ``chosen`` where given (``--scale-points``)."""
     return [(w, s) for w, s in (chosen or POINTS) if w + s <= cores]
-
-
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run(cfg: BenchConfig, progress) -> dict[str, float]:
@@ -57,11 +51,11 @@ def run(cfg: BenchConfig, progress) -> dict[str, float]:
             t0 = time.monotonic()
             with LocalCluster(servers=s, replication=1) as cluster:
                 pids = [p.popen.pid for p in cluster.servers.values()]
-                cpu0, wall0 = sum(_cpu_seconds(p) for p in pids), time.monotonic()
+                cpu0, wall0 = sum(proc_cpu_seconds(p) for p in pids), time.monotonic()
                 results = ps_runs.train(cluster, f"scale-{mode}", w, worker_args(mode, rows, n),
                                         cfg.process_timeout_s)
                 wall = time.monotonic() - wall0
-                cpu = sum(_cpu_seconds(p) for p in pids) - cpu0
+                cpu = sum(proc_cpu_seconds(p) for p in pids) - cpu0
             summary = ps_runs.summarize(results)
             out[f"{key}_ps_{mode}_samples_per_s"] = summary["samples_per_s"]
             if mode == "async":

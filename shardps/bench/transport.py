@@ -25,14 +25,13 @@ at replication 1 and 2, wall and CPU per step, against ``transport_ctr_step_comp
 
 from __future__ import annotations
 
-import os
 import socket
 import struct
 import time
 
 import numpy as np
 
-from shardps.bench.common import BenchError, Children, gbps, median, ratio
+from shardps.bench.common import BenchError, Children, gbps, median, proc_cpu_seconds, ratio
 from shardps.bench.config import MIB, BenchConfig
 
 
@@ -94,7 +93,7 @@ def run(cfg: BenchConfig, progress) -> dict[str, float]:
     out.update(_ps_small_call(cfg, progress))
     out.update(_ps_step(cfg, progress))
     out.update(_ps_step(cfg, progress, replication=2))
-    out.update(_ctr_compute(cfg, progress))
+    out.update(ctr_compute(progress))
     compute = out["transport_ctr_step_compute_cpu_ms"]
     data_path = out["transport_ps_step_exchange_client_cpu_ms"] + out["transport_ps_step_exchange_server_cpu_ms"]
     out["ratio_transport_step_cpu_over_compute"] = ratio(data_path, compute)
@@ -105,7 +104,7 @@ def run(cfg: BenchConfig, progress) -> dict[str, float]:
     return out
 
 
-def _ctr_compute(cfg: BenchConfig, progress, steps: int = 60) -> dict[str, float]:
+def ctr_compute(progress, steps: int = 60) -> dict[str, float]:
     """``transport_ctr_step_compute_cpu_ms``: the CPU of one ctr training step's forward and
     backward on one thread (a batch of 512 samples of the ctr data, the rows it touches as a
     sparse ``nn.Embedding``, the MLP 416-64-1, BCE), median over ``steps`` steps: what a
@@ -327,13 +326,6 @@ def _table(out: dict[str, float], cfg: BenchConfig) -> list[str]:
     return lines
 
 
-def _proc_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (``/proc/PID/stat``)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _ps_small_call(cfg: BenchConfig, progress) -> dict[str, float]:
     """A 1-row ``PSClient.pull_rows`` against a one-server ``LocalCluster`` (manager and
     server in their own processes, the client here), over the data plane and, for
@@ -359,12 +351,12 @@ def _ps_small_call(cfg: BenchConfig, progress) -> dict[str, float]:
             for r in range(cfg.transport_rounds):
                 for name in (("ps", "ps_grpc") if r % 2 == 0 else ("ps_grpc", "ps")):
                     c, times = clients[name], []
-                    cpu0, server0 = time.process_time(), _proc_cpu_seconds(server_pid)
+                    cpu0, server0 = time.process_time(), proc_cpu_seconds(server_pid)
                     for _ in range(n):
                         t0 = time.perf_counter()
                         c.pull_rows("e", one)
                         times.append(time.perf_counter() - t0)
-                    cpu = (time.process_time() - cpu0 + _proc_cpu_seconds(server_pid) - server0) / n
+                    cpu = (time.process_time() - cpu0 + proc_cpu_seconds(server_pid) - server0) / n
                     samples.setdefault(f"transport_{name}_small_rtt_us", []).append(median(times) * 1e6)
                     samples.setdefault(f"transport_{name}_small_cpu_us", []).append(cpu * 1e6)
         finally:
@@ -428,13 +420,13 @@ def _ps_step(cfg: BenchConfig, progress, replication: int = 1) -> dict[str, floa
                     times = []
                     steps = [(batch(), batch()) for _ in range(20)]
                     spent = cpu.setdefault(key, [0.0, 0.0])
-                    client0, servers0 = time.process_time(), sum(_proc_cpu_seconds(p) for p in pids)
+                    client0, servers0 = time.process_time(), sum(proc_cpu_seconds(p) for p in pids)
                     for u, v in steps:
                         t0 = time.perf_counter()
                         fn(u, v)
                         times.append((time.perf_counter() - t0) * 1e3)
                     spent[0] += time.process_time() - client0
-                    spent[1] += sum(_proc_cpu_seconds(p) for p in pids) - servers0
+                    spent[1] += sum(proc_cpu_seconds(p) for p in pids) - servers0
                     samples.setdefault(key, []).append(median(times))
     out = {k: median(v) for k, v in samples.items()}
     for key, (client, servers) in cpu.items():
