@@ -60,7 +60,6 @@ _RANGE = struct.Struct("<qq")
 _PUSH = struct.Struct("<BQ")
 _PULL_REPLY = struct.Struct("<QqBdH")
 _LAYOUT = struct.Struct("<BQQ")
-_SELECTORS = {None: 0, RANGE: 1, ROWS: 2}
 _SELECT_RANGE = struct.Struct("<Bqq")         # a segment's selector and its range
 _SELECT_ROWS = struct.Struct("<BQ")           # ... and its rows' count
 _NO_SELECTOR = _B.pack(0)
