@@ -209,9 +209,9 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         while self._prefetch and self._prefetch[0][0] < self.step:
             self._prefetch.popleft()                # fetched for a step that was not run
         if self._prefetch and self._prefetch[0][0] == self.step:
-            _, future, carried = self._prefetch.popleft()
-            res = future.result()[1]                             # (push, pull) of an exchange
-            for emb, ids, rows in _completed(carried, res.values[len(names):]):
+            res = self._prefetch[0][1].result()[1]               # (push, pull) of an exchange
+            self._cache_arrived()                                # completes its rows (and any returned)
+            for emb, ids, rows in self._prefetch.popleft()[2]:
                 emb._provide(ids, rows)
             _load_dense(self.dense, names, res.values, self.copies)
             names = []                                           # loaded from the exchange
@@ -306,17 +306,19 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         return result
 
     def _cache_arrived(self) -> None:
-        """Complete the embedding rows of every prefetch whose exchange has returned (``flush``
-        waited for the last one) while its step is still ahead: its rows enter the caches now,
-        before this push plans the lookups of step ``step + lookahead``. With lookahead 2 a
-        cached row is then 2 steps old when a plan reads it; completed when its step reads
-        it, 3."""
+        """Complete the embedding rows of every prefetch whose exchange has returned (each
+        plan's cached rows with its pulled misses, which refresh the cache), once: in ``push``
+        (``flush`` waited for the last exchange) its rows enter the caches before this push
+        plans the lookups of step ``step + lookahead``. With lookahead 2 a cached row is then 2
+        steps old when a plan reads it; completed only when its step read it, 3."""
         names = len(self.dense)
         for k, (use, future, carried) in enumerate(self._prefetch):
             if isinstance(carried, _Completed) or not future.done() or future.exception() is not None:
                 continue
-            rows = future.result()[1].values[names:]
-            self._prefetch[k] = (use, future, _Completed(_completed(carried, rows)))
+            pulled = future.result()[1].values[names:]
+            self._prefetch[k] = (use, future, _Completed(
+                (emb, ids, emb.complete(plan, rows, refreshed))
+                for (emb, ids, plan, refreshed), rows in zip(carried, pulled)))
 
     @property
     def lookahead(self) -> int:
@@ -369,16 +371,7 @@ def _under(name: str, prefixes: Sequence[str]) -> bool:
 
 
 class _Completed(list):
-    """A prefetch's (embedding, ids, rows), completed before its step (``_cache_arrived``)."""
-
-
-def _completed(carried, pulled) -> list:
-    """(embedding, ids, rows) of a prefetch's lookups: each plan's cached rows with its
-    ``pulled`` misses (which refresh the cache); as they were if already completed."""
-    if isinstance(carried, _Completed):
-        return carried
-    return [(emb, ids, emb.complete(plan, rows, refreshed))
-            for (emb, ids, plan, refreshed), rows in zip(carried, pulled)]
+    """A prefetch's (embedding, ids, rows), completed by ``_cache_arrived``."""
 
 
 def _load_dense(dense: dict[str, nn.Parameter], names: list[str], values: list, copies: DeviceCopies) -> None:

@@ -83,6 +83,11 @@ def proc_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_cpu_seconds(ident: int) -> float:
+    """CPU seconds of this process's thread ``ident`` (``threading.get_ident()``) so far."""
+    return time.clock_gettime(time.pthread_getcpuclockid(ident))
+
+
 def self_peak_rss_kb() -> int:
     """This process's peak resident memory (VmHWM), KiB."""
     return proc_status_kb(os.getpid(), "VmHWM")

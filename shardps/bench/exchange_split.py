@@ -30,7 +30,7 @@ import time
 import numpy as np
 
 from shardps import kernels
-from shardps.bench.common import in_process_cluster
+from shardps.bench.common import in_process_cluster, thread_cpu_seconds
 from shardps.rpc import frames
 from shardps.server.node import storage_kernels
 
@@ -82,7 +82,7 @@ class _Spent:
 
 def _cpu(threads) -> float:
     """CPU seconds of these threads (``threading.get_ident()`` values) so far."""
-    return sum(time.clock_gettime(time.pthread_getcpuclockid(t)) for t in threads)
+    return sum(thread_cpu_seconds(t) for t in threads)
 
 
 def measure(steps: int, rounds: int, warmup: int = 200, progress=print) -> dict[str, float]:

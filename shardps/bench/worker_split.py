@@ -28,7 +28,7 @@ import statistics
 import threading
 import time
 
-from shardps.bench.common import proc_cpu_seconds
+from shardps.bench.common import proc_cpu_seconds, thread_cpu_seconds
 from shardps.bench.transport import ctr_compute
 
 PARTS = ("wall", "training_thread_cpu", "other_threads_cpu", "servers_cpu")
@@ -41,7 +41,7 @@ def _threads_cpu() -> dict[int, float]:
         if t.ident is None:
             continue
         try:
-            out[t.ident] = time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+            out[t.ident] = thread_cpu_seconds(t.ident)
         except (OSError, ProcessLookupError):     # it ended meanwhile
             continue
     return out
