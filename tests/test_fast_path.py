@@ -9,9 +9,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from shardps.errors import InvalidArgument
+from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.server.node import fast, snapshot_block
 from shardps.server.node.digest import block_digest
-from shardps.tables import Consistency, TableConfig, adagrad, adam, normal, sparse_table
+from shardps.tables import Consistency, TableConfig, adagrad, adam, normal, sparse_block_of, sparse_table
 from tests.test_node_layers import FakePeers, G, Layers, T, dense_seg, dense_w, header, rows_seg, shard_map
 
 ROWS, DIM = 500, 4
@@ -242,10 +244,93 @@ def test_only_blocks_with_backups_are_forwarded_and_their_backups_follow():
     w_seg, w_payload = dense_seg(0, 16, np.ones(16))
     primary.push(header(session="w0", sequence=1), w_seg + e_seg, w_payload + e_payload)
     (_, _, _, ops), = peers.sent("replicate")
-    assert sorted((op.table, op.block) for op in ops) == [("e", 0), ("e", 2), ("e", 4), ("e", 6), ("w", 0)]
+    assert sorted((op.table, b) for op in ops for b in _op_blocks(op)) == [
+        ("e", 0), ("e", 2), ("e", 4), ("e", 6), ("w", 0)]
+    assert [op.kind for op in ops if op.table == "e"] == [ps.APPLY_ROWS]     # one op for the table's rows
     assert sorted(backup.table.blocks) == [("j", "e", b) for b in (0, 2, 4, 6)] + [("j", "w", 0)]
     for key, blk in backup.table.blocks.items():
         assert block_digest(blk) == block_digest(primary.table.blocks[key]), key
+
+
+def _op_blocks(op) -> list[int]:
+    return list(op.blocks) if op.kind == ps.APPLY_ROWS else [op.block]
+
+
+def _sparse_cluster(replicas: list, backups=("s1",)):
+    """A primary s0 of table "e" (8 blocks, ``replicas`` per block) and its backups,
+    delivering in memory; every node holds the same map."""
+    peers = FakePeers()
+    primary = Layers("s0", peers)
+    nodes = {name: Layers(name) for name in backups}
+    peers.nodes.update(nodes)
+    sparse = T(sparse_table("e", DIM, num_rows=ROWS, num_blocks=8, init=normal(0.0, 0.1, seed=3)), replicas,
+               TableConfig(optimizer=adagrad(0.1)))
+    msg = shard_map(1, [sparse], [G(["w0"])])
+    for node in (primary, *nodes.values()):
+        node.install(msg)
+    return primary, nodes, peers
+
+
+def _same_blocks(primary: Layers, backup: Layers) -> None:
+    assert backup.table.blocks
+    for key, blk in backup.table.blocks.items():
+        assert block_digest(blk) == block_digest(primary.table.blocks[key]), key
+        assert blk.version == primary.table.blocks[key].version, key
+
+
+def test_a_tables_rows_go_to_each_set_of_backups_in_one_op():
+    """Blocks of one table with different backups: each backup is sent one APPLY_ROWS op
+    with the rows of its blocks only, and ends with the primary's blocks."""
+    replicas = [["s0", "s1"] if b % 2 == 0 else ["s0", "s2"] for b in range(8)]
+    primary, nodes, peers = _sparse_cluster(replicas, ("s1", "s2"))
+    ids = np.arange(0, ROWS, 3, dtype=np.int64)
+    for seq in (1, 2):
+        primary.push(header(session="w0", sequence=seq), *rows_seg(ids, np.full((ids.shape[0], DIM), seq, np.float32)))
+    calls = peers.sent("replicate")
+    assert sorted(c[1] for c in calls) == ["s1", "s1", "s2", "s2"]
+    blocks_of = sparse_block_of(ids, 8)
+    for _, node, _, ops in calls:
+        (op,) = ops
+        mine = [b for b in range(8) if node in replicas[b]]
+        assert op.kind == ps.APPLY_ROWS and sorted(op.blocks) == mine
+        assert op.id_count == np.isin(blocks_of, mine).sum()
+    for node in nodes.values():
+        _same_blocks(primary, node)
+    assert not peers.sent("load_blocks")
+
+
+def test_a_backup_behind_on_one_block_applies_the_others_and_is_sent_that_one_whole():
+    primary, nodes, peers = _sparse_cluster([["s0", "s1"]] * 8)
+    ids = np.arange(0, ROWS, 5, dtype=np.int64)
+    primary.push(header(session="w0", sequence=1), *rows_seg(ids, np.ones((ids.shape[0], DIM), np.float32)))
+    behind = ("j", "e", 3)
+    nodes["s1"].table.blocks[behind].version -= 1            # diverged on block 3 only
+    primary.push(header(session="w0", sequence=2), *rows_seg(ids, np.ones((ids.shape[0], DIM), np.float32)))
+    (_, _, _, snaps), = peers.sent("load_blocks")
+    assert [tuple(s.header.ref.block for s in snaps)] == [(3,)]
+    _same_blocks(primary, nodes["s1"])
+
+
+@pytest.mark.parametrize("ids, blocks, error", [
+    ([1, 2, 700], None, "inside the table"),           # an id outside [0, ROWS)
+    ([1, 2, 2], None, "unique"),
+    (None, [0], "in those blocks"),                    # rows of blocks the op does not list
+])
+def test_a_malformed_apply_rows_op_is_refused_and_changes_nothing(ids, blocks, error):
+    """A backup checks an APPLY_ROWS op's rows (unique, inside the table, in its blocks)
+    before it changes anything."""
+    _, nodes, _ = _sparse_cluster([["s0", "s1"]] * 8)
+    backup = nodes["s1"]
+    ids = np.asarray(ids if ids is not None else np.arange(0, 40), np.int64)
+    listed = blocks if blocks is not None else list(range(8))
+    op = ps.BlockOp(job="j", table="e", block=listed[0], kind=ps.APPLY_ROWS, blocks=listed,
+                    versions=[1] * len(listed), id_count=ids.shape[0], element_count=ids.shape[0] * DIM,
+                    config_version=backup.table.view.tables[("j", "e")].config.version)
+    before = _state(backup)
+    payload = ids.tobytes() + np.ones((ids.shape[0], DIM), np.float32).tobytes()
+    with pytest.raises(InvalidArgument, match=error):
+        backup.backup.apply_replicated(1, "s0", [op], payload)
+    assert _state(backup) == before
 
 
 def _sync_run(node: Layers, order: str, seed: int, monkeypatch) -> int:

@@ -19,9 +19,10 @@ from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc import messages
 from shardps.server.node import NodeLimits, ServerNode, snapshot_block
 from shardps.server.node.apply import JobHolds, PushApplier
+from shardps.server.node.backup import BackupApplier
 from shardps.server.node.decode import check_header, parse_segments, split
 from shardps.server.node.pull import PullReader
-from shardps.server.node.replication import BackupApplier, Forwarder
+from shardps.server.node.replication import Forwarder
 from shardps.server.node.steps import SyncSteps
 from shardps.server.node.table import BlockTable
 from shardps.shardmap import ShardMapView

@@ -23,6 +23,7 @@ class BlockOpKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ACCUMULATE: _ClassVar[BlockOpKind]
     APPLY_STEP: _ClassVar[BlockOpKind]
     ASSIGN_VALUES: _ClassVar[BlockOpKind]
+    APPLY_ROWS: _ClassVar[BlockOpKind]
 
 class BlockRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -39,6 +40,7 @@ INITIAL: BlockOpKind
 ACCUMULATE: BlockOpKind
 APPLY_STEP: BlockOpKind
 ASSIGN_VALUES: BlockOpKind
+APPLY_ROWS: BlockOpKind
 BLOCK_ROLE_UNSPECIFIED: BlockRole
 BLOCK_PRIMARY: BlockRole
 BLOCK_BACKUP: BlockRole
@@ -152,7 +154,7 @@ class WriterId(_message.Message):
     def __init__(self, session: _Optional[str] = ..., incarnation: _Optional[int] = ..., sequence: _Optional[int] = ..., acked_below: _Optional[int] = ...) -> None: ...
 
 class BlockOp(_message.Message):
-    __slots__ = ("job", "table", "block", "kind", "writer", "version", "config_version", "step", "divisor", "id_count", "element_count", "range", "dropped_count", "evicted_count")
+    __slots__ = ("job", "table", "block", "kind", "writer", "version", "config_version", "step", "divisor", "id_count", "element_count", "range", "dropped_count", "evicted_count", "blocks", "versions")
     JOB_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +169,8 @@ class BlockOp(_message.Message):
     RANGE_FIELD_NUMBER: _ClassVar[int]
     DROPPED_COUNT_FIELD_NUMBER: _ClassVar[int]
     EVICTED_COUNT_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
     job: str
     table: str
     block: int
@@ -181,7 +185,9 @@ class BlockOp(_message.Message):
     range: _common_pb2.Range
     dropped_count: int
     evicted_count: int
-    def __init__(self, job: _Optional[str] = ..., table: _Optional[str] = ..., block: _Optional[int] = ..., kind: _Optional[_Union[BlockOpKind, str]] = ..., writer: _Optional[_Union[WriterId, _Mapping]] = ..., version: _Optional[int] = ..., config_version: _Optional[int] = ..., step: _Optional[int] = ..., divisor: _Optional[int] = ..., id_count: _Optional[int] = ..., element_count: _Optional[int] = ..., range: _Optional[_Union[_common_pb2.Range, _Mapping]] = ..., dropped_count: _Optional[int] = ..., evicted_count: _Optional[int] = ...) -> None: ...
+    blocks: _containers.RepeatedScalarFieldContainer[int]
+    versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job: _Optional[str] = ..., table: _Optional[str] = ..., block: _Optional[int] = ..., kind: _Optional[_Union[BlockOpKind, str]] = ..., writer: _Optional[_Union[WriterId, _Mapping]] = ..., version: _Optional[int] = ..., config_version: _Optional[int] = ..., step: _Optional[int] = ..., divisor: _Optional[int] = ..., id_count: _Optional[int] = ..., element_count: _Optional[int] = ..., range: _Optional[_Union[_common_pb2.Range, _Mapping]] = ..., dropped_count: _Optional[int] = ..., evicted_count: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReplicateHeader(_message.Message):
     __slots__ = ("epoch", "source", "ops", "payload_bytes")

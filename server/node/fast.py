@@ -10,7 +10,9 @@ and holds, of tables without lifecycle policies, from a writer whose push is new
 * ``apply_push`` holds the blocks' locks, computes each sparse table's update in one
   compiled call (``storage.SparseRows.apply_rows``: slots, new rows, optimizer) and each
   dense range as before, then commits: every block's version, the writer's exactly-once
-  record, the forwarding of the same operations to the backups, the acknowledgement. Which
+  record, the forwarding of the same operations to the backups (a sparse table's rows as
+  one APPLY_ROWS operation per set of backups, which a backup applies in one compiled call
+  too), the acknowledgement. Which
   blocks have backups is decided there, under the locks: a block of the push that is
   missing, owed a resync or being copied (a copy destination added after admission) sends
   the push, whole, to the general path, which forwards to the copy too.
@@ -170,7 +172,7 @@ def apply_push(plan: FastPush, writer: Writer, forward, updates_between) -> Push
             with u.rows.lock:
                 u.rows.apply_rows(t.config, u.ids, values)
             if any(backed):
-                ops.extend(_sparse_ops(u, values, writer, backed))
+                ops.extend(_rows_ops(u, values, writer, backed))
         for u in plan.units:
             if u.ids is not None:           # dense blocks counted their update themselves
                 for blk in u.objects:
@@ -230,8 +232,11 @@ def _commit(plan: FastPush, writer: Writer, ops: list, forward) -> PushAck:
     record, the operations' versions and their forwarding, the acknowledgement."""
     remember_all(plan.blocks, writer)
     if ops:
-        for blk_op in ops:
-            blk_op[1].version = blk_op[3].version
+        for _, op, _, changed in ops:
+            if op.kind == ps.APPLY_ROWS:
+                op.versions.extend(blk.version for blk in changed)
+            else:
+                op.version = changed[0].version
         forward([blk_op[:3] for blk_op in ops], plan.blocks)
     ack = PushAck()
     for u in plan.units:
@@ -250,8 +255,8 @@ def _by_block(u: Unit) -> list[np.ndarray]:
 
 
 def _op(blk: AnyBlock, t: TableView, writer: Writer, op: ps.BlockOp, arrays: list, step: int | None = None) -> tuple:
-    """(key, op, arrays, block) of an APPLY of ``blk`` (its version is set once committed),
-    or, with ``step``, an ACCUMULATE into that SYNC step."""
+    """(key, op, arrays, [block]) of an APPLY of ``blk`` (its version is set once
+    committed), or, with ``step``, an ACCUMULATE into that SYNC step."""
     op.job, op.table, op.block = blk.key[0], blk.key[1], blk.key[2]
     op.kind = ps.APPLY if step is None else ps.ACCUMULATE
     if step is not None:
@@ -259,21 +264,31 @@ def _op(blk: AnyBlock, t: TableView, writer: Writer, op: ps.BlockOp, arrays: lis
     op.writer.CopyFrom(ps.WriterId(session=writer.session, incarnation=writer.incarnation,
                                    sequence=writer.sequence, acked_below=writer.acked_below))
     op.config_version = t.config.version
-    return blk.key, op, arrays, blk
+    return blk.key, op, arrays, [blk]
 
 
-def _sparse_ops(u: Unit, values: np.ndarray, writer: Writer, backed: list[bool]) -> list:
-    """One op per block of a sparse unit that has backups (``backed``, per block), with its
-    ids and rows."""
-    assert u.ids is not None
+def _rows_ops(u: Unit, values: np.ndarray, writer: Writer, backed: list[bool]) -> list:
+    """The APPLY_ROWS ops of a sparse unit's blocks that have backups (``backed``, per
+    block): one per set of backups (one in all where every block has the same: two servers),
+    with its blocks' rows; the request's own arrays when those are every block's."""
+    assert u.ids is not None and u.blocks_of is not None
     t = u.table
+    by_backups: dict[tuple[str, ...], list[int]] = {}
+    for i, (b, has) in enumerate(zip(u.blocks.tolist(), backed)):
+        if has:
+            by_backups.setdefault(tuple(t.replicas[b][1:]), []).append(i)
     out = []
-    for pos, blk, has in zip(_by_block(u), u.objects, backed):
-        if not has:
-            continue
-        ids, rows = np.ascontiguousarray(u.ids[pos]), np.ascontiguousarray(values[pos], dtype=np.float32)
-        out.append(_op(blk, t, writer, ps.BlockOp(id_count=ids.shape[0], element_count=rows.size),
-                       [ids, rows]))
+    for positions in by_backups.values():
+        ids, rows = u.ids, values
+        if len(positions) < len(u.objects):
+            keep = np.isin(u.blocks_of, u.blocks[positions])
+            ids, rows = ids[keep], rows[keep]
+        ids, rows = np.ascontiguousarray(ids, dtype="<i8"), np.ascontiguousarray(rows, dtype="<f4")
+        changed = [u.objects[i] for i in positions]
+        key, op, arrays, _ = _op(changed[0], t, writer, ps.BlockOp(
+            id_count=ids.shape[0], element_count=rows.size, blocks=[blk.key[2] for blk in changed]), [ids, rows])
+        op.kind = ps.APPLY_ROWS
+        out.append((key, op, arrays, changed))
     return out
 
 

@@ -48,11 +48,12 @@ from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.server.node import lifecycle, storage_kernels
 from shardps.server.node.apply import JobHolds, PushApplier, forget_departed_writers
+from shardps.server.node.backup import BackupApplier
 from shardps.server.node.blocks import BlockKey
 from shardps.server.node.decode import NodeLimits
 from shardps.server.node.liveness import Liveness
 from shardps.server.node.pull import PullReader
-from shardps.server.node.replication import BackupApplier, BlockSnapshot, Forwarder, NoPeers, Peers
+from shardps.server.node.replication import BlockSnapshot, Forwarder, NoPeers, Peers
 from shardps.server.node.steps import SyncSteps
 from shardps.server.node.table import BlockTable
 from shardps.shardmap import ShardMapView

@@ -1,5 +1,5 @@
 """Primary-backup replication: a primary forwards its ops and whole blocks (``Forwarder``), a
-backup applies them (``BackupApplier``).
+backup applies them (``BackupApplier``, in ``server/node/backup.py``).
 
 Contract (the .proto states the same):
 
@@ -19,7 +19,6 @@ Contract (the .proto states the same):
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -27,34 +26,21 @@ from typing import TYPE_CHECKING, Protocol, Sequence, cast
 
 import numpy as np
 
-from shardps.errors import InvalidArgument, ShardpsError, StaleEpoch, Unavailable
+from shardps.errors import ShardpsError, StaleEpoch, Unavailable
 from shardps.metrics import NodeMetrics
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
-from shardps.rpc.codec import byte_view
-from shardps.server.node.apply import apply_gradient, assign_values
 from shardps.server.node.blocks import (
     AnyBlock,
     BlockKey,
-    BlockLocks,
-    DenseBlock,
-    Writer,
-    decode_metadata,
     encode_metadata,
-    remember_all,
 )
 from shardps.server.node.table import BlockTable
-from shardps.shardmap import ShardMapView
 
 if TYPE_CHECKING:
-    from shardps.server.node.steps import SyncSteps
+    pass
 
 log = logging.getLogger("shardps.server")
-
-# TEST-ONLY (shardps/verify/defects.py): "3" makes backups skip the lifecycle decisions a
-# primary forwards with its APPLY ops (ids not admitted, ids evicted) so the verifier's
-# replica check can show it catches replicas that diverge.
-_TEST_DEFECT = os.environ.get("SHARDPS_TEST_REINTRODUCE_DEFECT", "")
 
 Op = tuple[BlockKey, ps.BlockOp, list[np.ndarray]]   # a block's op and its arrays, to forward
 
@@ -177,8 +163,9 @@ class Forwarder:
                         self.send_whole(by_key[key], node)
                 self.metrics.replication_seconds.observe(self._now() - started)
             except ShardpsError as exc:
-                for key, _, _ in items:
-                    self.table.needs_resync.setdefault(key, set()).add(node)
+                for key, op, _ in items:
+                    for changed in op_keys(key, op):
+                        self.table.needs_resync.setdefault(changed, set()).add(node)
                 failures.append(f"{node}: {exc.message}")
         if failures:
             raise Unavailable(f"backup(s) did not apply the push: {'; '.join(failures)}; "
@@ -262,196 +249,8 @@ class Forwarder:
         return key, blk
 
 
-def _decode_ops(ops: Sequence[ps.BlockOp], payload) -> list[Op]:
-    """Each op with its key and arrays (views of ``payload``: ids int64, values float32).
-    InvalidArgument if the payload does not match the ops."""
-    buf = byte_view(payload) if payload is not None else memoryview(b"")
-    offset = 0
-    out: list[Op] = []
-    for op in ops:
-        arrays = []
-        if op.kind in (ps.APPLY, ps.ACCUMULATE, ps.INITIAL, ps.ASSIGN_VALUES):
-            for count, dtype, size in ((op.id_count, "<i8", 8), (op.element_count, "<f4", 4)):
-                if dtype == "<i8" and not count:
-                    continue
-                n = int(count) * size
-                if offset + n > len(buf):
-                    raise InvalidArgument(f"replicate payload has {len(buf)} bytes; op "
-                                          f"{(op.job, op.table, op.block)} needs {n} more after byte {offset}")
-                arrays.append(np.frombuffer(buf[offset:offset + n], dtype=dtype))
-                offset += n
-        out.append(((op.job, op.table, int(op.block)), op, arrays))
-    if offset != len(buf):
-        raise InvalidArgument(f"replicate payload has {len(buf)} bytes; ops describe {offset}")
-    return out
-
-
-class BackupApplier:
-    """The backup's side: apply a primary's forwarded ops, load whole blocks.
-
-    Thread-safe; takes block locks in key order (``BlockLocks``), with nothing held on
-    entry. No I/O.
-    """
-
-    def __init__(self, table: BlockTable, steps: "SyncSteps"):
-        self.table = table
-        self.steps = steps
-
-    def apply_replicated(self, epoch: int, source: str, ops: Sequence[ps.BlockOp],
-                         payload) -> tuple[int, list[BlockKey]]:
-        """Apply a primary's forwarded ops (in order). Returns (applied, out-of-sync keys).
-
-        Accepted only from the block's primary under this node's map (or from the node that
-        copied a staged block here), for blocks that did not move after ``epoch``: else
-        StaleEpoch. InvalidArgument if the payload does not match the ops.
-        """
-        items = _decode_ops(ops, payload)
-        applied = 0
-        stale: list[BlockKey] = []
-        view = self.table.view
-        i = 0
-        while i < len(items):
-            run = self._sparse_run(view, items, i)
-            if run > 1:
-                applied += self._apply_sparse_run(view, source, epoch, items[i:i + run], stale)
-                i += run
-                continue
-            key, op, arrays = items[i]
-            i += 1
-            blk = self.backup_block(view, key, source, epoch)
-            with blk.lock:
-                if op.version != blk.version + 1:
-                    stale.append(key)
-                    continue
-                writer = Writer(op.writer.session, op.writer.incarnation, op.writer.sequence,
-                                op.writer.acked_below)
-                t = view.tables.get((op.job, op.table))
-                if op.kind == ps.APPLY:
-                    if t is None or t.config.version != op.config_version:
-                        # our config is behind the primary's: take the whole block instead
-                        stale.append(key)
-                        continue
-                    if _TEST_DEFECT == "3" and (op.dropped_count or op.evicted_count):
-                        arrays[0] = arrays[0][:int(op.id_count - op.dropped_count - op.evicted_count)]
-                        op = ps.BlockOp(job=op.job, table=op.table, block=op.block, kind=op.kind,
-                                        step=op.step, version=op.version)
-                    apply_gradient(blk, t, arrays, op)
-                elif op.kind == ps.INITIAL:                 # dense blocks only
-                    cast(DenseBlock, blk).initialize(op.range.start, op.range.stop, arrays[0])
-                elif op.kind == ps.ASSIGN_VALUES:
-                    if t is None or t.config.version != op.config_version:
-                        stale.append(key)
-                        continue
-                    assign_values(blk, t, arrays, op)
-                elif op.kind == ps.ACCUMULATE:
-                    self.steps.accumulate(blk, int(op.step), arrays, op.range.start, op.range.stop)
-                elif op.kind == ps.APPLY_STEP:
-                    if t is None:
-                        stale.append(key)
-                        continue
-                    self.steps.apply_step_locked([blk], t, int(op.step), int(op.divisor))
-                else:
-                    raise InvalidArgument(f"unknown block op kind {op.kind}")
-                blk.remember(writer)
-                applied += 1
-        return applied, stale
-
-    def _sparse_run(self, view: ShardMapView, items: list[Op], i: int) -> int:
-        """How many ops from ``items[i]`` on are plain APPLYs of one sparse table's blocks
-        by one writer under the config this node has (no lifecycle decisions): they are
-        applied as one (``_apply_sparse_run``). 0 or 1: apply ``items[i]`` alone."""
-        key, op, _ = items[i]
-        if op.kind != ps.APPLY or op.dropped_count or op.evicted_count:
-            return 0
-        t = view.tables.get((key[0], key[1]))
-        rows = self.table.sparse_rows.get((key[0], key[1]))
-        if (t is None or rows is None or rows.life is not None or t.config.lifecycle.enabled
-                or t.config.version != op.config_version):
-            return 0
-        w = op.writer
-        n = 1
-        seen = {key}
-        for k2, op2, _ in items[i + 1:]:
-            w2 = op2.writer
-            if (k2 in seen or k2[:2] != key[:2] or op2.kind != ps.APPLY or op2.dropped_count or op2.evicted_count
-                    or op2.config_version != op.config_version or w2.session != w.session
-                    or w2.incarnation != w.incarnation or w2.sequence != w.sequence
-                    or w2.acked_below != w.acked_below):
-                break
-            seen.add(k2)
-            n += 1
-        return n
-
-    def _apply_sparse_run(self, view: ShardMapView, source: str, epoch: int, run: list[Op],
-                          stale: list[BlockKey]) -> int:
-        """Apply the APPLY ops of ``_sparse_run`` with one compiled update of their rows;
-        blocks whose version does not follow on are reported in ``stale``. Returns how many
-        were applied."""
-        key0, op0, _ = run[0]
-        t = view.tables[(key0[0], key0[1])]
-        rows = self.table.sparse_rows[(key0[0], key0[1])]
-        blocks = [self.backup_block(view, key, source, epoch) for key, _, _ in run]
-        w = op0.writer
-        writer = Writer(w.session, w.incarnation, w.sequence, w.acked_below)
-        with BlockLocks(sorted(blocks, key=lambda blk: blk.key)):
-            fresh = []
-            for (key, op, arrays), blk in zip(run, blocks):
-                if op.version != blk.version + 1:
-                    stale.append(key)
-                else:
-                    fresh.append((blk, arrays))
-            if not fresh:
-                return 0
-            ids = np.concatenate([arrays[0] for _, arrays in fresh])
-            grad = np.concatenate([arrays[1] for _, arrays in fresh]).reshape(-1, t.spec.dim)
-            with rows.lock:
-                rows.apply_rows(t.config, ids, grad)
-            done = [blk for blk, _ in fresh]
-            for blk in done:
-                blk.version += 1
-            remember_all(done, writer)
-        return len(done)
-
-    def backup_block(self, view: ShardMapView, key: BlockKey, source: str, epoch: int) -> AnyBlock:
-        """The block ``source`` may forward ``key``'s ops to here, else StaleEpoch."""
-        t = view.tables.get((key[0], key[1]))
-        blk, staged = self.table.lookup(key)
-        if blk is not None and t is not None:
-            reps = t.replicas[key[2]]
-            if reps and reps[0] == source and int(t.since_epoch[key[2]]) <= epoch:
-                return blk
-            if reps and reps[0] == self.table.name:
-                raise StaleEpoch(f"{self.table.name} is the primary of block {key} under epoch "
-                                 f"{view.epoch}; {source} (epoch {epoch}) is not")
-        if staged is not None and staged[1] == source:
-            return staged[0]
-        raise StaleEpoch(
-            f"{self.table.name} does not hold block {key} as a backup of {source} under epoch "
-            f"{view.epoch} (sender's epoch {epoch})")
-
-    def load_blocks(self, epoch: int, source: str, snapshots: Sequence[BlockSnapshot]) -> int:
-        """Install whole blocks sent by their primary (copy, resync) or by the manager
-        (restore, source ``"manager"``). Returns how many. Refused (StaleEpoch) for blocks
-        this node is primary of; Unavailable for a table its map does not have yet."""
-        loaded = 0
-        name = self.table.name
-        for snap in snapshots:
-            ref = snap.header.ref
-            key = (ref.job, ref.table, int(ref.block))
-            t = self.table.view.tables.get((key[0], key[1]))
-            if t is None or key[2] >= len(t.replicas):
-                raise Unavailable(f"{name} does not know table {key[1]!r} of job {key[0]!r} "
-                                  f"at epoch {self.table.view.epoch}: retry after the map is installed")
-            reps = t.replicas[key[2]]
-            if reps and reps[0] == name and source != "manager":
-                raise StaleEpoch(f"{name} is the primary of {key} under epoch {self.table.view.epoch}; "
-                                 f"it does not take copies from {source}")
-            meta = decode_metadata(snap.header.metadata)
-            arrays = {info.name: arr for info, arr in zip(snap.header.arrays, snap.arrays)}
-            blk = self.table.receive(key, t, source)
-            with blk.lock:
-                blk.load(meta, arrays)
-                if blk.pending:
-                    self.steps.track_locked(blk)
-            loaded += 1
-        return loaded
+def op_keys(key: BlockKey, op: ps.BlockOp) -> list[BlockKey]:
+    """The blocks ``op`` changes: its own (``key``), or an APPLY_ROWS's ``blocks``."""
+    if op.kind == ps.APPLY_ROWS:
+        return [(key[0], key[1], int(b)) for b in op.blocks]
+    return [key]

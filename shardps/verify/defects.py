@@ -10,7 +10,7 @@ their modules are imported:
 * ``2``: a SYNC push for a step already applied is acknowledged and dropped
   (``server/node/steps.py``, ``SyncSteps.check_step_open``) instead of refused.
 * ``3``: backups skip the lifecycle decisions their primary forwards with an APPLY op (ids
-  not admitted, ids evicted; ``server/node/replication.py``, ``BackupApplier``): replicas
+  not admitted, ids evicted; ``server/node/backup.py``, ``BackupApplier``): replicas
   of a block with a lifecycle policy diverge at the same version (the run's replica check,
   ``lifecycle`` job; ``tests/test_lifecycle_replicas.py``).
 
