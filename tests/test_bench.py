@@ -176,6 +176,26 @@ def test_server_cpu_measures_requests_of_one_and_of_several_tables(capsys):
     assert server_cpu.measure("compiled", 1000, 4, 40, 2, tables=1, dim=4) > 0
 
 
+def test_server_cpu_at_replication_2_counts_a_backup_that_ends_with_the_primarys_blocks(capsys):
+    import numpy as np
+
+    from shardps.bench import server_cpu
+    from shardps.messages import GRADIENT, Header, PushRequest
+    from shardps.server.node.digest import block_digest
+    assert server_cpu.main(["--rows", "40", "--rounds", "2", "--repeats", "1", "--blocks", "4",
+                            "--table-rows", "1000", "--dim", "4", "--replication", "2"]) == 0
+    assert all("primary and backup" in line for line in capsys.readouterr().out.splitlines())
+    node = server_cpu._node(1000, 4, 4, replication=2)
+    ids = np.arange(0, 1000, 9, dtype="<i8")
+    node.push(PushRequest(Header(server_cpu.JOB, epoch=1, session="w0", incarnation=1, sequence=1), GRADIENT,
+                          server_cpu._segments([server_cpu.TABLE], [ids]),
+                          ids.tobytes() + np.ones((ids.shape[0], 4), "<f4").tobytes()))
+    backup = node.peers.backup
+    assert sorted(backup.table.blocks) == sorted(node.table.blocks)
+    for key, blk in node.table.blocks.items():
+        assert blk.version == 1 and block_digest(blk) == block_digest(backup.table.blocks[key]), key
+
+
 def test_chosen_scale_points_and_gpu_sizes_reach_the_config_and_bad_ones_are_refused(capsys):
     from shardps.bench import scale
     from shardps.bench.cli import build_parser

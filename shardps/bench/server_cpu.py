@@ -18,6 +18,12 @@ per round (``time.thread_time``), median of ``--repeats`` runs, for
 
 With ``--tables N`` each round pulls and pushes ``--rows`` ids of each of N tables in one
 request (the blocks of every table on this server), as a model with one table per field does.
+
+With ``--replication 2`` a second node in this process backs up every block: the primary's
+forwarded operations are handed to it in memory (no transport), and the figure is both
+nodes' CPU, the forwarding and the backup's apply included.
+
+    python -m shardps.bench.server_cpu --rows 900 --blocks 8 --replication 2
 """
 
 from __future__ import annotations
@@ -43,19 +49,43 @@ def _names(tables: int) -> list[str]:
     return [TABLE] if tables == 1 else [f"{TABLE}{i}" for i in range(tables)]
 
 
-def _node(rows: int, dim: int, blocks: int, tables: int = 1) -> ServerNode:
-    """One node serving every block of ``tables`` sparse tables (no replicas)."""
-    msg = pb.ShardMap(epoch=1, replication=1)
-    msg.servers.add(name="s0", address="s0:0", incarnation=1, state=pb.SERVING)
+class _InMemoryPeers:
+    """A primary's calls to its backup, made in this process: the backup applies the
+    forwarded operations from one buffer of their arrays, as it would a received frame's."""
+
+    def __init__(self, backup: ServerNode, source: str):
+        self.backup, self.source = backup, source
+
+    def replicate(self, node, epoch, ops, arrays):
+        payload = b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)
+        return self.backup.apply_replicated(epoch, self.source, ops, payload)[1]
+
+    def load_blocks(self, node, epoch, snapshots, resync=False):
+        self.backup.load_blocks(epoch, self.source, snapshots)
+
+    def abandon(self, node):
+        return 0
+
+
+def _node(rows: int, dim: int, blocks: int, tables: int = 1, replication: int = 1) -> ServerNode:
+    """One node serving every block of ``tables`` sparse tables; with ``replication`` 2, a
+    second node backing up every block, reached in memory."""
+    msg = pb.ShardMap(epoch=1, replication=replication)
+    for n in range(replication):
+        msg.servers.add(name=f"s{n}", address=f"s{n}:0", incarnation=1, state=pb.SERVING)
     for i, name in enumerate(_names(tables)):
         spec = tables_.sparse_table(name, dim, num_rows=rows, init=tables_.normal(0.0, 0.01, seed=7 + i),
                                     num_blocks=blocks)
         t = msg.tables.add(job=JOB, spec=spec_to_proto(spec),
                            config=config_to_proto(tables_.TableConfig(optimizer=tables_.adam(2e-3))))
         for _ in range(blocks):
-            t.blocks.add(replicas=[0], since_epoch=1, fresh_epoch=1)
+            t.blocks.add(replicas=list(range(replication)), since_epoch=1, fresh_epoch=1)
     node = ServerNode("s0")
     node.install_map(msg)
+    if replication > 1:
+        backup = ServerNode("s1")
+        backup.install_map(msg)
+        node.peers = _InMemoryPeers(backup, "s0")
     return node
 
 
@@ -83,13 +113,13 @@ def _variant(name: str):
 
 
 def measure(variant: str, rows: int, blocks: int, batch: int, rounds: int, seed: int = 0, tables: int = 1,
-            dim: int = 16) -> float:
+            dim: int = 16, replication: int = 1) -> float:
     """CPU milliseconds per pull + push round of ``batch`` random ids of each of ``tables``
     tables under ``variant``."""
     rng = np.random.default_rng(seed)
     names = _names(tables)
     with _variant(variant):
-        node = _node(rows, dim, blocks, tables)
+        node = _node(rows, dim, blocks, tables, replication)
         header = Header(JOB, epoch=1, session="w0", incarnation=1)
         work = []
         for _ in range(rounds + 5):
@@ -118,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dim", type=int, default=16, help="each row's width")
     p.add_argument("--rounds", type=int, default=60)
     p.add_argument("--repeats", type=int, default=3, help="runs per variant, interleaved; medians printed")
+    p.add_argument("--replication", type=int, default=1, choices=(1, 2),
+                   help="2: a second node in this process backs up every block (its CPU counted)")
     args = p.parse_args(argv)
     kernels.warm_up()
     variants = ("compiled", "no-cache", "numpy-init")
@@ -125,11 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.repeats):
         for v in variants:
             got[v].append(measure(v, args.table_rows, args.blocks, args.rows, args.rounds, seed=r,
-                                  tables=args.tables, dim=args.dim))
+                                  tables=args.tables, dim=args.dim, replication=args.replication))
     base = statistics.median(got["compiled"])
     for v in variants:
         ms = statistics.median(got[v])
-        what = f"~{args.rows:,} rows" + (f" of each of {args.tables} tables" if args.tables > 1 else "")
+        what = (f"~{args.rows:,} rows" + (f" of each of {args.tables} tables" if args.tables > 1 else "")
+                + (", primary and backup" if args.replication > 1 else ""))
         print(f"{v:<11} {ms:6.2f} ms CPU per pull + push of {what} ({ms / base:.2f} x compiled)")
     return 0
 
