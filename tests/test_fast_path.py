@@ -299,6 +299,26 @@ def test_a_tables_rows_go_to_each_set_of_backups_in_one_op():
     assert not peers.sent("load_blocks")
 
 
+def test_the_backups_are_sent_a_push_before_the_primary_applies_it_and_answer_after():
+    """The fast path sends the operations first, so that the backups apply them while the
+    primary does, and waits for their answers once it has: at the send the primary's blocks
+    are still at their old versions; at the answer at their new ones."""
+    primary, nodes, peers = _sparse_cluster([["s0", "s1"]] * 8)
+    ids = np.arange(0, ROWS, 5, dtype=np.int64)
+    blocks = [primary.table.blocks[("j", "e", b)] for b in sorted(set(sparse_block_of(ids, 8).tolist()))]
+    seen = {}
+    deliver = peers.replicate
+
+    def replicate(node, epoch, ops, arrays):
+        seen["sent"] = [blk.version for blk in blocks]
+        answer = deliver(node, epoch, ops, arrays)
+        return lambda: seen.setdefault("answered", [blk.version for blk in blocks]) and answer()
+    peers.replicate = replicate
+    primary.push(header(session="w0", sequence=1), *rows_seg(ids, np.ones((ids.shape[0], DIM), np.float32)))
+    assert seen == {"sent": [0] * len(blocks), "answered": [1] * len(blocks)}
+    _same_blocks(primary, nodes["s1"])
+
+
 def test_a_backup_behind_on_one_block_applies_the_others_and_is_sent_that_one_whole():
     primary, nodes, peers = _sparse_cluster([["s0", "s1"]] * 8)
     ids = np.arange(0, ROWS, 5, dtype=np.int64)

@@ -55,13 +55,17 @@ class FakePeers:
     source: str = "s0"
 
     def replicate(self, node, epoch, ops, arrays):
+        """Delivered when sent (as a backup applies while its primary does); the answer
+        returns what the backup said."""
         self.calls.append(("replicate", node, epoch, list(ops)))
         if node in self.fail or any(op.kind in self.fail_kinds for op in ops):
             raise Unavailable(f"{node} is down")
         if node in self.nodes:
             payload = b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)
-            return self.nodes[node].backup.apply_replicated(epoch, self.source, ops, payload)[1]
-        return list(self.out_of_sync.get(node, []))
+            stale = self.nodes[node].backup.apply_replicated(epoch, self.source, ops, payload)[1]
+        else:
+            stale = list(self.out_of_sync.get(node, []))
+        return lambda: stale
 
     def load_blocks(self, node, epoch, snapshots, resync=False):
         self.calls.append(("load_blocks", node, epoch, list(snapshots)))

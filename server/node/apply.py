@@ -185,7 +185,7 @@ class PushApplier:
                 ack = fast.accumulate_push(plan, header.job, writer, int(header.clock), self.steps,
                                            self.forwarder.forward_locked)
             else:
-                ack = fast.apply_push(plan, writer, self.forwarder.forward_locked, self._updates_between)
+                ack = fast.apply_push(plan, writer, self.forwarder, self._updates_between)
             if plan is not None and ack is not None:
                 self._observe(started, plan.units[0].table.config.optimizer.kind.name, t0, t1)
             else:

@@ -7,12 +7,12 @@ and holds, of tables without lifecycle policies, from a writer whose push is new
   bounds, blocks and uniqueness in one compiled pass, ownership of every touched block at once)
   and no per-block objects; it returns None for any other request, which the general path
   (``apply.PushApplier.apply_parts``) serves, and which raises the errors;
-* ``apply_push`` holds the blocks' locks, computes each sparse table's update in one
-  compiled call (``storage.SparseRows.apply_rows``: slots, new rows, optimizer) and each
-  dense range as before, then commits: every block's version, the writer's exactly-once
-  record, the forwarding of the same operations to the backups (a sparse table's rows as
-  one APPLY_ROWS operation per set of backups, which a backup applies in one compiled call
-  too), the acknowledgement. Which
+* ``apply_push`` holds the blocks' locks, sends the push's operations to the backups (a
+  sparse table's rows as one APPLY_ROWS operation per set of backups, which a backup applies
+  in one compiled call too), computes each sparse table's update in one compiled call
+  (``storage.SparseRows.apply_rows``: slots, new rows, optimizer) and each dense range as
+  before while the backups apply theirs, then commits: every block's version, the writer's
+  exactly-once record, the backups' answers, the acknowledgement. Which
   blocks have backups is decided there, under the locks: a block of the push that is
   missing, owed a resync or being copied (a copy destination added after admission) sends
   the push, whole, to the general path, which forwards to the copy too.
@@ -49,6 +49,7 @@ from shardps.shardmap import TableView
 from shardps.tables import Consistency, TableKind, dense_blocks_of_range
 
 if TYPE_CHECKING:
+    from shardps.server.node.replication import Forwarder
     from shardps.server.node.steps import SyncSteps
 
 
@@ -139,45 +140,63 @@ def _backed(u: Unit) -> list[bool]:
     return (u.table.replica_counts[u.blocks] > 1).tolist()
 
 
-def apply_push(plan: FastPush, writer: Writer, forward, updates_between) -> PushAck | None:
+def apply_push(plan: FastPush, writer: Writer, forwarder: "Forwarder", updates_between) -> PushAck | None:
     """Apply an admitted push; None (nothing changed) when a block already applied it (a
     retry: the general path counts its duplicates), a dense block has no initial values
     yet (the general path refuses the push whole), or a block is missing, owed a resync or
-    being copied (``_unsettled``: the general path serves it). ``forward(ops, blocks)``
-    sends the blocks' operations to their backups (``Forwarder.forward_locked``), decided
-    per block under the locks (``BlockTable.has_backups``); ``updates_between`` (block key,
+    being copied (``_unsettled``: the general path serves it). The blocks' operations, decided
+    per block under the locks (``BlockTable.has_backups``), are sent to their backups first
+    (``forwarder.start_locked``), so that the backups apply them while this node does; the
+    acknowledgement waits for them (``finish_locked``). ``updates_between`` (block key,
     updates) observes the versions pushed against (dense ``base_versions``)."""
     with BlockLocks(plan.blocks):
         if _for_the_general_path(plan, writer):
             return None
         ops: list = []
         for u in plan.units:
-            t = u.table
             backed = _backed(u)
             if u.ids is None:
-                for b, blk, has in zip(u.blocks.tolist(), u.objects, backed):
-                    assert isinstance(blk, DenseBlock)
-                    lo, hi = max(u.lo, blk.start), min(u.hi, blk.stop)
-                    if b in u.base_versions:
-                        updates_between(blk.key, blk.version - u.base_versions[b])
-                    values = u.values[lo - u.lo:hi - u.lo]
-                    blk.apply_gradient(t.config, lo, hi, values)
+                for (blk, lo, hi, values), has in zip(_dense_parts(u), backed):
                     if has:
-                        ops.append(_op(blk, t, writer, ps.BlockOp(range=pb.Range(start=lo, stop=hi),
-                                                                  element_count=hi - lo),
+                        ops.append(_op(blk, u.table, writer, ps.BlockOp(range=pb.Range(start=lo, stop=hi),
+                                                                        element_count=hi - lo),
                                        [np.ascontiguousarray(values, dtype=np.float32)]))
-                continue
-            assert u.rows is not None and u.blocks_of is not None     # a sparse unit
-            values = u.values.reshape(-1, t.spec.dim)
-            with u.rows.lock:
-                u.rows.apply_rows(t.config, u.ids, values)
-            if any(backed):
-                ops.extend(_rows_ops(u, values, writer, backed))
-        for u in plan.units:
-            if u.ids is not None:           # dense blocks counted their update themselves
-                for blk in u.objects:
-                    blk.version += 1
-        return _commit(plan, writer, ops, forward)
+            elif any(backed):
+                ops.extend(_rows_ops(u, u.values.reshape(-1, u.table.spec.dim), writer, backed))
+        _set_versions(ops, 1)               # each block's version once this push is applied
+        in_flight = forwarder.start_locked([blk_op[:3] for blk_op in ops])
+        try:
+            _apply_here(plan, updates_between)
+            remember_all(plan.blocks, writer)
+        finally:
+            forwarder.finish_locked(in_flight, plan.blocks)
+        return _ack(plan)
+
+
+def _dense_parts(u: Unit):
+    """(block, lo, hi, gradient values) of each block of a dense unit."""
+    for blk in u.objects:
+        assert isinstance(blk, DenseBlock)
+        lo, hi = max(u.lo, blk.start), min(u.hi, blk.stop)
+        yield blk, lo, hi, u.values[lo - u.lo:hi - u.lo]
+
+
+def _apply_here(plan: FastPush, updates_between) -> None:
+    """The push's update of this node's blocks (locks held): each sparse table's rows in one
+    compiled call, each dense block's range; every block's version one up."""
+    for u in plan.units:
+        t = u.table
+        if u.ids is None:
+            for b, (blk, lo, hi, values) in zip(u.blocks.tolist(), _dense_parts(u)):
+                if b in u.base_versions:
+                    updates_between(blk.key, blk.version - u.base_versions[b])
+                blk.apply_gradient(t.config, lo, hi, values)     # counts its version itself
+            continue
+        assert u.rows is not None                # a sparse unit
+        with u.rows.lock:
+            u.rows.apply_rows(t.config, u.ids, u.values.reshape(-1, t.spec.dim))
+        for blk in u.objects:
+            blk.version += 1
 
 
 def accumulate_push(plan: FastPush, job: str, writer: Writer, step: int, steps: "SyncSteps",
@@ -228,16 +247,25 @@ def _for_the_general_path(plan: FastPush, writer: Writer) -> bool:
 
 
 def _commit(plan: FastPush, writer: Writer, ops: list, forward) -> PushAck:
-    """The end of a fast push (locks held, every block changed): the writer's exactly-once
-    record, the operations' versions and their forwarding, the acknowledgement."""
+    """The end of a fast SYNC push (locks held, every block changed): the writer's
+    exactly-once record, the operations' versions and their forwarding, the acknowledgement."""
     remember_all(plan.blocks, writer)
     if ops:
-        for _, op, _, changed in ops:
-            if op.kind == ps.APPLY_ROWS:
-                op.versions.extend(blk.version for blk in changed)
-            else:
-                op.version = changed[0].version
+        _set_versions(ops, 0)
         forward([blk_op[:3] for blk_op in ops], plan.blocks)
+    return _ack(plan)
+
+
+def _set_versions(ops: list, ahead: int) -> None:
+    """Each op's version(s): its blocks' versions now, plus ``ahead``."""
+    for _, op, _, changed in ops:
+        if op.kind == ps.APPLY_ROWS:
+            op.versions.extend(blk.version + ahead for blk in changed)
+        else:
+            op.version = changed[0].version + ahead
+
+
+def _ack(plan: FastPush) -> PushAck:
     ack = PushAck()
     for u in plan.units:
         ack.versions.append(Versions(u.table.name, u.blocks, [blk.version for blk in u.objects]))

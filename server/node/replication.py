@@ -3,17 +3,18 @@ backup applies them (``BackupApplier``, in ``server/node/backup.py``).
 
 Contract (the .proto states the same):
 
-* The primary applies an operation, then forwards it, in its order and holding the block's
-  lock, to every backup the map lists and every node the block is being copied to; it
-  acknowledges a push only once every one of them applied it. Backups' copies are therefore
-  identical to the primary's.
+* The primary forwards an operation, in its order and holding the block's lock, to every
+  backup the map lists and every node the block is being copied to, and applies it itself
+  (the common push sends first and applies while the backups do: ``start_locked``, then
+  ``finish_locked``; other paths apply first); it acknowledges a push only once every one of
+  them applied it. Backups' copies are therefore identical to the primary's.
 * A backup applies an operation only if its version follows on from its own; otherwise it
   reports the block out of sync and the primary sends the whole block before acknowledging.
 * A backup that cannot be reached is marked in ``BlockTable.needs_resync``; the primary keeps
   the op and raises ``Unavailable`` (a retry is deduplicated), and sends the block whole
   before it acknowledges anything else of that block.
 
-``Peers`` (passed in) carries the calls to other nodes; the gRPC one is in server/node/service.py.
+``Peers`` (passed in) carries the calls to other nodes (``shardps.rpc.peers.NodePeers``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, Sequence, cast
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence, cast
 
 import numpy as np
 
@@ -70,12 +71,26 @@ def snapshot_block(blk: AnyBlock) -> BlockSnapshot:
     return BlockSnapshot(header, out)
 
 
+@dataclass
+class Forwarding:
+    """One backup's ops in flight (``Forwarder.start_locked``): its answer to wait for, or
+    why they could not be sent."""
+
+    node: str
+    items: list[Op]
+    started: float
+    answer: Callable[[], list[BlockKey]] | None = None
+    error: str | None = None
+
+
 class Peers(Protocol):
     """How a node reaches other nodes (the gRPC implementation is in server/node/service.py)."""
 
     def replicate(self, node: str, epoch: int, ops: list[ps.BlockOp],
-                  arrays: list[np.ndarray]) -> list[BlockKey]:
-        """Forward ops; returns the blocks the backup reports out of sync. Raises on failure."""
+                  arrays: list[np.ndarray]) -> Callable[[], list[BlockKey]]:
+        """Send ops to ``node``; returns the call's answer: a function that waits for the
+        backup to apply them and returns the blocks it reports out of sync. Either raises on
+        failure (the answer must be called once the send succeeded)."""
 
     def load_blocks(self, node: str, epoch: int, snapshots: list[BlockSnapshot],
                     resync: bool = False) -> None:
@@ -139,34 +154,51 @@ class Forwarder:
             raise Unavailable(f"{node} was declared dead by the shard map")
 
     def forward_locked(self, ops: list[Op], blocks: list[AnyBlock]) -> None:
-        """Send ops to every backup (block locks held). Out-of-sync blocks are sent whole.
-        Raises Unavailable if a backup cannot be reached (the ops stay applied here; the
-        backup is marked for a full resync before this block acknowledges anything)."""
-        if not ops:
-            return
+        """Send ops (applied here) to every backup and wait for them (block locks held):
+        ``start_locked`` then ``finish_locked``."""
+        self.finish_locked(self.start_locked(ops), blocks)
+
+    def start_locked(self, ops: list[Op]) -> list[Forwarding]:
+        """Send ops to every backup (block locks held) without waiting for the answers:
+        ``finish_locked`` waits, with the same locks held. The ops may be applied here
+        meanwhile. A backup that cannot be reached is left for ``finish_locked`` to report."""
         by_node: dict[str, list[Op]] = {}
         for key, op, arrays in ops:
             for node in self.table.backups(key):
                 by_node.setdefault(node, []).append((key, op, arrays))
-        if not by_node:
-            return
-        by_key = {b.key: b for b in blocks}
-        failures = []
+        out = []
         for node, items in by_node.items():
-            started = self._now()
+            call = Forwarding(node, items, self._now())
             try:
                 self._reachable(node)
-                stale = self.peers.replicate(node, self.table.view.epoch, [op for _, op, _ in items],
-                                             [a for _, _, arrays in items for a in arrays])
-                for key in stale:
-                    if key in by_key:
-                        self.send_whole(by_key[key], node)
-                self.metrics.replication_seconds.observe(self._now() - started)
+                call.answer = self.peers.replicate(node, self.table.view.epoch, [op for _, op, _ in items],
+                                                   [a for _, _, arrays in items for a in arrays])
             except ShardpsError as exc:
-                for key, op, _ in items:
+                call.error = exc.message
+            out.append(call)
+        return out
+
+    def finish_locked(self, calls: list[Forwarding], blocks: list[AnyBlock]) -> None:
+        """Wait for the backups of ``start_locked`` (block locks held, the ops applied here).
+        Out-of-sync blocks are sent whole. Raises Unavailable if a backup cannot be reached
+        (the ops stay applied here; the backup is marked for a full resync before this block
+        acknowledges anything)."""
+        by_key = {b.key: b for b in blocks}
+        failures = []
+        for call in calls:
+            if call.answer is not None:
+                try:
+                    for key in call.answer():
+                        if key in by_key:
+                            self.send_whole(by_key[key], call.node)
+                    self.metrics.replication_seconds.observe(self._now() - call.started)
+                except ShardpsError as exc:
+                    call.error = exc.message
+            if call.error is not None:
+                for key, op, _ in call.items:
                     for changed in op_keys(key, op):
-                        self.table.needs_resync.setdefault(changed, set()).add(node)
-                failures.append(f"{node}: {exc.message}")
+                        self.table.needs_resync.setdefault(changed, set()).add(call.node)
+                failures.append(f"{call.node}: {call.error}")
         if failures:
             raise Unavailable(f"backup(s) did not apply the push: {'; '.join(failures)}; "
                               f"retry (the push will not be applied twice)")

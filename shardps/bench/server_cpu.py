@@ -58,7 +58,8 @@ class _InMemoryPeers:
 
     def replicate(self, node, epoch, ops, arrays):
         payload = b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)
-        return self.backup.apply_replicated(epoch, self.source, ops, payload)[1]
+        stale = self.backup.apply_replicated(epoch, self.source, ops, payload)[1]
+        return lambda: stale
 
     def load_blocks(self, node, epoch, snapshots, resync=False):
         self.backup.load_blocks(epoch, self.source, snapshots)

@@ -41,6 +41,8 @@ class NodePeers:
         self._used: dict[str, str] = {}         # node name -> data-plane address last called
 
     def replicate(self, node, epoch, ops, arrays):
+        """Send the frame now; the answer reads the backup's acknowledgement (the connection
+        stays taken until then)."""
         address = self.grpc.address(node)
         plane = self._plane(node, address, ops[0].job if ops else "")
         if not plane:
@@ -51,13 +53,25 @@ class NodePeers:
         with self._lock:
             self._used[node] = plane
         try:
-            raw, _ = self.pool.call(plane, "Replicate", header, arrays, timeout=self.grpc.timeout + nbytes / 20e6)
+            sent = self.pool.start(plane, "Replicate", header, arrays, timeout=self.grpc.timeout + nbytes / 20e6)
         except Unavailable as exc:
-            with self._lock:
-                self._planes.pop(address, None)
-            raise Unavailable(f"replicate to {node}: {exc.message}") from None
-        ack = ps.ReplicateAck.FromString(raw)
-        return [(r.job, r.table, r.block) for r in ack.out_of_sync]
+            raise self._lost(node, address, exc) from None
+
+        def answer() -> list:
+            try:
+                raw, _ = self.pool.finish(sent)
+            except Unavailable as exc:
+                raise self._lost(node, address, exc) from None
+            ack = ps.ReplicateAck.FromString(raw)
+            return [(r.job, r.table, r.block) for r in ack.out_of_sync]
+        return answer
+
+    def _lost(self, node: str, address: str, exc: Unavailable) -> Unavailable:
+        """A replicate to ``node`` found it unavailable: its data-plane address is asked
+        again next time (a restarted server listens on another port)."""
+        with self._lock:
+            self._planes.pop(address, None)
+        return Unavailable(f"replicate to {node}: {exc.message}")
 
     def load_blocks(self, node, epoch, snapshots, resync=False):
         return self.grpc.load_blocks(node, epoch, snapshots, resync)

@@ -239,7 +239,8 @@ class GrpcPeers:
         nbytes = sum(a.nbytes for a in arrays)
         ack = self._call(node, self._stub(node).Replicate, chunks(), self.timeout + nbytes / 20e6,
                          self.pool.metadata, f"replicate to {node}")
-        return [(r.job, r.table, r.block) for r in ack.out_of_sync]
+        stale = [(r.job, r.table, r.block) for r in ack.out_of_sync]
+        return lambda: stale            # ``Peers.replicate``'s answer: here, already had
 
     def load_blocks(self, node, epoch, snapshots, resync=False):
         """A resync (push path) gets the forward timeout plus its size at 20 MB/s, as
