@@ -13,6 +13,7 @@ never restored. A server restarted while blocks were copied to it was committed 
 """
 
 import threading
+import time
 
 from shardps.server.manager import moves
 from shardps.server.manager.records import ManagerSettings, ServerState
@@ -135,6 +136,42 @@ def test_a_move_is_not_committed_onto_a_server_that_restarted_during_its_copy():
         tick(rt, clock, 5.4, beating=("s0", "s1", "s2"))
         assert holding(rt, "s2") > 0 and rt.state.under_replicated() == 0
     finally:
+        rt.stop()
+
+
+def test_a_server_that_stops_answering_is_declared_dead_while_a_copy_waits():
+    """A copy held up by a server that stopped answering (paused, cut off) does not hold
+    up failover: the manager judges leases while copies run. (Before, the reconcile loop
+    waited for its copies, up to their timeout, and judged no lease meanwhile.)"""
+    rt, clock, pool = cluster()
+    copying, release = threading.Event(), threading.Event()
+
+    def hang(source, destination):
+        if destination == "s2":
+            copying.set()
+            release.wait(30)
+
+    ticking = threading.Thread(target=tick, args=(rt, clock, 5.0, ("s0", "s1", "s2")), daemon=True)
+    try:
+        fence_and_rejoin_s2(rt, clock, pool)
+        rt.change(lambda s: s.server_heartbeat("s2", 2, s.epoch, {}, now=4.6))   # serving: copied to
+        pool.on_copy = hang
+        ticking.start()
+        assert copying.wait(10)
+        for t in (6.0, 7.0, 8.0, 9.0):       # s1 stops heartbeating; its lease ends at 8.0
+            clock[0] = t
+            for name in ("s0", "s2"):
+                inc = rt.state.servers[name].incarnation
+                rt.change(lambda s, name=name, inc=inc, t=t: s.server_heartbeat(name, inc, s.epoch, {}, now=t))
+        deadline = time.monotonic() + 10
+        while rt.state.servers["s1"].state is not ServerState.DEAD and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert rt.state.servers["s1"].state is ServerState.DEAD
+        assert ticking.is_alive() and not release.is_set()        # the copy still waits
+        assert rt.state.servers["s2"].state is ServerState.SERVING
+    finally:
+        release.set()
+        ticking.join(10)
         rt.stop()
 
 

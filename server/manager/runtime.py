@@ -213,21 +213,8 @@ class ManagerRuntime:
         The plan is made from a snapshot without the lock (``plan``) and used only if the
         placement it was made for still holds (``moves.still_valid``); else the next round
         plans again."""
-        now = self.now()
-        stalled = now - self._last_tick > max(1.0, 5 * self.runtime.reconcile_interval)
-        self._last_tick = now
-        if stalled:
-            # the manager itself was busy (a slow disk, a starved process): heartbeats queued
-            # meanwhile have not been counted yet; skip this round, judge leases on the next.
-            # Planning does not count: it runs without the lock (_next_batch)
-            log.warning("reconcile loop stalled; this round is skipped (leases are judged on the next)")
+        if not self._judge_leases():
             return
-        changed = self.change(lambda s: s.expire(now))
-        if not changed:
-            self._update_metrics()
-        if any(c.startswith("server:") for c in changed):
-            self.metrics.failovers.inc(sum(1 for c in changed if c.startswith("server:")))
-            self.last_recovery = {"declared_dead_at": now, "what": changed}
         if not self.moves_lock.acquire(blocking=False):
             return                  # a restore is loading blocks: move them on a later round
         try:
@@ -249,6 +236,27 @@ class ManagerRuntime:
             self.moves_lock.release()
         for fn in self.after_tick:
             fn()
+
+    def _judge_leases(self) -> bool:
+        """Declare dead every server and worker whose lease expired (the reconcile loop's
+        thread). False, judging nothing, when the loop stalled since it last judged: the
+        manager itself was busy (a slow disk, a starved process), and heartbeats queued
+        meanwhile have not been counted yet; they are judged on the next round. Planning
+        and copies do not count as stalls: planning runs without the lock (``_next_batch``),
+        and leases are judged while copies run (``_execute``)."""
+        now = self.now()
+        stalled = now - self._last_tick > max(1.0, 5 * self.runtime.reconcile_interval)
+        self._last_tick = now
+        if stalled:
+            log.warning("reconcile loop stalled; this round is skipped (leases are judged on the next)")
+            return False
+        changed = self.change(lambda s: s.expire(now))
+        if not changed:
+            self._update_metrics()
+        if any(c.startswith("server:") for c in changed):
+            self.metrics.failovers.inc(sum(1 for c in changed if c.startswith("server:")))
+            self.last_recovery = {"declared_dead_at": now, "what": changed}
+        return True
 
     @property
     def pending_moves(self) -> int:
@@ -320,8 +328,13 @@ class ManagerRuntime:
                 log.warning("copying %d blocks %s -> %s failed: %s", len(items), source, dst, err.message)
                 failed.update(items)
 
-        jobs = [self._executor.submit(copy, src, dst, items) for (src, dst), items in groups.items()]
-        futures.wait(jobs)
+        running = {self._executor.submit(copy, src, dst, items) for (src, dst), items in groups.items()}
+        while running:
+            # a copy held up by a server that stopped answering (paused, cut off) may take
+            # until its timeout: failover must not wait for it, so leases are judged meanwhile
+            running = futures.wait(running, timeout=self.runtime.reconcile_interval).not_done
+            if running:
+                self._judge_leases()
         done = [m for m in planned if m not in failed]
         if done:
             log.info("copied %d blocks to their new replicas", len(done))
