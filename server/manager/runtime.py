@@ -238,12 +238,9 @@ class ManagerRuntime:
             fn()
 
     def _judge_leases(self) -> bool:
-        """Declare dead every server and worker whose lease expired (the reconcile loop's
-        thread). False, judging nothing, when the loop stalled since it last judged: the
-        manager itself was busy (a slow disk, a starved process), and heartbeats queued
-        meanwhile have not been counted yet; they are judged on the next round. Planning
-        and copies do not count as stalls: planning runs without the lock (``_next_batch``),
-        and leases are judged while copies run (``_execute``)."""
+        """Declare dead every server and worker whose lease expired. False, judging nothing, when
+        the loop stalled since it last judged (a slow disk, a starved process: heartbeats queued
+        meanwhile are not counted yet); planning and copies do not count as stalls."""
         now = self.now()
         stalled = now - self._last_tick > max(1.0, 5 * self.runtime.reconcile_interval)
         self._last_tick = now
@@ -310,31 +307,22 @@ class ManagerRuntime:
             address = {n: s.address for n, s in self.state.servers.items()}
             copied_to = moves.copy_destinations(self.state)
         planned = [m for m in planned if all(n in copied_to for n in m.add)]
-        groups: dict[tuple[str, str], list[Move]] = {}
-        for m in planned:
-            for dst in m.add:
-                groups.setdefault((m.source, dst), []).append(m)
         failed: set[Move] = set()
+        metadata = self.pool.metadata
 
         def copy(source: str, dst: str, items: list[Move]) -> None:
-            request = ps.CopyBlocksRequest(epoch=epoch, destination=dst)
-            for m in items:
-                request.blocks.add(job=m.job, table=m.table, block=m.block)
             try:
                 with translated("CopyBlocks"):
-                    self.pool.get(address[source]).CopyBlocks(request, timeout=self.runtime.copy_timeout,
-                                                              metadata=self.pool.metadata)
+                    self.pool.get(address[source]).CopyBlocks(
+                        _copy_request(epoch, dst, items), timeout=self.runtime.copy_timeout, metadata=metadata)
             except ShardpsError as err:
                 log.warning("copying %d blocks %s -> %s failed: %s", len(items), source, dst, err.message)
                 failed.update(items)
 
-        running = {self._executor.submit(copy, src, dst, items) for (src, dst), items in groups.items()}
-        while running:
-            # a copy held up by a server that stopped answering (paused, cut off) may take
-            # until its timeout: failover must not wait for it, so leases are judged meanwhile
-            running = futures.wait(running, timeout=self.runtime.reconcile_interval).not_done
-            if running:
-                self._judge_leases()
+        running = {self._executor.submit(copy, src, dst, items) for (src, dst), items in _by_route(planned).items()}
+        # a copy held up by a server that stopped answering must not hold up its failover
+        while running := futures.wait(running, timeout=self.runtime.reconcile_interval).not_done:
+            self._judge_leases()
         done = [m for m in planned if m not in failed]
         if done:
             log.info("copied %d blocks to their new replicas", len(done))
@@ -369,6 +357,22 @@ class ManagerRuntime:
 
     def refresh_metrics(self) -> None:
         self._update_metrics()
+
+
+def _by_route(planned: list[Move]) -> dict[tuple[str, str], list[Move]]:
+    """Moves by (source, destination): one CopyBlocks call each."""
+    groups: dict[tuple[str, str], list[Move]] = {}
+    for m in planned:
+        for dst in m.add:
+            groups.setdefault((m.source, dst), []).append(m)
+    return groups
+
+
+def _copy_request(epoch: int, dst: str, items: list[Move]) -> ps.CopyBlocksRequest:
+    request = ps.CopyBlocksRequest(epoch=epoch, destination=dst)
+    for m in items:
+        request.blocks.add(job=m.job, table=m.table, block=m.block)
+    return request
 
 
 def _count_losses(m: ManagerMetrics, counts: dict[tuple[str, str], int], counted: dict) -> None:
