@@ -312,7 +312,11 @@ def test_the_backups_are_sent_a_push_before_the_primary_applies_it_and_answer_af
     def replicate(node, epoch, ops, arrays):
         seen["sent"] = [blk.version for blk in blocks]
         answer = deliver(node, epoch, ops, arrays)
-        return lambda: seen.setdefault("answered", [blk.version for blk in blocks]) and answer()
+
+        def answered():
+            seen["answered"] = [blk.version for blk in blocks]
+            return answer()
+        return answered
     peers.replicate = replicate
     primary.push(header(session="w0", sequence=1), *rows_seg(ids, np.ones((ids.shape[0], DIM), np.float32)))
     assert seen == {"sent": [0] * len(blocks), "answered": [1] * len(blocks)}
@@ -327,7 +331,7 @@ def test_a_backup_behind_on_one_block_applies_the_others_and_is_sent_that_one_wh
     nodes["s1"].table.blocks[behind].version -= 1            # diverged on block 3 only
     primary.push(header(session="w0", sequence=2), *rows_seg(ids, np.ones((ids.shape[0], DIM), np.float32)))
     (_, _, _, snaps), = peers.sent("load_blocks")
-    assert [tuple(s.header.ref.block for s in snaps)] == [(3,)]
+    assert [s.header.ref.block for s in snaps] == [3]
     _same_blocks(primary, nodes["s1"])
 
 

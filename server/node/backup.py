@@ -13,10 +13,19 @@ from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc.codec import byte_view
 from shardps.server.node import storage_kernels
 from shardps.server.node.apply import apply_gradient, assign_values
-from shardps.server.node.blocks import AnyBlock, BlockKey, BlockLocks, DenseBlock, Writer, decode_metadata, remember_all
+from shardps.server.node.blocks import (
+    AnyBlock,
+    BlockKey,
+    BlockLocks,
+    DenseBlock,
+    SparseRows,
+    Writer,
+    decode_metadata,
+    remember_all,
+)
 from shardps.server.node.replication import BlockSnapshot, Op, op_keys
 from shardps.server.node.table import BlockTable
-from shardps.shardmap import ShardMapView
+from shardps.shardmap import ShardMapView, TableView
 
 if TYPE_CHECKING:
     from shardps.server.node.steps import SyncSteps
@@ -128,17 +137,25 @@ class BackupApplier:
                 applied += 1
         return applied, stale
 
+    def _plain_rows(self, view: ShardMapView, job: str, table: str,
+                    config_version: int) -> tuple[TableView, SparseRows] | None:
+        """(table view, rows) of a sparse table whose forwarded rows this node applies in one
+        compiled update: held here, under the primary's config, without lifecycle state or
+        policy (no decisions to follow); else None."""
+        t = view.tables.get((job, table))
+        rows = self.table.sparse_rows.get((job, table))
+        if (t is None or rows is None or rows.life is not None or t.config.lifecycle.enabled
+                or t.config.version != config_version):
+            return None
+        return t, rows
+
     def _sparse_run(self, view: ShardMapView, items: list[Op], i: int) -> int:
         """How many ops from ``items[i]`` on are plain APPLYs of one sparse table's blocks
-        by one writer under the config this node has (no lifecycle decisions): they are
-        applied as one (``_apply_sparse_run``). 0 or 1: apply ``items[i]`` alone."""
+        by one writer (``_plain_rows``): they are applied as one (``_apply_sparse_run``).
+        0 or 1: apply ``items[i]`` alone."""
         key, op, _ = items[i]
-        if op.kind != ps.APPLY or op.dropped_count or op.evicted_count:
-            return 0
-        t = view.tables.get((key[0], key[1]))
-        rows = self.table.sparse_rows.get((key[0], key[1]))
-        if (t is None or rows is None or rows.life is not None or t.config.lifecycle.enabled
-                or t.config.version != op.config_version):
+        if (op.kind != ps.APPLY or op.dropped_count or op.evicted_count
+                or self._plain_rows(view, key[0], key[1], op.config_version) is None):
             return 0
         w = op.writer
         n = 1
@@ -156,50 +173,33 @@ class BackupApplier:
 
     def _apply_sparse_run(self, view: ShardMapView, source: str, epoch: int, run: list[Op],
                           stale: list[BlockKey]) -> int:
-        """Apply the APPLY ops of ``_sparse_run`` with one compiled update of their rows;
-        blocks whose version does not follow on are reported in ``stale``. Returns how many
-        were applied."""
+        """Apply the APPLY ops of ``_sparse_run`` as one update of their rows
+        (``_apply_to_blocks``). Returns how many blocks were applied."""
         key0, op0, _ = run[0]
-        t = view.tables[(key0[0], key0[1])]
-        rows = self.table.sparse_rows[(key0[0], key0[1])]
-        blocks = [self.backup_block(view, key, source, epoch) for key, _, _ in run]
-        w = op0.writer
-        writer = Writer(w.session, w.incarnation, w.sequence, w.acked_below)
-        with BlockLocks(sorted(blocks, key=lambda blk: blk.key)):
-            fresh = []
-            for (key, op, arrays), blk in zip(run, blocks):
-                if op.version != blk.version + 1:
-                    stale.append(key)
-                else:
-                    fresh.append((blk, arrays))
-            if not fresh:
-                return 0
-            ids = np.concatenate([arrays[0] for _, arrays in fresh])
-            grad = np.concatenate([arrays[1] for _, arrays in fresh]).reshape(-1, t.spec.dim)
-            with rows.lock:
-                rows.apply_rows(t.config, ids, grad)
-            done = [blk for blk, _ in fresh]
-            for blk in done:
-                blk.version += 1
-            remember_all(done, writer)
-        return len(done)
+        plain = self._plain_rows(view, key0[0], key0[1], op0.config_version)
+        assert plain is not None                # as _sparse_run found it
+        t, rows = plain
+        keys = [key for key, _, _ in run]
+        blocks = [self.backup_block(view, key, source, epoch) for key in keys]
+        ids = np.concatenate([arrays[0] for _, _, arrays in run])
+        grad = np.concatenate([arrays[1] for _, _, arrays in run]).reshape(-1, t.spec.dim)
+        blocks_of = np.repeat([key[2] for key in keys], [arrays[0].shape[0] for _, _, arrays in run])
+        return self._apply_to_blocks(t, rows, keys, blocks, [op.version for _, op, _ in run], ids, grad,
+                                     blocks_of, op0.writer, stale)
 
     def _apply_rows(self, view: ShardMapView, source: str, epoch: int, item: Op, stale: list[BlockKey]) -> int:
-        """Apply an APPLY_ROWS op with one compiled update: the rows of its blocks whose
-        versions follow on; the others (all of them where this node's table config is not
-        the primary's, or keeps lifecycle state) are reported in ``stale``. Returns how many
-        blocks were applied."""
+        """Apply an APPLY_ROWS op as one update of its rows (``_apply_to_blocks``); all its
+        blocks are reported in ``stale`` where the table is not plain here (``_plain_rows``).
+        Its rows are checked first: InvalidArgument, nothing changed, unless they are unique,
+        inside the table and in its blocks. Returns how many blocks were applied."""
         key, op, arrays = item
         keys = op_keys(key, op)
         blocks = [self.backup_block(view, k, source, epoch) for k in keys]
-        t = view.tables.get((op.job, op.table))
-        rows = self.table.sparse_rows.get((op.job, op.table))
-        if (t is None or rows is None or rows.life is not None or t.config.lifecycle.enabled
-                or t.config.version != op.config_version or len(op.versions) != len(keys)):
+        plain = self._plain_rows(view, op.job, op.table, op.config_version)
+        if plain is None or len(op.versions) != len(keys):
             stale.extend(keys)
             return 0
-        w = op.writer
-        writer = Writer(w.session, w.incarnation, w.sequence, w.acked_below)
+        t, rows = plain
         ids, grad = arrays[0], arrays[1]
         status, blocks_of, counts = storage_kernels.scan(ids, t.spec.num_rows, t.spec.num_blocks, unique=True)
         if (status != 1 or grad.shape[0] != ids.shape[0] * t.spec.dim
@@ -207,9 +207,19 @@ class BackupApplier:
             raise InvalidArgument(f"APPLY_ROWS op on {op.table!r} blocks {list(op.blocks)}: its "
                                   f"{ids.shape[0]} ids must be unique, inside the table and in those blocks, "
                                   f"with {t.spec.dim} values each ({grad.shape[0]} values)")
-        grad = grad.reshape(-1, t.spec.dim)
+        return self._apply_to_blocks(t, rows, keys, blocks, op.versions, ids, grad.reshape(-1, t.spec.dim),
+                                     blocks_of, op.writer, stale)
+
+    @staticmethod
+    def _apply_to_blocks(t: TableView, rows: SparseRows, keys: list[BlockKey], blocks: list[AnyBlock],
+                         versions, ids: np.ndarray, grad: np.ndarray, blocks_of: np.ndarray, w: ps.WriterId,
+                         stale: list[BlockKey]) -> int:
+        """One compiled update of the rows (``ids``, each in block ``blocks_of``) of the blocks
+        whose version (``versions``: each block's after the op) follows on from theirs; the
+        others' rows are left out and their keys added to ``stale``. Then those blocks'
+        versions and the writer's exactly-once record. Returns how many blocks were applied."""
         with BlockLocks(sorted(blocks, key=lambda blk: blk.key)):
-            follows = [int(v) == blk.version + 1 for v, blk in zip(op.versions, blocks)]
+            follows = [int(v) == blk.version + 1 for v, blk in zip(versions, blocks)]
             if not all(follows):
                 stale.extend(k for k, ok in zip(keys, follows) if not ok)
                 keep = np.isin(blocks_of, [k[2] for k, ok in zip(keys, follows) if ok])
@@ -221,7 +231,7 @@ class BackupApplier:
                 rows.apply_rows(t.config, ids, grad)
             for blk in done:
                 blk.version += 1
-            remember_all(done, writer)
+            remember_all(done, Writer(w.session, w.incarnation, w.sequence, w.acked_below))
         return len(done)
 
     def backup_block(self, view: ShardMapView, key: BlockKey, source: str, epoch: int) -> AnyBlock:

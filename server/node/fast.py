@@ -284,9 +284,10 @@ def _by_block(u: Unit) -> list[np.ndarray]:
 
 def _op(blk: AnyBlock, t: TableView, writer: Writer, op: ps.BlockOp, arrays: list, step: int | None = None) -> tuple:
     """(key, op, arrays, [block]) of an APPLY of ``blk`` (its version is set once
-    committed), or, with ``step``, an ACCUMULATE into that SYNC step."""
+    committed), or, with ``step``, an ACCUMULATE into that SYNC step; an ``op`` of another
+    kind (APPLY_ROWS, of ``blk`` and more blocks) keeps it."""
     op.job, op.table, op.block = blk.key[0], blk.key[1], blk.key[2]
-    op.kind = ps.APPLY if step is None else ps.ACCUMULATE
+    op.kind = op.kind or (ps.APPLY if step is None else ps.ACCUMULATE)
     if step is not None:
         op.step = step
     op.writer.CopyFrom(ps.WriterId(session=writer.session, incarnation=writer.incarnation,
@@ -314,8 +315,8 @@ def _rows_ops(u: Unit, values: np.ndarray, writer: Writer, backed: list[bool]) -
         ids, rows = np.ascontiguousarray(ids, dtype="<i8"), np.ascontiguousarray(rows, dtype="<f4")
         changed = [u.objects[i] for i in positions]
         key, op, arrays, _ = _op(changed[0], t, writer, ps.BlockOp(
-            id_count=ids.shape[0], element_count=rows.size, blocks=[blk.key[2] for blk in changed]), [ids, rows])
-        op.kind = ps.APPLY_ROWS
+            kind=ps.APPLY_ROWS, id_count=ids.shape[0], element_count=rows.size,
+            blocks=[blk.key[2] for blk in changed]), [ids, rows])
         out.append((key, op, arrays, changed))
     return out
 

@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol, Sequence, cast
+from typing import Callable, Protocol, Sequence, cast
 
 import numpy as np
 
@@ -31,15 +31,8 @@ from shardps.errors import ShardpsError, StaleEpoch, Unavailable
 from shardps.metrics import NodeMetrics
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
-from shardps.server.node.blocks import (
-    AnyBlock,
-    BlockKey,
-    encode_metadata,
-)
+from shardps.server.node.blocks import AnyBlock, BlockKey, encode_metadata
 from shardps.server.node.table import BlockTable
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger("shardps.server")
 
@@ -84,7 +77,7 @@ class Forwarding:
 
 
 class Peers(Protocol):
-    """How a node reaches other nodes (the gRPC implementation is in server/node/service.py)."""
+    """How a node reaches other nodes (``shardps.rpc.peers.NodePeers``: the data plane, else gRPC)."""
 
     def replicate(self, node: str, epoch: int, ops: list[ps.BlockOp],
                   arrays: list[np.ndarray]) -> Callable[[], list[BlockKey]]:
@@ -183,6 +176,8 @@ class Forwarder:
         Out-of-sync blocks are sent whole. Raises Unavailable if a backup cannot be reached
         (the ops stay applied here; the backup is marked for a full resync before this block
         acknowledges anything)."""
+        if not calls:
+            return
         by_key = {b.key: b for b in blocks}
         failures = []
         for call in calls:
