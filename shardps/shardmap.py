@@ -74,6 +74,7 @@ class GroupView:
     quota_bytes: int = 0
     clients: tuple[Member, ...] = ()          # sessions of clients outside the group
     data_loss: tuple[pb.DataLoss, ...] = ()
+    peak_members: int = 0                     # the most live members at once
 
     @property
     def writers(self) -> set[tuple[str, int]]:
@@ -131,7 +132,8 @@ class ShardMapView:
             members = tuple(Member(m.rank, m.session, m.incarnation, m.name) for m in g.members)
             clients = tuple(Member(-1, m.session, m.incarnation, m.name) for m in g.clients)
             self.groups[g.job] = GroupView(g.job, mode, staleness, members, g.membership_version,
-                                           int(g.quota_bytes), clients, tuple(g.data_loss))
+                                           int(g.quota_bytes), clients, tuple(g.data_loss),
+                                           int(g.peak_members))
 
     def table(self, job: str, name: str) -> TableView:
         try:

@@ -226,3 +226,26 @@ def test_report_merges_results_files_and_names_a_missing_one(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([str(tmp_path / "missing.json")])
     assert "missing.json: no such results file" in capsys.readouterr().err
+
+
+def test_waiting_for_processes_reports_the_first_failure_while_the_others_still_run(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from shardps.bench.common import BenchError, wait_all
+    log = tmp_path / "w1.log"
+    log.write_text("worker 1 failed: no route to the manager\n")
+    waiting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    failing = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(BenchError, match=r"(?s)worker 1 exited with 3.*no route to the manager"):
+            wait_all([waiting, failing], 60.0, "worker", [tmp_path / "w0.log", log])
+        assert time.monotonic() - t0 < 30.0          # not after the 60 s of the waiting one
+        assert waiting.poll() is None
+        with pytest.raises(BenchError, match="worker 0 timed out after 0s"):
+            wait_all([waiting], 0.2, "worker")
+    finally:
+        waiting.kill()
+        waiting.wait()

@@ -133,3 +133,23 @@ def test_a_worker_whose_join_completes_the_group_does_not_wait_for_one_that_alre
     slow.refresh_map()
     assert len(slow.group().members) == 1
     assert slow.wait_for_workers(2, timeout=5) == 2
+
+
+def test_a_worker_that_looks_after_the_others_left_still_sees_the_group_was_whole(
+        make_cluster, client_factory):
+    """``--wait-workers 3``: the second worker joined when the group had two, the third made
+    it whole, and the first and third trained their few steps and left before the second
+    looked again (8 workers on 16 cores, each training 50 steps, did this). The second goes
+    on: the group has had three members, though one is left."""
+    cluster = make_cluster(1)
+    first, middle, last = (client_factory(cluster.address, job="rendezvous3") for _ in range(3))
+    first.create_job()
+    first.join(heartbeat=False)
+    assert middle.join(heartbeat=False).world_size == 2
+    last.join(heartbeat=False)
+    first.leave()
+    last.leave()
+    middle.refresh_map()
+    assert len(middle.group().members) == 1
+    assert middle.group().peak_members == 3
+    assert middle.wait_for_workers(3, timeout=5) == 3

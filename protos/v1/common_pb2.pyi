@@ -260,7 +260,7 @@ class WorkerMember(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., session: _Optional[str] = ..., incarnation: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
 
 class WorkerGroup(_message.Message):
-    __slots__ = ("job", "consistency", "members", "membership_version", "quota_bytes", "clients", "data_loss")
+    __slots__ = ("job", "consistency", "members", "membership_version", "quota_bytes", "clients", "data_loss", "peak_members")
     JOB_FIELD_NUMBER: _ClassVar[int]
     CONSISTENCY_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
@@ -268,6 +268,7 @@ class WorkerGroup(_message.Message):
     QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
     CLIENTS_FIELD_NUMBER: _ClassVar[int]
     DATA_LOSS_FIELD_NUMBER: _ClassVar[int]
+    PEAK_MEMBERS_FIELD_NUMBER: _ClassVar[int]
     job: str
     consistency: Consistency
     members: _containers.RepeatedCompositeFieldContainer[WorkerMember]
@@ -275,7 +276,8 @@ class WorkerGroup(_message.Message):
     quota_bytes: int
     clients: _containers.RepeatedCompositeFieldContainer[WorkerMember]
     data_loss: _containers.RepeatedCompositeFieldContainer[DataLoss]
-    def __init__(self, job: _Optional[str] = ..., consistency: _Optional[_Union[Consistency, _Mapping]] = ..., members: _Optional[_Iterable[_Union[WorkerMember, _Mapping]]] = ..., membership_version: _Optional[int] = ..., quota_bytes: _Optional[int] = ..., clients: _Optional[_Iterable[_Union[WorkerMember, _Mapping]]] = ..., data_loss: _Optional[_Iterable[_Union[DataLoss, _Mapping]]] = ...) -> None: ...
+    peak_members: int
+    def __init__(self, job: _Optional[str] = ..., consistency: _Optional[_Union[Consistency, _Mapping]] = ..., members: _Optional[_Iterable[_Union[WorkerMember, _Mapping]]] = ..., membership_version: _Optional[int] = ..., quota_bytes: _Optional[int] = ..., clients: _Optional[_Iterable[_Union[WorkerMember, _Mapping]]] = ..., data_loss: _Optional[_Iterable[_Union[DataLoss, _Mapping]]] = ..., peak_members: _Optional[int] = ...) -> None: ...
 
 class ShardMap(_message.Message):
     __slots__ = ("epoch", "servers", "tables", "groups", "replication", "changes")

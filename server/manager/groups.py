@@ -60,6 +60,7 @@ def join(st: ManagerState, job_name: str, name: str, rank_hint: int, previous_se
     member = MemberRecord(rank, session, incarnation, name, last_heartbeat=now)
     job.members[session] = member
     job.membership_version += 1
+    job.peak_members = max(job.peak_members, len(job.members))
     st.bump()
     log.info("worker %s joined job %s as rank %d (incarnation %d)", name or session, job_name,
              rank, incarnation)

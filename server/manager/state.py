@@ -271,7 +271,8 @@ class ManagerState:
                               since_epoch=b.since_epoch, fresh_epoch=b.fresh_epoch, lost_epoch=b.lost_epoch)
         for name, rec in sorted(self.jobs.items()):
             g = msg.groups.add(job=name, consistency=consistency_to_proto(rec.consistency, rec.staleness),
-                               membership_version=rec.membership_version, quota_bytes=rec.quota_bytes)
+                               membership_version=rec.membership_version, quota_bytes=rec.quota_bytes,
+                               peak_members=rec.peak_members)
             for m in sorted(rec.members.values(), key=lambda m: m.rank):
                 g.members.add(rank=m.rank, session=m.session, incarnation=m.incarnation, name=m.name)
             for m in sorted(rec.clients.values(), key=lambda m: m.session):

@@ -211,17 +211,33 @@ def _wait(p, timeout: float) -> None:
 
 
 def wait_all(procs: list, timeout: float, what: str, logs: Sequence[Path] = ()) -> None:
-    """Wait for processes to exit 0; raise BenchError (with log tails) on failure or timeout."""
+    """Wait for processes to exit 0; raise BenchError (with the log's tail) at the first one
+    that fails, or at the timeout. Fails fast: the others may be waiting for the one that
+    failed (``--wait-workers``), and would otherwise hold the run until the timeout."""
     deadline = time.monotonic() + timeout
-    for i, p in enumerate(procs):
-        _wait(p, max(0.1, deadline - time.monotonic()))
-        code = p.exitcode if isinstance(p, mp.process.BaseProcess) else p.poll()
-        if code != 0:
-            tail = ""
-            if i < len(logs):
-                tail = "\n" + "\n".join(Path(logs[i]).read_text(errors="replace").splitlines()[-20:])
-            state = "timed out" if code is None else f"exited with {code}"
-            raise BenchError(f"{what} {i} {state}{tail}")
+    pending = list(range(len(procs)))
+    while pending:
+        for i in list(pending):
+            code = _exitcode(procs[i])
+            if code is None:
+                continue
+            pending.remove(i)
+            if code != 0:
+                raise BenchError(f"{what} {i} exited with {code}{_tail(logs, i)}")
+        if pending and time.monotonic() > deadline:
+            raise BenchError(f"{what} {pending[0]} timed out after {timeout:.0f}s{_tail(logs, pending[0])}")
+        if pending:
+            time.sleep(0.05)
+
+
+def _exitcode(p) -> int | None:
+    return p.exitcode if isinstance(p, mp.process.BaseProcess) else p.poll()
+
+
+def _tail(logs: Sequence[Path], i: int) -> str:
+    if i >= len(logs):
+        return ""
+    return "\n" + "\n".join(Path(logs[i]).read_text(errors="replace").splitlines()[-20:])
 
 
 def worker_command(manager: str, name: str, args: list[str], rss_file: Path) -> list[str]:

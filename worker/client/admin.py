@@ -355,13 +355,15 @@ class Admin:
                          mg.GetClusterStatusRequest(), timeout, idempotent=True)
 
     def wait_for_workers(self, count: int, timeout: float | None = None) -> int:
-        """Wait until the job's group has ``count`` members (see PSClient): a long poll of the
-        shard map, whose epoch moves with every join."""
+        """Wait until the job's group has had ``count`` members at once (see PSClient): a long
+        poll of the shard map, whose epoch moves with every join. Reads the group's peak, not
+        its live members: the first workers may have finished and left by the time a slow one
+        sees the map."""
         deadline = time.monotonic() + (self.default_timeout if timeout is None else timeout)
         view = self.refresh_map()
         while True:
             group = view.groups.get(self.job)
-            joined = len(group.members) if group is not None else 0
+            joined = max(len(group.members), group.peak_members) if group is not None else 0
             if joined >= count:
                 return joined
             remaining = deadline - time.monotonic()
@@ -433,8 +435,9 @@ class ManagerCalls:
         return self._admin.data_loss()
 
     def wait_for_workers(self, count: int, timeout: float | None = None) -> int:
-        """Block until the job's worker group has at least ``count`` members; returns how many
-        joined. Raises DeadlineExceeded naming how many had joined. (In SYNC, a worker that
+        """Block until the job's worker group has had at least ``count`` members at once (they
+        may have left since: a fast worker can finish its steps before a slow one looks);
+        returns how many joined. Raises DeadlineExceeded naming how many had joined. (In SYNC, a worker that
         joins late starts at the group's current step; earlier steps averaged over the
         workers present then.) A client whose ``join`` made ``count`` returns at once: a fast
         worker may have finished its steps and left before this one looks."""

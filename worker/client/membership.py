@@ -193,7 +193,7 @@ class GroupMember:
         self.joined_world = 0
 
     def wait_for_workers(self, count: int, timeout: float | None = None) -> int:
-        """Block until the job's group has ``count`` members (``Admin.wait_for_workers``);
+        """Block until the job's group has had ``count`` members (``Admin.wait_for_workers``);
         returns how many. A member whose join made ``count`` returns at once: a fast worker
         may have finished its steps and left before this one looks."""
         if self.joined_world >= count:
