@@ -16,7 +16,7 @@
 # PARTS (default "tests gpu cache"), BENCH_ARGS (default --quick; e.g. --scale-points 8x4) and
 # LIMITS ("tests scale gpu cache" seconds) tune a run. On an H100 with 16 cores: pytest 66 s;
 # gpu 117 s to its 2-worker point at batch 4096 (both batches, 1, 2 and 4 workers: about 190 s);
-# cache 85 s; scale 153 s to its 4x4 point, and the 8x4 point alone took over 87 s. A part cut
+# cache 85 s; scale 153 s to its 4x4 point; on an H200, the 8x4 point alone 79 s. A part cut
 # at its limit writes no figures, hence two calls: one call's command may run 10 minutes.
 set -u
 OUT=${OUT:-bench/results/gpu-machine}

@@ -73,9 +73,10 @@ def add_training_flags(fs) -> None:
            "4,096 with --overlap. A bound in steps skips more of the worker's own updates to a row the larger "
            "its batch; with --overlap it must be at least the lookahead, the age of the youngest cached row "
            "when a lookup is planned)")
-    fs.add("--wait-workers", 0, "before the first step, wait until the job has this many workers (0: start "
-           "at once). Give SYNC jobs their worker count: every worker then starts at step 0 with the same share "
-           f"of the data and, with --scale-lr, the same learning rate. Fails after {WAIT_WORKERS_SECONDS:.0f} s")
+    fs.add("--wait-workers", 0, "before the first step, wait until the job has had this many workers at once "
+           "(those that finished and left count; 0: start at once). Give SYNC jobs their worker count: every "
+           "worker then starts at step 0 with the same share of the data and, with --scale-lr, the same "
+           f"learning rate. Fails after {WAIT_WORKERS_SECONDS:.0f} s")
     fs.add("--checkpoint-every", 0, "join a checkpoint every this many steps (0: only on demand)")
     fs.add("--ready-file", "", "write a JSON line (name, rank, metrics address, pid) here once joined")
 
