@@ -153,3 +153,21 @@ def test_a_worker_that_looks_after_the_others_left_still_sees_the_group_was_whol
     assert len(middle.group().members) == 1
     assert middle.group().peak_members == 3
     assert middle.wait_for_workers(3, timeout=5) == 3
+
+
+def test_the_next_run_of_a_job_waits_for_its_own_workers(make_cluster, client_factory):
+    """The group's peak starts again once every member left: a job's second run with
+    ``--wait-workers 2`` waits for two of its own workers, not the two of the first run."""
+    from shardps.errors import DeadlineExceeded
+    cluster = make_cluster(1)
+    first_run = [client_factory(cluster.address, job="rerun") for _ in range(2)]
+    first_run[0].create_job()
+    for c in first_run:
+        c.join(heartbeat=False)
+    for c in first_run:
+        c.leave()
+    second = client_factory(cluster.address, job="rerun")
+    second.join(heartbeat=False)
+    assert second.group().peak_members == 1
+    with pytest.raises(DeadlineExceeded, match="1 of 2 workers"):
+        second.wait_for_workers(2, timeout=0.3)

@@ -79,9 +79,13 @@ def leave(st: ManagerState, job_name: str, session: str) -> int:
 
 
 def remove_member(job: JobRecord, session: str) -> None:
+    """A member leaves (or its lease expired). Once none is left the group's peak starts again:
+    the job's next run waits for its own workers, not for those of the last one."""
     m = job.members.pop(session)
     job.departed[session] = [m.rank, m.incarnation]
     job.membership_version += 1
+    if not job.members:
+        job.peak_members = 0
 
 
 def worker_heartbeat(st: ManagerState, job_name: str, session: str, incarnation: int, step: int,

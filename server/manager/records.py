@@ -110,7 +110,7 @@ class JobRecord:
     members: dict[str, MemberRecord] = field(default_factory=dict)     # by session
     departed: dict[str, list[int]] = field(default_factory=dict)       # session -> [rank, incarnation]
     membership_version: int = 0
-    peak_members: int = 0    # the most live members at once (WorkerGroup.peak_members)
+    peak_members: int = 0    # the most live members at once since the group was last empty
     restored_path: str = ""
     restored_step: int = 0
     restore_pending: list[int] = field(default_factory=list)   # ranks yet to fetch their state

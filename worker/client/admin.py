@@ -437,11 +437,10 @@ class ManagerCalls:
     def wait_for_workers(self, count: int, timeout: float | None = None) -> int:
         """Block until the job's worker group has had at least ``count`` members at once (they
         may have left since: a fast worker can finish its steps before a slow one looks);
-        returns how many joined. Raises DeadlineExceeded naming how many had joined. (In SYNC, a worker that
-        joins late starts at the group's current step; earlier steps averaged over the
-        workers present then.) A client whose ``join`` made ``count`` returns at once: a fast
-        worker may have finished its steps and left before this one looks."""
-        return self._member.wait_for_workers(count, timeout)
+        returns how many joined. Raises DeadlineExceeded naming how many had joined. (In SYNC,
+        a worker that joins late starts at the group's current step; earlier steps averaged
+        over the workers present then.)"""
+        return self._admin.wait_for_workers(count, timeout)
 
     def create_table(self, spec: TableSpec, optimizer: OptimizerConfig | None = None,
                      allow_non_finite: bool = False, timeout: float | None = None,

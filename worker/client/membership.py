@@ -119,7 +119,6 @@ class GroupMember:
         self.session = session
         self.progress = {"step": 0, "samples_per_second": 0.0, "loss": 0.0}
         self.checkpoint_request = ""
-        self.joined_world = 0          # the group's size when this client joined
         self._heartbeat: threading.Thread | None = None
         self._heartbeat_every = 1.0
         self._stop = threading.Event()       # stops the heartbeat loop
@@ -138,7 +137,6 @@ class GroupMember:
             job=self.job, name=name, rank_hint=rank_hint, previous_session=previous_session), timeout)
         m = Membership(resp.rank, resp.session, resp.incarnation, len(resp.group.members), resp.restored)
         self.session.start(m)
-        self.joined_world = m.world_size
         a.refresh_map(min_epoch=resp.epoch)
         if heartbeat:
             self._start_heartbeats(resp.heartbeat_seconds)
@@ -190,15 +188,6 @@ class GroupMember:
             a.call("LeaveWorkerGroup", a.stub.LeaveWorkerGroup,
                    mg.LeaveWorkerGroupRequest(job=self.job, session=m.session), timeout, idempotent=True)
             self.session.update(None)
-        self.joined_world = 0
-
-    def wait_for_workers(self, count: int, timeout: float | None = None) -> int:
-        """Block until the job's group has had ``count`` members (``Admin.wait_for_workers``);
-        returns how many. A member whose join made ``count`` returns at once: a fast worker
-        may have finished its steps and left before this one looks."""
-        if self.joined_world >= count:
-            return self.joined_world
-        return self.admin.wait_for_workers(count, timeout)
 
     def heartbeat(self, timeout: float | None = None) -> mg.WorkerHeartbeatResponse:
         """One heartbeat now (the thread sends them by itself). FailedPrecondition when not a
