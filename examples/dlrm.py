@@ -127,8 +127,9 @@ class DLRM(nn.Module):
 
 # ---------------------------------------------------------------- the servers' counters
 def server_calls(client: PSClient) -> dict[str, dict[str, float]]:
-    """Per server: the data calls (Pull, Push, Exchange) it has handled, read from its
-    Prometheus endpoint. Empty when the servers serve no metrics."""
+    """Per server: the data calls (Pull, Push, Exchange, and Step: a push, a pull or both in
+    one frame) it has handled, read from its Prometheus endpoint. Empty when the servers
+    serve no metrics."""
     from prometheus_client.parser import text_string_to_metric_families
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     out = {}
@@ -136,7 +137,7 @@ def server_calls(client: PSClient) -> dict[str, dict[str, float]]:
         if not s.server.metrics_address:
             continue
         text = opener.open(f"http://{s.server.metrics_address}/metrics", timeout=10).read().decode()
-        counts = {"Pull": 0.0, "Push": 0.0, "Exchange": 0.0}
+        counts = {"Pull": 0.0, "Push": 0.0, "Exchange": 0.0, "Step": 0.0}
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name == "grpc_server_handled_total" and sample.labels.get("grpc_method") in counts:
@@ -227,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     for server in sorted(after):
         calls = {m: (after[server][m] - before.get(server, {}).get(m, 0.0)) / args.steps for m in after[server]}
         print(f"dlrm: server {server} handled per worker step: pull={calls['Pull']:.2f} "
-              f"push={calls['Push']:.2f} exchange={calls['Exchange']:.2f}", flush=True)
+              f"push={calls['Push']:.2f} exchange={calls['Exchange']:.2f} step={calls['Step']:.2f}", flush=True)
     if not after:
         print("dlrm: the servers serve no Prometheus metrics: call counts not measured", flush=True)
     print(f"dlrm: steps={args.steps} train_loss={np.mean(losses[-50:]):.4f} "

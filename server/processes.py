@@ -226,7 +226,7 @@ def _data_plane(settings: ServerProcessSettings, service: ParameterServerService
     host = settings.serving.listen.rsplit(":", 1)[0] or "0.0.0.0"
     server = DataPlaneServer(service.data_plane, host.strip("[]"), settings.data_plane_port,
                              server_ssl_context(tls) if tls is not None else None,
-                             authenticate=authenticate)
+                             authenticate=authenticate, step_handler=service.steps.frame)
     service.data_plane_address = f"{address.rsplit(':', 1)[0]}:{server.port}"
     service.data_plane_max_frame_bytes = server.limits.max_frame_bytes
     return server

@@ -78,6 +78,8 @@ TABLE: dict[str, dict[str, Rule]] = {
         "Pull": _job(ps.PullRequest, "header.job", transports=_BOTH),
         "Exchange": _job(ps.ExchangeHeader, "push.header.job", "pull.header.job", transports=("dataplane",),
                          note="a push and a pull in one frame: both must name the caller's job"),
+        "Step": _job(ps.StepHeader, "header.job", transports=("dataplane",),
+                     note="a push and a pull in one packed frame (shardps/rpc/step.py)"),
         "ProbeSharedMemory": _job(ps.ProbeSharedMemoryRequest,
                                   note="binds the region to the job; another job's region is refused"),
         "OpenDataPlane": _job(ps.OpenDataPlaneRequest),

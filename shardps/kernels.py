@@ -2,10 +2,8 @@
 
 Three loops dominate a sparse step outside the network:
 
-* the servers' optimizer update of pushed rows: look up each row's slot, gather its values
-  and optimizer state, update, scatter back. numpy needs about fifteen passes over
-  ``rows x dim`` elements plus three fancy-indexed copies (10.5 ms for 10,000 x 64 Adagrad
-  rows on this machine); one fused pass over the rows in place costs well under 1 ms;
+* the servers' optimizer update of pushed rows (``server/node/optimizer_kernels.py``, on
+  the kernels here);
 * the workers' deduplication of a batch's ids with the inverse map (``np.unique`` sorts all
   of them: 0.5 ms for the ctr batch's 13,312 ids); hashing, then sorting only the distinct
   ids, is several times cheaper;
@@ -16,14 +14,12 @@ Three loops dominate a sparse step outside the network:
 The kernels are compiled with numba (``cache=True``: once per machine, into ``__pycache__``
 or ``NUMBA_CACHE_DIR``) and release the GIL. When numba is not installed, ``AVAILABLE`` is
 False and callers use the numpy code they had; the tests compare both.
-
-Arithmetic is float32, in the order of ``shardps.server.optimizers`` (the numpy reference),
-with per-row learning-rate factors computed in float64 and rounded to float32 as it does.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import os
 import re
 import time
@@ -31,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from shardps.tables import Initializer, InitKind, OptimizerKind
+from shardps.tables import Initializer, InitKind
 from shardps.tables import coalesce as _tables_coalesce
 from shardps.tables import group_by_block as _tables_group_by_block
 from shardps.tables import initial_values as _tables_initial_values
@@ -52,119 +48,6 @@ SGD, ADAGRAD, ADAM = 0, 1, 2
 # error_model="numpy": a division by zero gives inf/nan as numpy does; numba's default
 # ("python") checks every division, which keeps LLVM from vectorising the loops (3x slower)
 _JIT: dict[str, Any] = dict(cache=True, nogil=True, fastmath=False, boundscheck=False, error_model="numpy")
-
-
-# ====================================================================== optimizer updates
-@njit(**_JIT)
-def _sgd(rows, buf, steps, slots, grad, lr, wd, momentum, keep, nesterov):
-    n, d = grad.shape
-    lr32 = np.float32(lr)
-    wd32 = np.float32(wd)
-    mom = np.float32(momentum)
-    keep32 = np.float32(keep)
-    for i in range(n):
-        s = slots[i]
-        first = False
-        if steps.shape[0]:
-            st = steps[s] + 1
-            steps[s] = st
-            first = st == 1
-        for j in range(d):
-            g = grad[i, j]
-            if wd != 0.0:
-                g = rows[s, j] * wd32 + g
-            if buf.shape[0]:
-                if first:
-                    b = g
-                else:
-                    b = buf[s, j] * mom + keep32 * g
-                buf[s, j] = b
-                if nesterov:
-                    upd = (b * mom + g) * lr32
-                else:
-                    upd = b * lr32
-            else:
-                upd = g * lr32
-            rows[s, j] -= upd
-
-
-@njit(**_JIT)
-def _adagrad(rows, acc, steps, slots, grad, lr, lr_decay, eps, wd):
-    n, d = grad.shape
-    eps32 = np.float32(eps)
-    wd32 = np.float32(wd)
-    for i in range(n):
-        s = slots[i]
-        st = steps[s] + 1
-        steps[s] = st
-        clr = np.float32(lr / (1.0 + (st - 1.0) * lr_decay))
-        if wd != 0.0:
-            for j in range(d):
-                g = rows[s, j] * wd32 + grad[i, j]
-                a = acc[s, j] + g * g
-                acc[s, j] = a
-                rows[s, j] -= (g / (np.sqrt(a) + eps32)) * clr
-        else:
-            for j in range(d):
-                g = grad[i, j]
-                a = acc[s, j] + g * g
-                acc[s, j] = a
-                rows[s, j] -= (g / (np.sqrt(a) + eps32)) * clr
-
-
-@njit(**_JIT)
-def _adam(rows, m, v, steps, slots, grad, lr, beta1, beta2, eps, wd):
-    n, d = grad.shape
-    eps32 = np.float32(eps)
-    wd32 = np.float32(wd)
-    one_b1 = np.float32(1.0 - beta1)
-    b2 = np.float32(beta2)
-    one_b2 = np.float32(1.0 - beta2)
-    for i in range(n):
-        s = slots[i]
-        st = steps[s] + 1
-        steps[s] = st
-        step_size = np.float32(lr / (1.0 - beta1 ** st))
-        bc2 = np.float32(np.sqrt(1.0 - beta2 ** st))
-        for j in range(d):
-            g = grad[i, j]
-            if wd != 0.0:
-                g = rows[s, j] * wd32 + g
-            mj = m[s, j] + (g - m[s, j]) * one_b1
-            m[s, j] = mj
-            vj = v[s, j] * b2 + (g * g) * one_b2
-            v[s, j] = vj
-            rows[s, j] -= (mj / (np.sqrt(vj) / bc2 + eps32)) * step_size
-
-
-_EMPTY_2D = np.empty((0, 0), dtype=np.float32)
-_EMPTY_STEPS = np.empty(0, dtype=np.int32)
-
-
-def apply_rows(config, rows: np.ndarray, state: dict[str, np.ndarray], steps: np.ndarray | None,
-               slots: np.ndarray, grad: np.ndarray) -> None:
-    """One optimizer step for the rows at ``slots`` of ``rows`` (``[capacity, dim]`` float32,
-    updated in place with ``state``'s arrays of the same shape and the int32 per-row step
-    counts ``steps``, which it increments). ``slots`` are distinct; ``grad`` is ``[n, dim]``.
-    Same results as ``shardps.server.optimizers.apply`` on the gathered rows (to float32
-    rounding). Requires ``AVAILABLE``; releases the GIL."""
-    kind = config.kind
-    slots = np.ascontiguousarray(slots, dtype=np.int64)
-    grad = np.ascontiguousarray(grad, dtype=np.float32)
-    st = _EMPTY_STEPS if steps is None else steps
-    wd = float(config.weight_decay)
-    if kind is OptimizerKind.SGD:
-        buf = state.get("momentum_buffer", _EMPTY_2D) if config.momentum else _EMPTY_2D
-        _sgd(rows, buf, st, slots, grad, float(config.lr), wd, float(config.momentum),
-             float(1.0 - config.dampening), bool(config.nesterov))
-    elif kind is OptimizerKind.ADAGRAD:
-        _adagrad(rows, state["sum"], st, slots, grad, float(config.lr), float(config.lr_decay),
-                 float(config.effective_eps), wd)
-    elif kind is OptimizerKind.ADAM:
-        _adam(rows, state["exp_avg"], state["exp_avg_sq"], st, slots, grad, float(config.lr),
-              float(config.beta1), float(config.beta2), float(config.effective_eps), wd)
-    else:
-        raise ValueError(f"unknown optimizer kind {kind!r}")
 
 
 # ====================================================================== deduplication
@@ -338,6 +221,46 @@ def _init_units(rows, stream, out):
             out[i, j] = _unit(key, j)
 
 
+# normal initial values of up to this many elements are computed in one compiled loop; more
+# are vectorised by numpy (1 row x 16: 3 us against 12; 1,000 rows x 16: 700 us against 580)
+_NORMAL_COMPILED_MAX = 4096
+
+
+@njit(**_JIT)
+def _normal_value(k1, k2, j, mean, std):
+    """``shardps.tables.initial_values``' normal draw of one element: Box-Muller on two
+    float32 uniforms, in float64 as numpy computes it (log1p, sqrt and cos of the C
+    library: the same bits as numpy's, which the tests check), rounded to float32."""
+    u1 = np.float64(_unit(k1, j))
+    u2 = np.float64(_unit(k2, j))
+    z = math.sqrt(-2.0 * math.log1p(-u1)) * math.cos(2.0 * math.pi * u2)
+    return np.float32(mean + std * z)
+
+
+@njit(**_JIT)
+def _init_normal(rows, stream1, stream2, mean, std, out):
+    n, d = out.shape
+    for i in range(n):
+        k1 = _splitmix64(rows[i] ^ stream1)
+        k2 = _splitmix64(rows[i] ^ stream2)
+        for j in range(d):
+            out[i, j] = _normal_value(k1, k2, j, mean, std)
+
+
+def init_params(init: Initializer) -> tuple:
+    """``init`` as compiled kernels take it: (kind: 0 zeros, 1 constant, 2 uniform, 3 normal;
+    then constant / low / mean, span / std, and the stream keys), ``initial_values``'
+    arithmetic (ASSIGNED rows start at zero)."""
+    if init.kind is InitKind.CONSTANT:
+        return 1, float(init.value), 0.0, np.uint64(0), np.uint64(0)
+    if init.kind is InitKind.UNIFORM:
+        return 2, float(np.float32(init.low)), float(np.float32(init.high - init.low)), _stream_key(init.seed, 0), \
+            np.uint64(0)
+    if init.kind is InitKind.NORMAL:
+        return 3, float(init.mean), float(init.std), _stream_key(init.seed, 1), _stream_key(init.seed, 2)
+    return 0, 0.0, 0.0, np.uint64(0), np.uint64(0)
+
+
 @functools.lru_cache(maxsize=256)
 def _stream_key(seed: int, stream: int) -> np.uint64:
     """A table's initialiser stream, per (seed, stream): every read of new rows needs it
@@ -356,8 +279,12 @@ def initial_values(init: Initializer, rows: np.ndarray, dim: int) -> np.ndarray:
         _init_uniform(ids, _stream_key(init.seed, 0), np.float32(init.low),
                       np.float32(init.high - init.low), out)
         return out
-    # the counters compiled; log1p, sqrt and cos as numpy does them (vectorised, and the
-    # same bits as shardps.tables.initial_values)
+    if out.size <= _NORMAL_COMPILED_MAX:
+        _init_normal(ids, _stream_key(init.seed, 1), _stream_key(init.seed, 2), float(init.mean), float(init.std),
+                     out)
+        return out
+    # many rows: the counters compiled, log1p, sqrt and cos vectorised by numpy (faster than
+    # the C library's one value at a time beyond a few thousand; the same bits either way)
     u2 = np.empty_like(out)
     _init_units(ids, _stream_key(init.seed, 1), out)
     _init_units(ids, _stream_key(init.seed, 2), u2)
@@ -439,17 +366,6 @@ def warm_up() -> None:
     global _WARM
     if _WARM or not AVAILABLE:
         return
-    rows = np.zeros((2, 2), np.float32)
-    slots = np.zeros(1, np.int64)
-    # gradients decoded from a received frame are read-only views (numba types them apart)
-    for grad in (np.zeros((1, 2), np.float32), _read_only(np.zeros((1, 2), np.float32))):
-        for steps in (_EMPTY_STEPS, np.zeros(2, np.int32)):      # SGD and Adagrad: with or without
-            _sgd(rows, _EMPTY_2D, steps, slots, grad, 0.1, 0.0, 0.0, 1.0, False)
-            _sgd(rows, np.zeros_like(rows), steps, slots, grad, 0.1, 0.0, 0.9, 1.0, False)
-            _adagrad(rows, np.zeros_like(rows), steps, slots, grad, 0.1, 0.0, 1e-10, 0.0)
-        # Adam always keeps per-row steps (it indexes them: never an empty array)
-        _adam(rows, np.zeros_like(rows), np.zeros_like(rows), np.zeros(2, np.int32), slots, grad,
-              0.1, 0.9, 0.999, 1e-8, 0.0)
     unique_inverse(np.arange(128, dtype=np.int64))
     strictly_increasing(np.arange(4, dtype=np.int64))
     for ids in (np.arange(4, dtype=np.int64)[::-1].copy(), _read_only(np.arange(4, dtype=np.int64)[::-1].copy())):

@@ -120,3 +120,47 @@ class PullReply:
     min_clock: int = 0
     in_shared_memory: bool = False
     waited_seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class Slice:
+    """One table's part of a ``StepRequest``: a flat dense range ``[start, stop)`` (``ids``
+    None) or ``ids`` of sparse rows; ``values`` the push's float32 values (None in a pull).
+    On a server, ``ids`` and ``values`` are views of the received bytes and ``values`` is
+    flat (a sparse table's rows ``[len(ids) * dim]``: the node checks its length against the
+    table). On a client they are the caller's arrays (sparse values ``[n, dim]``, a dense
+    range's values flat) and ``positions`` (None: all) picks the rows this request carries."""
+
+    table: str
+    selector: str
+    start: int = 0
+    stop: int = 0
+    ids: Any = None
+    values: Any = None
+    positions: Any = None
+    base_versions: dict[int, int] | None = None   # a dense push's (see ``Selection``)
+
+
+@dataclass(slots=True)
+class StepRequest:
+    """One worker step against one server (the data plane's Step frame): a push (``push``:
+    its slices, None for no push; an empty list is a clock report) applied first, then a
+    pull (``pull``: its slices, None for no pull) with clock ``pull_clock``. ``header`` is
+    the push's (its ``clock``) and the pull's (every other field)."""
+
+    header: Header
+    kind: int = GRADIENT
+    push: list[Slice] | None = None
+    pull: list[Slice] | None = None
+    pull_clock: int = 0
+
+
+@dataclass(slots=True)
+class StepReply:
+    """What a server answered to a ``StepRequest``: the push's acknowledgement (None: no
+    push) and the pull's reply (None: no pull) with its values: ``values`` one float32 array
+    per pull slice, or empty where they were written into the buffer the caller gave."""
+
+    ack: PushAck | None = None
+    pull: PullReply | None = None
+    values: list = field(default_factory=list)

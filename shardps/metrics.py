@@ -35,13 +35,81 @@ ROW_BUCKETS = tuple(float(4 ** i) for i in range(0, 12))     # 1 .. 4M rows
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 
 
+class FlushingRegistry(CollectorRegistry):
+    """A registry that runs its ``before_collect`` hooks before every collection (a scrape, a
+    ``get_sample_value``): metrics observed in batches (``Batch``) are then up to date."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.before_collect: list = []
+
+    def collect(self):
+        for hook in list(self.before_collect):
+            hook()
+        return super().collect()
+
+
+def observe_all(child, values) -> None:
+    """``child.observe(v)`` for each of ``values`` (a histogram's labelled child), in one
+    pass: the same buckets and sum as the calls one by one."""
+    values = np.asarray(values, dtype=np.float64)
+    if not values.shape[0]:
+        return
+    bounds = np.asarray(child._upper_bounds, dtype=np.float64)
+    counts = np.bincount(np.searchsorted(bounds, values, side="left"), minlength=bounds.shape[0])
+    for i in np.flatnonzero(counts[:bounds.shape[0]]).tolist():
+        child._buckets[i].inc(int(counts[i]))
+    child._sum.inc(float(values.sum()))
+
+
+class Batch:
+    """Events of a hot path (one tuple per request), kept in a list and handed to their
+    metrics by ``record(events)`` in one go: every ``every`` events, and before the registry
+    is collected when it is a ``FlushingRegistry``. ``add`` is one list append (atomic);
+    thread-safe."""
+
+    def __init__(self, registry: CollectorRegistry, record, every: int = 512):
+        self.record = record
+        self.every = every
+        self.events: list = []
+        self._lock = threading.Lock()
+        if isinstance(registry, FlushingRegistry):
+            registry.before_collect.append(self.flush)
+
+    def add(self, event: tuple) -> None:
+        with self._lock:
+            events = self.events
+            events.append(event)
+            full = len(events) >= self.every
+        if full:
+            self.flush()
+
+    def flush(self) -> None:
+        with self._lock:
+            events, self.events = self.events, []
+            if events:
+                self.record(events)
+
+
+def _record_grpc_calls(g, events: list) -> None:
+    """Batched data-plane calls ((service, method, code, seconds) each) into the
+    ``grpc_server_*`` or ``grpc_client_*`` metrics ``g``, as ``grpc_type="dataplane"``."""
+    by_call: dict[tuple, list[float]] = {}
+    for service, method, code, seconds in events:
+        by_call.setdefault((service, method, code), []).append(seconds)
+    for (service, method, code), times in by_call.items():
+        labelled(g.started, service, method, "dataplane").inc(len(times))
+        labelled(g.handled, service, method, "dataplane", code).inc(len(times))
+        observe_all(labelled(g.handling, service, method, "dataplane"), times)
+
+
 def process_registry() -> CollectorRegistry:
     """A new registry holding the collectors of the process itself: ``process_*`` (CPU
     seconds, resident and virtual memory, open and max file descriptors, start time; where
     /proc exists), ``python_info`` (the interpreter's version and implementation) and
     ``python_gc_*`` (garbage-collector counts). Every Metrics class below starts from one
     unless given a registry."""
-    registry = CollectorRegistry()
+    registry = FlushingRegistry()
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
     GCCollector(registry=registry)
@@ -159,6 +227,40 @@ class NodeMetrics:
         self.table_pull_miss = Gauge(
             "shardps_table_pull_miss_ratio", "Share of pulled rows not stored, by reason: evicted "
             "(admitted before), not_admitted.", tl + ("reason",), registry=r)
+
+        self._lane = Batch(r, self._record_lane)
+        self._calls = Batch(r, self._record_calls)
+
+    def observe_lane(self, kind: str, seconds: float, rows: int, nbytes: int, optimizer: str = "") -> None:
+        """One request part the compiled path served (``kind`` "push" or "pull"): its time,
+        sparse rows and payload bytes, counted as the general path counts them (batched)."""
+        self._lane.add((kind, seconds, rows, nbytes, optimizer))
+
+    def observe_call(self, service: str, method: str, code: str, seconds: float) -> None:
+        """One data-plane call in the ``grpc_server_*`` metrics (``grpc_type="dataplane"``),
+        batched."""
+        self._calls.add((service, method, code, seconds))
+
+    def _record_lane(self, events: list) -> None:
+        for kind in ("push", "pull"):
+            mine = [e for e in events if e[0] == kind]
+            if not mine:
+                continue
+            method = "Push" if kind == "push" else "Pull"
+            _, seconds, rows, nbytes, _ = zip(*mine)
+            labelled(self.phase_seconds, "optimizer" if kind == "push" else "lookup").inc(sum(seconds))
+            observe_all(labelled(self.request_bytes, method), nbytes)
+            observe_all(labelled(self.request_rows, method), rows)
+            labelled(self.bytes, "in" if kind == "push" else "out").inc(sum(nbytes))
+            if kind == "push":
+                by_optimizer: dict[str, list[float]] = {}
+                for e in mine:
+                    by_optimizer.setdefault(e[4], []).append(e[1])
+                for name, times in by_optimizer.items():
+                    observe_all(self.update_seconds.labels(name), times)
+
+    def _record_calls(self, events: list) -> None:
+        _record_grpc_calls(self.grpc, events)
 
     def set_lifecycle(self, reports: dict) -> None:
         """Set the lifecycle gauges from ``server.lifecycle.report`` per (job, table)."""
@@ -301,3 +403,34 @@ class WorkerMetrics:
                                    ("training_job",), buckets=STALENESS_BUCKETS, registry=r)
         self.info = Gauge("shardps_worker_info", "Constant 1, labelled with the worker's name and rank.",
                           ("training_job", "name", "rank"), registry=r)
+        self._moved = Batch(r, self._record_moved)
+        self._calls = Batch(r, self._record_calls)
+
+    def moved(self, pushed_bytes: int, pushed_rows: int, pushed_sparse: int, pulled_bytes: int, pulled_rows: int,
+              pulled_sparse: int) -> None:
+        """One data call's payload (``bytes``, ``rows`` and ``sparse_bytes`` of each
+        direction), counted in batches."""
+        self._moved.add((pushed_bytes, pushed_rows, pushed_sparse, pulled_bytes, pulled_rows, pulled_sparse))
+
+    def observe_call(self, service: str, method: str, code: str, seconds: float) -> None:
+        """One data-plane call in the ``grpc_client_*`` metrics (``grpc_type="dataplane"``),
+        batched."""
+        self._calls.add((service, method, code, seconds))
+
+    def totals(self) -> dict[str, float]:
+        """The payload counters so far (``bytes_pushed``, ``rows_pulled``, ``sparse_bytes_pushed``,
+        ...), batches included."""
+        self._moved.flush()
+        return {f"{name}_{direction}": labelled(metric, direction)._value.get()
+                for name, metric in (("bytes", self.bytes), ("rows", self.rows), ("sparse_bytes", self.sparse_bytes))
+                for direction in ("pushed", "pulled")}
+
+    def _record_moved(self, events: list) -> None:
+        totals = [sum(column) for column in zip(*events)]
+        for direction, (nbytes, rows, sparse) in (("pushed", totals[:3]), ("pulled", totals[3:])):
+            labelled(self.bytes, direction).inc(nbytes)
+            labelled(self.rows, direction).inc(rows)
+            labelled(self.sparse_bytes, direction).inc(sparse)
+
+    def _record_calls(self, events: list) -> None:
+        _record_grpc_calls(self.grpc, events)

@@ -33,6 +33,8 @@ class TableView:
     lost: dict[int, "LostBlock"] = field(default_factory=dict, compare=False)
     # int32 per block: how many replicas it has (more than 1: the primary forwards to backups)
     replica_counts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32), compare=False)
+    # the server index holding every block as primary (a table placed whole), else -1
+    whole_on: int = field(default=-1, compare=False)
 
     @property
     def name(self) -> str:
@@ -125,7 +127,8 @@ class ShardMapView:
                 job=t.job, spec=spec_from_proto(t.spec), config=config_from_proto(t.config),
                 replicas=tuple(replicas), primary=primary, since_epoch=since, fresh_epoch=fresh,
                 server_index=index, lost=lost,
-                replica_counts=np.fromiter((len(r) for r in replicas), np.int32, n))
+                replica_counts=np.fromiter((len(r) for r in replicas), np.int32, n),
+                whole_on=int(primary[0]) if n and primary[0] >= 0 and (primary == primary[0]).all() else -1)
         self.groups: dict[str, GroupView] = {}
         for g in self.msg.groups:
             mode, staleness = consistency_from_proto(g.consistency)

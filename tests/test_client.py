@@ -237,6 +237,12 @@ class _FlakyTransport:
     def exchange_finish(self, started, consume):
         raise AssertionError("no exchange started")
 
+    def step_start(self, server, address, request, reply_bytes, timeout):
+        return None
+
+    def step_finish(self, started, consume):
+        raise AssertionError("no step started")
+
     def abandon(self, address):
         self.inner.abandon(address)
 

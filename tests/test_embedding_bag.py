@@ -14,7 +14,7 @@ from shardps.worker.embedding_bag import EmbeddingBagConfig, KeyedJaggedTensor, 
 from shardps.worker.torch_ps import PSEmbeddingBag, PSEmbeddingBagCollection, PSModel
 
 N, DIM = 50, 4
-DATA_METHODS = ("Push", "Pull", "Exchange")
+DATA_METHODS = ("Push", "Pull", "Exchange", "Step")
 
 
 def data_calls(cluster) -> dict[str, dict[str, float]]:
@@ -28,6 +28,10 @@ def data_calls(cluster) -> dict[str, dict[str, float]]:
                     counts[sample.labels["grpc_method"]] += sample.value
         out[name] = counts
     return out
+
+
+def _rows_pushed(client) -> float:
+    return client.metrics.registry.get_sample_value("shardps_client_rows_total", {"direction": "pushed"})
 
 
 def bound(client, module: nn.Module, **kw) -> PSModel:
@@ -68,7 +72,7 @@ def test_bag_forward_and_gradient_equal_nn_embedding_bag(cluster, client_factory
     off = None if offsets is None else torch.tensor(offsets)
     g = torch.Generator().manual_seed(1)
     psw = torch.rand(x.shape, generator=g) if weighted else None
-    pushed = client.metrics.rows.labels("pushed")._value.get()
+    pushed = _rows_pushed(client)
     out = bag(x, off, psw)
     expected = ref(x, off, psw)
     np.testing.assert_allclose(out.detach().numpy(), expected.detach().numpy(), rtol=0, atol=1e-6)
@@ -79,7 +83,7 @@ def test_bag_forward_and_gradient_equal_nn_embedding_bag(cluster, client_factory
     after = client.pull_rows("inner", np.arange(N))
     np.testing.assert_allclose(after, before - ref.weight.grad.numpy(), rtol=0, atol=1e-6)
     # the gradient travelled as one row per distinct id, not the table
-    assert client.metrics.rows.labels("pushed")._value.get() - pushed == len(np.unique(ids))
+    assert _rows_pushed(client) - pushed == len(np.unique(ids))
 
 
 def test_bag_rejects_what_nn_embedding_bag_rejects(cluster, client_factory):
@@ -198,10 +202,11 @@ def test_a_dlrm_style_model_makes_one_pull_and_one_push_per_server_per_step(clus
     for server in after:
         calls = {m: after[server][m] - before[server][m] for m in DATA_METHODS}
         # measured: every server holds part of the model, and gets exactly this many calls
+        # (pulls and pushes travel in Step frames; exchanges that report a SYNC step as Exchange)
         if overlap:      # the first pull, then one exchange per step: push + next step's pull
-            assert calls == {"Pull": 1, "Push": 0, "Exchange": steps}, (server, calls)
+            assert calls == {"Pull": 0, "Push": 0, "Exchange": steps, "Step": 1}, (server, calls)
         else:            # 8 features, 6 tables, 2 dense layers: one pull_many, one push_many
-            assert calls == {"Pull": steps, "Push": steps, "Exchange": 0}, (server, calls)
+            assert calls == {"Pull": 0, "Push": 0, "Exchange": 0, "Step": 2 * steps}, (server, calls)
 
 
 def test_a_batch_of_empty_bags_pools_to_zeros_and_pushes_no_rows(cluster, client_factory):
@@ -213,6 +218,6 @@ def test_a_batch_of_empty_bags_pools_to_zeros_and_pushes_no_rows(cluster, client
     out = ebc(kjt)
     assert out["a"].abs().sum() == 0 and out["b"][1].abs().sum() == 0
     out.values().sum().backward()
-    pushed = client.metrics.rows.labels("pushed")._value.get()
+    pushed = _rows_pushed(client)
     model.push()
-    assert client.metrics.rows.labels("pushed")._value.get() - pushed == 1       # id 4 of table u only
+    assert _rows_pushed(client) - pushed == 1       # id 4 of table u only

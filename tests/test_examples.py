@@ -63,15 +63,16 @@ def test_help_explains_the_example(script):
 
 def test_dlrm_makes_one_pull_and_one_push_per_server_per_step(manager):
     """8 multi-hot features over 6 tables plus the MLPs: the servers' own counters (their
-    Prometheus grpc_server_handled_total), as the example prints them, show one Pull and
-    one Push per server per worker step; and the model learns the synthetic clicks."""
+    Prometheus grpc_server_handled_total), as the example prints them, show two data calls
+    per server per worker step (a pull and a push, each a Step frame); and the model learns
+    the synthetic clicks."""
     out = run("dlrm.py", "--manager", manager, "--job", "dlrm-test", "--steps", "40", "--rows", "5000",
               "--batch-size", "128")
-    calls = re.findall(r"server (\S+) handled per worker step: pull=([0-9.]+) push=([0-9.]+) exchange=([0-9.]+)",
-                       out)
+    calls = re.findall(r"server (\S+) handled per worker step: pull=([0-9.]+) push=([0-9.]+) exchange=([0-9.]+) "
+                       r"step=([0-9.]+)", out)
     assert len(calls) == 2, out                     # both servers measured
-    for _server, pull, push, exchange in calls:
-        assert (float(pull), float(push), float(exchange)) == (1.0, 1.0, 0.0), out
+    for _server, pull, push, exchange, step in calls:
+        assert (float(pull), float(push), float(exchange), float(step)) == (0.0, 0.0, 0.0, 2.0), out
     assert metric(out, "test_auc") > 0.6, out
     # the run ended its job: a second run starts from fresh tables, not this run's
     from shardps.worker import PSClient
@@ -91,10 +92,10 @@ def test_dlrm_overlap_makes_one_exchange_per_server_per_step_on_a_criteo_file(ma
     out = run("dlrm.py", "--manager", manager, "--job", "dlrm-criteo", "--data", str(data), "--steps", "20",
               "--rows", "5000", "--batch-size", "64", "--overlap", "--mode", "sync")
     assert "400 samples (criteo" in out, out
-    calls = re.findall(r"pull=([0-9.]+) push=([0-9.]+) exchange=([0-9.]+)", out)
+    calls = re.findall(r"pull=([0-9.]+) push=([0-9.]+) exchange=([0-9.]+) step=([0-9.]+)", out)
     assert len(calls) == 2, out
-    for pull, push, exchange in calls:     # the first step's pull, then one exchange a step
-        assert float(pull) <= 1 / 20 + 1e-9 and float(push) == 0 and float(exchange) == 1.0, out
+    for pull, push, exchange, step in calls:     # the first step's pull, then one exchange a step
+        assert float(pull) == float(push) == 0 and float(step) <= 1 / 20 + 1e-9 and float(exchange) == 1.0, out
     assert np.isfinite(metric(out, "test_logloss")), out
 
 

@@ -1,5 +1,5 @@
-"""One round trip per server per step: Exchange (push, then pull) on the data plane, and the
-same results through gRPC where a server has no data plane (real servers on loopback)."""
+"""One round trip per server per step: a Step frame (push, then pull) on the data plane, and
+the same results through gRPC where a server has no data plane (real servers on loopback)."""
 
 import threading
 
@@ -37,7 +37,7 @@ def test_an_exchange_pushes_then_pulls_one_call_per_server(make_cluster, client_
     cluster = make_cluster(2, server_settings={} if data_plane else {"data_plane_port": -1})
     c = client_factory(cluster.address)
     ids = _job(c)
-    before = {m: _calls(c, m) for m in ("Exchange", "Push", "Pull")}
+    before = {m: _calls(c, m) for m in ("Step", "Exchange", "Push", "Pull")}
     threads = []
     run = c._data.exchange
     c._data.exchange = lambda *a, **kw: threads.append(threading.get_ident()) or run(*a, **kw)
@@ -53,9 +53,9 @@ def test_an_exchange_pushes_then_pulls_one_call_per_server(make_cluster, client_
     servers = len(cluster.servers)
     got = {m: _calls(c, m) - before[m] for m in before}
     if data_plane:
-        assert got == {"Exchange": servers, "Push": 0, "Pull": 0}, got
+        assert got == {"Step": servers, "Exchange": 0, "Push": 0, "Pull": 0}, got
     else:
-        assert got == {"Exchange": 0, "Push": servers, "Pull": servers}, got
+        assert got == {"Step": 0, "Exchange": 0, "Push": servers, "Pull": servers}, got
 
 
 def test_a_push_reports_the_updates_its_dense_blocks_got_since_this_worker_pulled_them(make_cluster,

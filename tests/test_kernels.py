@@ -11,6 +11,7 @@ import pytest
 
 from shardps import kernels
 from shardps.server import optimizers
+from shardps.server.node import optimizer_kernels
 from shardps.tables import adagrad, adam, constant, initial_values, normal, sgd, uniform, zeros
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,7 +43,7 @@ def test_sparse_rows_update_equals_the_numpy_optimizer(name):
     for _ in range(4):                     # rows at different step counts, some on their first
         slots = np.sort(rng.choice(capacity, 120, replace=False))
         grad = rng.standard_normal((120, dim)).astype(np.float32)
-        kernels.apply_rows(config, rows, state, steps, slots, grad)
+        optimizer_kernels.apply_rows(config, rows, state, steps, slots, grad)
         params = ref_rows[slots]
         st = {k: v[slots] for k, v in ref_state.items()}
         step = 1
@@ -159,7 +160,9 @@ def test_initial_values_equal_the_numpy_reference_bit_for_bit(init):
 @pytest.mark.skipif(not kernels.AVAILABLE, reason="numba is not installed")
 def test_warm_up_compiles_every_kernel_for_the_data_paths_types():
     kernels.warm_up()
-    for fn in (kernels._sgd, kernels._adagrad, kernels._adam, kernels._hash_unique, kernels._block_of,
+    optimizer_kernels.warm_up()
+    for fn in (optimizer_kernels._sgd, optimizer_kernels._adagrad, optimizer_kernels._adam,
+               kernels._hash_unique, kernels._block_of,
                kernels._group, kernels._init_uniform, kernels._init_units, kernels._distinct):
         assert fn.signatures, f"{fn.__name__} was not compiled by warm_up"
     kernels.warm_up()                   # idempotent
@@ -171,7 +174,7 @@ _BUILD = "from shardps.server.node.node import warm_up_kernels; warm_up_kernels(
 _SERVE = """
 import json, numpy as np, torch
 from shardps import kernels
-from shardps.server.node import storage_kernels
+from shardps.server.node import optimizer_kernels, storage_kernels
 from shardps.server.node.node import warm_up_kernels
 from shardps.worker import PSClient, adagrad, adam, sgd
 from shardps.worker.torch_ps import PSEmbedding, PSModel
@@ -199,7 +202,7 @@ try:
         model.settle()
 finally:
     cluster.stop()
-print(json.dumps({name: len(fn.stats.cache_misses) for module in (kernels, storage_kernels)
+print(json.dumps({name: len(fn.stats.cache_misses) for module in (kernels, storage_kernels, optimizer_kernels)
                   for name, fn in vars(module).items() if getattr(fn, "stats", None) is not None
                   and fn.stats.cache_misses}))
 """

@@ -166,7 +166,7 @@ def test_through_psmodel_no_read_exceeds_the_bound_and_every_touched_row_is_push
     assert cache is not None and model.emb.cache_tau == 3
     assert cache.hits > 0 and cache.max_age <= 3, "a row read older than the bound"
     # the cache changes what is read, never what is sent: each step's touched rows are pushed
-    assert c.metrics.rows.labels("pushed")._value.get() == touched
+    assert c.metrics.registry.get_sample_value("shardps_client_rows_total", {"direction": "pushed"}) == touched
     registry = c.metrics.registry
     labels = {"training_job": c.job, "table": "emb"}
     assert registry.get_sample_value("shardps_worker_cache_lookups_total", {**labels, "result": "hit"}) == cache.hits

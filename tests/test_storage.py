@@ -1,27 +1,32 @@
 """``server.storage.SparseRows`` directly: what a read returns for rows not stored, and that
-a push storing rows a read just initialised copies those values (``_RecentInits``)."""
+a push storing rows a read just initialised copies those values (``InitCache``)."""
 
 import numpy as np
 
-from shardps import kernels
-from shardps.server.node.storage import SparseRows
+from shardps.server.node.storage import InitCache, SparseRows
 from shardps.tables import TableConfig, initial_values, normal, sgd, sparse_table, uniform
 
 
-def test_rows_read_then_pushed_start_from_the_values_the_read_returned(monkeypatch):
+def _cached(rows: SparseRows, row: int) -> int:
+    """The slot of ``row`` in the rows' cache of initial values (-1: not there)."""
+    ids, ok, _ = rows.cache
+    slot = int(np.uint64(row) % np.uint64(ids.shape[0]))
+    return slot if ok[slot] and ids[slot] == row else -1
+
+
+def test_rows_read_then_pushed_start_from_the_values_the_read_returned():
     init = normal(0.0, 0.01, seed=7)
     rows = SparseRows(sparse_table("e", 16, num_rows=1000, init=init))
     config = TableConfig(sgd(1.0))
     pulled = np.array([5, 900, 17, 5, 3], dtype=np.int64)           # repeats allowed
     got = rows.read(pulled)
     assert np.array_equal(got.view(np.uint32), initial_values(init, pulled, 16).view(np.uint32))
-    computed = []
-    real = kernels.initial_values
-    monkeypatch.setattr(kernels, "initial_values", lambda i, ids, d: computed.append(ids.copy()) or real(i, ids, d))
+    assert all(_cached(rows, r) >= 0 for r in (5, 900, 17, 3)) and _cached(rows, 42) < 0
+    rows.cache[2][_cached(rows, 17)] = 7.0          # the push copies what the read computed
     pushed = np.array([17, 3, 42, 900, 5], dtype=np.int64)           # 42 was never read
     rows.apply(config, pushed, np.ones((5, 16), np.float32))
-    assert [c.tolist() for c in computed] == [[42]]                 # the rest were copied
     want = initial_values(init, pushed, 16) - 1.0
+    want[0] = 6.0
     assert np.array_equal(rows.read(pushed), want)
 
 
@@ -29,14 +34,15 @@ def test_remembered_initial_values_stay_within_their_bytes():
     rows = SparseRows(sparse_table("e", 16, init=normal(0.0, 1.0, seed=2)))
     for k in range(40):
         rows.read(np.arange(k * 5000, (k + 1) * 5000, dtype=np.int64))
-        assert rows.recent.nbytes <= rows.recent.MAX_BYTES and len(rows.recent.entries) <= rows.recent.KEEP
-    assert rows.recent.nbytes == sum(i.nbytes + v.nbytes for i, v in rows.recent.entries) > 0
+    ids, ok, values = rows.cache
+    assert values.nbytes <= InitCache.MAX_BYTES and ids.shape[0] == values.shape[0] == ok.shape[0]
+    assert ok.all() and _cached(rows, 40 * 5000 - 1) >= 0
 
 
 def test_cheap_initialisers_are_not_remembered():
     rows = SparseRows(sparse_table("e", 4, init=uniform(-1.0, 1.0, seed=1)))
     rows.read(np.arange(10, dtype=np.int64))
-    assert rows.recent is None
+    assert rows.cache[0].shape[0] == 0
 
 
 def test_a_new_config_gets_its_optimizer_state_after_pushes_under_the_old_one():

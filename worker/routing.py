@@ -95,9 +95,8 @@ def _route_sparse(t: TableView, p: Piece):
     assert p.ids is not None and p.positions is not None     # a sparse piece carries both
     if p.ids.shape[0] == 0:
         return
-    prim = t.primary
-    if prim[0] >= 0 and (prim.shape[0] == 1 or (prim == prim[0]).all()):
-        yield int(prim[0]), p          # the table on one server (a small one's default): whole
+    if t.whole_on >= 0:
+        yield t.whole_on, p            # the table on one server (a small one's default): whole
         return
     if kernels.AVAILABLE:
         got = kernels.route_rows(p.ids, t.spec.num_blocks, t.primary, len(t.server_index))
@@ -124,6 +123,43 @@ def _route_sparse(t: TableView, p: Piece):
         if p.values is not None:
             sub.values = p.values[pos]
         yield server, sub
+
+
+# One piece's part for one server, without copying its rows: (piece, positions, start, stop).
+# Sparse: ``positions`` index the piece's ids (None: all of them); dense: [start, stop) is the
+# flat range (``positions`` None).
+Part = tuple[Piece, "np.ndarray | None", int, int]
+
+
+def route_parts(view: ShardMapView, job: str, pieces: list[Piece]) -> dict[str, list[Part]]:
+    """``route`` for the compiled request path: the same split by primary server, as parts
+    that point into the pieces' arrays (no ids or rows are copied: the transport gathers
+    them straight into the request). Export pieces (``all_stored``) are not taken."""
+    out: dict[str, list[Part]] = {}
+    names = view.server_names
+    for p in pieces:
+        t = view.table(job, p.table)
+        if p.dense:
+            for server, sub in _route_dense(t, p):
+                out.setdefault(names[server], []).append((p, None, sub.start, sub.stop))
+            continue
+        assert p.ids is not None and not p.all_stored
+        n = p.ids.shape[0]
+        if n == 0:
+            continue
+        if t.whole_on >= 0:                 # the table on one server (a small one's default): whole
+            out.setdefault(names[t.whole_on], []).append((p, None, 0, n))
+            continue
+        got = kernels.route_rows(p.ids, t.spec.num_blocks, t.primary, len(t.server_index))
+        if isinstance(got, int):
+            raise _no_replica(t, got)
+        order, starts = got
+        bounds = starts.tolist()
+        for server in range(len(bounds) - 1):
+            a, z = bounds[server], bounds[server + 1]
+            if a < z:
+                out.setdefault(names[server], []).append((p, order[a:z], 0, z - a))
+    return out
 
 
 def live_servers(view: ShardMapView) -> list[str]:

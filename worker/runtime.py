@@ -261,12 +261,12 @@ def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=Fals
     if bar is not None:
         bar.close()
     ps_model.settle()
+    moved = client.metrics.totals()
     result = TrainResult(client.membership.rank, ps_model.step, samples, wall,
                          task.evaluate(task.model, *task.test), losses, result_curve, max_stale,
                          dict(ps_model.timings, compute=compute, copies=ps_model.copies.seconds), unique_rows,
-                         int(client.metrics.sparse_bytes.labels("pushed")._value.get()), str(device),
-                         int(client.metrics.bytes.labels("pulled")._value.get()),
-                         int(client.metrics.sparse_bytes.labels("pulled")._value.get()),
+                         int(moved["sparse_bytes_pushed"]), str(device), int(moved["bytes_pulled"]),
+                         int(moved["sparse_bytes_pulled"]),
                          {emb.table: emb.cache.summary() for emb in embeddings if emb.cache is not None})
     return result
 

@@ -404,16 +404,18 @@ class OpenDataPlaneRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ...) -> None: ...
 
 class OpenDataPlaneResponse(_message.Message):
-    __slots__ = ("address", "max_frame_bytes", "packed", "shared_memory")
+    __slots__ = ("address", "max_frame_bytes", "packed", "shared_memory", "step")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     address: str
     max_frame_bytes: int
     packed: bool
     shared_memory: bool
-    def __init__(self, address: _Optional[str] = ..., max_frame_bytes: _Optional[int] = ..., packed: _Optional[bool] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
+    step: bool
+    def __init__(self, address: _Optional[str] = ..., max_frame_bytes: _Optional[int] = ..., packed: _Optional[bool] = ..., shared_memory: _Optional[bool] = ..., step: _Optional[bool] = ...) -> None: ...
 
 class ExchangeHeader(_message.Message):
     __slots__ = ("push", "pull")
@@ -424,6 +426,34 @@ class ExchangeHeader(_message.Message):
     def __init__(self, push: _Optional[_Union[PushHeader, _Mapping]] = ..., pull: _Optional[_Union[PullRequest, _Mapping]] = ...) -> None: ...
 
 class ExchangeReply(_message.Message):
+    __slots__ = ("ack", "pull")
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
+    ack: PushAck
+    pull: PullHeader
+    def __init__(self, ack: _Optional[_Union[PushAck, _Mapping]] = ..., pull: _Optional[_Union[PullHeader, _Mapping]] = ...) -> None: ...
+
+class StepHeader(_message.Message):
+    __slots__ = ("header", "kind", "push", "push_segments", "pull", "pull_clock", "pull_segments", "region")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    PUSH_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
+    PULL_CLOCK_FIELD_NUMBER: _ClassVar[int]
+    PULL_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    header: _common_pb2.RequestHeader
+    kind: PushKind
+    push: bool
+    push_segments: _containers.RepeatedCompositeFieldContainer[_common_pb2.Segment]
+    pull: bool
+    pull_clock: int
+    pull_segments: _containers.RepeatedCompositeFieldContainer[_common_pb2.Segment]
+    region: _common_pb2.SharedMemoryRef
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., kind: _Optional[_Union[PushKind, str]] = ..., push: _Optional[bool] = ..., push_segments: _Optional[_Iterable[_Union[_common_pb2.Segment, _Mapping]]] = ..., pull: _Optional[bool] = ..., pull_clock: _Optional[int] = ..., pull_segments: _Optional[_Iterable[_Union[_common_pb2.Segment, _Mapping]]] = ..., region: _Optional[_Union[_common_pb2.SharedMemoryRef, _Mapping]] = ...) -> None: ...
+
+class StepReply(_message.Message):
     __slots__ = ("ack", "pull")
     ACK_FIELD_NUMBER: _ClassVar[int]
     PULL_FIELD_NUMBER: _ClassVar[int]

@@ -108,6 +108,11 @@ class JobHolds:
             with self._gate.exclusive():
                 pass
 
+    def holding(self, job: str) -> bool:
+        """Whether ``job`` has a hold (perhaps an expired one ``wait_unheld`` has not dropped
+        yet): a cheap test for the compiled path, which leaves held jobs to the general one."""
+        return job in self._holds
+
     def wait_unheld(self, job: str, deadline: float | None) -> None:
         """Block while ``job`` is held; Unavailable once ``deadline`` passes first."""
         with self._cond:
@@ -185,7 +190,7 @@ class PushApplier:
                 ack = fast.accumulate_push(plan, header.job, writer, int(header.clock), self.steps,
                                            self.forwarder.forward_locked)
             else:
-                ack = fast.apply_push(plan, writer, self.forwarder, self._updates_between)
+                ack = fast.apply_push(plan, writer, self.forwarder, self.updates_between)
             if plan is not None and ack is not None:
                 self._observe(started, plan.units[0].table.config.optimizer.kind.name, t0, t1)
             else:
@@ -208,7 +213,7 @@ class PushApplier:
         labelled(self.metrics.phase_seconds, "optimizer").inc(time.perf_counter() - t1)
         self.metrics.update_seconds.labels(optimizer).observe(self._now() - started)
 
-    def _updates_between(self, key: BlockKey, updates: int) -> None:
+    def updates_between(self, key: BlockKey, updates: int) -> None:
         labelled(self.metrics.updates_between, key[0]).observe(max(0, updates))
 
     def _push_parts(self, header: Header, kind: int, writer: Writer, parsed: list[Segment],

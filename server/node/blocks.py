@@ -21,6 +21,7 @@ import numpy as np
 from shardps import kernels
 from shardps.errors import FailedPrecondition, InvalidArgument
 from shardps.server import optimizers
+from shardps.server.node import optimizer_kernels
 from shardps.server.node.storage import DIRECT_INDEX_MAX_ROWS, MAPPED_MIN_BYTES, SparseRows, storage, stored
 from shardps.tables import InitKind, TableConfig, TableKind, TableSpec, dense_initial_values
 
@@ -171,7 +172,7 @@ class DenseBlock(Block):
             # the range as one row of the compiled update (one pass, in place); the block's
             # step is the row's step count
             steps = np.array([self.step - 1], dtype=np.int32)
-            kernels.apply_rows(config.optimizer, values[a:b].reshape(1, -1),
+            optimizer_kernels.apply_rows(config.optimizer, values[a:b].reshape(1, -1),
                                {k: v[a:b].reshape(1, -1) for k, v in self.state.items()}, steps,
                                _ROW0, np.asarray(grad, dtype=np.float32).reshape(1, -1))
         elif a == 0 and b == self.size:

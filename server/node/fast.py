@@ -76,6 +76,7 @@ class FastPush:
     table: BlockTable
     units: list[Unit]
     blocks: list[AnyBlock]              # every block, sorted by key
+    generation: int | None = None       # the block table's when admitted (None: not checked)
 
 
 def admit_push(table: BlockTable, job: str, epoch: int, kind: int, parsed: list[Segment],
@@ -238,10 +239,12 @@ def accumulate_push(plan: FastPush, job: str, writer: Writer, step: int, steps: 
 
 
 def _for_the_general_path(plan: FastPush, writer: Writer) -> bool:
-    """Whether an admitted push goes to the general path after all (locks held): a retry
-    (a block already applied it: the general path counts the duplicates), a block the general
-    path must handle (``_unsettled``), or a dense block without its initial values (refused
-    whole there)."""
+    """Whether an admitted push goes to the general path after all (locks held): the blocks
+    held here changed since admission (``generation``), a retry (a block already applied it:
+    the general path counts the duplicates), a block the general path must handle
+    (``_unsettled``), or a dense block without its initial values (refused whole there)."""
+    if plan.generation is not None and plan.generation != plan.table.generation:
+        return True                     # a block dropped or loaded since admission
     return (applied_any(plan.blocks, writer) or _unsettled(plan.table, plan.blocks)
             or any(not blk.initialized for u in plan.units if u.ids is None for blk in u.objects))  # type: ignore[union-attr]
 

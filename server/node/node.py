@@ -42,15 +42,16 @@ import numpy as np
 
 from shardps import kernels, mapdelta
 from shardps.errors import Unavailable
-from shardps.messages import PullReply, PullRequest, PushAck, PushRequest
+from shardps.messages import GRADIENT, PullReply, PullRequest, PushAck, PushRequest, StepReply, StepRequest
 from shardps.metrics import NodeMetrics
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
-from shardps.server.node import lifecycle, storage_kernels
+from shardps.server.node import lifecycle, optimizer_kernels, storage_kernels
 from shardps.server.node.apply import JobHolds, PushApplier, forget_departed_writers
 from shardps.server.node.backup import BackupApplier
 from shardps.server.node.blocks import BlockKey
 from shardps.server.node.decode import NodeLimits
+from shardps.server.node.lane import Lane, pull_request, push_request
 from shardps.server.node.liveness import Liveness
 from shardps.server.node.pull import PullReader
 from shardps.server.node.replication import BlockSnapshot, Forwarder, NoPeers, Peers
@@ -64,7 +65,7 @@ log = logging.getLogger("shardps.server")
 def warm_up_kernels() -> tuple[float, int, int]:
     """The node's kernels compiled or loaded, and logged (``kernels.prepare``). The server
     image runs it at build time so that its containers load every kernel and compile none."""
-    return kernels.prepare(log, storage_kernels)
+    return kernels.prepare(log, storage_kernels, optimizer_kernels)
 
 
 def _table_attr(name: str, doc: str) -> property:
@@ -92,6 +93,8 @@ class ServerNode:
         self.pusher = PushApplier(self.table, self.steps, self.forwarder, self.holds, limits,
                                   self.metrics, clock)
         self.reader = PullReader(self.table, self.steps, limits, self.metrics, clock)
+        self.lane = Lane(self.table, self.steps, self.forwarder, self.holds, limits.max_rows,
+                         limits.max_response_bytes, self.metrics.observe_lane, self.pusher.updates_between)
         self.liveness = Liveness()          # ServerProcess configures it (the manager's lease)
 
     # ================================================================== state, read-only
@@ -186,6 +189,33 @@ class ServerNode:
         out = self.reader.pull(request, deadline, out_buffer)
         self._check_live()
         return out
+
+    def step(self, request: StepRequest, deadline: float | None = None, out_buffer=None) -> StepReply:
+        """A worker's step against this node (the data plane's Step): its push, if any, as
+        ``push``, then its pull, if any, as ``pull`` (``out_buffer`` as there). The common
+        parts take the compiled path (``lane.Lane``), the others the general one; both leave
+        the same state. Raises as ``push`` and ``pull`` (a refused push: nothing pulled)."""
+        self._check_live()
+        reply = StepReply()
+        header = request.header
+        if request.push is not None:
+            with self.table.gate.shared():
+                ack = self.lane.push(header, request.kind, request.push)
+            if ack is None:
+                ack = self.pusher.push(push_request(request), deadline)
+            elif request.kind == GRADIENT:
+                clock = self.steps.clocks.get(header.job)
+                if clock is not None:
+                    clock.report(header.session, int(header.clock), int(header.sequence))
+            reply.ack = ack
+        if request.pull is not None:
+            with self.table.gate.shared():
+                got = self.lane.pull(header, request.pull, out_buffer)
+            if got is None:
+                got = self.reader.pull(pull_request(request), deadline, out_buffer)
+            reply.pull, reply.values = got
+            self._check_live()
+        return reply
 
     def _check_live(self) -> None:
         reason = self.liveness.refusal(self._now(), self.epoch)

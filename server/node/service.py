@@ -8,72 +8,28 @@ import time
 from dataclasses import dataclass
 
 import grpc
-import numpy as np
 from google.protobuf.message import DecodeError
 
 from shardps import authz, names
 from shardps.errors import InvalidArgument, ResourceExhausted, ShardpsError
 from shardps.messages import PullReply, PullRequest, PushAck, PushRequest
-from shardps.metrics import labelled
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc import messages, packed
-from shardps.rpc.codec import CHUNK_BYTES, assemble, decode_chunk, encode_chunk, split_payload, write_into
+from shardps.rpc.codec import CHUNK_BYTES, decode_chunk, encode_chunk, split_payload, write_into
 from shardps.rpc.frames import FLAG_PACKED, FLAG_SHARED
 from shardps.rpc.status import Method, bind, grpc_code, proto_method
 from shardps.rpc.stubs import encode_snapshots
 from shardps.server.auth import JOB, check_job
-from shardps.server.node import BlockSnapshot, ServerNode, digest, lifecycle
+from shardps.server.node import ServerNode, digest, lifecycle
+from shardps.server.node.chunks import collect_chunks, decode_snapshots
+from shardps.server.node.step_service import StepService
 
 SERVICE = "shardps.v1.ParameterServer"
 MAX_HOLD_SECONDS = 600.0
 MIN_CHUNK_BYTES = 64 << 10          # a client cannot ask for one message per byte
 MAX_CHUNK_BYTES = 16 << 20
 _IDENTITY = bytes
-
-
-def _np_dtype(code: int) -> str:
-    try:
-        # (protobuf's stubs key this dict by pb.DType.ValueType; code is the same number)
-        return {pb.FLOAT32: "<f4", pb.INT64: "<i8", pb.FLOAT64: "<f8"}[code]  # type: ignore[index]
-    except KeyError:
-        raise InvalidArgument(f"block array dtype {code}: block state travels as FLOAT32, "
-                              f"FLOAT64 or INT64") from None
-
-
-def collect_chunks(chunks, header_cls, limit: int, what: str, empty: str = ""):
-    """Header of the first chunk and the concatenated data of all chunks (size-checked).
-    An empty stream is refused (``empty``: what the message adds)."""
-    rest = iter(chunks)
-    first = next(rest, None)
-    if first is None:
-        raise InvalidArgument(f"{what}: empty stream{empty}")
-    header = first.parse_header(header_cls)
-    if header is None:
-        raise InvalidArgument(f"{what}: the first chunk must carry the header")
-    declared = int(getattr(header, "payload_bytes", 0))
-    in_shared_memory = bool(getattr(header, "shared_memory", None) and header.shared_memory.name)
-    if declared > limit:
-        raise ResourceExhausted(f"{what} declares {declared} bytes; the limit max_request_bytes "
-                                f"is {limit}: split the request")
-    pieces = [first.data] if len(first.data) else []
-    total = len(first.data)
-    for chunk in rest:
-        if chunk.header is not None:
-            raise InvalidArgument(f"{what}: only the first chunk may carry a header")
-        total += len(chunk.data)
-        if total > limit:
-            raise ResourceExhausted(f"{what} exceeds {limit} bytes (limit max_request_bytes): "
-                                    f"split the request")
-        pieces.append(chunk.data)
-    if in_shared_memory:
-        if total:
-            raise InvalidArgument(f"{what}: the payload is in shared memory; chunks must not carry data")
-    elif declared and total != declared:
-        raise InvalidArgument(f"{what}: chunks carry {total} bytes but the header declares "
-                              f"{declared} (truncated stream?)")
-    payload = assemble(pieces, total) if pieces else memoryview(b"")
-    return header, payload
 
 
 def _shared_region(method: str, header: bytes, payload) -> tuple[pb.SharedMemoryRef, bytes]:
@@ -84,46 +40,6 @@ def _shared_region(method: str, header: bytes, payload) -> tuple[pb.SharedMemory
                               f"no payload bytes ({len(payload)} here)")
     name, offset, length, rest = packed.read_shared_region(header)
     return pb.SharedMemoryRef(name=name, offset=offset, length=length), bytes(rest)
-
-
-def decode_snapshots(chunks) -> tuple[int, list[BlockSnapshot]]:
-    """Inverse of ``encode_snapshots``: (sender's epoch, snapshots)."""
-    snapshots: list[BlockSnapshot] = []
-    epoch = 0
-    current = None
-    pieces: list = []
-
-    def close():
-        if current is None:
-            return
-        data = assemble(pieces) if pieces else memoryview(b"")
-        arrays, pos = [], 0
-        for info in current.arrays:
-            dt = np.dtype(_np_dtype(info.dtype))
-            if any(d < 0 for d in info.shape):
-                raise InvalidArgument(f"block {current.ref}: array {info.name!r} shape {list(info.shape)}")
-            count = int(np.prod(info.shape, dtype=object)) if len(info.shape) else 1
-            n = count * dt.itemsize
-            if pos + n > len(data):
-                raise InvalidArgument(f"block {current.ref}: array {info.name!r} is truncated")
-            arrays.append(np.frombuffer(data[pos:pos + n], dtype=dt).reshape(tuple(info.shape)).copy())
-            pos += n
-        if pos != len(data):
-            raise InvalidArgument(f"block {current.ref}: {len(data) - pos} unexpected bytes")
-        snapshots.append(BlockSnapshot(current, arrays))
-
-    for chunk in chunks:
-        if chunk.header is not None:
-            close()
-            current = ps.BlockStateHeader.FromString(chunk.header)
-            pieces = []
-            epoch = max(epoch, int(chunk.extra.get(3, 0)))
-        elif current is None:
-            raise InvalidArgument("LoadBlocks: the first chunk must carry a block header")
-        if len(chunk.data):
-            pieces.append(chunk.data)
-    close()
-    return epoch, snapshots
 
 
 _REFUSAL_REASONS = {"StaleEpoch": "stale_epoch", "InvalidArgument": "invalid", "NotFound": "invalid",
@@ -174,7 +90,11 @@ class ParameterServerService:
         from shardps.server.node.admission import Admission
         self.node = node
         self.regions = ServerRegions()
-        self.admission = Admission()          # per-job limits (server/node/admission.py); off here
+        self.steps = StepService(node, self.regions, Admission(), self._refused)
+
+    admission = property(lambda self: self.steps.admission, lambda self, a: setattr(self.steps, "admission", a),
+                         doc="Per-job limits (server/node/admission.py), for every data request: off "
+                             "unless the process sets them (``ServerProcess``).")
 
     def methods(self) -> dict[str, Method]:
         return {
@@ -235,7 +155,7 @@ class ParameterServerService:
             if header.shared_memory.length != header.payload_bytes:
                 raise InvalidArgument(f"Push: shared-memory length {header.shared_memory.length} != "
                                       f"payload_bytes {header.payload_bytes}")
-            payload = self.read_shared_memory(header.shared_memory, header.header.job)
+            payload = self._open_shared(header.shared_memory, header.header.job)
         with self.admission.admit(header.header.job, len(payload)):
             return messages.push_ack(self.node.push(messages.push_request(header, payload), call.deadline))
 
@@ -262,7 +182,8 @@ class ParameterServerService:
         return ps.OpenDataPlaneResponse(address=self.data_plane_address,
                                         max_frame_bytes=self.data_plane_max_frame_bytes,
                                         packed=bool(self.data_plane_address),
-                                        shared_memory=bool(self.data_plane_address))
+                                        shared_memory=bool(self.data_plane_address),
+                                        step=bool(self.data_plane_address))
 
     data_plane_address = ""               # set by the process that serves a data plane
     data_plane_max_frame_bytes = 0
@@ -272,15 +193,15 @@ class ParameterServerService:
         (names, the principal's job, the node's validation), the bulk bytes raw beside the
         header. Returns (reply header, payload buffers). Counted in the ``grpc_server_*``
         metrics with ``grpc_type="dataplane"``, so dashboards see every data call."""
-        g = self.node.metrics.grpc
-        labels = (SERVICE, str(method), "dataplane")
-        labelled(g.started, *labels).inc()
         started = time.perf_counter()
         code = "OK"
         try:
+            if method == "Step":
+                return self._step(header, payload, call)
             return self._data_plane(method, header, payload, call)
         except ShardpsError as exc:
             code = grpc_code(exc).name
+            self._refused(exc)
             raise
         except DecodeError:
             code = "INVALID_ARGUMENT"
@@ -289,51 +210,50 @@ class ParameterServerService:
             code = "INTERNAL"
             raise
         finally:
-            labelled(g.handled, *labels, code).inc()
-            labelled(g.handling, *labels).observe(time.perf_counter() - started)
+            self.node.metrics.observe_call(SERVICE, str(method), code, time.perf_counter() - started)
+
+    def _step(self, header: bytes, payload: memoryview, call):
+        """A Step frame through the generic handler (``data_plane``): ``StepService.frame``."""
+        return self.steps.frame(memoryview(header), payload, call.principal, {}, call.deadline, call.flags)
 
     def _data_plane(self, method, header: bytes, payload: memoryview, call):
         packed_form = bool(call.flags & FLAG_PACKED)
-        try:
-            region, header = _shared_region(method, header, payload) if call.flags & FLAG_SHARED else (None, header)
-            if method == "Push":
-                push, declared = (packed.read_push(header, payload) if packed_form
-                                  else _push_from_proto(ps.PushHeader.FromString(header), payload))
-                ack = self._dp_push(_scoped(_DP_PUSH, call, push), declared, call, region)
-                return (packed.push_ack(ack) if packed_form
-                        else messages.push_ack(ack).SerializeToString()), None
-            if method == "Pull":
-                pull = (packed.read_pull(header, payload) if packed_form
-                        else _pull_from_proto(ps.PullRequest.FromString(header), payload))
-                reply, arrays = self._dp_pull(_scoped(_DP_PULL, call, pull), call, region)
-                return (packed.pull_reply(reply) if packed_form
-                        else messages.pull_header(reply).SerializeToString()), arrays
-            if method == "Exchange":
-                if packed_form:
-                    push, pull = packed.read_exchange(header, payload)
-                    declared = len(push.payload)
-                else:
-                    request = ps.ExchangeHeader.FromString(header)
-                    declared = int(request.push.payload_bytes)
-                    if declared > len(payload):
-                        raise InvalidArgument(f"Exchange: push.payload_bytes={declared} but the frame "
-                                              f"carries {len(payload)} payload bytes")
-                    push, _ = _push_from_proto(request.push, payload[:declared])
-                    pull = _pull_from_proto(request.pull, payload[declared:])
-                _scoped(_DP_EXCHANGE, call, _Exchange(push, pull))
-                ack = self._dp_push(push, declared, call)
-                reply, arrays = self._dp_pull(pull, call)
-                return (packed.exchange_reply(ack, reply) if packed_form else ps.ExchangeReply(
-                    ack=messages.push_ack(ack), pull=messages.pull_header(reply)).SerializeToString()), arrays
-            if method == "Replicate":           # primary -> backup (INTERNAL: the cluster's credential)
-                if len(payload) > self.node.limits.max_request_bytes:
-                    raise ResourceExhausted(f"Replicate: {len(payload)} bytes; the limit "
-                                            f"max_request_bytes is {self.node.limits.max_request_bytes}")
-                return self._replicate(ps.ReplicateHeader.FromString(header), payload).SerializeToString(), None
-            raise InvalidArgument(f"data plane: unknown method {method!r}: Push, Pull, Exchange or Replicate")
-        except ShardpsError as exc:
-            self._refused(exc)
-            raise
+        region, header = _shared_region(method, header, payload) if call.flags & FLAG_SHARED else (None, header)
+        if method == "Push":
+            push, declared = (packed.read_push(header, payload) if packed_form
+                              else _push_from_proto(ps.PushHeader.FromString(header), payload))
+            ack = self._dp_push(_scoped(_DP_PUSH, call, push), declared, call, region)
+            return (packed.push_ack(ack) if packed_form
+                    else messages.push_ack(ack).SerializeToString()), None
+        if method == "Pull":
+            pull = (packed.read_pull(header, payload) if packed_form
+                    else _pull_from_proto(ps.PullRequest.FromString(header), payload))
+            reply, arrays = self._dp_pull(_scoped(_DP_PULL, call, pull), call, region)
+            return (packed.pull_reply(reply) if packed_form
+                    else messages.pull_header(reply).SerializeToString()), arrays
+        if method == "Exchange":
+            if packed_form:
+                push, pull = packed.read_exchange(header, payload)
+                declared = len(push.payload)
+            else:
+                request = ps.ExchangeHeader.FromString(header)
+                declared = int(request.push.payload_bytes)
+                if declared > len(payload):
+                    raise InvalidArgument(f"Exchange: push.payload_bytes={declared} but the frame "
+                                          f"carries {len(payload)} payload bytes")
+                push, _ = _push_from_proto(request.push, payload[:declared])
+                pull = _pull_from_proto(request.pull, payload[declared:])
+            _scoped(_DP_EXCHANGE, call, _Exchange(push, pull))
+            ack = self._dp_push(push, declared, call)
+            reply, arrays = self._dp_pull(pull, call)
+            return (packed.exchange_reply(ack, reply) if packed_form else ps.ExchangeReply(
+                ack=messages.push_ack(ack), pull=messages.pull_header(reply)).SerializeToString()), arrays
+        if method == "Replicate":           # primary -> backup (INTERNAL: the cluster's credential)
+            if len(payload) > self.node.limits.max_request_bytes:
+                raise ResourceExhausted(f"Replicate: {len(payload)} bytes; the limit "
+                                        f"max_request_bytes is {self.node.limits.max_request_bytes}")
+            return self._replicate(ps.ReplicateHeader.FromString(header), payload).SerializeToString(), None
+        raise InvalidArgument(f"data plane: unknown method {method!r}: Push, Pull, Exchange or Replicate")
 
     def _dp_push(self, push: PushRequest, declared: int, call, region: pb.SharedMemoryRef | None = None) -> PushAck:
         job = push.header.job
@@ -390,9 +310,6 @@ class ParameterServerService:
 
     def _open_shared(self, ref: pb.SharedMemoryRef, job: str) -> memoryview:
         return self.regions.view_for(ref.name, int(ref.offset), int(ref.length), job)
-
-    def read_shared_memory(self, ref: pb.SharedMemoryRef, job: str):
-        return self._open_shared(ref, job)
 
     def write_shared_memory(self, ref: pb.SharedMemoryRef, arrays, job: str) -> None:
         view = self._open_shared(ref, job)

@@ -7,7 +7,6 @@ Plain numpy; no grpc, no torch.
 
 from __future__ import annotations
 
-import collections
 import mmap
 import threading
 from typing import TYPE_CHECKING, cast
@@ -16,7 +15,7 @@ import numpy as np
 
 from shardps import kernels
 from shardps.server import optimizers
-from shardps.server.node import storage_kernels
+from shardps.server.node import optimizer_kernels, storage_kernels
 from shardps.tables import InitKind, TableConfig, TableSpec, sparse_block_of
 
 if TYPE_CHECKING:
@@ -141,49 +140,41 @@ class _SortedIndex:
 DIRECT_INDEX_MAX_ROWS = 1 << 24     # bounded tables up to 16M rows use a direct id -> slot map
 
 
-class _RecentInits:
+class InitCache:
     """Initial values that reads of missing rows computed lately, for the push that stores
-    those rows soon after (a worker pulls a row, then pushes its gradient): it copies them
-    instead of computing them again. Only for initialisers that cost more than the lookup
-    (normal: a float64 log1p and cos per element). Values are a pure function of the
-    table's seed and the row id, so an entry is never stale. Holds the last ``KEEP`` reads,
-    ``MAX_BYTES`` at most in all (outside a table's memory budget, so kept small)."""
+    those rows soon after (a worker pulls a row, then pushes its gradient): the push copies
+    them instead of computing them again. Only for initialisers that cost more than the copy
+    (normal: a float64 log1p, sqrt and cos per element). A direct-mapped table of ``slots``
+    rows (``MAX_BYTES`` at most, outside a table's memory budget), read and written by the
+    compiled kernels under the rows' lock; values are a pure function of the table's seed
+    and the row id, so an entry is never stale."""
 
-    KEEP = 8
     MAX_BYTES = 1 << 22
+    MAX_SLOTS = 1 << 14
 
     def __init__(self, spec: TableSpec):
-        self.spec = spec
-        self.entries: collections.deque = collections.deque()   # (sorted ids, values), oldest first
-        self.nbytes = 0
+        slots = 1 << max(0, min(self.MAX_SLOTS, self.MAX_BYTES // (4 * max(1, spec.dim))).bit_length() - 1)
+        self.ids = np.zeros(slots, np.int64)
+        self.ok = np.zeros(slots, np.uint8)
+        self.rows = np.zeros((slots, spec.dim), np.float32)
 
-    def read(self, ids: np.ndarray) -> np.ndarray:
-        """Initial values of ``ids`` (a read's missing rows), remembered."""
-        values = kernels.initial_values(self.spec.init, ids, self.spec.dim)
-        size = ids.nbytes + values.nbytes
-        if size <= self.MAX_BYTES:
-            while self.entries and (len(self.entries) >= self.KEEP or self.nbytes + size > self.MAX_BYTES):
-                old_ids, old_values = self.entries.popleft()
-                self.nbytes -= old_ids.nbytes + old_values.nbytes
-            order = np.argsort(ids)
-            self.entries.append((ids[order], values[order]))
-            self.nbytes += size
-        return values
+    @classmethod
+    def none(cls, dim: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The kernels' arguments for no cache."""
+        return np.zeros(0, np.int64), np.zeros(0, np.uint8), np.zeros((0, dim), np.float32)
 
-    def insert(self, ids: np.ndarray) -> np.ndarray:
-        """Initial values of ``ids`` (unique rows being stored): remembered ones copied."""
-        out = np.empty((ids.shape[0], self.spec.dim), dtype=np.float32)
-        todo = np.arange(ids.shape[0])
-        for known, values in reversed(self.entries):
-            if not todo.shape[0]:
-                break
-            pos = np.minimum(np.searchsorted(known, ids[todo]), known.shape[0] - 1)
-            hit = known[pos] == ids[todo]
-            out[todo[hit]] = values[pos[hit]]
-            todo = todo[~hit]
-        if todo.shape[0]:
-            out[todo] = kernels.initial_values(self.spec.init, ids[todo], self.spec.dim)
-        return out
+
+_NO_STEPS = np.empty(0, np.int32)
+_NO_STATE = (np.empty((0, 0), np.float32), 0.0)
+
+
+def _two_states(state: dict, dim: int) -> tuple[tuple, tuple]:
+    """The (array, fill) of at most two optimizer state arrays (what the compiled insert
+    writes; every optimizer here keeps two at most)."""
+    pages = [(p.data, float(p.fill)) for p in state.values()]
+    assert len(pages) <= 2, f"optimizer state {sorted(state)}: the compiled insert writes two arrays at most"
+    pages += [_NO_STATE] * (2 - len(pages))
+    return pages[0], pages[1]
 
 
 class SparseRows:
@@ -210,7 +201,9 @@ class SparseRows:
         self.used = 0                                   # slots handed out so far
         self.free = np.empty(0, dtype=np.int64)         # slots of removed rows, reused first
         self.block_counts = np.zeros(spec.num_blocks, dtype=np.int64)
-        self.recent = _RecentInits(spec) if spec.init.kind is InitKind.NORMAL else None
+        self.init = kernels.init_params(spec.init)      # the kernels' arguments for new rows
+        cache = InitCache(spec) if spec.init.kind is InitKind.NORMAL else None
+        self.cache = (cache.ids, cache.ok, cache.rows) if cache is not None else InitCache.none(spec.dim)
         self._state_for: TableConfig | None = None      # the config whose state is ensured
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
@@ -223,11 +216,7 @@ class SparseRows:
         if self.life is None and kernels.AVAILABLE and isinstance(self.index, _DirectIndex):
             if out is None:
                 out = np.empty((ids.shape[0], self.dim), dtype=np.float32)
-            missing = storage_kernels.gather(self.index.slot_of, self.rows.data, ids, out)
-            if missing.shape[0]:
-                absent = ids[missing]
-                out[missing] = (self.recent.read(absent) if self.recent is not None
-                                else kernels.initial_values(self.spec.init, absent, self.dim))
+            storage_kernels._gather_init(self.index.slot_of, self.rows.data, ids, out, *self.init, *self.cache)
             return out
         slots = self.lookup(ids)
         missing = slots < 0
@@ -241,9 +230,16 @@ class SparseRows:
             out = np.empty((ids.shape[0], self.dim), dtype=np.float32)
         present = ~missing
         out[present] = self.rows.take(slots[present])
-        absent = ids[missing]
-        out[missing] = (self.recent.read(absent) if self.recent is not None
-                        else kernels.initial_values(self.spec.init, absent, self.dim))
+        out[missing] = self.initial(ids[missing], remember=True)
+        return out
+
+    def initial(self, ids: np.ndarray, remember: bool = False) -> np.ndarray:
+        """Initial values of rows ``ids`` (the cache's where it holds them; ``remember``: kept
+        there, for a read's missing rows)."""
+        if not kernels.AVAILABLE:
+            return kernels.initial_values(self.spec.init, ids, self.dim)
+        out = np.empty((ids.shape[0], self.dim), dtype=np.float32)
+        storage_kernels._init_rows(np.ascontiguousarray(ids, dtype=np.int64), out, *self.init, *self.cache, remember)
         return out
 
     def _ensure_state(self, config: TableConfig | None, names=()) -> None:
@@ -297,8 +293,7 @@ class SparseRows:
             self._ensure_row_steps()
         slots = self._allocate(n)
         if values is None:
-            values = (self.recent.insert(new_ids) if self.recent is not None
-                      else kernels.initial_values(self.spec.init, new_ids, self.dim))
+            values = self.initial(new_ids)
         self.rows.put(slots, values)
         for name, pages in self.state.items():
             if state and name in state:
@@ -332,25 +327,23 @@ class SparseRows:
         return lifecycle.apply_push(self, config, ids, grad.reshape(-1, self.dim), tick, wall)
 
     def _assign(self, ids: np.ndarray) -> np.ndarray:
-        """Slots of ``ids`` (unique), new rows stored at their initial values (compiled:
-        bounded tables, no lifecycle state)."""
+        """Slots of ``ids`` (unique), new rows stored at their initial values with their
+        optimizer state (compiled: bounded tables, no lifecycle state)."""
         worst = self.used + max(0, ids.shape[0] - self.free.shape[0])
-        for pages in [self.rows, *self.state.values(), self.row_steps]:
-            if pages is not None:
-                pages.ensure(worst)
+        rows, state, steps = self.rows, self.state, self.row_steps
+        if worst > rows.size:
+            for pages in [rows, *state.values(), steps]:
+                if pages is not None:
+                    pages.ensure(worst)
         index = cast(_DirectIndex, self.index)
-        slots, new_pos, taken, self.used = storage_kernels.assign(index.slot_of, ids, self.free, self.used,
-                                                                  self.block_counts)
+        slots = np.empty(ids.shape[0], dtype=np.int64)
+        first, second = _two_states(state, self.dim)
+        _, taken, self.used = storage_kernels._assign_init(
+            index.slot_of, ids, self.free, self.used, self.block_counts.shape[0], self.block_counts, slots,
+            rows.data, *self.init, *self.cache, first[0], first[1], second[0], second[1],
+            steps.data if steps is not None else _NO_STEPS)
         if taken:
             self.free = self.free[taken:]
-        if new_pos.shape[0]:
-            new_ids, new_slots = ids[new_pos], slots[new_pos]
-            self.rows.put(new_slots, self.recent.insert(new_ids) if self.recent is not None
-                          else kernels.initial_values(self.spec.init, new_ids, self.dim))
-            for pages in self.state.values():
-                pages.put(new_slots, pages.fill)
-            if self.row_steps is not None:
-                self.row_steps.put(new_slots, 0)
         return slots
 
     def apply_rows(self, config: TableConfig, ids: np.ndarray, grad: np.ndarray) -> np.ndarray:
@@ -365,7 +358,7 @@ class SparseRows:
             if missing.any():
                 slots[missing] = self.insert(ids[missing], config)
         if kernels.AVAILABLE:       # one fused pass over the rows, in place
-            kernels.apply_rows(config.optimizer, self.rows.data, {k: v.data for k, v in self.state.items()},
+            optimizer_kernels.apply_rows(config.optimizer, self.rows.data, {k: v.data for k, v in self.state.items()},
                                self.row_steps.data if self.row_steps is not None else None,
                                slots, grad.reshape(-1, self.dim))
             return slots

@@ -22,7 +22,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from shardps.kernels import _JIT, AVAILABLE, _distinct, _splitmix64, _table_bits, first_unique, njit
+from shardps.kernels import (
+    _JIT,
+    AVAILABLE,
+    _distinct,
+    _normal_value,
+    _splitmix64,
+    _table_bits,
+    _unit,
+    first_unique,
+    njit,
+)
+from shardps.kernels import _read_only as kernels_read_only
 from shardps.tables import TableSpec
 from shardps.tables import check_ids as _tables_check_ids
 
@@ -94,6 +105,140 @@ def _scan(ids, num_rows, num_blocks, blocks, counts, table_bits):
     if increasing == 0 and table_bits > 0 and _distinct(ids, table_bits):
         return 1
     return increasing
+
+
+@njit(**_JIT)
+def _init_one(kind, a, b, key1, key2, x, out, i, cache_ids, cache_ok, cache_rows, store):
+    """Row ``i`` of ``out`` at id ``x``'s initial value (``kernels.init_params`` gives the kinds),
+    copied from the cache of initial values where it holds ``x``; with ``store``, a computed
+    value is kept there (a read's missing rows, which a push often stores soon after)."""
+    d = out.shape[1]
+    k = cache_ids.shape[0]
+    c = 0
+    if k:
+        c = np.int64(np.uint64(x) % np.uint64(k))
+        if cache_ok[c] and cache_ids[c] == x:
+            for j in range(d):
+                out[i, j] = cache_rows[c, j]
+            return
+    u = np.uint64(x)
+    if kind == 0 or kind == 1:
+        v = np.float32(a) if kind == 1 else np.float32(0.0)
+        for j in range(d):
+            out[i, j] = v
+    elif kind == 2:
+        low, span = np.float32(a), np.float32(b)
+        key = _splitmix64(u ^ key1)
+        for j in range(d):
+            out[i, j] = low + _unit(key, j) * span
+    else:
+        k1 = _splitmix64(u ^ key1)
+        k2 = _splitmix64(u ^ key2)
+        for j in range(d):
+            out[i, j] = _normal_value(k1, k2, j, a, b)
+    if k and store:
+        cache_ids[c] = x
+        cache_ok[c] = 1
+        for j in range(d):
+            cache_rows[c, j] = out[i, j]
+
+
+@njit(**_JIT)
+def _gather_init(slot_of, rows, ids, out, kind, a, b, key1, key2, cache_ids, cache_ok, cache_rows):
+    """Rows of ``ids`` into ``out``: stored ones copied, the others at their initial values
+    (remembered in the cache). Returns how many were not stored."""
+    n, d = out.shape
+    m = 0
+    for i in range(n):
+        s = slot_of[ids[i]]
+        if s < 0:
+            _init_one(kind, a, b, key1, key2, ids[i], out, i, cache_ids, cache_ok, cache_rows, True)
+            m += 1
+            continue
+        for j in range(d):
+            out[i, j] = rows[s, j]
+    return m
+
+
+@njit(**_JIT)
+def _init_rows(ids, out, kind, a, b, key1, key2, cache_ids, cache_ok, cache_rows, store):
+    for i in range(ids.shape[0]):
+        _init_one(kind, a, b, key1, key2, ids[i], out, i, cache_ids, cache_ok, cache_rows, store)
+
+
+@njit(**_JIT)
+def _assign_init(slot_of, ids, free, used, num_blocks, block_counts, slots, rows, kind, a, b, key1, key2,
+                 cache_ids, cache_ok, cache_rows, state1, fill1, state2, fill2, steps):
+    """``_assign`` with the new rows written at once: their initial values (from the cache of
+    initial values where it holds them), up to two optimizer state arrays at their fill
+    values (size 0: none), their step counts (size 0: none) at 0. Returns (new rows, free
+    slots taken, used)."""
+    n = ids.shape[0]
+    d = rows.shape[1]
+    n_free = free.shape[0]
+    m = 0
+    taken = 0
+    nb = np.uint64(num_blocks)
+    f1, f2 = np.float32(fill1), np.float32(fill2)
+    for i in range(n):
+        x = ids[i]
+        s = slot_of[x]
+        if s < 0:
+            if taken < n_free:
+                s = free[taken]
+                taken += 1
+            else:
+                s = used
+                used += 1
+            slot_of[x] = s
+            block_counts[np.int64(_splitmix64(np.uint64(x)) % nb)] += 1
+            _init_one(kind, a, b, key1, key2, x, rows, s, cache_ids, cache_ok, cache_rows, False)
+            if state1.shape[0]:
+                for j in range(d):
+                    state1[s, j] = f1
+            if state2.shape[0]:
+                for j in range(d):
+                    state2[s, j] = f2
+            if steps.shape[0]:
+                steps[s] = 0
+            m += 1
+        slots[i] = s
+    return m, taken, used
+
+
+@njit(**_JIT)
+def _admit_rows(ids, num_rows, owned, epoch, blocks, counts, keep_blocks, table_bits):
+    """``admit_rows`` (``keep_blocks``: write each id's block into ``blocks``)."""
+    nb = np.uint64(owned.shape[0])
+    increasing = 1
+    prev = np.int64(0)
+    for i in range(ids.shape[0]):
+        x = ids[i]
+        if num_rows > 0 and (x < 0 or x >= num_rows):
+            return -1
+        if i > 0 and x <= prev:
+            increasing = 0
+        prev = x
+        b = np.int64(_splitmix64(np.uint64(x)) % nb)
+        if owned[b] > epoch:
+            return -2
+        if keep_blocks:
+            blocks[i] = b
+        counts[b] += 1
+    if increasing == 0 and table_bits > 0:
+        return 1 if _distinct(ids, table_bits) else 0
+    return 1 if increasing == 1 or table_bits > 0 else 0
+
+
+@njit(**_JIT)
+def _finite(bits):
+    """Whether no float32 (as its uint32 bits) is NaN or infinite: an all-ones exponent,
+    found with integer operations that vectorise."""
+    bad = np.uint32(0)
+    mask = np.uint32(0x7F800000)
+    for i in range(bits.shape[0]):
+        bad |= np.uint32((bits[i] & mask) == mask)
+    return bad == 0
 
 
 @njit(**_JIT)
@@ -170,6 +315,25 @@ def scan(ids: np.ndarray, num_rows: int, num_blocks: int,
     return _scan(ids, num_rows, num_blocks, blocks, counts, bits), blocks, counts
 
 
+def admit_rows(ids: np.ndarray, num_rows: int, owned: np.ndarray, epoch: int, blocks: np.ndarray | None,
+               counts: np.ndarray, unique: bool) -> int:
+    """A sparse slice's ids checked in one pass: each id inside ``[0, num_rows)`` (num_rows
+    0: any id), in a block ``b`` with ``owned[b] <= epoch`` (``owned``: uint64, one per
+    block, the epoch since which this node serves it; a block moved later or served
+    elsewhere is larger), counted per block into ``counts`` (and each id's block written into
+    ``blocks`` unless None). Returns -1 for an id out of bounds, -2 for a block not served,
+    else 1 when the ids are unique (with ``unique``: ascending or found so in a hash set;
+    without: always 1) and 0 when they repeat."""
+    bits = _table_bits(ids.shape[0]) if unique else 0
+    keep = blocks is not None
+    return int(_admit_rows(ids, num_rows, owned, np.uint64(epoch), blocks if keep else counts, counts, keep, bits))
+
+
+def finite(values: np.ndarray) -> bool:
+    """Whether no value of a float32 array is NaN or infinite (one compiled pass)."""
+    return bool(_finite(values.reshape(-1).view(np.uint32)))
+
+
 def gather(slot_of: np.ndarray, rows: np.ndarray, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
     """Positions (int64) of the ``ids`` without a stored row; the others' rows are in ``out``."""
     missing = np.empty(ids.shape[0], dtype=np.int64)
@@ -201,3 +365,15 @@ def warm_up() -> None:
         scan(ids, 4, 2)
         sum_rows(ids, np.zeros((2, 2), np.float32))
         _inside(ids, 4)
+        owned = np.zeros(2, np.uint64)
+        admit_rows(ids, 4, owned, 1, np.empty(2, np.int64), np.zeros(2, np.int64), True)
+        admit_rows(ids, 4, owned, 1, None, np.zeros(2, np.int64), False)
+        cache = (np.zeros(4, np.int64), np.zeros(4, np.uint8), np.zeros((4, 2), np.float32))
+        init = (3, 0.0, 1.0, np.uint64(1), np.uint64(2))
+        _gather_init(slot_of, rows, ids, np.empty((2, 2), np.float32), *init, *cache)
+        _init_rows(ids, np.empty((2, 2), np.float32), *init, *cache, True)
+        state = np.zeros((4, 2), np.float32)
+        _assign_init(np.full(4, -1, dtype=np.int32), ids, np.empty(0, np.int64), 0, 2, np.zeros(2, np.int64),
+                     np.empty(2, np.int64), rows, *init, *cache, state, 0.0, state, 0.0, np.zeros(4, np.int32))
+    for values in (np.zeros(2, np.float32), kernels_read_only(np.zeros(2, np.float32))):
+        finite(values)

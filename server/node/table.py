@@ -55,26 +55,18 @@ class EpochGate:
 
     ``exclusive`` waits for every shared holder to leave and keeps new ones out until it
     exits. Not reentrant: a thread inside ``shared`` must not enter ``exclusive``.
-    """
+    ``shared()`` returns one reusable context manager (every data request enters it: a
+    plain lock and a counter, no generator)."""
 
     def __init__(self):
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._active = 0
         self._closed = False
+        self._shared = _Shared(self)
 
-    @contextlib.contextmanager
-    def shared(self):
-        with self._cond:
-            while self._closed:
-                self._cond.wait()
-            self._active += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._active -= 1
-                if not self._active:
-                    self._cond.notify_all()
+    def shared(self) -> "_Shared":
+        return self._shared
 
     @contextlib.contextmanager
     def exclusive(self):
@@ -90,6 +82,29 @@ class EpochGate:
             with self._cond:
                 self._closed = False
                 self._cond.notify_all()
+
+
+class _Shared:
+    """``EpochGate.shared()``'s context manager."""
+
+    __slots__ = ("gate",)
+
+    def __init__(self, gate: EpochGate):
+        self.gate = gate
+
+    def __enter__(self) -> None:
+        gate = self.gate
+        with gate._lock:
+            while gate._closed:
+                gate._cond.wait()
+            gate._active += 1
+
+    def __exit__(self, *exc) -> None:
+        gate = self.gate
+        with gate._lock:
+            gate._active -= 1
+            if not gate._active and gate._closed:
+                gate._cond.notify_all()
 
 
 class BlockTable:
@@ -108,9 +123,13 @@ class BlockTable:
         self.missing: set[BlockKey] = set()                    # listed here, state not loaded
         self.extra: dict[BlockKey, set[str]] = {}              # copy destinations to forward to
         self.needs_resync: dict[BlockKey, set[str]] = {}
+        # one up (under ``lock``) whenever ``view``, ``blocks`` or ``missing`` change: what the
+        # compiled request path (``lane.Lane``) derived from them is then derived again
+        self.generation = 0
 
     def clear_locked(self) -> None:
         """Forget every block and the map (a new incarnation). ``lock`` held, gate exclusive."""
+        self.generation += 1
         for d in (self.blocks, self.sparse_rows, self.staged, self.extra, self.needs_resync):
             d.clear()
         self.missing.clear()
@@ -128,6 +147,7 @@ class BlockTable:
         listed: set[BlockKey] = set()
         dropped: list[AnyBlock] = []
         with self.lock:
+            self.generation += 1
             for (job, tname), t in view.tables.items():
                 for b, reps in enumerate(t.replicas):
                     if me not in reps:
@@ -213,6 +233,7 @@ class BlockTable:
         """The block a whole copy of ``key`` from ``source`` is loaded into: the held one (no
         longer missing) if the map lists this node, else a staged one."""
         with self.lock:
+            self.generation += 1
             if self.name in t.replicas[key[2]]:
                 blk = self.blocks.get(key)
                 if blk is None:
@@ -233,6 +254,7 @@ class BlockTable:
     def drop(self, job: str, tables=()) -> int:
         """Drop the blocks of ``job`` (of ``tables`` only, if given); returns how many."""
         with self.lock:
+            self.generation += 1
             keys = [k for k in self.blocks if k[0] == job and (not tables or k[1] in tables)]
             dropped = [self.blocks.pop(k) for k in keys]
         self.release(dropped)

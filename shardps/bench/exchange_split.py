@@ -32,13 +32,14 @@ import numpy as np
 from shardps import kernels
 from shardps.bench.common import in_process_cluster, thread_cpu_seconds
 from shardps.rpc import frames
-from shardps.server.node import storage_kernels
+from shardps.server.node import optimizer_kernels, storage_kernels
 
 # Python-level entry points of the compiled kernels (each a little glue and one compiled call)
 KERNELS: list[tuple[object, str]] = [
-    (kernels, "apply_rows"), (kernels, "initial_values"), (kernels, "route_rows"), (kernels, "unique_inverse"),
-    (kernels, "sparse_block_of"), (kernels, "strictly_increasing"),
-    (storage_kernels, "gather"), (storage_kernels, "assign"), (storage_kernels, "scan")]
+    (optimizer_kernels, "apply_rows"), (kernels, "route_rows"), (kernels, "unique_inverse"),
+    (kernels, "sparse_block_of"), (kernels, "strictly_increasing"), (storage_kernels, "admit_rows"),
+    (storage_kernels, "finite"), (storage_kernels, "_gather_init"), (storage_kernels, "_assign_init"),
+    (storage_kernels, "_init_rows")]
 SOCKET: list[tuple[object, str]] = [(frames, "send_parts"), (frames.FrameReader, "read_frame")]
 DENSE = (("fc1.weight", 26624), ("fc1.bias", 64), ("fc2.weight", 64), ("fc2.bias", 1))
 
@@ -85,6 +86,14 @@ def _cpu(threads) -> float:
     return sum(thread_cpu_seconds(t) for t in threads)
 
 
+def _noting(answer, threads: set[int]):
+    """``answer`` (a data-plane server's), noting the threads that call it."""
+    def noted(*args, **kwargs):
+        threads.add(threading.get_ident())
+        return answer(*args, **kwargs)
+    return noted
+
+
 def measure(steps: int, rounds: int, warmup: int = 200, progress=print) -> dict[str, float]:
     """{part: CPU milliseconds per step} of the client and the servers (medians of rounds)."""
     from shardps.tables import adagrad, adam, normal
@@ -98,12 +107,8 @@ def measure(steps: int, rounds: int, warmup: int = 200, progress=print) -> dict[
     try:
         for srv in servers:              # the threads that answer data requests
             plane = srv.data_plane
-            dispatch = plane._dispatch
-
-            def noted(*args, _dispatch=dispatch, **kwargs):
-                server_threads.add(threading.get_ident())
-                return _dispatch(*args, **kwargs)
-            plane._dispatch = noted
+            for name in ("_dispatch", "_step"):
+                setattr(plane, name, _noting(getattr(plane, name), server_threads))
         ids = ctr.generate(512 * 400, 1_000_000, seed=1000)[0].reshape(400, -1)
         with PSClient(manager.address, "exchange-split") as c:
             c.create_job()

@@ -11,8 +11,7 @@ import socket
 import ssl
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 import grpc
 
@@ -54,8 +53,7 @@ def _error(frame: "frames.Frame", what: str) -> ShardpsError:
                                    bytes(frame.header).decode("ascii", "replace")), what)
 
 
-@dataclass
-class Sent:
+class Sent(NamedTuple):
     """A request ``DataPlaneConnection.start`` sent; ``frame``: the answer already read where
     sending broke."""
 
@@ -128,9 +126,9 @@ class DataPlaneConnection:
         Raises as ``call`` (then nothing is held)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         mid = method if type(method) is int and 0 < method <= frames.MAX_METHOD_ID else frames.method_id(method)
-        parts = [b""]                           # the prefix goes first
+        parts: list = [b""]                     # the prefix goes first
         hlen = frames.add_views(parts, (header,)) if header else 0
-        plen = frames.add_views(parts, payload)
+        plen = frames.add_views(parts, payload) if payload else 0
         self._lock.acquire()
         try:
             if hlen + plen > self._limit:
@@ -139,7 +137,8 @@ class DataPlaneConnection:
                 self._connect(deadline, mid)
                 if hlen + plen > self._limit:   # the server's limit, known after HELLO
                     raise self._too_large(mid, hlen + plen)
-            return Sent(mid, deadline, *self._send_request(mid, parts, hlen, plen, deadline, flags))
+            rid, frame = self._send_request(mid, parts, hlen, plen, deadline, flags)
+            return Sent(mid, deadline, rid, frame)
         except BaseException:
             self._lock.release()
             raise
@@ -256,7 +255,7 @@ class DataPlaneConnection:
         server's answer)`` where sending broke and the server had answered (it may refuse a
         request and close)."""
         rid = self._next_id
-        self._next_id += 1
+        self._next_id = rid + 1
         timeout_ms = 0
         if deadline is not None:
             timeout_ms = max(1, min(0xFFFFFFFF, math.ceil((deadline - time.monotonic()) * 1000)))

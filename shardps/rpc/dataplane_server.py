@@ -85,6 +85,13 @@ class _Connection:
     thread: threading.Thread | None = None
     timer: frames.SocketTimer | None = None
     principals: dict = field(default_factory=dict)    # full method -> principal
+    state: dict = field(default_factory=dict)         # the step handler's, per connection
+
+
+# A step handler (``DataPlaneServer(step_handler=...)``): (header, payload, principal,
+# connection state, deadline, flags) -> (reply header, payload buffers)
+StepHandler = Callable[[memoryview, memoryview, Any, dict, "float | None", int], "tuple[bytes, list]"]
+_STEP = frames.METHOD_IDS["Step"]
 
 
 class DataPlaneServer:
@@ -115,8 +122,10 @@ class DataPlaneServer:
                  ssl_context: ssl.SSLContext | None = None, *, limits: DataPlaneLimits | None = None,
                  authenticate: Callable[[str, DataPlaneCall], Any] | None = None,
                  service: str = "shardps.v1.ParameterServer",
-                 method_names: dict[int, str] | None = None):
+                 method_names: dict[int, str] | None = None, step_handler: StepHandler | None = None):
         self.handler = handler
+        self.step_handler = step_handler
+        self._step_full = f"/{service}/Step"
         self.ssl_context = ssl_context
         self.limits = limits or DataPlaneLimits()
         self.authenticate = authenticate
@@ -258,21 +267,24 @@ class DataPlaneServer:
                     return
                 except frames.ProtocolError as exc:
                     log.info("data plane: %s sent a malformed frame: %s", conn.peer, exc)
-                    self._reply(conn, 0, 0, _INVALID_ARGUMENT, exc.message, b"", [], 0, tls, close=True)
+                    _reply(conn, lim.io_seconds, 0, 0, _INVALID_ARGUMENT, exc.message, b"", [], 0, close=True)
                     return
                 p = frame.prefix
                 if metadata is None:                    # the first frame must be HELLO
                     if p.method != frames.HELLO:
-                        self._reply(conn, p.method, p.request_id, _FAILED_PRECONDITION,
-                                    "a data-plane connection starts with HELLO", b"", [], 0, tls, close=True)
+                        _reply(conn, lim.io_seconds, p.method, p.request_id, _FAILED_PRECONDITION,
+                               "a data-plane connection starts with HELLO", b"", [], 0, close=True)
                         return
                     metadata = frames.decode_hello(bytes(frame.header))
-                    if not self._hello_authenticated(conn, p, metadata, cert, tls):
+                    if not _hello_authenticated(self, conn, p, metadata, cert):
                         return
-                    self._reply(conn, p.method, p.request_id, _OK, "",
-                                frames.encode_hello_reply(lim.max_frame_bytes), [], 0, tls)
+                    _reply(conn, lim.io_seconds, p.method, p.request_id, _OK, "",
+                           frames.encode_hello_reply(lim.max_frame_bytes), [], 0)
                     continue
-                pause = self._dispatch(conn, frame, metadata, cert, tls)
+                if p.method == _STEP and self.step_handler is not None:
+                    pause = self._step(conn, frame, metadata, cert, tls)
+                else:
+                    pause = self._dispatch(conn, frame, metadata, cert, tls)
                 del frame
                 if pause:                               # refused for load: see _dispatch
                     time.sleep(pause)
@@ -284,21 +296,6 @@ class DataPlaneServer:
                 conn.sock.close()
             with self._lock:
                 self._conns.discard(conn)
-
-    def _hello_authenticated(self, conn: _Connection, p: frames.Prefix, metadata, cert, tls: bool) -> bool:
-        """Check the credentials once at HELLO, before the peer may send any large frame;
-        a refusal is answered and the connection closed."""
-        if self.authenticate is None:
-            return True
-        full = f"/{self.service}/HELLO"
-        try:
-            self.authenticate(full, DataPlaneCall("HELLO", full, p.request_id, conn.peer, metadata, cert))
-            return True
-        except ShardpsError as exc:
-            log.info("data plane: refusing %s: %s", conn.peer, exc.message)
-            self._reply(conn, p.method, p.request_id, grpc_code(exc).value[0], exc.message,
-                        type(exc).__name__.encode(), [], 0, tls, close=True)
-            return False
 
     def _dispatch(self, conn: _Connection, frame: frames.Frame, metadata, cert, tls: bool) -> float:
         """Answer one call. Returns how long the connection must wait before its next
@@ -321,13 +318,7 @@ class DataPlaneServer:
             if p.method == frames.HELLO:
                 raise InvalidArgument("HELLO sent twice on one connection")
             if self.authenticate is not None:
-                principal = conn.principals.get(full)
-                if principal is None:
-                    principal = self.authenticate(full, call)
-                    if self.service in authz.TABLE:      # the authorization table's entry
-                        authz.authorize(full, principal)
-                    conn.principals[full] = principal
-                call.principal = principal
+                call.principal = self._principal(conn, call)
             out_header, out_buffers = self.handler(name, bytes(frame.header), frame.payload.toreadonly(), call)
             header = out_header or b""
             plen = frames.add_views(parts, out_buffers)
@@ -344,44 +335,106 @@ class DataPlaneServer:
             message = f"internal error in {full}: {type(exc).__name__}: {exc}"
         if status != _OK:
             parts, plen = [], 0
-        self._reply(conn, p.method, p.request_id, status, message, header, parts, plen, tls,
-                    packed=bool(call.flags & frames.FLAG_PACKED) and status == _OK)
+        _reply(conn, self.limits.io_seconds, p.method, p.request_id, status, message, header, parts, plen,
+               packed=bool(call.flags & frames.FLAG_PACKED) and status == _OK)
         return pause
 
-    def _reply(self, conn: _Connection, method: int, request_id: int, status: int, message: str,
-               header, parts: list, plen: int, tls: bool, close: bool = False, packed: bool = False) -> None:
-        """Send a reply: ``parts`` are the payload's byte views (``plen`` bytes in all);
-        ``packed``: its header is in the packed form (the request's was)."""
-        out = [b""]
-        msg = message.encode("utf-8", "replace") if message else b""
-        if msg:
-            out.append(msg)
-        hlen = frames.add_views(out, (header,)) if header else 0
-        out += parts
-        flags = frames.FLAG_REPLY | frames.FLAG_CLOSE if close else frames.FLAG_REPLY
-        if packed:
-            flags |= frames.FLAG_PACKED
-        out[0] = frames.pack_prefix(flags, method, status, request_id, 0, len(msg), hlen, plen)
-        assert conn.timer is not None          # set before the connection's first frame
-        frames.send_parts(conn.timer, out, time.monotonic() + self.limits.io_seconds)
+    def _principal(self, conn: _Connection, call: DataPlaneCall):
+        """The principal of ``call``'s method on this connection: ``authenticate``d (and
+        authorized by the table's entry) at the method's first call, then kept."""
+        principal = conn.principals.get(call.full_method)
+        if principal is None:
+            principal = self.authenticate(call.full_method, call)       # type: ignore[misc]
+            if self.service in authz.TABLE:      # the authorization table's entry
+                authz.authorize(call.full_method, principal)
+            conn.principals[call.full_method] = principal
+        return principal
+
+    def _step(self, conn: _Connection, frame: frames.Frame, metadata, cert, tls: bool) -> float:
+        """Answer a Step frame through ``step_handler``: ``_dispatch`` with nothing a Step
+        does not need (the principal of the connection's first Step is kept for the others,
+        as ``_dispatch`` keeps one per method). Returns the pause as ``_dispatch`` does."""
+        p = frame.prefix
+        parts: list = []
+        status, message, header, plen, pause = _OK, "", b"", 0, 0.0
+        try:
+            principal = None
+            if self.authenticate is not None:
+                full = self._step_full
+                principal = conn.principals.get(full) or self._principal(
+                    conn, DataPlaneCall("Step", full, p.request_id, conn.peer, metadata, cert, None, None, p.flags))
+            deadline = time.monotonic() + p.timeout_ms / 1000.0 if p.timeout_ms else None
+            header, buffers = self.step_handler(frame.header, frame.payload.toreadonly(), principal,   # type: ignore[misc]
+                                                conn.state, deadline, p.flags)
+            plen = frames.add_views(parts, buffers)
+        except ShardpsError as exc:
+            status, message, header = grpc_code(exc).value[0], exc.message, type(exc).__name__.encode()
+            pause = min(MAX_PAUSE, getattr(exc, "retry_after", None) or 0.0)
+        except Exception as exc:
+            log.exception("internal error in Step (data plane)")
+            status, header = _INTERNAL, b""
+            message = f"internal error in Step: {type(exc).__name__}: {exc}"
+        if status != _OK:
+            parts, plen = [], 0
+        _reply(conn, self.limits.io_seconds, _STEP, p.request_id, status, message, header, parts, plen,
+               packed=status == _OK)
+        return pause
 
     def _refuse_oversized(self, conn: _Connection, exc: frames.FrameTooLarge, receiver: frames.FrameReader,
                           tls: bool) -> None:
         p = exc.prefix
         log.warning("data plane: refusing a %d-byte frame from %s (max_frame_bytes %d)", p.body_len,
                     conn.peer, exc.limit)
-        self._reply(conn, p.method, p.request_id, _RESOURCE_EXHAUSTED,
+        _reply(conn, self.limits.io_seconds, p.method, p.request_id, _RESOURCE_EXHAUSTED,
                     f"data-plane frame of {p.body_len} bytes exceeds this server's limit of {exc.limit} "
-                    f"bytes (max_frame_bytes): split the request", b"", [], 0, tls, close=True)
-        # read (and drop) what the client is still sending, briefly: closing with unread bytes
-        # would reset the connection and could destroy the reply before the client reads it
-        left = frames.PREFIX_BYTES + p.body_len - exc.already
-        deadline = time.monotonic() + 1.0
-        assert conn.timer is not None
-        with contextlib.suppress(OSError, ValueError):
-            while left > 0:
-                conn.timer.arm(deadline)
-                n = conn.sock.recv_into(receiver.view, min(left, len(receiver.view)))
-                if not n:
-                    break
-                left -= n
+                    f"bytes (max_frame_bytes): split the request", b"", [], 0, close=True)
+        _drain(conn, frames.PREFIX_BYTES + p.body_len - exc.already, receiver)
+
+
+def _hello_authenticated(server: DataPlaneServer, conn: _Connection, p: frames.Prefix, metadata, cert) -> bool:
+    """Check the credentials once at HELLO, before the peer may send any large frame;
+    a refusal is answered and the connection closed."""
+    if server.authenticate is None:
+        return True
+    full = f"/{server.service}/HELLO"
+    try:
+        server.authenticate(full, DataPlaneCall("HELLO", full, p.request_id, conn.peer, metadata, cert))
+        return True
+    except ShardpsError as exc:
+        log.info("data plane: refusing %s: %s", conn.peer, exc.message)
+        _reply(conn, server.limits.io_seconds, p.method, p.request_id, grpc_code(exc).value[0], exc.message,
+               type(exc).__name__.encode(), [], 0, close=True)
+        return False
+
+
+def _reply(conn: _Connection, io_seconds: float, method: int, request_id: int, status: int, message: str,
+           header, parts: list, plen: int, close: bool = False, packed: bool = False) -> None:
+    """Send a reply: ``parts`` are the payload's byte views (``plen`` bytes in all);
+    ``packed``: its header is in the packed form (the request's was)."""
+    out = [b""]
+    msg = message.encode("utf-8", "replace") if message else b""
+    if msg:
+        out.append(msg)
+    hlen = frames.add_views(out, (header,)) if header else 0
+    out += parts
+    flags = frames.FLAG_REPLY | frames.FLAG_CLOSE if close else frames.FLAG_REPLY
+    if packed:
+        flags |= frames.FLAG_PACKED
+    out[0] = frames.pack_prefix(flags, method, status, request_id, 0, len(msg), hlen, plen)
+    assert conn.timer is not None          # set before the connection's first frame
+    frames.send_parts(conn.timer, out, time.monotonic() + io_seconds)
+
+
+def _drain(conn: _Connection, left: int, receiver: frames.FrameReader) -> None:
+    """Read (and drop) the ``left`` bytes the client is still sending, briefly: closing with
+    unread bytes would reset the connection and could destroy the reply before the client
+    reads it."""
+    deadline = time.monotonic() + 1.0
+    assert conn.timer is not None
+    with contextlib.suppress(OSError, ValueError):
+        while left > 0:
+            conn.timer.arm(deadline)
+            n = conn.sock.recv_into(receiver.view, min(left, len(receiver.view)))
+            if not n:
+                break
+            left -= n

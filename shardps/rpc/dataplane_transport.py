@@ -30,13 +30,13 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from shardps.errors import InvalidArgument, Unavailable, UnknownRegion
-from shardps.messages import PullRequest, PushAck, PushRequest
+from shardps.messages import PullRequest, PushAck, PushRequest, StepRequest
 from shardps.protos.v1 import parameter_server_pb2 as ps
-from shardps.rpc import messages, packed
+from shardps.rpc import messages, packed, step
 from shardps.rpc.codec import byte_view, write_into
 from shardps.rpc.dataplane import DataPlanePool
 from shardps.rpc.frames import FLAG_PACKED, FLAG_SHARED
-from shardps.rpc.grpc_transport import GrpcTransport
+from shardps.rpc.grpc_transport import SERVICE, GrpcTransport
 from shardps.rpc.payload import Payload
 from shardps.rpc.status import from_rpc_error
 
@@ -60,6 +60,7 @@ class _Plane:
     address: str
     packed: bool = False
     shared: bool = False            # takes bulk bytes in shared memory (frames.FLAG_SHARED)
+    step: bool = False              # takes Step frames (shardps.rpc.step)
 
 
 _NONE = _Plane("")              # cached: this server has no data plane
@@ -189,6 +190,89 @@ class DataPlaneTransport:
         with self._observed(address, "Exchange", began):
             return self.pool.finish(sent, use)
 
+    def step_start(self, server, address, request: StepRequest, reply_bytes: int, timeout) -> object | None:
+        """Send ``request`` (a client's: see ``step.encode``) as a Step frame and return at
+        once with what ``step_finish`` (which must follow, on any thread) needs; None where
+        the server takes no Step frames (nothing was sent). The payload and the reply's
+        values (``reply_bytes``) travel in a shared-memory region where the server maps this
+        process's memory and they are ``SHARED_BYTES`` or more together, else in the frames.
+        Raises as ``push``."""
+        plane = self._plane(address, timeout)
+        if not plane.step:
+            return None
+        encoded = step.encode(request)
+        nbytes = encoded.payload_bytes
+        reply_at = step.pad8(nbytes)
+        region = self._region(plane, address, reply_at + reply_bytes)
+        if region is not None:
+            encoded.write(np.frombuffer(region.mm, np.uint8, nbytes))
+            head, parts = encoded.header(region.name, 0, reply_at, region.size - reply_at), []
+        else:
+            head, parts = encoded.header(), encoded.parts()
+        started = time.perf_counter()
+        try:
+            sent = self.pool.start(plane.address, "Step", head, parts, timeout=timeout, flags=FLAG_PACKED)
+        except BaseException as exc:
+            self._step_failed(address, exc, started)
+            if region is not None:
+                self.fallback.release_region(region)
+            raise
+        return server, address, started, sent, encoded, region
+
+    def step_finish(self, started, consume):
+        """Read the reply of ``step_start``'s request and return ``consume(ack, pull reply,
+        values)``: ``values`` one flat float32 array per pull slice, valid while ``consume``
+        runs."""
+        server, address, began, sent, encoded, region = started
+        request = encoded.request
+        n_push = len(request.push or ())
+        n_pull = len(request.pull or ())
+
+        def use(raw: bytes, view: memoryview):
+            ack, reply, elements, shared = _decoded(
+                server, lambda b: step.read_reply(b, encoded.segment_tables, n_push, n_pull), raw)
+            total = 4 * sum(elements)
+            if shared:
+                if region is None or total > region.size:
+                    raise Unavailable(f"malformed reply from {server}: {total} bytes of values in a shared-memory "
+                                      f"region it was not given")
+                source = np.frombuffer(region.mm, np.uint8, total, step.pad8(encoded.payload_bytes))
+            else:
+                if total != len(view):
+                    raise Unavailable(f"malformed reply from {server}: {len(view)} payload bytes for {total} bytes "
+                                      f"of values")
+                source = np.frombuffer(view, np.uint8, total)
+            values, at = [], 0
+            for count in elements:
+                values.append(source[at:at + 4 * count].view(np.float32))
+                at += 4 * count
+            return consume(ack, reply, values)
+        try:
+            got = self.pool.finish(sent, use)
+        except UnknownRegion:
+            self.fallback.forget_regions(address)
+            exc = Unavailable(f"Step to {server}: the server no longer knows this client's shared memory "
+                              f"(restarted): retry")
+            self._step_failed(address, exc, began)
+            raise exc from None
+        except BaseException as exc:
+            self._step_failed(address, exc, began)
+            raise
+        finally:
+            if region is not None:
+                self.fallback.release_region(region)
+        self.fallback.metrics.observe_call(SERVICE, "Step", "OK", time.perf_counter() - began)
+        return got
+
+    def _step_failed(self, address: str, exc: BaseException, started: float) -> None:
+        """A Step that failed: counted (batched), and the server's data-plane address
+        forgotten when it was unavailable (it may have restarted elsewhere)."""
+        if isinstance(exc, Unavailable):
+            with self._lock:
+                self._planes.pop(address, None)
+        self.fallback.metrics.observe_call(SERVICE, "Step", getattr(exc, "code", "UNKNOWN"),
+                                           time.perf_counter() - started)
+
     def abandon(self, address: str) -> None:
         """Close the data-plane connections to the server at gRPC ``address`` (calls in
         flight on them fail with Unavailable at once) and forget its data-plane address."""
@@ -249,7 +333,8 @@ class DataPlaneTransport:
             call = self.fallback.pool.get(address).OpenDataPlane.future(
                 ps.OpenDataPlaneRequest(job=self.job), timeout=min(timeout, 5.0), metadata=self.metadata)
             resp = self.fallback.in_flight.wait(address, call, f"OpenDataPlane on {address}")
-            found = _Plane(resp.address, resp.packed, resp.packed and resp.shared_memory) if resp.address else _NONE
+            found = (_Plane(resp.address, resp.packed, resp.packed and resp.shared_memory, resp.packed and resp.step)
+                     if resp.address else _NONE)
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.CANCELLED:     # abandoned: declared dead
                 raise from_rpc_error(err, f"OpenDataPlane on {address}") from None

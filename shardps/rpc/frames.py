@@ -50,6 +50,8 @@ import struct
 import time
 from typing import NamedTuple
 
+import numpy as np
+
 from shardps.errors import InvalidArgument
 from shardps.rpc.codec import byte_view
 
@@ -65,7 +67,7 @@ FLAG_SHARED = 8
 HELLO = 0
 # The ParameterServer methods the data plane carries (ids are part of the wire format:
 # add, never renumber).
-METHOD_IDS = {"Push": 1, "Pull": 2, "Exchange": 3, "Replicate": 4}
+METHOD_IDS = {"Push": 1, "Pull": 2, "Exchange": 3, "Replicate": 4, "Step": 5}
 METHOD_NAMES = {v: k for k, v in METHOD_IDS.items()}
 MAX_METHOD_ID = 0xFFFF
 
@@ -253,14 +255,14 @@ class FrameReader:
             self._new(self.initial)
         view = self.view
         sock = timer.sock
-        window = None if deadline is None else deadline - time.monotonic()
+        window = None if deadline is None or first_deadline is None else deadline - time.monotonic()
         while True:
             timer.arm(deadline)
             try:
                 got = sock.recv_into(view)      # greedy: a small frame arrives in one call
                 break
             except (socket.timeout, BlockingIOError):
-                if first_deadline is None or window is None or time.monotonic() >= first_deadline:
+                if window is None or time.monotonic() >= first_deadline:      # type: ignore[operator]
                     raise
                 deadline = time.monotonic() + window    # idle: wait another window (same timeout)
         if not got:
@@ -296,12 +298,19 @@ class FrameReader:
 
 
 def add_views(parts: list, buffers) -> int:
-    """Append the non-empty byte views of ``buffers`` (bytes as they are, numpy arrays and
-    other buffers through ``codec.byte_view``) to ``parts``; returns their total length."""
+    """Append the non-empty byte views of ``buffers`` (bytes as they are, C-contiguous numpy
+    arrays as a cast of their memory, other buffers through ``codec.byte_view``) to
+    ``parts``; returns their total length."""
     total = 0
     if buffers:
         for buf in buffers:
-            v = buf if type(buf) is bytes else byte_view(buf)
+            kind = type(buf)
+            if kind is bytes:
+                v = buf
+            elif kind is np.ndarray and buf.flags.c_contiguous and buf.dtype.isbuiltin == 1:
+                v = memoryview(buf).cast("B") if buf.size else b""
+            else:
+                v = byte_view(buf)
             n = len(v)
             if n:
                 parts.append(v)

@@ -149,6 +149,13 @@ class GrpcTransport:
     def exchange_finish(self, started, consume):
         raise AssertionError("GrpcTransport.exchange_start never starts an exchange")
 
+    def step_start(self, server, address, request, reply_bytes, timeout):
+        """gRPC has no Step: None (the data path sends a push, then a pull)."""
+        return None
+
+    def step_finish(self, started, consume):
+        raise AssertionError("GrpcTransport.step_start never starts a step")
+
     def observe(self, method: str, kind: str, code: str, started: float) -> None:
         g = self.metrics.grpc
         labelled(g.started, SERVICE, method, kind).inc()

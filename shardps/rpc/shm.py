@@ -86,6 +86,11 @@ class ServerRegions:
             owner = self._owner.setdefault(name, job)
             return owner == job
 
+    def bound(self, name: str, job: str) -> bool:
+        """Whether region ``name`` is bound to ``job`` (a dict read: a caller that keeps a
+        region's view checks this before each use)."""
+        return self._owner.get(name) == job
+
     def view_for(self, name: str, offset: int, length: int, job: str) -> memoryview:
         """A view of a region bound to ``job`` (see ``bind``). PermissionDenied if another job
         holds it, UnknownRegion if no job proved it to this process."""

@@ -24,10 +24,13 @@ from hypothesis import strategies as st
 
 from shardps import authz
 from shardps.errors import ShardpsError
+from shardps.messages import GRADIENT, RANGE, Header, Slice, StepRequest
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import manager_pb2 as mg
 from shardps.protos.v1 import parameter_server_pb2 as ps
+from shardps.rpc import step
 from shardps.rpc.dataplane import DataPlaneConnection
+from shardps.rpc.frames import FLAG_PACKED
 from tests.fuzz.admin import OTHER, VICTIM, admin_request, channel_to
 from tests.fuzz.encoder import parses
 from tests.fuzz.reference import SCRATCH_JOBS, UNKNOWN_JOB
@@ -187,18 +190,23 @@ def run_data_plane(data, w: World, t: Tally, method: str, conns: dict) -> None:
     forged = ps.ReplicateHeader(epoch=w.epoch(), source=one_of(w, sorted(w.servers)), payload_bytes=32,
                                 ops=[ps.BlockOp(job=VICTIM, table=seg.table, block=0, kind=ps.APPLY,
                                                 version=1, element_count=8)])
-    msg = {"Push": push, "Pull": pull, "Exchange": ps.ExchangeHeader(push=push, pull=pull),
-           "Replicate": forged}[method]
-    aim(data, w, rule, msg)
-    header = msg.SerializeToString()
-    mutated = coin(w) and coin(w)
-    if mutated:
-        header = mutate(data, w, header)
-    parsed = parses(DP_MESSAGES[method], header)
-    jobs = None if parsed is None else authz.requested_jobs(rule, parsed)
-    payload = [np.ones(8, np.float32)] if method != "Pull" else []
+    if method == "Step":                # a push and a pull in one packed frame
+        header, payload, jobs, mutated = _step_frame(data, w, rule, seg.table)
+        flags = FLAG_PACKED
+    else:
+        msg = {"Push": push, "Pull": pull, "Exchange": ps.ExchangeHeader(push=push, pull=pull),
+               "Replicate": forged}[method]
+        aim(data, w, rule, msg)
+        header = msg.SerializeToString()
+        mutated = coin(w) and coin(w)
+        if mutated:
+            header = mutate(data, w, header)
+        parsed = parses(DP_MESSAGES[method], header)
+        jobs = None if parsed is None else authz.requested_jobs(rule, parsed)
+        payload = [np.ones(8, np.float32)] if method != "Pull" else []
+        flags = 0
     try:
-        conns[one_of(w, sorted(conns))].call(method, header, payload, timeout=DEADLINE)
+        conns[one_of(w, sorted(conns))].call(method, header, payload, timeout=DEADLINE, flags=flags)
         code = OK
     except ShardpsError as exc:
         code = exc.code
@@ -208,6 +216,24 @@ def run_data_plane(data, w: World, t: Tally, method: str, conns: dict) -> None:
     w.wire.by_method[f"dataplane.{method}"][code] += 1
     if judge(t, f"dataplane.{method}", rule, jobs, code, mutated):
         t.attempts[f"dataplane.{method}"] += 1
+
+
+def _step_frame(data, w: World, rule: authz.Rule, table: str):
+    """A Step frame (header, payload, the jobs it names or None, mutated?) pushing and pulling
+    ``table``'s first 8 elements, aimed at other jobs; its header mutated or not."""
+    request = StepRequest(Header(ATTACKER, w.epoch(), "attacker", 1, 1), GRADIENT,
+                          [Slice(table, RANGE, 0, 8, values=np.ones(8, np.float32))], [Slice(table, RANGE, 0, 8)])
+    aim(data, w, rule, request)
+    encoded = step.encode(request)
+    header = encoded.header()
+    mutated = coin(w) and coin(w)
+    if mutated:
+        header = mutate(data, w, header)
+    try:
+        jobs = authz.requested_jobs(rule, step.read_request(header)[0])
+    except ShardpsError:
+        jobs = None
+    return header, encoded.parts(), jobs, mutated
 
 
 def connections(w: World, token: str) -> dict:

@@ -11,8 +11,8 @@
 from shardps.rpc.stubs import ManagerStub
 from shardps.worker.client.admin import parse_consistency
 from shardps.worker.client.client import PSClient
-from shardps.worker.client.data import PullResult, PushResult
 from shardps.worker.client.membership import Membership
+from shardps.worker.client.results import PullResult, PushResult
 from shardps.worker.client.transport import GrpcTransport, Transport
 
 __all__ = ["PSClient", "Membership", "PullResult", "PushResult", "ManagerStub", "parse_consistency",

@@ -56,10 +56,11 @@ from shardps.rpc.stubs import ManagerStub, StubPool
 from shardps.tables import Consistency
 from shardps.worker.client import requests as rq
 from shardps.worker.client.admin import Admin, ManagerCalls
-from shardps.worker.client.data import DataPath, PullResult, PushResult
+from shardps.worker.client.data import DataPath
 from shardps.worker.client.export import TableTransfer
 from shardps.worker.client.fanout import abandon_dead
 from shardps.worker.client.membership import GroupMember, Membership, Session
+from shardps.worker.client.results import PullResult, PushResult
 from shardps.worker.client.transport import GrpcTransport, Transport
 
 log = logging.getLogger("shardps.client")

@@ -19,80 +19,34 @@ The transport is the plug-in point: ``DataPath(transport=...)`` takes any ``Tran
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
-from collections.abc import Mapping
 from concurrent import futures
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from shardps import dtypes, kernels
+from shardps import dtypes
 from shardps.dtypes import WireDType
 from shardps.errors import DeadlineExceeded, Unavailable
-from shardps.messages import GRADIENT, RANGE, ROWS, PullReply, PullRequest, PushAck, PushRequest, Selection, Versions
+from shardps.messages import (
+    GRADIENT,
+    RANGE,
+    ROWS,
+    PullReply,
+    PullRequest,
+    PushAck,
+    PushRequest,
+    Selection,
+)
 from shardps.metrics import WorkerMetrics, labelled
 from shardps.rpc.codec import CHUNK_BYTES, byte_view
 from shardps.shardmap import ShardMapView
 from shardps.worker.client.fanout import RETRYABLE, Fanout, MapSource, Send, attempt_timeout, split_phase
 from shardps.worker.client.membership import Session
+from shardps.worker.client.results import BlockVersions, PullResult, PushResult, version_pairs
+from shardps.worker.client.steps import StepCalls, base_versions, contiguous_start
 from shardps.worker.client.transport import Payload, Transport
 from shardps.worker.routing import Piece, live_servers, route
-
-
-class BlockVersions(Mapping):
-    """(table, block) -> version, from the ``Versions`` of a call's replies: kept as they
-    came and made a dict only when read (a step's replies carry a version per block of every
-    table it touched, hundreds, which are rarely read)."""
-
-    def __init__(self):
-        self._replies: list[Versions] = []
-        self._dict: dict[tuple[str, int], int] | None = None
-
-    def add(self, v: Versions) -> None:
-        self._replies.append(v)
-        self._dict = None
-
-    def _pairs(self) -> dict[tuple[str, int], int]:
-        if self._dict is None:
-            self._dict = {}
-            for v in self._replies:
-                self._dict.update(_pairs(v))
-        return self._dict
-
-    def __getitem__(self, key: tuple[str, int]) -> int:
-        return self._pairs()[key]
-
-    def __iter__(self):
-        return iter(self._pairs())
-
-    def __len__(self) -> int:
-        return len(self._pairs())
-
-    def __repr__(self) -> str:
-        return f"BlockVersions({self._pairs()!r})"
-
-
-@dataclass
-class PushResult:
-    """What the servers acknowledged for one push."""
-
-    versions: BlockVersions = field(default_factory=BlockVersions)      # (table, block) -> version
-    duplicate_blocks: int = 0          # blocks that had already applied this push (a retry)
-    clock: int = 0                     # the clock the push carried
-
-
-@dataclass
-class PullResult:
-    """The values of one pull (in request order) and what the servers said about them."""
-
-    values: list[np.ndarray]
-    versions: BlockVersions                                             # (table, block) -> version
-    min_clock: int = 0                 # the group's slowest completed step, largest over servers
-    clock: int = 0                     # the clock the pull carried (this worker's completed steps)
-    waited_seconds: float = 0.0        # longest a server held the pull for stragglers (SYNC/SSP)
-    staleness: int = 0                 # clock - a server's min_clock, worst server (SYNC/SSP)
 
 
 class DataPath:
@@ -120,6 +74,8 @@ class DataPath:
         self._last_pull = PullResult([], BlockVersions())
         self._last_clock = 0
         self.step = 0       # the clock of calls that name none (PSClient.next_step advances it)
+        self.steps = StepCalls(job, transport, maps, self.metrics, self._versions, self._header,
+                               wire_dtype is WireDType.FLOAT32)
 
     def deadline(self, timeout: float | None) -> float:
         return time.monotonic() + (self.default_timeout if timeout is None else timeout)
@@ -146,37 +102,22 @@ class DataPath:
         becomes ``(ids, rows)``) with the values of ``pieces``. ``clock``: this worker's
         completed steps (SYNC / SSP pulls wait as the consistency model requires)."""
         deadline = self.deadline(timeout)
-        result = PullResult(outputs, BlockVersions(), clock=self.step if clock is None else int(clock))
+        clock = self.step if clock is None else int(clock)
+        if self.steps.take(pieces):
+            got = self.steps.run(None, 0, pieces, outputs, deadline, pull_clock=clock)
+            if got is not None and got[1] is not None:
+                return self._finish_pull(got[1], {})
+        result = PullResult(outputs, BlockVersions(), clock=clock)
         stored: dict[int, list] = {}
         self.fanout.run(pieces, deadline, self._pull_sender(result, stored, deadline))
         return self._finish_pull(result, stored)
-
-    def _pull_request(self, ps_: list[Piece], view: ShardMapView, clock: int):
-        """(request, its header, expected reply bytes or None) for ``ps_`` to one server."""
-        header = self._header(view, 0, clock)
-        segments = []
-        ids = []
-        for p in ps_:
-            if p.all_stored:
-                segments.append(Selection(p.table, ROWS, all_stored=True))
-            elif p.dense:
-                segments.append(Selection(p.table, RANGE, p.start, p.stop))
-            else:
-                assert p.ids is not None          # a sparse piece carries its ids
-                segments.append(Selection(p.table, ROWS, count=p.rows))
-                ids.append(p.ids.astype("<i8", copy=False))
-        request = PullRequest(header, segments, ids)
-        item = self.wire_dtype.itemsize
-        expected = None if any(p.all_stored for p in ps_) else sum(
-            (p.stop - p.start) * item if p.dense else p.rows * view.table(self.job, p.table).spec.dim * item
-            for p in ps_)
-        return request, header, expected
 
     def _pull_sender(self, result: PullResult, stored: dict, deadline: float) -> Send:
         lock = threading.Lock()
 
         def send(server: str, address: str, ps_: list[Piece], view: ShardMapView) -> None:
-            request, header, expected = self._pull_request(ps_, view, result.clock)
+            header = self._header(view, 0, result.clock)
+            request, expected = pull_request(header, ps_, view, self.job, self.wire_dtype.itemsize)
 
             def consume(head: PullReply, payload: Payload) -> None:
                 self._place(server, ps_, head, payload, header, result, stored, lock)
@@ -234,7 +175,7 @@ class DataPath:
             for v in head.versions:
                 result.versions.add(v)
                 if v.table in dense:                # what base_versions reads
-                    self._versions.update(_pairs(v))
+                    self._versions.update(version_pairs(v))
             result.min_clock = max(result.min_clock, int(head.min_clock))
 
     def server_clock(self, timeout: float | None = None) -> int:
@@ -256,12 +197,16 @@ class DataPath:
         ``INITIALIZE``): one sequence number, kept across retries. ``report_step``: also
         send an empty push to every live server, reporting step ``clock``."""
         deadline = self.deadline(timeout)
-        result = PushResult(clock=self.step if clock is None else int(clock))
+        clock = self.step if clock is None else int(clock)
         seq = self.session.begin_push()
         try:
+            got = (self.steps.run(pieces, kind, None, None, deadline, seq, clock)
+                   if not report_step and pieces and self.steps.take(pieces) else None)
+            result = got[0] if got is not None and got[0] is not None else PushResult(clock=clock)
             view = self.maps.view()
             send = self._push_sender(seq, kind, result, deadline)
-            self.fanout.run(pieces, deadline, send)
+            if got is None:
+                self.fanout.run(pieces, deadline, send)
             if report_step:
                 # only after every piece landed: a server that got none reports the step now;
                 # reporting it earlier would close the step there before a retried piece
@@ -328,6 +273,11 @@ class DataPath:
         stored: dict[int, list] = {}
         seq = self.session.begin_push()
         try:
+            if not report_step and self.steps.take(push_pieces) and self.steps.take(pull_pieces):
+                got = self.steps.run(push_pieces, GRADIENT, pull_pieces, outputs, deadline, seq, int(clock),
+                                     int(clock) + 1)
+                if got is not None and got[0] is not None and got[1] is not None:
+                    return got[0], self._finish_pull(got[1], stored)
             push_send = self._push_sender(seq, GRADIENT, presult, deadline)
             pull_send = self._pull_sender(lresult, stored, deadline)
             view = self.maps.view()
@@ -343,7 +293,8 @@ class DataPath:
                 if pp is None or not lp:
                     return None
                 push_request = self._push_request(pp, view, seq, GRADIENT, presult.clock)
-                request, pheader, expected = self._pull_request(lp, view, lresult.clock)
+                pheader = self._header(view, 0, lresult.clock)
+                request, expected = pull_request(pheader, lp, view, self.job, self.wire_dtype.itemsize)
                 sent = self.transport.exchange_start(
                     server, view.address(server), push_request, request,
                     attempt_timeout(deadline, payload_bytes(push_request) + (expected or 0)))
@@ -386,21 +337,25 @@ class DataPath:
         return presult, self._finish_pull(lresult, stored)
 
 
-
-def base_versions(p: Piece, view: ShardMapView, job: str, versions: dict[tuple[str, int], int]) -> dict[int, int]:
-    """The versions (of ``versions``: (table, block) -> version) at which this worker last
-    pulled the blocks dense piece ``p`` of ``job`` pushes: the servers measure how many
-    updates arrived in between (shardps_push_intervening_updates). Sparse pushes skip it:
-    finding their blocks costs a hash per row."""
-    if not versions:
-        return {}
-    spec = view.table(job, p.table).spec
-    out = {}
-    for b in range(p.start // spec.block_size, (p.stop - 1) // spec.block_size + 1):
-        v = versions.get((p.table, b))
-        if v is not None:
-            out[b] = v
-    return out
+def pull_request(header, ps_: list[Piece], view: ShardMapView, job: str, itemsize: int
+                 ) -> tuple[PullRequest, int | None]:
+    """(the pull of ``ps_`` to one server, the bytes its reply carries: None when unknown,
+    an export's)."""
+    segments = []
+    ids = []
+    for p in ps_:
+        if p.all_stored:
+            segments.append(Selection(p.table, ROWS, all_stored=True))
+        elif p.dense:
+            segments.append(Selection(p.table, RANGE, p.start, p.stop))
+        else:
+            assert p.ids is not None          # a sparse piece carries its ids
+            segments.append(Selection(p.table, ROWS, count=p.rows))
+            ids.append(p.ids.astype("<i8", copy=False))
+    expected = None if any(p.all_stored for p in ps_) else sum(
+        (p.stop - p.start) * itemsize if p.dense else p.rows * view.table(job, p.table).spec.dim * itemsize
+        for p in ps_)
+    return PullRequest(header, segments, ids), expected
 
 
 def _place_values(server: str, p: Piece, output: np.ndarray, payload: Payload, count: int,
@@ -417,7 +372,7 @@ def _place_values(server: str, p: Piece, output: np.ndarray, payload: Payload, c
             return
         out[:] = dtypes.decode(payload.read(count * wire.itemsize), wire, count)
         return
-    run = _run(p.positions) if wire is WireDType.FLOAT32 else None
+    run = contiguous_start(p.positions) if wire is WireDType.FLOAT32 else None
     rows = None if run is None else output[run:run + p.rows]
     if rows is not None and rows.flags.c_contiguous:
         if rows.size != count:
@@ -425,24 +380,6 @@ def _place_values(server: str, p: Piece, output: np.ndarray, payload: Payload, c
         payload.read_into(byte_view(rows))
         return
     output[p.positions] = dtypes.decode(payload.read(count * wire.itemsize), wire, count).reshape(p.rows, -1)
-
-
-def _run(positions: np.ndarray | None) -> int | None:
-    """The first of ``positions`` when they are consecutive (``k, k + 1, ...``; a piece
-    routed whole), else None."""
-    if positions is None or not positions.shape[0]:
-        return None
-    first = int(positions[0])
-    if int(positions[-1]) - first != positions.shape[0] - 1 or not kernels.strictly_increasing(positions):
-        return None
-    return first
-
-
-def _pairs(v: Versions) -> dict[tuple[str, int], int]:
-    """(table, block) -> version of one reply's ``Versions``."""
-    blocks = v.blocks.tolist() if hasattr(v.blocks, "tolist") else v.blocks
-    versions = v.versions.tolist() if hasattr(v.versions, "tolist") else v.versions
-    return dict(zip(zip(itertools.repeat(v.table), blocks), versions))
 
 
 def payload_bytes(request: PushRequest) -> int:

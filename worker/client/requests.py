@@ -115,6 +115,8 @@ def check_call(timeout, clock) -> None:
 def _integer(value, what: str, name) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise InvalidArgument(f"table {name!r}: {what}={value!r} must be an integer")
+    if not -(1 << 63) <= int(value) < 1 << 63:
+        raise InvalidArgument(f"table {name!r}: {what}={value} does not fit an int64")
     return int(value)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Callable, Protocol, TypeVar
 
-from shardps.messages import PullReply, PullRequest, PushAck, PushRequest
+from shardps.messages import PullReply, PullRequest, PushAck, PushRequest, StepRequest
 from shardps.rpc.grpc_transport import GrpcTransport
 from shardps.rpc.payload import Payload
 
@@ -52,6 +52,19 @@ class Transport(Protocol):
     def exchange_finish(self, started: object, consume: Callable[[PushAck, PullReply, Payload], T]) -> T:
         """Read the reply of ``exchange_start``'s request (which must be followed by this,
         on any thread), ``consume(ack, pull reply, payload)`` it and return its result."""
+
+    def step_start(self, server: str, address: str, request: StepRequest, reply_bytes: int,
+                   timeout: float) -> object | None:
+        """Send a step's push and pull parts for this server (``request``: its slices point
+        into the caller's arrays, ``positions`` picking rows; ``reply_bytes``: the pulled
+        values' size) as one round trip, and return at once with what ``step_finish`` needs;
+        None where this transport or server has no Step (nothing was sent: the caller sends
+        a push and a pull). Raises as ``push``."""
+
+    def step_finish(self, started: object, consume: Callable[[PushAck, PullReply, list], T]) -> T:
+        """Read the reply of ``step_start``'s request (which must be followed by this, on any
+        thread), ``consume(ack, pull reply, values)`` it (``values``: each pull slice's flat
+        float32 values, valid while ``consume`` runs) and return its result."""
 
     def abandon(self, address: str) -> None:
         """Make the calls in flight to the server at ``address`` fail now with

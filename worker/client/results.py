@@ -1,0 +1,73 @@
+"""What the servers answered to a data call, as the client returns it: ``PushResult``,
+``PullResult`` and the block versions both carry (``BlockVersions``). Plain values."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from shardps.messages import Versions
+
+
+class BlockVersions(Mapping):
+    """(table, block) -> version, from the ``Versions`` of a call's replies: kept as they
+    came and made a dict only when read (a step's replies carry a version per block of every
+    table it touched, hundreds, which are rarely read)."""
+
+    def __init__(self):
+        self._replies: list[Versions] = []
+        self._dict: dict[tuple[str, int], int] | None = None
+
+    def add(self, v: Versions) -> None:
+        self._replies.append(v)
+        self._dict = None
+
+    def _pairs(self) -> dict[tuple[str, int], int]:
+        if self._dict is None:
+            self._dict = {}
+            for v in self._replies:
+                self._dict.update(version_pairs(v))
+        return self._dict
+
+    def __getitem__(self, key: tuple[str, int]) -> int:
+        return self._pairs()[key]
+
+    def __iter__(self):
+        return iter(self._pairs())
+
+    def __len__(self) -> int:
+        return len(self._pairs())
+
+    def __repr__(self) -> str:
+        return f"BlockVersions({self._pairs()!r})"
+
+
+@dataclass
+class PushResult:
+    """What the servers acknowledged for one push."""
+
+    versions: BlockVersions = field(default_factory=BlockVersions)      # (table, block) -> version
+    duplicate_blocks: int = 0          # blocks that had already applied this push (a retry)
+    clock: int = 0                     # the clock the push carried
+
+
+@dataclass
+class PullResult:
+    """The values of one pull (in request order) and what the servers said about them."""
+
+    values: list[np.ndarray]
+    versions: BlockVersions                                             # (table, block) -> version
+    min_clock: int = 0                 # the group's slowest completed step, largest over servers
+    clock: int = 0                     # the clock the pull carried (this worker's completed steps)
+    waited_seconds: float = 0.0        # longest a server held the pull for stragglers (SYNC/SSP)
+    staleness: int = 0                 # clock - a server's min_clock, worst server (SYNC/SSP)
+
+
+def version_pairs(v: Versions) -> dict[tuple[str, int], int]:
+    """(table, block) -> version of one reply's ``Versions``."""
+    blocks = v.blocks.tolist() if hasattr(v.blocks, "tolist") else v.blocks
+    versions = v.versions.tolist() if hasattr(v.versions, "tolist") else v.versions
+    return dict(zip(zip(itertools.repeat(v.table), blocks), versions))

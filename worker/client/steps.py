@@ -1,0 +1,201 @@
+"""The client's side of the compiled request path: a push and/or a pull as one Step frame per
+server, every frame sent before any reply is read, the rows going straight from the caller's
+arrays into the frames (or the shared-memory region) and from the replies into the caller's
+outputs.
+
+``StepCalls.run`` makes one attempt; it answers False when the call must go the general
+way (``data.DataPath``'s ``Fanout``): a server that takes no Step frames, or a refusal the
+general path knows how to retry (StaleEpoch, Unavailable, a deadline of one attempt). A
+push keeps its sequence number there, so what some servers applied here is not applied
+twice.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from shardps import kernels
+from shardps.errors import DeadlineExceeded, Unavailable
+from shardps.messages import RANGE, ROWS, PullReply, PushAck, Slice, StepRequest
+from shardps.metrics import WorkerMetrics
+from shardps.shardmap import ShardMapView
+from shardps.worker.client.fanout import RETRYABLE, MapSource, attempt_timeout
+from shardps.worker.client.results import BlockVersions, PullResult, PushResult, version_pairs
+from shardps.worker.routing import Piece, route_parts
+
+if TYPE_CHECKING:
+    from shardps.worker.client.transport import Transport
+
+
+class StepCalls:
+    """Step frames for one job's data calls. Thread-safe (no state between calls but the
+    versions seen at pulls, single-key dict writes). ``versions`` is the data path's (block
+    versions seen at pulls: dense pushes send them as base versions); ``header(view, seq,
+    clock)`` makes a request header; ``float32``: the data path's wire dtype is float32
+    (Step frames carry nothing else)."""
+
+    def __init__(self, job: str, transport: "Transport", maps: MapSource, metrics: WorkerMetrics,
+                 versions: dict[tuple[str, int], int], header, float32: bool = True):
+        self.enabled = float32 and kernels.AVAILABLE          # the frames carry float32
+        self.job = job
+        self.transport = transport
+        self.maps = maps
+        self.metrics = metrics
+        self.versions = versions
+        self.header = header
+
+    def take(self, pieces: list[Piece]) -> bool:
+        """Whether Step frames may carry ``pieces``: float32 on the wire and no export pull
+        (the servers' support is asked per call, in ``run``)."""
+        return self.enabled and not any(p.all_stored for p in pieces)
+
+    def run(self, push: list[Piece] | None, kind: int, pull: list[Piece] | None, outputs: list | None,
+            deadline: float, seq: int = 0, clock: int = 0, pull_clock: int = 0
+            ) -> tuple[PushResult | None, PullResult | None] | None:
+        """One attempt of a push (``push``: its pieces, of ``kind``, sequence ``seq``, step
+        ``clock``) and/or a pull (``pull``, into ``outputs``, step ``pull_clock``): their
+        results, or None when the caller must send it the general way (see the module
+        docstring). Other errors are raised, once every reply was read."""
+        view = self.maps.view()
+        job = self.job
+        pushes = route_parts(view, job, push) if push is not None else {}
+        pulls = route_parts(view, job, pull) if pull is not None else {}
+        header = self.header(view, seq, clock)
+        presult = PushResult(clock=clock) if push is not None else None
+        lresult = PullResult(outputs or [], BlockVersions(), clock=pull_clock) if pull is not None else None
+        begun: list = []
+        declined = False
+        moved = [0] * 6                 # pushed bytes, rows, sparse bytes; pulled bytes, rows, sparse bytes
+        try:
+            for server in sorted(pushes.keys() | pulls.keys()):
+                pp, lp = pushes.get(server), pulls.get(server)
+                push_slices = [self._slice(part, True, view, moved) for part in pp] if pp else None
+                pulled = moved[3]
+                pull_slices = [self._slice(part, False, view, moved) for part in lp] if lp else None
+                reply_bytes = moved[3] - pulled
+                request = StepRequest(header, kind, push_slices, pull_slices, pull_clock)
+                sent = self.transport.step_start(server, view.address(server), request, reply_bytes,
+                                                 attempt_timeout(deadline, reply_bytes))
+                if sent is None:
+                    declined = True
+                    break
+                begun.append((server, sent, lp))
+        except RETRYABLE:
+            declined = True
+        failed: BaseException | None = None
+        for server, sent, lp in begun:
+            try:
+                self.transport.step_finish(sent, _Reply(self, server, lp, presult, lresult))
+            except RETRYABLE + (DeadlineExceeded,):
+                declined = True
+            except BaseException as exc:             # read the other replies first
+                failed = failed or exc
+        if failed is not None:
+            raise failed
+        if declined:
+            return None
+        self.metrics.moved(*moved)
+        return presult, lresult
+
+    def _slice(self, part, pushing: bool, view: ShardMapView, moved: list) -> Slice:
+        """A routed part (``routing.route_parts``) as a client's ``Slice``; its bytes and rows
+        added to ``moved``; a dense push's base versions set."""
+        p, positions, a, z = part
+        k = 0 if pushing else 3
+        if p.dense:
+            moved[k] += 4 * (z - a)
+            if not pushing:
+                return Slice(p.table, RANGE, a, z)
+            return Slice(p.table, RANGE, a, z, values=p.values[a - p.start:z - p.start],
+                         base_versions=base_versions(p, view, self.job, self.versions, a, z) or None)
+        n = z - a
+        rows = 4 * n * view.table(self.job, p.table).spec.dim
+        sparse = rows + 8 * n if pushing else rows
+        moved[k] += sparse
+        moved[k + 1] += n
+        moved[k + 2] += sparse
+        return Slice(p.table, ROWS, ids=p.ids, values=p.values if pushing else None, positions=positions)
+
+    def place(self, server: str, ack: PushAck, reply: PullReply, values: list, lp, presult, lresult) -> None:
+        """Take one server's Step reply: the ack's versions, the pull's values into place."""
+        if presult is not None:
+            for v in ack.versions:
+                presult.versions.add(v)
+            presult.duplicate_blocks += ack.duplicate_blocks
+        if lresult is None or lp is None:
+            return
+        if len(values) != len(lp):
+            raise Unavailable(f"step reply from {server}: {len(values)} pulled segments for {len(lp)} asked")
+        outputs = lresult.values
+        for (p, positions, a, z), got in zip(lp, values):
+            out = outputs[p.item]
+            if p.dense:
+                if got.shape[0] != z - a:
+                    raise Unavailable(f"step reply from {server}: {got.shape[0]} values for a range of {z - a}")
+                lo = p.offset + (a - p.start)
+                out[lo:lo + (z - a)] = got
+                continue
+            n = z - a
+            if got.shape[0] != n * out.shape[1]:
+                raise Unavailable(f"step reply from {server}: {got.shape[0]} values for {n} rows of {out.shape[1]}")
+            rows = got.reshape(n, out.shape[1])
+            where = p.positions if positions is None else p.positions[positions]
+            start = contiguous_start(where)
+            if start is not None:
+                out[start:start + n] = rows
+            else:
+                out[where] = rows
+        lresult.min_clock = max(lresult.min_clock, int(reply.min_clock))
+        lresult.waited_seconds = max(lresult.waited_seconds, reply.waited_seconds)
+        if reply.min_clock or lresult.clock:
+            lresult.staleness = max(lresult.staleness, max(0, lresult.clock - int(reply.min_clock)))
+        dense = {p.table for p, _, _, _ in lp if p.dense}
+        for v in reply.versions:
+            lresult.versions.add(v)
+            if v.table in dense:
+                self.versions.update(version_pairs(v))
+
+
+class _Reply:
+    """``step_finish``'s consumer of one server's reply (``StepCalls.place``)."""
+
+    __slots__ = ("calls", "server", "lp", "presult", "lresult")
+
+    def __init__(self, calls: StepCalls, server: str, lp, presult, lresult):
+        self.calls, self.server, self.lp, self.presult, self.lresult = calls, server, lp, presult, lresult
+
+    def __call__(self, ack: PushAck, reply: PullReply, values: list) -> None:
+        self.calls.place(self.server, ack, reply, values, self.lp, self.presult, self.lresult)
+
+
+def base_versions(p: Piece, view: ShardMapView, job: str, versions: dict[tuple[str, int], int],
+                  start: int | None = None, stop: int | None = None) -> dict[int, int]:
+    """The versions (of ``versions``: (table, block) -> version) at which this worker last
+    pulled the blocks dense piece ``p`` of ``job`` pushes (of its range [start, stop) when
+    given): the servers measure how many updates arrived in between
+    (shardps_push_intervening_updates). Sparse pushes skip it: finding their blocks costs a
+    hash per row."""
+    if not versions:
+        return {}
+    spec = view.table(job, p.table).spec
+    start = p.start if start is None else start
+    stop = p.stop if stop is None else stop
+    out = {}
+    for b in range(start // spec.block_size, (stop - 1) // spec.block_size + 1):
+        v = versions.get((p.table, b))
+        if v is not None:
+            out[b] = v
+    return out
+
+
+def contiguous_start(positions: np.ndarray | None) -> int | None:
+    """The first of ``positions`` when they are consecutive (``k, k + 1, ...``; a piece
+    routed whole), else None."""
+    if positions is None or not positions.shape[0]:
+        return None
+    first = int(positions[0])
+    if int(positions[-1]) - first != positions.shape[0] - 1 or not kernels.strictly_increasing(positions):
+        return None
+    return first
