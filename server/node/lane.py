@@ -70,7 +70,7 @@ class LaneTable:
     ``backed[b]`` whether block ``b`` has backups under the map."""
 
     __slots__ = ("t", "name", "dense", "dim", "owned", "objects", "rows", "finite", "block_size", "num_rows",
-                 "numel", "backed", "optimizer")
+                 "numel", "backed", "any_backed", "optimizer")
 
     def __init__(self, table: BlockTable, t: TableView):
         self.t = t
@@ -94,6 +94,7 @@ class LaneTable:
         self.owned = owned
         self.objects = objects
         self.backed = [len(r) > 1 for r in t.replicas]
+        self.any_backed = any(self.backed)
         rows = None
         if not self.dense and kernels.AVAILABLE and not t.config.lifecycle.enabled:
             rows = table.sparse_rows.get((t.job, t.name))
@@ -213,7 +214,8 @@ class Lane:
                 objects = [e.objects[b] for b in blocks]
                 units.append((e, blocks, objects, ids, values.reshape(-1, e.dim), s))
             nbytes += s.values.nbytes
-            backed = backed or any(e.backed[b] for b in blocks)
+            if e.any_backed and not backed:
+                backed = any(e.backed[b] for b in blocks)
         if rows_total > self.max_rows:
             return None
         if len(units) > 1:
@@ -324,9 +326,12 @@ class Lane:
             out_bytes += 4 * n
         if out_bytes > self.max_response_bytes or rows_total > self.max_rows:
             return None
-        every = [blk for p in plan for blk in p[2]]
-        if len(plan) > 1:
-            every = sorted({id(blk): blk for blk in every}.values(), key=_block_key)
+        if len(plan) > 1:                   # the locks in key order: by table, a table's by block
+            every = [blk for p in sorted(plan, key=_plan_name) for blk in p[2]]
+            if len({p[0].name for p in plan}) < len(plan):     # a table twice: each block locked once
+                every = sorted({id(blk): blk for blk in every}.values(), key=_block_key)
+        else:
+            every = plan[0][2] if plan else []
         in_place = out is not None and out_bytes <= out.shape[0]
         reply = PullReply()
         arrays = []
@@ -396,6 +401,10 @@ def pull_request(step: StepRequest) -> PullRequest:
 
 def _unit_name(unit) -> str:
     return unit[0].name
+
+
+def _plan_name(part) -> str:
+    return part[0].name
 
 
 def _block_key(blk: Any):
