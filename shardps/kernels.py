@@ -338,6 +338,24 @@ def route_rows(ids: np.ndarray, num_blocks: int, primary: np.ndarray, num_server
     return int(missing) if missing >= 0 else (order, starts)
 
 
+@njit(**_JIT)
+def _scatter_rows(out, where, rows):
+    d = rows.shape[1]
+    for i in range(where.shape[0]):
+        k = where[i]
+        for j in range(d):
+            out[k, j] = rows[i, j]
+
+
+def scatter_rows(out: np.ndarray, where: np.ndarray, rows: np.ndarray) -> None:
+    """``out[where] = rows`` for float32 rows ``[n, dim]`` (a pull's reply into the caller's
+    rows) in one compiled pass; ``where`` int64, in bounds."""
+    if AVAILABLE and out.flags.c_contiguous and out.dtype == np.float32 and where.dtype == np.int64:
+        _scatter_rows(out, where, rows)
+    else:
+        out[where] = rows
+
+
 def group_by_key(keys: np.ndarray, num_keys: int) -> list[tuple[int, np.ndarray]]:
     """``shardps.tables.group_by_block`` for keys in [0, num_keys): [(key, positions of
     its rows, ascending)], keys ascending; a counting sort (one pass to count, one to place)
@@ -376,6 +394,8 @@ def warm_up() -> None:
     group_by_key(sparse_block_of(np.arange(4, dtype=np.int64), 4), 4)
     group_by_key(np.zeros(4, np.int32), 4)          # clients group by server index (int32)
     route_rows(np.arange(4, dtype=np.int64), 4, np.zeros(4, np.int32), 1)
+    for rows in (np.zeros((2, 2), np.float32), _read_only(np.zeros((2, 2), np.float32))):   # a reply's rows
+        scatter_rows(np.zeros((4, 2), np.float32), np.arange(2, dtype=np.int64), rows)
     _WARM = True
 
 

@@ -10,6 +10,8 @@ Compiled as ``shardps.kernels`` is (``_JIT``: cached, ``nogil``); callers check
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from shardps.kernels import _JIT, _read_only, njit
@@ -102,6 +104,22 @@ _EMPTY_2D = np.empty((0, 0), dtype=np.float32)
 _EMPTY_STEPS = np.empty(0, dtype=np.int32)
 
 
+@functools.lru_cache(maxsize=1024)
+def _arguments(config) -> tuple:
+    """(kernel, its scalar arguments, the state it reads) of an optimizer config (frozen and
+    hashable: computed once per config, not per push)."""
+    wd = float(config.weight_decay)
+    if config.kind is OptimizerKind.SGD:
+        return _sgd, (float(config.lr), wd, float(config.momentum), float(1.0 - config.dampening),
+                      bool(config.nesterov)), ("momentum_buffer",) if config.momentum else ()
+    if config.kind is OptimizerKind.ADAGRAD:
+        return _adagrad, (float(config.lr), float(config.lr_decay), float(config.effective_eps), wd), ("sum",)
+    if config.kind is OptimizerKind.ADAM:
+        return _adam, (float(config.lr), float(config.beta1), float(config.beta2), float(config.effective_eps),
+                       wd), ("exp_avg", "exp_avg_sq")
+    raise ValueError(f"unknown optimizer kind {config.kind!r}")
+
+
 def apply_rows(config, rows: np.ndarray, state: dict[str, np.ndarray], steps: np.ndarray | None,
                slots: np.ndarray, grad: np.ndarray) -> None:
     """One optimizer step for the rows at ``slots`` of ``rows`` (``[capacity, dim]`` float32,
@@ -109,23 +127,16 @@ def apply_rows(config, rows: np.ndarray, state: dict[str, np.ndarray], steps: np
     counts ``steps``, which it increments). ``slots`` are distinct; ``grad`` is ``[n, dim]``.
     Same results as ``shardps.server.optimizers.apply`` on the gathered rows (to float32
     rounding). Requires ``AVAILABLE``; releases the GIL."""
-    kind = config.kind
-    slots = np.ascontiguousarray(slots, dtype=np.int64)
-    grad = np.ascontiguousarray(grad, dtype=np.float32)
+    kernel, scalars, names = _arguments(config)
+    if slots.dtype != np.int64 or not slots.flags.c_contiguous:
+        slots = np.ascontiguousarray(slots, dtype=np.int64)
+    if grad.dtype != np.float32 or not grad.flags.c_contiguous:
+        grad = np.ascontiguousarray(grad, dtype=np.float32)
     st = _EMPTY_STEPS if steps is None else steps
-    wd = float(config.weight_decay)
-    if kind is OptimizerKind.SGD:
-        buf = state.get("momentum_buffer", _EMPTY_2D) if config.momentum else _EMPTY_2D
-        _sgd(rows, buf, st, slots, grad, float(config.lr), wd, float(config.momentum),
-             float(1.0 - config.dampening), bool(config.nesterov))
-    elif kind is OptimizerKind.ADAGRAD:
-        _adagrad(rows, state["sum"], st, slots, grad, float(config.lr), float(config.lr_decay),
-                 float(config.effective_eps), wd)
-    elif kind is OptimizerKind.ADAM:
-        _adam(rows, state["exp_avg"], state["exp_avg_sq"], st, slots, grad, float(config.lr),
-              float(config.beta1), float(config.beta2), float(config.effective_eps), wd)
+    if kernel is _sgd:
+        kernel(rows, state[names[0]] if names else _EMPTY_2D, st, slots, grad, *scalars)
     else:
-        raise ValueError(f"unknown optimizer kind {kind!r}")
+        kernel(rows, *[state[n] for n in names], st, slots, grad, *scalars)
 
 
 def warm_up() -> None:

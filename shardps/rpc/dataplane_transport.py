@@ -49,6 +49,9 @@ SHM_PREFERRED_BYTES = 4 << 20
 # loopback socket. Measured (rows x 64 float32, pull + push): 128 KB 1.12 ms through the region
 # against 0.99 through the socket, 256 KB 1.04 against 1.26, 512 KB 1.29 against 1.44
 SHARED_BYTES = 256 << 10
+# A Step frame's payload and reply values this large together go through a region: the frame
+# is written in place either way, and the server reads and writes the region in place
+STEP_SHARED_BYTES = 32 << 10
 T = TypeVar("T")
 
 
@@ -195,7 +198,7 @@ class DataPlaneTransport:
         once with what ``step_finish`` (which must follow, on any thread) needs; None where
         the server takes no Step frames (nothing was sent). The payload and the reply's
         values (``reply_bytes``) travel in a shared-memory region where the server maps this
-        process's memory and they are ``SHARED_BYTES`` or more together, else in the frames.
+        process's memory and they are ``STEP_SHARED_BYTES`` or more together, else in the frames.
         Raises as ``push``."""
         plane = self._plane(address, timeout)
         if not plane.step:
@@ -203,7 +206,7 @@ class DataPlaneTransport:
         encoded = step.encode(request)
         nbytes = encoded.payload_bytes
         reply_at = step.pad8(nbytes)
-        region = self._region(plane, address, reply_at + reply_bytes)
+        region = self._region(plane, address, reply_at + reply_bytes, STEP_SHARED_BYTES)
         if region is not None:
             encoded.write(np.frombuffer(region.mm, np.uint8, nbytes))
             head, parts = encoded.header(region.name, 0, reply_at, region.size - reply_at), []
@@ -287,13 +290,13 @@ class DataPlaneTransport:
         self.fallback.close()
 
     # --- internals ---
-    def _region(self, plane: _Plane, address: str, nbytes: int):
+    def _region(self, plane: _Plane, address: str, nbytes: int, threshold: int = SHARED_BYTES):
         """A shared-memory region for ``nbytes`` of bulk bytes to this server, or None (below
         ``SHARED_BYTES``, no such data plane, or another host). A call through it that the
         server answers with ``UnknownRegion`` (restarted at the same address, it knows none of
         this client's regions) is sent again through the socket, and this server's regions are
         proved again before their next use."""
-        if not plane.shared or nbytes < SHARED_BYTES:
+        if not plane.shared or nbytes < threshold:
             return None
         return self.fallback.shared_region(address, nbytes)
 
@@ -325,8 +328,7 @@ class DataPlaneTransport:
 
     def _plane(self, address: str, timeout: float) -> _Plane:
         """The data plane of the server at gRPC ``address`` (address "" where it has none)."""
-        with self._lock:
-            known = self._planes.get(address)
+        known = self._planes.get(address)        # a dict read: atomic
         if known is not None:
             return known
         try:

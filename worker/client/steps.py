@@ -146,7 +146,7 @@ class StepCalls:
             if start is not None:
                 out[start:start + n] = rows
             else:
-                out[where] = rows
+                kernels.scatter_rows(out, where, rows)
         lresult.min_clock = max(lresult.min_clock, int(reply.min_clock))
         lresult.waited_seconds = max(lresult.waited_seconds, reply.waited_seconds)
         if reply.min_clock or lresult.clock:
