@@ -66,8 +66,8 @@ def test_bulk_rows_on_one_host_go_through_shared_memory(cluster, client_factory,
     used = []
     region_for = dataplane_transport.DataPlaneTransport._region
 
-    def spy(self, plane, address, nbytes):
-        region = region_for(self, plane, address, nbytes)
+    def spy(self, plane, address, nbytes, *threshold):
+        region = region_for(self, plane, address, nbytes, *threshold)
         used.append(region is not None)
         return region
     monkeypatch.setattr(dataplane_transport.DataPlaneTransport, "_region", spy)

@@ -224,3 +224,27 @@ def test_a_payload_too_short_for_its_segments_is_refused():
     got, _, layout = step.read_request(encoded.header())
     with pytest.raises(InvalidArgument, match="do not fit"):
         step.bind(got, layout, memoryview(bytes(40)))
+
+
+def test_a_dense_table_in_several_runs_of_blocks_is_served_in_one_step(monkeypatch):
+    """A dense table whose blocks alternate between servers reaches a server as several
+    ranges of one table (``routing.route_parts``): the lane serves them together, in key
+    order; two ranges that share a block go to the general path, which adds them."""
+    v = T(dense_table("v", (24,), block_size=8), [["s0"], ["s1"], ["s0"]], TableConfig(optimizer=sgd(1.0)))
+    node, general = ServerNode("s0"), ServerNode("s0")
+    for n in (node, general):
+        n.install_map(shard_map(1, [v], [G(["w0"])]))
+    general.lane.push = lambda *a: None                    # type: ignore[method-assign]
+    served = _served(monkeypatch, node)
+    header = Header(JOB, epoch=1, session="w0", incarnation=1, sequence=1, acked_below=1)
+    ranges = [Slice("v", RANGE, 16, 24, values=np.full(8, 2.0, np.float32)),
+              Slice("v", RANGE, 0, 8, values=np.full(8, 1.0, np.float32))]
+    for n in (node, general):
+        n.step(_frame(StepRequest(header, GRADIENT, ranges, None)))
+    assert served == ["push"] and _state(node) == _state(general)
+    overlapping = [Slice("v", RANGE, 0, 4, values=np.ones(4, np.float32)),
+                   Slice("v", RANGE, 2, 8, values=np.ones(6, np.float32))]
+    header = Header(JOB, epoch=1, session="w0", incarnation=1, sequence=2, acked_below=2)
+    for n in (node, general):
+        n.step(_frame(StepRequest(header, GRADIENT, overlapping, None)))
+    assert served == ["push"] and _state(node) == _state(general)

@@ -219,9 +219,10 @@ class Lane:
         if rows_total > self.max_rows:
             return None
         if len(units) > 1:
-            units.sort(key=_unit_name)
-            if len({u[0].name for u in units}) < len(units):
-                return None             # a table named twice: the general path sums them
+            units.sort(key=_unit_order)             # the blocks in key order
+            if len({(u[0].name, b) for u in units for b in u[1]}) < sum(len(u[1]) for u in units) or \
+                    len({u[0].name for u in units if u[3] is not None}) < sum(u[3] is not None for u in units):
+                return None             # a block or a sparse table twice: the general path sums them
         writer = Writer(header.session, header.incarnation, header.sequence, header.acked_below)
         if backed:
             ack = self._forwarded(units, generation, writer)
@@ -399,8 +400,10 @@ def pull_request(step: StepRequest) -> PullRequest:
     return PullRequest(header, segments, b"".join(s.ids.tobytes() for s in step.pull or () if s.selector is ROWS))
 
 
-def _unit_name(unit) -> str:
-    return unit[0].name
+def _unit_order(unit) -> tuple[str, int]:
+    """A push unit's place in key order: its table, then its first block (a dense table's
+    ranges to one server are runs of blocks)."""
+    return unit[0].name, unit[1][0] if len(unit[1]) else 0
 
 
 def _plan_name(part) -> str:

@@ -23,6 +23,9 @@ from shardps.server.node.node import ServerNode
 SERVICE = "shardps.v1.ParameterServer"
 _RULE = authz.TABLE[SERVICE]["Step"]
 MAX_REGIONS = 8         # shared-memory regions a connection keeps mapped
+# a pull's reply values of this size go into a buffer its connection keeps (a new array of
+# many MiB costs a page fault per 4 KiB each time); up to MAX_SCRATCH
+MIN_SCRATCH, MAX_SCRATCH = 1 << 20, 256 << 20
 
 
 class StepService:
@@ -51,9 +54,10 @@ class StepService:
                 names.check(names.JOB, job, "header.job")
                 state["job"] = (job, principal)
             check_job(principal, job)
-            out = None
             if region is not None:
                 payload, out = self._region(region, job, payload, state)
+            else:                       # the reply's values in a buffer the connection keeps
+                out = state.get("scratch")
             limit = self.node.limits.max_request_bytes
             if len(payload) > limit:
                 raise ResourceExhausted(f"Step: {len(payload)} bytes; the limit max_request_bytes is {limit}: "
@@ -64,8 +68,16 @@ class StepService:
                     reply = self.node.step(request, deadline, out)
             else:
                 reply = self.node.step(request, deadline, out)
-            shared = reply.pull is not None and reply.pull.in_shared_memory
-            return step.reply(reply, request, shared), reply.values
+            pulled = reply.pull
+            if pulled is None:
+                return step.reply(reply, request, False), ()
+            if region is None:
+                if pulled.in_shared_memory:         # written into the scratch buffer: sent from there
+                    pulled.in_shared_memory = False
+                    return step.reply(reply, request, False), [out[:pulled.payload_bytes]]   # type: ignore[index]
+                if MIN_SCRATCH <= pulled.payload_bytes <= MAX_SCRATCH:
+                    state["scratch"] = np.empty(pulled.payload_bytes, np.uint8)     # for the next ones
+            return step.reply(reply, request, pulled.in_shared_memory), reply.values
         except ShardpsError as exc:
             code = grpc_code(exc).name
             self.refused(exc)
