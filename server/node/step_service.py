@@ -74,7 +74,7 @@ class StepService:
             if region is None:
                 if pulled.in_shared_memory:         # written into the scratch buffer: sent from there
                     pulled.in_shared_memory = False
-                    return step.reply(reply, request, False), [out[:pulled.payload_bytes]]   # type: ignore[index]
+                    return step.reply(reply, request, False), [out[:pulled.payload_bytes]]
                 if MIN_SCRATCH <= pulled.payload_bytes <= MAX_SCRATCH:
                     state["scratch"] = np.empty(pulled.payload_bytes, np.uint8)     # for the next ones
             return step.reply(reply, request, pulled.in_shared_memory), reply.values
