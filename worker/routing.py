@@ -99,16 +99,7 @@ def _route_sparse(t: TableView, p: Piece):
         yield t.whole_on, p            # the table on one server (a small one's default): whole
         return
     if kernels.AVAILABLE:
-        got = kernels.route_rows(p.ids, t.spec.num_blocks, t.primary, len(t.server_index))
-        if isinstance(got, int):
-            raise _no_replica(t, got)
-        order, starts = got
-        bounds = starts.tolist()
-        for server in range(len(bounds) - 1):
-            a, z = bounds[server], bounds[server + 1]
-            if a == z:
-                continue
-            pos = order[a:z]
+        for server, pos in _rows_by_server(t, p.ids):
             sub = Piece(p.item, p.table, False, ids=p.ids[pos], positions=p.positions[pos])
             if p.values is not None:
                 sub.values = p.values[pos]
@@ -150,16 +141,20 @@ def route_parts(view: ShardMapView, job: str, pieces: list[Piece]) -> dict[str, 
         if t.whole_on >= 0:                 # the table on one server (a small one's default): whole
             out.setdefault(names[t.whole_on], []).append((p, None, 0, n))
             continue
-        got = kernels.route_rows(p.ids, t.spec.num_blocks, t.primary, len(t.server_index))
-        if isinstance(got, int):
-            raise _no_replica(t, got)
-        order, starts = got
-        bounds = starts.tolist()
-        for server in range(len(bounds) - 1):
-            a, z = bounds[server], bounds[server + 1]
-            if a < z:
-                out.setdefault(names[server], []).append((p, order[a:z], 0, z - a))
+        for server, pos in _rows_by_server(t, p.ids):
+            out.setdefault(names[server], []).append((p, pos, 0, pos.shape[0]))
     return out
+
+
+def _rows_by_server(t: TableView, ids: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """(server index, positions of its ids, ascending) of every server some of ``ids`` go
+    to, by their blocks' primaries (one compiled pass; numba only)."""
+    got = kernels.route_rows(ids, t.spec.num_blocks, t.primary, len(t.server_index))
+    if isinstance(got, int):
+        raise _no_replica(t, got)
+    order, starts = got
+    bounds = starts.tolist()
+    return [(server, order[a:z]) for server, (a, z) in enumerate(zip(bounds, bounds[1:])) if a < z]
 
 
 def live_servers(view: ShardMapView) -> list[str]:

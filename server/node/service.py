@@ -195,9 +195,9 @@ class ParameterServerService:
         metrics with ``grpc_type="dataplane"``, so dashboards see every data call."""
         started = time.perf_counter()
         code = "OK"
+        if method == "Step":                # counted by StepService.frame
+            return self._step(header, payload, call)
         try:
-            if method == "Step":
-                return self._step(header, payload, call)
             return self._data_plane(method, header, payload, call)
         except ShardpsError as exc:
             code = grpc_code(exc).name

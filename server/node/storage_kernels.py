@@ -1,19 +1,20 @@
 """Compiled loops of ``storage.SparseRows`` over a direct id -> slot index (bounded tables):
 one pass per request instead of a handful of numpy passes and fancy-indexed temporaries.
 
-* ``gather``: the stored rows of ``ids`` into ``out`` (one copy per row, straight into the
-  reply), and the positions of the ids that have no row (their initial values are filled by
-  the caller);
-* ``scan``: a request's ids checked against the table's bounds, their blocks, and whether
-  they are unique (ascending in one pass; in any other order also checked in a hash set);
-* ``assign``: the slot of every id, storing the missing ones (a free slot first, else the next
-  unused one) and counting them per block; the positions of the new ones are returned so the
-  caller can write their initial values and optimizer state;
+* ``_gather_init``: the stored rows of ``ids`` into ``out`` (one copy per row, straight into
+  the reply), the others at their initial values (kept in the cache of initial values);
+* ``scan`` and ``admit_rows``: a request's ids checked against the table's bounds, their
+  blocks (and, ``admit_rows``, that this node serves them under the request's epoch), and
+  whether they are unique (ascending in one pass; in any other order also checked in a hash
+  set); ``finite``: a push's values, NaN and infinities refused;
+* ``_assign_init``: the slot of every id, storing the missing ones (a free slot first, else
+  the next unused one) at their initial values (from the cache where a read computed them)
+  with their optimizer state, counted per block;
 * ``sum_rows``: the rows of repeated ids summed (a SYNC step's gradients from every worker),
   each id's rows added in the order given, so any split of the same rows into blocks sums
   them alike (a primary applies a table's blocks at once, a backup block by block).
 
-Both release the GIL. Compiled with numba as ``shardps.kernels`` is (``_JIT``: cached,
+They release the GIL. Compiled with numba as ``shardps.kernels`` is (``_JIT``: cached,
 ``nogil``, numpy's error model); callers check ``kernels.AVAILABLE`` and keep their numpy
 code for machines without numba.
 """
@@ -36,51 +37,6 @@ from shardps.kernels import (
 from shardps.kernels import _read_only as kernels_read_only
 from shardps.tables import TableSpec
 from shardps.tables import check_ids as _tables_check_ids
-
-
-@njit(**_JIT)
-def _gather(slot_of, rows, ids, out, missing):
-    """Rows of ``ids`` into ``out``; positions without a row into ``missing``. Returns how
-    many are missing."""
-    n, d = out.shape
-    m = 0
-    for i in range(n):
-        s = slot_of[ids[i]]
-        if s < 0:
-            missing[m] = i
-            m += 1
-            continue
-        for j in range(d):
-            out[i, j] = rows[s, j]
-    return m
-
-
-@njit(**_JIT)
-def _assign(slot_of, ids, free, used, num_blocks, block_counts, slots, new_pos):
-    """Slots of ``ids`` (unique) into ``slots``, storing missing ids (``free`` slots first, in
-    order, then ``used``, ``used + 1``, ...). Returns (new ids, free slots taken, used). The
-    caller's arrays hold every slot this may take (``used`` plus the ids beyond ``free``)."""
-    n = ids.shape[0]
-    n_free = free.shape[0]
-    m = 0
-    taken = 0
-    nb = np.uint64(num_blocks)
-    for i in range(n):
-        x = ids[i]
-        s = slot_of[x]
-        if s < 0:
-            if taken < n_free:
-                s = free[taken]
-                taken += 1
-            else:
-                s = used
-                used += 1
-            slot_of[x] = s
-            block_counts[np.int64(_splitmix64(np.uint64(x)) % nb)] += 1
-            new_pos[m] = i
-            m += 1
-        slots[i] = s
-    return m, taken, used
 
 
 @njit(**_JIT)
@@ -334,24 +290,6 @@ def finite(values: np.ndarray) -> bool:
     return bool(_finite(values.reshape(-1).view(np.uint32)))
 
 
-def gather(slot_of: np.ndarray, rows: np.ndarray, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """Positions (int64) of the ``ids`` without a stored row; the others' rows are in ``out``."""
-    missing = np.empty(ids.shape[0], dtype=np.int64)
-    m = _gather(slot_of, rows, ids, out, missing)
-    return missing[:m]
-
-
-def assign(slot_of: np.ndarray, ids: np.ndarray, free: np.ndarray, used: int,
-           block_counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, int]:
-    """(slots, positions of the new ids, free slots taken from the front of ``free``, used)
-    after storing the missing ``ids`` (unique). The caller's row arrays must hold
-    ``used + max(0, len(ids) - len(free))`` slots."""
-    slots = np.empty(ids.shape[0], dtype=np.int64)
-    new_pos = np.empty(ids.shape[0], dtype=np.int64)
-    m, taken, used = _assign(slot_of, ids, free, used, block_counts.shape[0], block_counts, slots, new_pos)
-    return slots, new_pos[:m], taken, used
-
-
 def warm_up() -> None:
     """Compile (or load from the cache) with the argument types SparseRows uses: ids as
     arrays of their own and as read-only views of a received frame (numba types them apart)."""
@@ -360,8 +298,6 @@ def warm_up() -> None:
     for ids in (np.arange(2, dtype=np.int64), read_only):
         slot_of = np.full(4, -1, dtype=np.int32)
         rows = np.zeros((4, 2), np.float32)
-        gather(slot_of, rows, ids, np.empty((2, 2), np.float32))
-        assign(slot_of, ids, np.empty(0, np.int64), 0, np.zeros(2, np.int64))
         scan(ids, 4, 2)
         sum_rows(ids, np.zeros((2, 2), np.float32))
         _inside(ids, 4)
