@@ -1,15 +1,19 @@
-"""``python -m shardps.bench.server_cpu``: a server's CPU per pull + push of a ctr-like
+"""``python -m shardps.bench.server_cpu``: a server's CPU per push + pull of a ctr-like
 request, on one ``ServerNode`` in this process (no transport, no other process): what the
 node's Python and kernels cost, apart from the network and the machine's other tenants.
 
-Each round pulls a batch of rows of a 1,000,000-row sparse table (dim 16, Adam, a normal
-initializer, as the ctr model's), then pushes their gradients, as a worker's step does; most
-rows are new (random ids), so their initial values are computed. Printed: CPU milliseconds
-per round (``time.thread_time``), median of ``--repeats`` runs, for
+Each round pushes the gradients of a batch of rows of a 1,000,000-row sparse table (dim 16,
+Adam, a normal initializer, as the ctr model's) pulled in the round before, and pulls the
+next batch, as a worker's step does; most rows are new (random ids), so their initial values
+are computed. Printed: CPU milliseconds per round (``time.thread_time``), median of
+``--repeats`` runs, for
 
-* ``compiled``: the server as it is (compiled initial values, the recent-inits cache);
-* ``no-cache``: without the cache of initial values a read computed (``storage._RecentInits``);
-* ``numpy-init``: also with numpy's initial values (``shardps.tables.initial_values``).
+* ``compiled``: the server as it is: each round one Step (push, then pull) served by the
+  node's compiled request path (``server/node/lane.py``);
+* ``no-cache``: the same without the cache of initial values a read computed, for the push
+  that stores those rows (``storage.InitCache``);
+* ``general``: the round as a pull and a push through the node's general path (what a
+  request the compiled path declines costs).
 
     python -m shardps.bench.server_cpu                     # 3,300 rows per round, 32 blocks
     python -m shardps.bench.server_cpu --rows 6500 --blocks 64
@@ -31,14 +35,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from contextlib import contextmanager
 
 import numpy as np
 
 from shardps import kernels
 from shardps import tables as tables_
 from shardps.convert import config_to_proto, spec_to_proto
-from shardps.messages import GRADIENT, ROWS, Header, PullRequest, PushRequest, Selection
+from shardps.messages import GRADIENT, ROWS, Header, PullRequest, PushRequest, Selection, Slice, StepRequest
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.server.node import ServerNode, storage
 
@@ -94,48 +97,49 @@ def _segments(names: list[str], ids: list[np.ndarray]) -> list[Selection]:
     return [Selection(name, ROWS, count=i.shape[0]) for name, i in zip(names, ids)]
 
 
-@contextmanager
-def _variant(name: str):
-    """Switch the parts a variant leaves out, and back."""
-    init, recent = kernels.initial_values, storage.SparseRows.__init__
+def _without_cache(node: ServerNode) -> None:
+    """Leave out the cache of initial values on every table of ``node``."""
+    for entry in node.table.sparse_rows.values():
+        entry.cache = storage.InitCache.none(entry.dim)
 
-    def without_cache(self, spec):
-        recent(self, spec)
-        self.recent = None
 
-    if name in ("no-cache", "numpy-init"):
-        storage.SparseRows.__init__ = without_cache          # type: ignore[method-assign]
-    if name == "numpy-init":
-        kernels.initial_values = tables_.initial_values
-    try:
-        yield
-    finally:
-        kernels.initial_values, storage.SparseRows.__init__ = init, recent   # type: ignore[method-assign]
+def _slices(names: list[str], ids: list[np.ndarray], grads: list[np.ndarray] | None) -> list[Slice]:
+    """A Step's slices as the node receives them (a push's values flat)."""
+    return [Slice(name, "rows", ids=i, values=None if grads is None else g.reshape(-1))
+            for name, i, g in zip(names, ids, grads or ids)]
 
 
 def measure(variant: str, rows: int, blocks: int, batch: int, rounds: int, seed: int = 0, tables: int = 1,
             dim: int = 16, replication: int = 1) -> float:
-    """CPU milliseconds per pull + push round of ``batch`` random ids of each of ``tables``
+    """CPU milliseconds per push + pull round of ``batch`` random ids of each of ``tables``
     tables under ``variant``."""
     rng = np.random.default_rng(seed)
     names = _names(tables)
-    with _variant(variant):
-        node = _node(rows, dim, blocks, tables, replication)
-        header = Header(JOB, epoch=1, session="w0", incarnation=1)
-        work = []
-        for _ in range(rounds + 5):
-            ids = [np.unique(rng.integers(0, rows, batch)).astype("<i8") for _ in names]
-            grads = [rng.standard_normal((i.shape[0], dim)).astype("<f4") for i in ids]
-            work.append((_segments(names, ids), b"".join(i.tobytes() for i in ids),
-                         b"".join(i.tobytes() + g.tobytes() for i, g in zip(ids, grads))))
-        spent = 0.0
-        for i, (segments, id_bytes, push_bytes) in enumerate(work):
-            t0 = time.thread_time()
-            node.pull(PullRequest(Header(JOB, epoch=1), segments, id_bytes))
-            header.sequence = header.acked_below = i + 1     # the earlier pushes were acknowledged
-            node.push(PushRequest(header, GRADIENT, segments, push_bytes))
-            if i >= 5:                                         # the first rounds warm up
-                spent += time.thread_time() - t0
+    node = _node(rows, dim, blocks, tables, replication)
+    if variant == "no-cache":
+        _without_cache(node)
+    header = Header(JOB, epoch=1, session="w0", incarnation=1)
+    work = []
+    for _ in range(rounds + 6):
+        ids = [np.unique(rng.integers(0, rows, batch)).astype("<i8") for _ in names]
+        work.append((ids, [rng.standard_normal((i.shape[0], dim)).astype("<f4") for i in ids]))
+    spent = 0.0
+    for i in range(1, len(work)):                 # push the last round's rows, pull this round's
+        (pushed, grads), (pulled, _) = work[i - 1], work[i]
+        header.sequence = i
+        header.acked_below = i - 1                # the earlier pushes were acknowledged
+        t0 = time.thread_time()
+        if variant == "general":
+            segments = _segments(names, pushed)
+            node.push(PushRequest(header, GRADIENT, segments,
+                                  b"".join(x.tobytes() + g.tobytes() for x, g in zip(pushed, grads))))
+            node.pull(PullRequest(Header(JOB, epoch=1), _segments(names, pulled),
+                                  b"".join(x.tobytes() for x in pulled)))
+        else:
+            node.step(StepRequest(header, GRADIENT, push=_slices(names, pushed, grads),
+                                  pull=_slices(names, pulled, None)))
+        if i > 5:                                 # the first rounds warm up
+            spent += time.thread_time() - t0
     return spent / rounds * 1e3
 
 
@@ -153,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="2: a second node in this process backs up every block (its CPU counted)")
     args = p.parse_args(argv)
     kernels.warm_up()
-    variants = ("compiled", "no-cache", "numpy-init")
+    variants = ("compiled", "no-cache", "general")
     got: dict[str, list[float]] = {v: [] for v in variants}
     for r in range(args.repeats):
         for v in variants:
@@ -164,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         ms = statistics.median(got[v])
         what = (f"~{args.rows:,} rows" + (f" of each of {args.tables} tables" if args.tables > 1 else "")
                 + (", primary and backup" if args.replication > 1 else ""))
-        print(f"{v:<11} {ms:6.2f} ms CPU per pull + push of {what} ({ms / base:.2f} x compiled)")
+        print(f"{v:<11} {ms:6.2f} ms CPU per push + pull of {what} ({ms / base:.2f} x compiled)")
     return 0
 
 
