@@ -396,7 +396,8 @@ class WorkerMetrics:
                                         "Training throughput over the last steps.", ("training_job",), registry=r)
         self.loss = Gauge("shardps_worker_loss", "Training loss of the last step.", ("training_job",), registry=r)
         self.step_seconds = Histogram("shardps_worker_step_phase_seconds",
-                                      "Time per step, by phase: compute, pull_wait, push_wait, barrier_wait.",
+                                      "Time per step, by phase: compute, local_optimizer, pull_wait, push_wait, "
+                                      "barrier_wait.",
                                       ("training_job", "phase"), buckets=LATENCY_BUCKETS, registry=r)
         self.staleness = Histogram("shardps_worker_staleness_steps",
                                    "Staleness the servers reported at this worker's pulls.",

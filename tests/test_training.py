@@ -76,15 +76,21 @@ def test_batchnorm_statistics_stay_local(make_cluster, client_factory):
     assert "1.running_mean" not in models[0].dense
 
 
-def test_parameters_listed_local_stay_on_the_worker(make_cluster, client_factory):
+def _with_a_local_layer(make_cluster, client_factory, job: str, local_optimizer):
+    """A two-layer model whose second layer stays on the worker (``local_optimizer(params)``
+    steps it), its first on one server: (client, model, PSModel)."""
     cluster = make_cluster(1)
-    c = client_factory(cluster.address, job="loc")
+    c = client_factory(cluster.address, job=job)
     c.create_job()
     c.join(heartbeat=False)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
-    local_opt = torch.optim.SGD(model[1].parameters(), lr=0.1)
-    m = PSModel(model, c, optimizer=sgd(0.1), local=["1"], local_optimizer=local_opt)
+    m = PSModel(model, c, optimizer=sgd(0.1), local=["1"], local_optimizer=local_optimizer(model[1].parameters()))
     m.create_tables()
+    return c, model, m
+
+
+def test_parameters_listed_local_stay_on_the_worker(make_cluster, client_factory):
+    c, model, m = _with_a_local_layer(make_cluster, client_factory, "loc", lambda p: torch.optim.SGD(p, lr=0.1))
     assert set(m.dense) == {"0.weight", "0.bias"}
     assert {t.name for t in c.tables()} == {"0.weight", "0.bias"}
     before = model[1].weight.detach().clone()
@@ -92,6 +98,28 @@ def test_parameters_listed_local_stay_on_the_worker(make_cluster, client_factory
     model(torch.ones(2, 4)).sum().backward()
     m.push()
     assert not torch.equal(before, model[1].weight), "the local optimizer did not step"
+
+
+class _SlowSGD(torch.optim.SGD):
+    """SGD whose step takes ``delay`` seconds: compute of the worker's own."""
+
+    def __init__(self, params, delay: float):
+        super().__init__(params, lr=0.1)
+        self.delay = delay
+
+    def step(self, closure=None):
+        time.sleep(self.delay)
+        return super().step(closure)
+
+
+def test_the_local_optimizers_step_is_compute_not_push_wait(make_cluster, client_factory):
+    _, model, m = _with_a_local_layer(make_cluster, client_factory, "locwait", lambda p: _SlowSGD(p, delay=0.2))
+    for _ in range(2):
+        m.pull()
+        model(torch.ones(2, 4)).sum().backward()
+        m.push()
+    assert m.timings["local_optimizer"] >= 0.4
+    assert m.timings["push_wait"] < 0.2, m.timings      # two pushes to one in-process server
 
 
 def _start_cluster_with_workers(tmp_path, n_workers, extra):

@@ -201,6 +201,7 @@ def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=Fals
                     metrics.step_seconds.labels(job, "barrier_wait").observe(time.perf_counter() - tb)
             pull0 = ps_model.timings["pull_wait"]
             barrier0 = ps_model.timings["barrier_wait"]
+            stepped0 = ps_model.timings["local_optimizer"]
             ps_model.pull()
             max_stale = max(max_stale, client.last_staleness)
             t1 = time.perf_counter()
@@ -242,7 +243,9 @@ def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=Fals
                 metrics.step_seconds.labels(job, "barrier_wait").observe(
                     ps_model.timings["barrier_wait"] - barrier0)
                 metrics.step_seconds.labels(job, "compute").observe(t2 - t1)
-                metrics.step_seconds.labels(job, "push_wait").observe(t3 - t2)
+                stepped = ps_model.timings["local_optimizer"] - stepped0
+                metrics.step_seconds.labels(job, "local_optimizer").observe(stepped)
+                metrics.step_seconds.labels(job, "push_wait").observe(t3 - t2 - stepped)
                 metrics.staleness.labels(job).observe(client.last_staleness)
             if bar is not None:
                 bar.update(1)

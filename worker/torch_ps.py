@@ -111,7 +111,8 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         # with overlap: (the step it is for, the exchange carrying that step's pull, the
         # (embedding, ids) whose rows it carries), oldest first
         self._prefetch: collections.deque[tuple[int, futures.Future, list]] = collections.deque()
-        self.timings = {"pull_wait": 0.0, "push_wait": 0.0, "barrier_wait": 0.0}
+        # seconds in pull and push, waiting for stragglers, stepping the local optimizer
+        self.timings = {"pull_wait": 0.0, "push_wait": 0.0, "barrier_wait": 0.0, "local_optimizer": 0.0}
         self._base_lr: dict[str, float] = {}
         # the plain loop's lookups, learned from one forward, fetched with the next pull
         self.lookups = LookupPlanner()
@@ -288,9 +289,8 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
                 prefetch = (self.step + self.lookahead, future, wanted)
         if future is None and self._held is None:
             future = self.client.push_many_async(requests, clock=self.step, report_step=self.report_steps)
-        if self.local_optimizer is not None:
-            self.local_optimizer.step()
-            self.local_optimizer.zero_grad(set_to_none=True)
+        stepped = _step_local(self.local_optimizer)     # compute: not counted as push_wait
+        self.timings["local_optimizer"] += stepped
         for p in self.dense.values():
             p.grad = None
         self.step += 1
@@ -302,7 +302,7 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
                 self._prefetch.append(prefetch)
         elif future is not None:
             result = future.result()
-        self.timings["push_wait"] += time.perf_counter() - started
+        self.timings["push_wait"] += time.perf_counter() - started - stepped
         return result
 
     def _cache_arrived(self) -> None:
@@ -363,6 +363,15 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         self.flush()
         self._prefetch.clear()
         self._pull_now()
+
+
+def _step_local(optimizer: torch.optim.Optimizer | None) -> float:
+    """Step and zero the worker's own optimizer (of the parameters kept local); its seconds."""
+    started = time.perf_counter()
+    if optimizer is not None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return time.perf_counter() - started
 
 
 def _under(name: str, prefixes: Sequence[str]) -> bool:

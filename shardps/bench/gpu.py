@@ -19,12 +19,14 @@ At each per-process batch size B of ``gpu_batches``, on ``gpu_train_samples`` sa
 Keys: ``gpu_{system}_b{B}_samples_per_s`` (aggregate, as in ``e2e``: all samples over the
 slowest worker's loop time), ``gpu_{system}_b{B}_auc``, ``gpu_ps_w{W}_b{B}_over_single``,
 ``gpu_ps_w{W}_b{B}_auc_minus_single``, and the split of the workers' loop time,
-``gpu_ps_w{W}_b{B}_share_{compute,pull_wait,push_wait,barrier_wait}``: ``compute`` is the
-step's forward and backward including the GPU's work (the loop waits for the GPU before it
-pushes), the waits are time the loop spends on the servers while the GPU has nothing queued;
-``..._share_wait`` is their sum. ``..._share_copies``: the loop's own time on copies between
-host and GPU (staging pulled values into pinned buffers, waiting for the gradients' copies),
-a part of ``compute`` and ``push_wait``.
+``gpu_ps_w{W}_b{B}_share_{compute,local_optimizer,pull_wait,push_wait,barrier_wait}``:
+``compute`` is the step's forward and backward including the GPU's work (the loop waits for
+the GPU before it pushes), ``local_optimizer`` the step of the parameters kept on the worker
+(inside ``push``, not counted in its wait), the waits are time the loop spends on the
+servers while the GPU has nothing queued; ``..._share_wait`` is their sum.
+``..._share_copies``: the loop's own time on copies between host and GPU (staging pulled
+values into pinned buffers, waiting for the gradients' copies), a part of ``compute`` and
+``push_wait``.
 """
 
 from __future__ import annotations

@@ -83,5 +83,5 @@ def summarize(results: list[dict]) -> dict:
             "steps": steps,
             "samples": samples,
             "wall_seconds": wall,
-            # share of the workers' loop time in each phase (pull_wait, push_wait, compute)
+            # share of the workers' loop time in each phase (pull_wait, push_wait, compute, local_optimizer)
             **{f"share_{k}": v / max(1e-9, sum(r["wall_seconds"] for r in results)) for k, v in timings.items()}}

@@ -13,7 +13,8 @@ REQUIRED_KEYS = (
     "e2e_ddp_samples_per_s", "e2e_ddp_sparse_samples_per_s", "e2e_single_samples_per_s", "e2e_ps_async_auc",
     "e2e_ddp_auc", "e2e_ddp_sparse_auc", "server_bytes_per_param_sgd", "server_bytes_per_param_adam",
     "server_bytes_per_sparse_row_sgd16", "worker_rss_growth_mb_ps", "worker_rss_growth_mb_ddp",
-    "e2e_ps_async_share_compute", "e2e_ps_async_share_pull_wait", "e2e_ps_async_share_push_wait",
+    "e2e_ps_async_share_compute", "e2e_ps_async_share_local_optimizer", "e2e_ps_async_share_pull_wait",
+    "e2e_ps_async_share_push_wait",
     "e2e_ps_async_server_share_decode", "e2e_ps_async_server_share_lookup",
     "e2e_ps_async_server_share_optimizer", "e2e_ps_async_server_share_encode", "e2e_ps_async_server_share_idle",
     "control_map_bytes_full", "control_map_bytes_delta",
@@ -251,7 +252,8 @@ def markdown_results(results: dict, meta: dict) -> str:
             f"{f('e2e_many_tables_single_samples_per_s', 1)}."]
     out += ["", f"Training samples: {f('e2e_train_samples')} (dense DDP: {f('e2e_ddp_train_samples')}). shardps "
             f"async workers' loop time: pull wait {f('e2e_ps_async_share_pull_wait')}, compute "
-            f"{f('e2e_ps_async_share_compute')}, push wait {f('e2e_ps_async_share_push_wait')}; the servers' "
+            f"{f('e2e_ps_async_share_compute')}, local optimizer {f('e2e_ps_async_share_local_optimizer')}, push wait "
+            f"{f('e2e_ps_async_share_push_wait')}; the servers' "
             f"time: decode {f('e2e_ps_async_server_share_decode')}, lookup {f('e2e_ps_async_server_share_lookup')}, "
             f"optimizer {f('e2e_ps_async_server_share_optimizer')}, encode {f('e2e_ps_async_server_share_encode')}, "
             f"idle {f('e2e_ps_async_server_share_idle')}.", "",
