@@ -237,7 +237,7 @@ class _FlakyTransport:
     def exchange_finish(self, started, consume):
         raise AssertionError("no exchange started")
 
-    def step_start(self, server, address, request, reply_bytes, timeout):
+    def step_start(self, server, address, request, reply_bytes, timeout, into=None):
         return None
 
     def step_finish(self, started, consume):

@@ -431,3 +431,22 @@ def test_a_started_request_holds_its_connection_until_finished(server):
         assert conn.call(ECHO, b"after", [], timeout=10)[0] == b"after"
     finally:
         conn.close()
+
+
+@pytest.mark.parametrize("size", [3, 200 << 10, 3 << 20], ids=["3B", "200KiB", "3MiB"])
+def test_a_reply_payload_is_received_where_the_caller_asks(server, size):
+    """``reply_into`` of the payload's length receives it there (the bytes read with the
+    header copied first); of another length, the reply arrives as usual."""
+    data = np.random.default_rng(1).integers(0, 255, size, dtype=np.uint8)
+    with DataPlaneConnection(server.address) as conn:
+        for _ in range(2):
+            dest = np.zeros(size, np.uint8)
+            header, payload = conn.finish(conn.start(ECHO, b"head" * 100, [data], timeout=10,
+                                                     reply_into=memoryview(dest)))
+            assert header == b"head" * 100
+            np.testing.assert_array_equal(dest, data)
+            assert np.frombuffer(payload, np.uint8).__array_interface__["data"][0] == dest.ctypes.data
+        assert len(conn._receiver.buf) == frames.INITIAL_BUFFER_BYTES      # not grown to the payload
+        other = np.zeros(size + 1, np.uint8)
+        _, payload = conn.finish(conn.start(ECHO, b"h", [data], timeout=10, reply_into=memoryview(other)))
+        assert bytes(payload) == data.tobytes() and not other.any()

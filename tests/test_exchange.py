@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from shardps.tables import sgd
+from shardps.worker.client import steps
 
 SERVICE = "shardps.v1.ParameterServer"
 
@@ -165,3 +166,36 @@ def test_split_phase_sends_every_request_before_reading_any_reply_and_keeps_the_
     assert out[0] == (True, "A") and out[4] == (True, "Z") and out[2] == (True, "no-split separately")
     assert not out[1][0] and "b-fails is down" in str(out[1][1])
     assert not out[3][0] and "e-fails broke" in str(out[3][1])
+
+
+@pytest.mark.parametrize("servers", [1, 2])
+def test_large_pulls_over_tcp_received_in_place_give_the_stored_values(make_cluster, client_factory, servers,
+                                                                       monkeypatch):
+    """Over TCP (no shared memory) a server's pulled values of 256 KiB or more that fill one
+    piece of the output are received straight into it (one server: every pull here); rows
+    of a table split over servers land scattered in the output and are copied from the
+    reply. Either way the values are the stored ones, pull after pull."""
+    cluster = make_cluster(servers)
+    c = client_factory(cluster.address, shared_memory=False)
+    c.create_job()
+    c.join(heartbeat=False)
+    n = 300_000                                       # 1.2 MB: in place from 1 server
+    c.create_dense("big", (n,), optimizer=sgd(1.0), block_size=n // 4)
+    c.create_sparse("rows", 64, num_rows=10_000, optimizer=sgd(1.0), num_blocks=8)
+    rng = np.random.default_rng(0)
+    grad = rng.standard_normal(n, dtype=np.float32)
+    ids = np.arange(4_000, dtype=np.int64)            # 1 MB of rows
+    shuffled = rng.permutation(ids)
+    rows = rng.standard_normal((ids.shape[0], 64), dtype=np.float32)
+    in_place: list[bool] = []
+    real = steps.destination
+    monkeypatch.setattr(steps, "destination", lambda *a: in_place.append(real(*a) is not None) or real(*a))
+    for step in range(1, 3):
+        c.push_many([("big", grad), ("rows", ids, rows)])
+        np.testing.assert_array_equal(c.pull_dense("big"), -step * grad)
+        np.testing.assert_array_equal(c.pull_rows("rows", ids), -step * rows)
+        np.testing.assert_array_equal(c.pull_rows("rows", shuffled), -step * rows[shuffled])
+    if servers == 1:
+        assert in_place == [True] * 6, in_place
+    else:                                             # each rows pull, from each server, scattered
+        assert in_place.count(False) >= 8, in_place

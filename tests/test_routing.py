@@ -59,3 +59,23 @@ def test_a_table_over_two_servers_is_split_by_block():
 def test_rows_of_a_block_without_a_replica_are_refused_naming_it(primaries):
     with pytest.raises(Unavailable, match=r"block \d+ of table 'e' has no live replica"):
         route(_view(primaries), JOB, [_piece()])
+
+
+def test_a_pulls_destination_is_one_contiguous_piece_of_its_output_or_none():
+    """``steps.destination``: where one server's pulled values may be received in place."""
+    from shardps.worker.client.steps import destination
+
+    flat = np.zeros(1000, np.float32)
+    dense = Piece(0, "w", True, start=100, stop=900, offset=0)
+    got = destination([(dense, None, 200, 700)], [flat], 4 * 500)
+    assert got is not None and got.dtype == np.uint8 and got.nbytes == 2000
+    assert got.__array_interface__["data"][0] == flat[100:].__array_interface__["data"][0]
+    assert destination([(dense, None, 200, 700)], [flat], 4 * 499) is None           # another size
+    assert destination([(dense, None, 200, 300), (dense, None, 400, 500)], [flat], 800) is None
+
+    out = np.zeros((10, 4), np.float32)
+    rows = Piece(0, "e", False, ids=np.arange(10), positions=np.arange(10))
+    got = destination([(rows, np.array([3, 4, 5]), 0, 3)], [out], 3 * 16)
+    assert got is not None and got.__array_interface__["data"][0] == out[3:].__array_interface__["data"][0]
+    scattered = Piece(0, "e", False, ids=np.arange(5), positions=np.array([0, 2, 4, 6, 8]))
+    assert destination([(scattered, None, 0, 5)], [out], 5 * 16) is None

@@ -55,12 +55,13 @@ def _error(frame: "frames.Frame", what: str) -> ShardpsError:
 
 class Sent(NamedTuple):
     """A request ``DataPlaneConnection.start`` sent; ``frame``: the answer already read where
-    sending broke."""
+    sending broke; ``into``: where the reply's payload may be received (``start``)."""
 
     method: int
     deadline: float | None
     request_id: int
     frame: "frames.Frame | None"
+    into: memoryview | None = None
 
 
 class DataPlaneConnection:
@@ -118,11 +119,13 @@ class DataPlaneConnection:
         return self.finish(self.start(method, header, payload, timeout, flags))
 
     def start(self, method: int | str, header=b"", payload: Iterable = (), timeout: float | None = None,
-              flags: int = 0) -> "Sent":
+              flags: int = 0, reply_into: memoryview | None = None) -> "Sent":
         """The first half of ``call``: send the request and return without waiting for the
         reply, which ``finish`` reads. The connection is held (other calls on it wait) until
         ``finish`` returns, which must follow, on any thread. Sending to several servers
         first and reading their replies after lets them work at once from one thread.
+        ``reply_into`` (writable bytes): a reply whose payload has exactly its length is
+        received there, and ``finish`` returns a view of it as the payload.
         Raises as ``call`` (then nothing is held)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         mid = method if type(method) is int and 0 < method <= frames.MAX_METHOD_ID else frames.method_id(method)
@@ -138,7 +141,7 @@ class DataPlaneConnection:
                 if hlen + plen > self._limit:   # the server's limit, known after HELLO
                     raise self._too_large(mid, hlen + plen)
             rid, frame = self._send_request(mid, parts, hlen, plen, deadline, flags)
-            return Sent(mid, deadline, rid, frame)
+            return Sent(mid, deadline, rid, frame, reply_into)
         except BaseException:
             self._lock.release()
             raise
@@ -278,7 +281,7 @@ class DataPlaneConnection:
         mid, rid = sent.method, sent.request_id
         if self._sock is None:
             raise Unavailable(f"{self._what(mid)}: the connection was closed before the reply")
-        frame = self._read(sent.deadline, mid)
+        frame = self._read(sent.deadline, mid, into=sent.into)
         p = frame.prefix
         if not p.flags & frames.FLAG_REPLY or (p.request_id != rid and p.request_id != 0):
             self._disconnect()
@@ -288,11 +291,12 @@ class DataPlaneConnection:
             self._disconnect()           # the views stay valid: the buffer is ours
         return frame
 
-    def _read(self, deadline: float | None, mid: int, after_send_error: Exception | None = None) -> frames.Frame:
+    def _read(self, deadline: float | None, mid: int, after_send_error: Exception | None = None,
+              into: memoryview | None = None) -> frames.Frame:
         limit = max(self.max_frame_bytes, 1 << 20)
         assert self._timer is not None          # connected
         try:
-            return self._receiver.read_frame(self._timer, limit, deadline)
+            return self._receiver.read_frame(self._timer, limit, deadline, into=into)
         except socket.timeout:
             self._disconnect()
             what = self._what(mid)
@@ -403,15 +407,17 @@ class DataPlanePool:
         return self.finish(self.start(address, method, header, payload, timeout, flags), consume)
 
     def start(self, address: str, method: int | str, header=b"", payload: Iterable = (),
-              timeout: float | None = None, flags: int = 0) -> tuple[DataPlaneConnection, Sent]:
+              timeout: float | None = None, flags: int = 0,
+              reply_into: memoryview | None = None) -> tuple[DataPlaneConnection, Sent]:
         """The first half of ``call``: send the request on a free connection to ``address``
         and return ``(connection, sent)`` for ``finish``, which must follow (it gives the
-        connection back). Raises as ``call`` (then nothing is held)."""
+        connection back); ``reply_into`` as in ``DataPlaneConnection.start``. Raises as
+        ``call`` (then nothing is held)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         conn = self._acquire(address, deadline)
         try:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            return conn, conn.start(method, header, payload, remaining, flags)
+            return conn, conn.start(method, header, payload, remaining, flags, reply_into)
         except BaseException as exc:
             self._release(address, conn, isinstance(exc, Unavailable))
             raise

@@ -193,12 +193,15 @@ class DataPlaneTransport:
         with self._observed(address, "Exchange", began):
             return self.pool.finish(sent, use)
 
-    def step_start(self, server, address, request: StepRequest, reply_bytes: int, timeout) -> object | None:
+    def step_start(self, server, address, request: StepRequest, reply_bytes: int, timeout,
+                   into: np.ndarray | None = None) -> object | None:
         """Send ``request`` (a client's: see ``step.encode``) as a Step frame and return at
         once with what ``step_finish`` (which must follow, on any thread) needs; None where
         the server takes no Step frames (nothing was sent). The payload and the reply's
         values (``reply_bytes``) travel in a shared-memory region where the server maps this
-        process's memory and they are ``STEP_SHARED_BYTES`` or more together, else in the frames.
+        process's memory and they are ``STEP_SHARED_BYTES`` or more together, else in the
+        frames; there, the reply's values are received straight into ``into`` (writable,
+        ``reply_bytes`` long) when it is given, and ``step_finish``'s values are its views.
         Raises as ``push``."""
         plane = self._plane(address, timeout)
         if not plane.step:
@@ -207,14 +210,18 @@ class DataPlaneTransport:
         nbytes = encoded.payload_bytes
         reply_at = step.pad8(nbytes)
         region = self._region(plane, address, reply_at + reply_bytes, STEP_SHARED_BYTES)
+        reply_into = None
         if region is not None:
             encoded.write(np.frombuffer(region.mm, np.uint8, nbytes))
             head, parts = encoded.header(region.name, 0, reply_at, region.size - reply_at), []
         else:
             head, parts = encoded.header(), encoded.parts()
+            if into is not None:
+                reply_into = byte_view(into)          # the same memory: into is contiguous
         started = time.perf_counter()
         try:
-            sent = self.pool.start(plane.address, "Step", head, parts, timeout=timeout, flags=FLAG_PACKED)
+            sent = self.pool.start(plane.address, "Step", head, parts, timeout=timeout, flags=FLAG_PACKED,
+                                   reply_into=reply_into)
         except BaseException as exc:
             self._step_failed(address, exc, started)
             if region is not None:

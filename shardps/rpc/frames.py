@@ -239,27 +239,33 @@ class FrameReader:
         self.view = memoryview(self.buf)
 
     def read_frame(self, timer: SocketTimer, max_body: int, deadline: float | None,
-                   first_deadline: float | None = None) -> Frame:
+                   first_deadline: float | None = None, into: memoryview | None = None) -> Frame:
         """Read one frame by ``deadline`` (socket.timeout after); with ``first_deadline``
-        (later), the wait for its first bytes lasts until then. Raises PeerClosed on EOF
-        before any byte, ProtocolError, FrameTooLarge (when the declared body exceeds
-        ``max_body``; the prefix alone was read), OSError."""
+        (later), the wait for its first bytes lasts until then. With ``into`` (writable
+        bytes), a frame whose payload has exactly its length is received there, not into this
+        reader's buffer (the frame's ``payload`` is then ``into``): a large reply goes to
+        its destination without a copy. Raises PeerClosed on EOF before any byte,
+        ProtocolError, FrameTooLarge (when the declared body exceeds ``max_body``; the prefix
+        alone was read), OSError."""
         try:
-            return self._read_frame(timer, max_body, deadline, first_deadline)
+            return self._read_frame(timer, max_body, deadline, first_deadline, into)
         except BlockingIOError:                 # a kernel timeout (see SocketTimer)
             raise socket.timeout("timed out") from None
 
     def _read_frame(self, timer: SocketTimer, max_body: int, deadline: float | None,
-                    first_deadline: float | None) -> Frame:
+                    first_deadline: float | None, into: memoryview | None = None) -> Frame:
         if len(self.buf) > self.keep:           # a one-off huge frame: do not keep its buffer
             self._new(self.initial)
         view = self.view
         sock = timer.sock
         window = None if deadline is None or first_deadline is None else deadline - time.monotonic()
+        # greedy: a small frame arrives in one call (where the payload may go to ``into``, at
+        # most the initial buffer's worth of it is read here and copied there)
+        first = view if into is None else view[:self.initial]
         while True:
             timer.arm(deadline)
             try:
-                got = sock.recv_into(view)      # greedy: a small frame arrives in one call
+                got = sock.recv_into(first)
                 break
             except (socket.timeout, BlockingIOError):
                 if window is None or time.monotonic() >= first_deadline:      # type: ignore[operator]
@@ -281,20 +287,41 @@ class FrameReader:
         if got > total:
             raise ProtocolError(f"{got - total} bytes followed a frame before its reply "
                                        f"(one call at a time per connection)")
+        b = PREFIX_BYTES + prefix.message_len
+        c = b + prefix.header_len
+        if into is not None and prefix.payload_len and len(into) == prefix.payload_len:
+            view = self._fill(timer, deadline, got, c)
+            filled = got - c                    # payload bytes read with the header
+            if filled > 0:
+                into[:filled] = view[c:got]
+            else:
+                filled = 0
+            while filled < len(into):
+                timer.arm(deadline)
+                n = sock.recv_into(into[filled:])
+                if not n:
+                    raise ProtocolError(f"connection closed inside a frame ({c + filled} of {total} bytes)")
+                filled += n
+            return Frame(prefix, view[PREFIX_BYTES:b], view[b:c], into)
+        view = self._fill(timer, deadline, got, total)
+        return Frame(prefix, view[PREFIX_BYTES:b], view[b:c], view[c:total])
+
+    def _fill(self, timer: SocketTimer, deadline: float | None, got: int, total: int) -> memoryview:
+        """The buffer's view once it holds the frame's first ``total`` bytes (``got`` read)."""
+        view = self.view
         if total > len(self.buf):
             old = view
             self._new(min(max(total, 2 * len(self.buf)), self.keep) if total <= self.keep else total)
             self.view[:got] = old[:got]
             view = self.view
+        sock = timer.sock
         while got < total:
             timer.arm(deadline)
             n = sock.recv_into(view[got:total])
             if not n:
                 raise ProtocolError(f"connection closed inside a frame ({got} of {total} bytes)")
             got += n
-        b = PREFIX_BYTES + prefix.message_len
-        c = b + prefix.header_len
-        return Frame(prefix, view[PREFIX_BYTES:b], view[b:c], view[c:total])
+        return view
 
 
 def add_views(parts: list, buffers) -> int:

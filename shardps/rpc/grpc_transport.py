@@ -149,7 +149,7 @@ class GrpcTransport:
     def exchange_finish(self, started, consume):
         raise AssertionError("GrpcTransport.exchange_start never starts an exchange")
 
-    def step_start(self, server, address, request, reply_bytes, timeout):
+    def step_start(self, server, address, request, reply_bytes, timeout, into=None):
         """gRPC has no Step: None (the data path sends a push, then a pull)."""
         return None
 

@@ -76,8 +76,9 @@ class StepCalls:
                 pull_slices = [self._slice(part, False, view, moved) for part in lp] if lp else None
                 reply_bytes = moved[3] - pulled
                 request = StepRequest(header, kind, push_slices, pull_slices, pull_clock)
+                into = destination(lp, outputs, reply_bytes) if reply_bytes >= DIRECT_REPLY_BYTES else None
                 sent = self.transport.step_start(server, view.address(server), request, reply_bytes,
-                                                 attempt_timeout(deadline, reply_bytes))
+                                                 attempt_timeout(deadline, reply_bytes), into)
                 if sent is None:
                     declined = True
                     break
@@ -135,7 +136,7 @@ class StepCalls:
                 if got.shape[0] != z - a:
                     raise Unavailable(f"step reply from {server}: {got.shape[0]} values for a range of {z - a}")
                 lo = p.offset + (a - p.start)
-                out[lo:lo + (z - a)] = got
+                _put(out[lo:lo + (z - a)], got)
                 continue
             n = z - a
             if got.shape[0] != n * out.shape[1]:
@@ -144,7 +145,7 @@ class StepCalls:
             where = p.positions if positions is None else p.positions[positions]
             start = contiguous_start(where)
             if start is not None:
-                out[start:start + n] = rows
+                _put(out[start:start + n], rows)
             else:
                 kernels.scatter_rows(out, where, rows)
         lresult.min_clock = max(lresult.min_clock, int(reply.min_clock))
@@ -188,6 +189,37 @@ def base_versions(p: Piece, view: ShardMapView, job: str, versions: dict[tuple[s
         if v is not None:
             out[b] = v
     return out
+
+
+DIRECT_REPLY_BYTES = 256 << 10        # a server's pulled values from this size received in place
+
+
+def destination(lp: list | None, outputs: list | None, reply_bytes: int) -> np.ndarray | None:
+    """Where one server's pulled values belong, as bytes, when they are one piece of
+    contiguous memory in ``outputs`` (a pull of one routed part: a dense range, or rows the
+    caller's output holds consecutively): the transport may receive them there directly.
+    None otherwise."""
+    if not lp or len(lp) != 1 or outputs is None:
+        return None
+    p, positions, a, z = lp[0]
+    out = outputs[p.item]
+    if p.dense:
+        lo = p.offset + (a - p.start)
+        dest = out[lo:lo + (z - a)]
+    else:
+        start = contiguous_start(p.positions if positions is None else p.positions[positions])
+        if start is None:
+            return None
+        dest = out[start:start + (z - a)]
+    if dest.dtype != np.float32 or not dest.flags.c_contiguous or dest.nbytes != reply_bytes:
+        return None
+    return dest.reshape(-1).view(np.uint8)
+
+
+def _put(target: np.ndarray, got: np.ndarray) -> None:
+    """``target[...] = got``, unless ``got`` was received in place (the same memory)."""
+    if got.__array_interface__["data"][0] != target.__array_interface__["data"][0]:
+        target[...] = got.reshape(target.shape)
 
 
 def contiguous_start(positions: np.ndarray | None) -> int | None:
