@@ -275,7 +275,7 @@ class FrameReader:
             raise PeerClosed()
         while got < PREFIX_BYTES:
             timer.arm(deadline)
-            n = sock.recv_into(view[got:])
+            n = sock.recv_into(first[got:])
             if not n:
                 raise ProtocolError(f"connection closed inside a frame prefix ({got} bytes)")
             got += n
@@ -290,38 +290,36 @@ class FrameReader:
         b = PREFIX_BYTES + prefix.message_len
         c = b + prefix.header_len
         if into is not None and prefix.payload_len and len(into) == prefix.payload_len:
-            view = self._fill(timer, deadline, got, c)
-            filled = got - c                    # payload bytes read with the header
-            if filled > 0:
-                into[:filled] = view[c:got]
-            else:
-                filled = 0
-            while filled < len(into):
-                timer.arm(deadline)
-                n = sock.recv_into(into[filled:])
-                if not n:
-                    raise ProtocolError(f"connection closed inside a frame ({c + filled} of {total} bytes)")
-                filled += n
+            view = self._fill(timer, deadline, got, c, total)
+            early = max(0, got - c)             # payload bytes read with the header
+            if early:
+                into[:early] = view[c:got]
+            _receive(timer, deadline, into, early, c, total)
             return Frame(prefix, view[PREFIX_BYTES:b], view[b:c], into)
-        view = self._fill(timer, deadline, got, total)
+        view = self._fill(timer, deadline, got, total, total)
         return Frame(prefix, view[PREFIX_BYTES:b], view[b:c], view[c:total])
 
-    def _fill(self, timer: SocketTimer, deadline: float | None, got: int, total: int) -> memoryview:
-        """The buffer's view once it holds the frame's first ``total`` bytes (``got`` read)."""
-        view = self.view
-        if total > len(self.buf):
-            old = view
-            self._new(min(max(total, 2 * len(self.buf)), self.keep) if total <= self.keep else total)
+    def _fill(self, timer: SocketTimer, deadline: float | None, got: int, end: int, total: int) -> memoryview:
+        """The buffer's view once it holds the first ``end`` bytes of a frame of ``total``
+        (``got`` read)."""
+        if end > len(self.buf):
+            old = self.view
+            self._new(min(max(end, 2 * len(self.buf)), self.keep) if end <= self.keep else end)
             self.view[:got] = old[:got]
-            view = self.view
-        sock = timer.sock
-        while got < total:
-            timer.arm(deadline)
-            n = sock.recv_into(view[got:total])
-            if not n:
-                raise ProtocolError(f"connection closed inside a frame ({got} of {total} bytes)")
-            got += n
-        return view
+        _receive(timer, deadline, self.view[:end], got, 0, total)
+        return self.view
+
+
+def _receive(timer: SocketTimer, deadline: float | None, dest: memoryview, got: int, at: int, total: int) -> None:
+    """Fill ``dest`` from its byte ``got`` on: bytes ``at + got`` onwards of a frame of
+    ``total``. ProtocolError where the peer closes first."""
+    sock = timer.sock
+    while got < len(dest):
+        timer.arm(deadline)
+        n = sock.recv_into(dest[got:])
+        if not n:
+            raise ProtocolError(f"connection closed inside a frame ({at + got} of {total} bytes)")
+        got += n
 
 
 def add_views(parts: list, buffers) -> int:

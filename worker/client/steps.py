@@ -130,24 +130,19 @@ class StepCalls:
         if len(values) != len(lp):
             raise Unavailable(f"step reply from {server}: {len(values)} pulled segments for {len(lp)} asked")
         outputs = lresult.values
-        for (p, positions, a, z), got in zip(lp, values):
+        for part, got in zip(lp, values):
+            p, _, a, z = part
             out = outputs[p.item]
-            if p.dense:
-                if got.shape[0] != z - a:
-                    raise Unavailable(f"step reply from {server}: {got.shape[0]} values for a range of {z - a}")
-                lo = p.offset + (a - p.start)
-                _put(out[lo:lo + (z - a)], got)
-                continue
             n = z - a
-            if got.shape[0] != n * out.shape[1]:
+            if p.dense and got.shape[0] != n:
+                raise Unavailable(f"step reply from {server}: {got.shape[0]} values for a range of {n}")
+            if not p.dense and got.shape[0] != n * out.shape[1]:
                 raise Unavailable(f"step reply from {server}: {got.shape[0]} values for {n} rows of {out.shape[1]}")
-            rows = got.reshape(n, out.shape[1])
-            where = p.positions if positions is None else p.positions[positions]
-            start = contiguous_start(where)
-            if start is not None:
-                _put(out[start:start + n], rows)
-            else:
-                kernels.scatter_rows(out, where, rows)
+            span, where = _span(part, out)
+            if span is None:
+                kernels.scatter_rows(out, where, got.reshape(n, out.shape[1]))
+            elif len(lp) > 1 or got.__array_interface__["data"][0] != span.__array_interface__["data"][0]:
+                span[...] = got.reshape(span.shape)     # unless received in place (``destination``)
         lresult.min_clock = max(lresult.min_clock, int(reply.min_clock))
         lresult.waited_seconds = max(lresult.waited_seconds, reply.waited_seconds)
         if reply.min_clock or lresult.clock:
@@ -194,32 +189,32 @@ def base_versions(p: Piece, view: ShardMapView, job: str, versions: dict[tuple[s
 DIRECT_REPLY_BYTES = 256 << 10        # a server's pulled values from this size received in place
 
 
-def destination(lp: list | None, outputs: list | None, reply_bytes: int) -> np.ndarray | None:
-    """Where one server's pulled values belong, as bytes, when they are one piece of
-    contiguous memory in ``outputs`` (a pull of one routed part: a dense range, or rows the
-    caller's output holds consecutively): the transport may receive them there directly.
-    None otherwise."""
-    if not lp or len(lp) != 1 or outputs is None:
-        return None
-    p, positions, a, z = lp[0]
-    out = outputs[p.item]
+_NO_ROWS = np.empty(0, np.int64)
+
+
+def _span(part, out: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+    """Where a routed pull part's values go in its output ``out``: ``(span, rows)``, the
+    piece of ``out`` they fill when they fill one (a dense range; rows routed whole or
+    otherwise consecutive), else None, and the rows of ``out`` they go to (none for dense)."""
+    p, positions, a, z = part
     if p.dense:
         lo = p.offset + (a - p.start)
-        dest = out[lo:lo + (z - a)]
-    else:
-        start = contiguous_start(p.positions if positions is None else p.positions[positions])
-        if start is None:
-            return None
-        dest = out[start:start + (z - a)]
-    if dest.dtype != np.float32 or not dest.flags.c_contiguous or dest.nbytes != reply_bytes:
+        return out[lo:lo + (z - a)], _NO_ROWS
+    where = p.positions if positions is None else p.positions[positions]
+    start = contiguous_start(where)
+    return (None if start is None else out[start:start + (z - a)]), where
+
+
+def destination(lp: list | None, outputs: list | None, reply_bytes: int) -> np.ndarray | None:
+    """Where one server's pulled values belong, as bytes, when they are one piece of
+    contiguous memory in ``outputs`` (a pull of one routed part whose ``_span`` is one
+    piece): the transport may receive them there directly. None otherwise."""
+    if not lp or len(lp) != 1 or outputs is None:
+        return None
+    dest, _ = _span(lp[0], outputs[lp[0][0].item])
+    if dest is None or dest.dtype != np.float32 or not dest.flags.c_contiguous or dest.nbytes != reply_bytes:
         return None
     return dest.reshape(-1).view(np.uint8)
-
-
-def _put(target: np.ndarray, got: np.ndarray) -> None:
-    """``target[...] = got``, unless ``got`` was received in place (the same memory)."""
-    if got.__array_interface__["data"][0] != target.__array_interface__["data"][0]:
-        target[...] = got.reshape(target.shape)
 
 
 def contiguous_start(positions: np.ndarray | None) -> int | None:
