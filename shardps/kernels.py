@@ -166,6 +166,73 @@ def unique_inverse(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return first[order], rank[inverse]
 
 
+# ====================================================================== checks
+@njit(**_JIT)
+def _finite(bits):
+    """Whether no float32 (as its uint32 bits) is NaN or infinite: an all-ones exponent,
+    found with integer operations that vectorise."""
+    bad = np.uint32(0)
+    mask = np.uint32(0x7F800000)
+    for i in range(bits.shape[0]):
+        bad |= np.uint32((bits[i] & mask) == mask)
+    return bad == 0
+
+
+_CHECK_RUN = 4096                       # values checked per vectorised run before an exit
+
+
+@njit(**_JIT)
+def _first_non_finite(bits):
+    """The index of the first NaN or infinity of float32 ``bits`` (uint32), else -1: runs of
+    ``_CHECK_RUN`` checked as ``_finite`` does, a run holding one searched value by value."""
+    n = bits.shape[0]
+    mask = np.uint32(0x7F800000)
+    for lo in range(0, n, _CHECK_RUN):
+        hi = min(n, lo + _CHECK_RUN)
+        if not _finite(bits[lo:hi]):
+            for i in range(lo, hi):
+                if (bits[i] & mask) == mask:
+                    return i
+    return -1
+
+
+@njit(**_JIT)
+def _first_outside(ids, num_rows):
+    for i in range(ids.shape[0]):
+        if ids[i] < 0 or ids[i] >= num_rows:
+            return i
+    return -1
+
+
+def finite(values: np.ndarray) -> bool:
+    """Whether no value of a float32 array is NaN or infinite (one compiled pass)."""
+    flat = values.reshape(-1)
+    if not AVAILABLE or flat.dtype != np.float32 or not flat.flags.c_contiguous:
+        return bool(np.isfinite(flat).all())
+    return bool(_finite(flat.view(np.uint32)))
+
+
+def first_non_finite(values: np.ndarray) -> int:
+    """The flat index of the first NaN or infinity of float32 ``values``, else -1 (one
+    compiled pass, no temporaries)."""
+    flat = values.reshape(-1)
+    if not AVAILABLE or flat.dtype != np.float32 or not flat.flags.c_contiguous:
+        bad = np.flatnonzero(~np.isfinite(flat))
+        return int(bad[0]) if bad.shape[0] else -1
+    return int(_first_non_finite(flat.view(np.uint32)))
+
+
+def first_outside(ids: np.ndarray, num_rows: int) -> int:
+    """The index of the first of int64 ``ids`` outside ``[0, num_rows)``, else -1 (every id
+    is inside when ``num_rows`` is 0: unbounded ids)."""
+    if num_rows <= 0 or not ids.shape[0]:
+        return -1
+    if not AVAILABLE or ids.dtype != np.int64:
+        bad = np.flatnonzero((ids < 0) | (ids >= num_rows))
+        return int(bad[0]) if bad.shape[0] else -1
+    return int(_first_outside(ids, num_rows))
+
+
 # ====================================================================== blocks
 @njit(**_JIT)
 def _splitmix64(z):
@@ -394,6 +461,11 @@ def warm_up() -> None:
     group_by_key(sparse_block_of(np.arange(4, dtype=np.int64), 4), 4)
     group_by_key(np.zeros(4, np.int32), 4)          # clients group by server index (int32)
     route_rows(np.arange(4, dtype=np.int64), 4, np.zeros(4, np.int32), 1)
+    for ids in (np.arange(4, dtype=np.int64), _read_only(np.arange(4, dtype=np.int64))):
+        first_outside(ids, 8)
+    for values in (np.zeros(2, np.float32), _read_only(np.zeros(2, np.float32))):
+        finite(values)
+        first_non_finite(values)
     for rows in (np.zeros((2, 2), np.float32), _read_only(np.zeros((2, 2), np.float32))):   # a reply's rows
         scatter_rows(np.zeros((4, 2), np.float32), np.arange(2, dtype=np.int64), rows)
     _WARM = True

@@ -158,12 +158,30 @@ def test_initial_values_equal_the_numpy_reference_bit_for_bit(init):
 
 
 @pytest.mark.skipif(not kernels.AVAILABLE, reason="numba is not installed")
+@pytest.mark.parametrize("n", [0, 1, 4095, 4096, 4097, 20000])
+def test_the_first_non_finite_value_and_the_first_id_outside_are_numpys(n):
+    rng = np.random.default_rng(n)
+    values = rng.standard_normal(n).astype(np.float32)
+    ids = rng.integers(0, 1000, n)
+    assert kernels.first_non_finite(values) == -1 and kernels.finite(values)
+    assert kernels.first_outside(ids, 1000) == -1 and kernels.first_outside(ids, 0) == -1
+    for bad in sorted({0, n // 2, n - 1}) if n else []:
+        spoiled = values.copy()
+        spoiled[bad:] = rng.choice([np.nan, np.inf, -np.inf], n - bad)
+        assert kernels.first_non_finite(spoiled) == bad and not kernels.finite(spoiled)
+        assert kernels.first_non_finite(spoiled.reshape(1, -1)) == bad
+        outside = ids.copy()
+        outside[bad:] = rng.choice([-1, 1000, 1 << 62], n - bad)
+        assert kernels.first_outside(outside, 1000) == bad
+
+
 def test_warm_up_compiles_every_kernel_for_the_data_paths_types():
     kernels.warm_up()
     optimizer_kernels.warm_up()
     for fn in (optimizer_kernels._sgd, optimizer_kernels._adagrad, optimizer_kernels._adam,
                kernels._hash_unique, kernels._block_of,
-               kernels._group, kernels._init_uniform, kernels._init_units, kernels._distinct):
+               kernels._group, kernels._init_uniform, kernels._init_units, kernels._distinct,
+               kernels._finite, kernels._first_non_finite, kernels._first_outside):
         assert fn.signatures, f"{fn.__name__} was not compiled by warm_up"
     kernels.warm_up()                   # idempotent
 

@@ -210,7 +210,7 @@ def view():
      "must select a range, got rows"),
     (*dense_seg(0, 8, np.ones(4)), InvalidArgument, "needs 32 bytes"),
     (*dense_seg(0, 8, np.ones(12)), InvalidArgument, "payload has 48 bytes"),
-    (*dense_seg(0, 8, [0, 0, 0, np.nan, 0, 0, 0, 0]), InvalidArgument, "nan at element 3"),
+    (*dense_seg(0, 8, [0, 0, 0, np.nan, 0, 0, 0, 0]), InvalidArgument, "element 3 "),
     (*dense_seg(4, 99, np.ones(95)), InvalidArgument, "99"),
     (*rows_seg([1, 100], np.ones((2, 2))), InvalidArgument, "100"),
     (*dense_seg(0, 8, np.ones(8), table="nope"), NotFound, "'nope'"),

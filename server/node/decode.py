@@ -35,6 +35,7 @@ from shardps.tables import (
     TableKind,
     check_range,
     dense_blocks_of_range,
+    non_finite,
 )
 
 
@@ -104,14 +105,6 @@ class Segment:
     @property
     def dense(self) -> bool:
         return self.table.spec.kind is TableKind.DENSE
-
-
-def all_finite(values: np.ndarray) -> bool:
-    """True if no NaN or Inf: one cheap reduction, the exact check only if the sum is not
-    finite (a NaN or Inf always makes the sum non-finite; a huge finite sum may too)."""
-    if np.isfinite(values.sum()):
-        return True
-    return bool(np.isfinite(values).all())
 
 
 def check_header(header: Header) -> None:
@@ -206,19 +199,31 @@ def parse_segments(view: ShardMapView, server: str, limits: NodeLimits, header: 
                 s.values = dtypes.decode(view_payload[offset:offset + vbytes], wire,
                                          n_values).reshape(count, spec.dim)
                 offset += vbytes
-        if with_values and not t.config.allow_non_finite and s.values is not None \
-                and s.values.size and not all_finite(s.values):
-            bad = int(np.flatnonzero(~np.isfinite(s.values.reshape(-1)))[0])
-            raise InvalidArgument(
-                f"segment {i} ({spec.name!r}) holds a non-finite value "
-                f"({s.values.reshape(-1)[bad]} at element {bad}): NaN/Inf gradients are "
-                f"rejected unless the table's config sets allow_non_finite")
+        if with_values and not t.config.allow_non_finite and s.values is not None:
+            _check_finite(i, s)
         parsed.append(s)
     if offset != total:
         raise InvalidArgument(
             f"payload has {total} bytes but the segments describe {offset}: check the "
             f"segment counts and header.wire_dtype")
     return parsed
+
+
+def _check_finite(i: int, s: Segment) -> None:
+    """InvalidArgument naming the first NaN or infinity of segment ``i``'s values by the
+    table's own coordinates: a dense table's element, a sparse row's id and column."""
+    assert s.values is not None
+    bad = kernels.first_non_finite(s.values)
+    if bad < 0:
+        return
+    value = s.values.reshape(-1)[bad]
+    if s.dense:
+        where = f"element {s.lo + bad} (segment {i}: [{s.lo}, {s.hi}))"
+    else:
+        assert s.ids is not None
+        dim = s.table.spec.dim
+        where = f"row id {int(s.ids[bad // dim])}, column {bad % dim} (segment {i})"
+    raise non_finite(s.table.spec.name, value, where)
 
 
 def split(server: str, epoch: int, header: Header, segments: list[Segment],

@@ -195,7 +195,7 @@ class Lane:
                 blocks = e.dense_blocks(s.start, s.stop, epoch)
                 if blocks is None or values.shape[0] != s.stop - s.start:
                     return None
-                if e.finite and not storage_kernels.finite(values):
+                if e.finite and not kernels.finite(values):
                     return None
                 objects = [e.objects[b] for b in blocks]
                 units.append((e, blocks, objects, None, values, s))
@@ -208,7 +208,7 @@ class Lane:
                 counts = np.zeros(e.owned.shape[0], np.int64)
                 if storage_kernels.admit_rows(ids, e.num_rows, e.owned, epoch, None, counts, True) != 1:
                     return None
-                if e.finite and not storage_kernels.finite(values):
+                if e.finite and not kernels.finite(values):
                     return None
                 blocks = counts.nonzero()[0].tolist()
                 objects = [e.objects[b] for b in blocks]

@@ -6,7 +6,7 @@ one pass per request instead of a handful of numpy passes and fancy-indexed temp
 * ``scan`` and ``admit_rows``: a request's ids checked against the table's bounds, their
   blocks (and, ``admit_rows``, that this node serves them under the request's epoch), and
   whether they are unique (ascending in one pass; in any other order also checked in a hash
-  set); ``finite``: a push's values, NaN and infinities refused;
+  set) (a push's values are checked by ``shardps.kernels.finite``);
 * ``_assign_init``: the slot of every id, storing the missing ones (a free slot first, else
   the next unused one) at their initial values (from the cache where a read computed them)
   with their optimizer state, counted per block;
@@ -31,10 +31,10 @@ from shardps.kernels import (
     _splitmix64,
     _table_bits,
     _unit,
+    first_outside,
     first_unique,
     njit,
 )
-from shardps.kernels import _read_only as kernels_read_only
 from shardps.tables import TableSpec
 from shardps.tables import check_ids as _tables_check_ids
 
@@ -187,25 +187,6 @@ def _admit_rows(ids, num_rows, owned, epoch, blocks, counts, keep_blocks, table_
 
 
 @njit(**_JIT)
-def _finite(bits):
-    """Whether no float32 (as its uint32 bits) is NaN or infinite: an all-ones exponent,
-    found with integer operations that vectorise."""
-    bad = np.uint32(0)
-    mask = np.uint32(0x7F800000)
-    for i in range(bits.shape[0]):
-        bad |= np.uint32((bits[i] & mask) == mask)
-    return bad == 0
-
-
-@njit(**_JIT)
-def _inside(ids, num_rows):
-    for i in range(ids.shape[0]):
-        if ids[i] < 0 or ids[i] >= num_rows:
-            return False
-    return True
-
-
-@njit(**_JIT)
 def _add_in_order(inverse, rows, out):
     """Row ``i`` of ``rows`` into row ``inverse[i]`` of ``out``, one after another: copied where
     it is that row's first (``first_unique`` numbers the ids in order of first appearance, so
@@ -254,7 +235,7 @@ def _sum_rows_numpy(ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.n
 def check_ids(spec: TableSpec, ids: np.ndarray) -> None:
     """``tables.check_ids`` (InvalidArgument for an id outside ``[0, num_rows)``, naming it)
     in one compiled pass over int64 ids where numpy makes two reductions."""
-    if AVAILABLE and ids.dtype == np.int64 and (spec.num_rows <= 0 or _inside(ids, spec.num_rows)):
+    if AVAILABLE and ids.dtype == np.int64 and first_outside(ids, spec.num_rows) < 0:
         return
     _tables_check_ids(spec, ids)        # numpy's check: raises, naming the id, where one is outside
 
@@ -285,11 +266,6 @@ def admit_rows(ids: np.ndarray, num_rows: int, owned: np.ndarray, epoch: int, bl
     return int(_admit_rows(ids, num_rows, owned, np.uint64(epoch), blocks if keep else counts, counts, keep, bits))
 
 
-def finite(values: np.ndarray) -> bool:
-    """Whether no value of a float32 array is NaN or infinite (one compiled pass)."""
-    return bool(_finite(values.reshape(-1).view(np.uint32)))
-
-
 def warm_up() -> None:
     """Compile (or load from the cache) with the argument types SparseRows uses: ids as
     arrays of their own and as read-only views of a received frame (numba types them apart)."""
@@ -300,7 +276,6 @@ def warm_up() -> None:
         rows = np.zeros((4, 2), np.float32)
         scan(ids, 4, 2)
         sum_rows(ids, np.zeros((2, 2), np.float32))
-        _inside(ids, 4)
         owned = np.zeros(2, np.uint64)
         admit_rows(ids, 4, owned, 1, np.empty(2, np.int64), np.zeros(2, np.int64), True)
         admit_rows(ids, 4, owned, 1, None, np.zeros(2, np.int64), False)
@@ -311,5 +286,3 @@ def warm_up() -> None:
         state = np.zeros((4, 2), np.float32)
         _assign_init(np.full(4, -1, dtype=np.int32), ids, np.empty(0, np.int64), 0, 2, np.zeros(2, np.int64),
                      np.empty(2, np.int64), rows, *init, *cache, state, 0.0, state, 0.0, np.zeros(4, np.int32))
-    for values in (np.zeros(2, np.float32), kernels_read_only(np.zeros(2, np.float32))):
-        finite(values)

@@ -12,7 +12,12 @@
 * Values are float32 arrays (numpy or torch): another dtype is refused, never cast, so a
   float64 or integer gradient is a clear error instead of a silent conversion. Plain Python
   lists and numbers are taken as float32.
-* Every refusal is ``InvalidArgument`` naming the table, what was expected and what was given.
+* Values hold no NaN or infinity unless the table's config sets ``allow_non_finite``; ids of
+  a bounded table lie in ``[0, num_rows)``. Both are checked here, for the whole call, in one
+  compiled pass each, before anything is sent: a call spread over several servers is refused
+  whole, never applied by some of them (each server checks its own part again).
+* Every refusal is ``InvalidArgument`` naming the table, what was expected and what was given
+  (a bad value by its place in the caller's arrays).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import numpy as np
 from shardps import kernels
 from shardps.errors import InvalidArgument
 from shardps.shardmap import TableView
-from shardps.tables import MAX_CLOCK, Initializer, TableKind, TableSpec, dense_table, sparse_table
+from shardps.tables import MAX_CLOCK, Initializer, TableKind, TableSpec, dense_table, non_finite, sparse_table
 from shardps.worker.routing import Piece
 
 Finish = Callable[[np.ndarray], np.ndarray]       # pulled values -> what the caller gets
@@ -60,6 +65,27 @@ def as_float32(values, t: TableView, what: str = "gradient") -> np.ndarray:
                               f"({type(values).__name__}: {exc})") from None
 
 
+def check_finite(t: TableView, values: np.ndarray, where: Callable[[int], str]) -> None:
+    """InvalidArgument naming the first NaN or infinity of ``values`` by ``where(flat index)``
+    unless table ``t`` allows them (one compiled pass)."""
+    if t.config.allow_non_finite:
+        return
+    bad = kernels.first_non_finite(values)
+    if bad >= 0:
+        raise non_finite(t.name, values.reshape(-1)[bad], where(bad))
+
+
+def _element(i: int, shape: tuple, what: str, start: int = 0) -> str:
+    """Flat element ``i`` of an array of ``shape`` (``what``), with its index in that shape
+    and, for a sub-range beginning at ``start``, its element of the table."""
+    place = f"element {i} of the {what}"
+    if len(shape) > 1:
+        place += f" (index {tuple(int(x) for x in np.unravel_index(i, shape))})"
+    if start:
+        place += f" (element {start + i} of the table)"
+    return place
+
+
 def distinct(ids: np.ndarray) -> tuple[np.ndarray, Finish]:
     """(each distinct id once, in order of first appearance; a function taking their rows
     to the rows of ``ids``). Ids already distinct, in any order, are neither copied nor
@@ -82,7 +108,12 @@ def as_ids(ids, t: TableView) -> np.ndarray:
         raise InvalidArgument(f"ids for table {t.name!r} are not an array ({exc})") from None
     if arr.dtype.kind not in "iu" or (arr.dtype.kind == "u" and arr.size and int(arr.max()) >= 1 << 63):
         raise InvalidArgument(f"ids for table {t.name!r} must be int64 values, got dtype {arr.dtype}")
-    return np.ascontiguousarray(arr.reshape(-1), dtype=np.int64)
+    flat = np.ascontiguousarray(arr.reshape(-1), dtype=np.int64)
+    bad = kernels.first_outside(flat, t.spec.num_rows)
+    if bad >= 0:
+        raise InvalidArgument(f"row id {int(flat[bad])} (position {bad} of the ids) of table {t.name!r} "
+                              f"is out of bounds: ids must lie in [0, {t.spec.num_rows})")
+    return flat
 
 
 def as_index(value, what: str, t: TableView) -> int:
@@ -226,6 +257,7 @@ def dense_push(item: int, t: TableView, grad, start: int | None = None) -> Piece
                 f"beginning at a row boundary (a multiple of {row_numel})")
     flat = values.reshape(-1)
     check_dense(t, start, start + flat.shape[0])
+    check_finite(t, flat, lambda i: _element(i, given, "gradient", start))
     return Piece(item, t.name, True, start, start + flat.shape[0], values=flat)
 
 
@@ -246,6 +278,8 @@ def rows_push(item: int, t: TableView, ids, grads, allow_empty: bool = False) ->
                 f"gradient rows for sparse table {t.name!r} have shape {tuple(grads.shape)}; "
                 f"{n} ids of a table with dim {dim} need ({n}, {dim})")
         grads = grads.reshape(n, dim)
+        check_finite(t, grads, lambda i: f"row {i // dim} (id {int(ids[i // dim])}), column {i % dim} of "
+                                         f"the gradient rows")
     ids, grads = kernels.coalesce(ids, grads, keep_order=True)
     return Piece(item, t.name, False, ids=ids, positions=np.arange(ids.shape[0]), values=grads)
 
@@ -277,4 +311,5 @@ def initial_values(t: TableView, values, what: str = "initial values") -> Piece:
         raise InvalidArgument(f"{what} of {t.name!r} have shape {tuple(arr.shape)}; "
                               f"the table's shape is {tuple(t.spec.shape)}")
     flat = arr.reshape(-1)
+    check_finite(t, flat, lambda i: _element(i, tuple(arr.shape), what))
     return Piece(0, t.name, True, 0, flat.shape[0], values=flat)
