@@ -28,6 +28,13 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+# The methods (``grpc_method``) that carry a job's data, on gRPC and on the data plane alike:
+# the default data plane sends a worker's push and pull to one server as one Step; Push, Pull
+# and Exchange are the other forms. Dashboards filter the data path by all of them
+# (``grpc_method=~"Push|Pull|Exchange|Step"``); server-to-server Replicate is not among them.
+DATA_METHODS = ("Push", "Pull", "Exchange", "Step")
+DATA_METHODS_REGEX = "|".join(DATA_METHODS)
+
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                    2.5, 5.0, 10.0, 30.0)
 SIZE_BUCKETS = tuple(float(4 ** i) for i in range(2, 16))    # 16 B .. 1 GiB

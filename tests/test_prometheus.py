@@ -95,6 +95,26 @@ def test_dashboards_refer_to_the_provisioned_datasource():
             assert v["datasource"]["uid"] == DATASOURCE_UID, f"{path.name}: variable {v['name']}"
 
 
+_METHOD_FILTER = re.compile(r'grpc_method\s*=~?\s*"([^"]*)"')
+
+
+def data_path_queries() -> list[tuple[str, str, str, str]]:
+    """The panel queries that filter the ParameterServer's data path by method."""
+    return [q for q in dashboard_queries() if "shardps.v1.ParameterServer" in q[3] and _METHOD_FILTER.search(q[3])]
+
+
+def test_the_data_path_panels_count_every_data_method():
+    # the default data plane serves a worker's step as Step: a panel counting the data path
+    # by Push|Pull alone would show almost nothing in a default deployment
+    from shardps.metrics import DATA_METHODS, DATA_METHODS_REGEX
+    assert "Step" in DATA_METHODS
+    queries = data_path_queries()
+    assert len(queries) >= 9
+    for d, t, r, expr in queries:
+        for methods in _METHOD_FILTER.findall(expr):
+            assert methods == DATA_METHODS_REGEX, f"{d} / {t} [{r}] filters the data path by {methods!r}"
+
+
 # ====================================================================== a real Prometheus
 def prometheus_binary() -> str:
     """The prometheus binary (Debian's prometheus, installed when missing), else skips."""
@@ -258,7 +278,8 @@ def all_targets_up(prom: Prometheus, expected: int) -> bool:
 # ====================================================================== provoking errors
 def provoke_stale_epoch_and_bad_request(cluster, on_new_server) -> dict:
     """Start server s2 so blocks move; then a raw Push under the old epoch (refused:
-    FAILED_PRECONDITION, reason stale_epoch) and a NaN gradient (INVALID_ARGUMENT)."""
+    FAILED_PRECONDITION, reason stale_epoch) and a raw Push of a NaN gradient
+    (INVALID_ARGUMENT; the client refuses it before sending)."""
     from shardps.errors import InvalidArgument
     from shardps.protos.v1 import common_pb2 as pb
     from shardps.protos.v1 import parameter_server_pb2 as ps
@@ -291,13 +312,19 @@ def provoke_stale_epoch_and_bad_request(cluster, on_new_server) -> dict:
             with pytest.raises(grpc.RpcError) as err:
                 ParameterServerStub(ch).Push(iter([encode_chunk(header.SerializeToString(),
                                                                 np.ones(64, np.float32).tobytes())]), timeout=10)
-        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()
-        seen["stale_epoch"] = err.value.details()
-        bad = np.ones(64 * 100, np.float32)
-        bad[3] = np.nan
-        with pytest.raises(InvalidArgument) as err:
-            c.push_dense("w", bad)
-        seen["bad_request"] = str(err.value)
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()
+            seen["stale_epoch"] = err.value.details()
+            bad = np.ones(64, np.float32)
+            bad[3] = np.nan
+            # the client refuses it before sending; a raw Push gets as far as the server
+            with pytest.raises(InvalidArgument) as refused:
+                c.push_dense("w", bad, start=b * 64)
+            header.header.epoch = c.shard_map.epoch
+            with pytest.raises(grpc.RpcError) as err:
+                ParameterServerStub(ch).Push(iter([encode_chunk(header.SerializeToString(), bad.tobytes())]),
+                                             timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        seen["bad_request"] = f"{refused.value} (client); {err.value.details()} (server)"
     return seen
 
 
@@ -378,6 +405,10 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path):
                 time.sleep(1)
             assert not pending, f"prometheus {p.name}: {len(pending)} panel queries returned nothing:\n" + \
                 "\n".join(f"  {d} / {t} [{r}]: {e}" for (d, t, r), e in pending.items())
+            for d, t, r, e in data_path_queries():      # what the default data plane serves
+                if re.search(r"by \([^)]*grpc_method", e):       # panels that show each method
+                    methods = {row["metric"].get("grpc_method") for row in results[(d, t, r)]}
+                    assert "Step" in methods, f"prometheus {p.name}: {d} / {t} [{r}] shows {methods}, no Step"
             nan = sum(1 for rows in results.values() if all(v["value"][1] == "NaN" for v in rows))
             print(f"prometheus {p.name}: {len(results)} panel queries, every one non-empty "
                   f"({nan} evaluate to NaN for now: quantiles of histograms without recent observations)")

@@ -34,6 +34,7 @@ import numpy as np
 
 from shardps.bench.common import ratio
 from shardps.bench.config import BenchConfig
+from shardps.metrics import DATA_METHODS
 
 FIELDS, ROWS, DIM, BATCH, WARMUP = 12, 100_000, 8, 256, 20
 
@@ -68,10 +69,10 @@ def _model(fields: int, rows: int, make_table, computed_ids: bool = False):
 
 
 def data_calls(client) -> float:
-    """The data calls (Push, Pull, Exchange, Step) ``client`` has made so far, from its gRPC metrics."""
+    """The data calls (``metrics.DATA_METHODS``) ``client`` has made so far, from its gRPC metrics."""
     return sum(s.value for m in client.metrics.registry.collect() if m.name == "grpc_client_handled"
                for s in m.samples if s.name.endswith("_total")
-               and s.labels.get("grpc_method") in ("Push", "Pull", "Exchange", "Step"))
+               and s.labels.get("grpc_method") in DATA_METHODS)
 
 
 def run_ps(ids: np.ndarray, labels: np.ndarray, fields: int, rows: int,
