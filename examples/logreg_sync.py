@@ -7,8 +7,10 @@ each step once every worker reported it, with the mean of the workers' gradients
 result is the same as one worker taking batches 3 times as large. Rank 0 checks exactly
 that (it replays the training on all shards at once) and prints the test accuracy.
 
-Started without --rank, the script runs the --workers workers as local processes; with
---rank R it is one worker (start one per machine, each with its own rank):
+Started without --rank, the script runs the --workers workers as local processes and ends
+the job once they are done (unless --keep-job), so a second run starts from fresh tables and
+prints the same agreement; with --rank R it is one worker (start one per machine, each with
+its own rank; the job and its table then stay until ``shardps job end logreg``):
 
     shardps local --servers 2 &             # a cluster at 127.0.0.1:7070
     python examples/logreg_sync.py --workers 3 --steps 200
@@ -22,7 +24,9 @@ import os
 import sys
 
 import numpy as np
+from _common import add_job_arguments  # examples/_common.py: this folder is on sys.path
 
+from shardps.errors import PermissionDenied
 from shardps.worker import PSClient, sgd
 
 DIM = 20
@@ -86,12 +90,21 @@ def worker(rank: int, args: argparse.Namespace) -> int:
     return 0
 
 
+def end_job(args: argparse.Namespace) -> None:
+    """End the job once every worker is done: the next run starts from fresh tables."""
+    with PSClient(args.manager, job=args.job) as client:
+        try:
+            client.end_job()
+        except PermissionDenied:
+            print("the job's table stays: ending a job needs the admin token; name a fresh --job "
+                  "next time", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--manager", default=os.environ.get("SHARDPS_MANAGER", "127.0.0.1:7070"),
                    help="the manager's address (default: $SHARDPS_MANAGER or 127.0.0.1:7070)")
-    p.add_argument("--job", default="logreg", help="the job's name (default: logreg); its table outlives a run: "
-                   "a new name starts from zero")
+    add_job_arguments(p, "logreg")
     p.add_argument("--workers", type=int, default=3, help="workers in the SYNC group (default: 3)")
     p.add_argument("--rank", type=int, default=-1,
                    help="run only this worker (default: run all --workers as local processes)")
@@ -110,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     for proc in procs:
         proc.join()
     failed = [proc.name for proc in procs if proc.exitcode != 0]
+    if not args.keep_job:
+        end_job(args)
     if failed:
         print(f"logreg: {', '.join(failed)} failed", file=sys.stderr)
         return 1

@@ -7,7 +7,10 @@ Each process gets the cluster and its place in the environment: ``SHARDPS_MANAGE
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` (``PSClient.join()`` asks for rank
 ``RANK`` under a name of its own, so a restarted process takes its rank back). A process that
 exits with an error is started again, up to ``--max-restarts`` times per rank; a rank that
-exits cleanly is done. When a rank has used its restarts, or on SIGINT / SIGTERM, the others
+exits cleanly is done. A rank that ends with a shardps error no restart can change (its
+stderr's last line names ``InvalidArgument``, ``AlreadyExists``, ``PermissionDenied``,
+``Unauthenticated`` or ``DataLost``: a setting or a state to fix first) is not started
+again. When a rank has used its restarts, or on SIGINT / SIGTERM, the others
 are stopped (SIGTERM, then SIGKILL after 10 s) and ``shardps run`` exits with that rank's
 status (128 + N for a rank killed by signal N; 130 / 143 when ``shardps run`` itself gets
 SIGINT / SIGTERM). Each process's SHARDPS_PARENT_PID names ``shardps run``
@@ -21,11 +24,12 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shardps.children import child_env, stop_processes
 from shardps.errors import InvalidArgument
@@ -46,12 +50,32 @@ def plan(manager: str, job: str, nproc: int, nnodes: int = 1, node_rank: int = 0
             for local in range(nproc)]
 
 
+# shardps errors that starting the same process again cannot change: the arguments, a table
+# that exists with other settings, the credentials, or lost data wait for a person
+FINAL_ERRORS = ("InvalidArgument", "AlreadyExists", "PermissionDenied", "Unauthenticated", "DataLost")
+_ERROR_LINE = re.compile(rb"^shardps\.errors\.(\w+): ?(.*)$")
+TAIL_BYTES = 4096          # the end of a rank's stderr kept to read its error from
+
+
+def final_error(stderr_tail: bytes) -> str | None:
+    """The error that ended a process, when it is one of ``FINAL_ERRORS`` (Python's last
+    traceback line, ``shardps.errors.AlreadyExists: ...``): ``"AlreadyExists: ..."``; else
+    None (restart it)."""
+    lines = [line for line in stderr_tail.splitlines() if line.strip()]
+    found = _ERROR_LINE.match(lines[-1]) if lines else None
+    if found is None or found.group(1).decode() not in FINAL_ERRORS:
+        return None
+    return f"{found.group(1).decode()}: {found.group(2).decode(errors='replace')}"
+
+
 @dataclass
 class _Rank:
     env: dict[str, str]
-    proc: subprocess.Popen
+    proc: subprocess.Popen = field(init=False)             # set by Supervisor._start
     restarts: int = 0
     done: bool = False
+    tail: bytearray = field(default_factory=bytearray)     # the end of its stderr
+    reader: threading.Thread | None = None
 
 
 def exit_status(code: int) -> int:
@@ -76,9 +100,14 @@ class Supervisor:
         self.stopping = threading.Event()
         self.signal_status = 0
 
-    def _popen(self, env: dict[str, str]) -> subprocess.Popen:
-        # child_env: SHARDPS_PARENT_PID names this process, not the one that started it
-        return subprocess.Popen(self.command, env=child_env({**os.environ, **env}))
+    def _start(self, r: _Rank) -> None:
+        """(Re)start rank ``r``: its stderr goes on to this process's, its end kept in
+        ``r.tail``. child_env: SHARDPS_PARENT_PID names this process, not its parent."""
+        r.tail.clear()
+        r.proc = subprocess.Popen(self.command, env=child_env({**os.environ, **r.env}), stderr=subprocess.PIPE)
+        r.reader = threading.Thread(target=_forward, args=(r.proc.stderr, r.tail), daemon=True,
+                                    name=f"stderr-rank-{r.env['RANK']}")
+        r.reader.start()
 
     def stop(self, status: int = 0) -> None:
         """Ask ``wait`` to stop every process and return ``status`` (a signal's)."""
@@ -90,7 +119,9 @@ class Supervisor:
         ``OSError`` of a start, too)."""
         try:
             for env in self.envs:
-                self.ranks.append(_Rank(env, self._popen(env)))
+                r = _Rank(env)
+                self._start(r)
+                self.ranks.append(r)
             return self._supervise()
         finally:
             self._stop_all()
@@ -107,11 +138,21 @@ class Supervisor:
                 rank = r.env["RANK"]
                 if code == 0:
                     r.done = True
-                elif r.restarts < self.max_restarts:
+                    continue
+                if r.reader is not None:
+                    r.reader.join(timeout=2.0)          # the rest of its stderr
+                final = final_error(bytes(r.tail))
+                if final is not None:
+                    log.error("rank %s exited with status %d on %s; starting it again cannot change that: "
+                              "stopping the others", rank, exit_status(code), final)
+                    status = exit_status(code)
+                    self.stopping.set()
+                    break
+                if r.restarts < self.max_restarts:
                     r.restarts += 1
                     log.warning("rank %s exited with status %d; starting it again (restart %d of %d)",
                                 rank, exit_status(code), r.restarts, self.max_restarts)
-                    r.proc = self._popen(r.env)
+                    self._start(r)
                 else:
                     log.error("rank %s exited with status %d after %d restart(s): stopping the others",
                               rank, exit_status(code), r.restarts)
@@ -124,6 +165,22 @@ class Supervisor:
 
     def _stop_all(self) -> None:
         stop_processes([r.proc for r in self.ranks], self.stop_seconds)
+
+
+def _forward(stream, tail: bytearray) -> None:
+    """Copy ``stream`` (a rank's stderr) to this process's stderr as it comes (a progress
+    bar's carriage returns too), keeping its last ``TAIL_BYTES`` in ``tail``."""
+    out = sys.stderr.buffer if hasattr(sys.stderr, "buffer") else None
+    while True:
+        chunk = os.read(stream.fileno(), 65536)
+        if not chunk:
+            break
+        if out is not None:
+            out.write(chunk)
+            out.flush()
+        tail.extend(chunk)
+        del tail[:-TAIL_BYTES]
+    stream.close()
 
 
 def run(args) -> int:

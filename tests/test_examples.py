@@ -115,7 +115,8 @@ def test_matrix_factorisation_beats_the_mean_on_a_u_data_file(manager, tmp_path)
 
 
 def test_logistic_regression_in_sync_over_3_workers_equals_one_large_batch(manager):
-    out = run("logreg_sync.py", "--manager", manager, "--job", "logreg-test", "--workers", "3", "--steps", "60")
-    assert "workers=3" in out, out
-    assert metric(out, "sync_vs_one_large_batch_max_diff") < 1e-5, out
-    assert metric(out, "test_accuracy") > 0.85, out
+    for _ in range(2):              # a rerun starts fresh: the same agreement, not a continuation
+        out = run("logreg_sync.py", "--manager", manager, "--job", "logreg-test", "--workers", "3", "--steps", "60")
+        assert "workers=3" in out, out
+        assert metric(out, "sync_vs_one_large_batch_max_diff") < 1e-5, out
+        assert metric(out, "test_accuracy") > 0.85, out

@@ -1,9 +1,12 @@
 """A job outlives the run that created it: creating a table it already has is idempotent only
 for the same settings, and says what differs otherwise; changing settings on purpose
 (update_config) does not break the next run's identical create; a SYNC script run again
-goes on from the group's step (real servers on loopback)."""
+goes on from the group's step, and a run that continues a job's tables says so at its start
+(real servers on loopback)."""
 
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 import pytest
@@ -72,3 +75,36 @@ def test_a_sync_script_run_again_goes_on_from_the_groups_step(cluster, client_fa
                 c.push_dense("w", np.ones(4, np.float32))
         c.leave()
         c.close()
+
+
+def test_a_setting_equal_to_its_default_is_named_against_the_one_asked(cluster, client_factory):
+    c = _client(cluster, client_factory, "rerun-lr")
+    c.create_dense("w", (16,), optimizer=sgd(0.01))              # lr=0.01: sgd's default
+    with pytest.raises(AlreadyExists, match=r"created with optimizer=sgd lr=0.01 [^;]*; this call asks for "
+                                            r"optimizer=sgd lr=0.5 "):
+        c.create_dense("w", (16,), optimizer=sgd(0.5))
+
+
+def test_a_run_that_continues_a_job_says_so_and_how_to_start_fresh(cluster, client_factory, caplog):
+    caplog.set_level(logging.INFO, logger="shardps.client")
+    first = _client(cluster, client_factory, "continued")
+    assert not [r for r in caplog.records if "continued" in r.getMessage()]       # a new job: nothing said
+    first.create_dense("w", (16,), optimizer=sgd(0.1))
+    first.join(heartbeat=False)
+    second = _client(cluster, client_factory, "continued")              # joins the run in progress
+    said = [r for r in caplog.records if "'continued'" in r.getMessage()]
+    assert [r.levelname for r in said] == ["INFO"] and "is running (1 live workers" in said[0].getMessage()
+    for step in range(5):
+        first.push_dense("w", np.ones(16, np.float32), clock=step)
+    first.leave()
+    caplog.clear()
+    _client(cluster, client_factory, "continued")                       # the next run
+    said = [r for r in caplog.records if "'continued'" in r.getMessage()]
+    assert [r.levelname for r in said] == ["WARNING"], said
+    assert "exists from an earlier run (5 steps, tables: w): this run continues from its tables' values" \
+        in said[0].getMessage()
+    assert "shardps job end continued" in said[0].getMessage() and "client.end_job()" in said[0].getMessage()
+    second.end_job()
+    caplog.clear()
+    _client(cluster, client_factory, "continued")                       # ended: a fresh job again
+    assert not [r for r in caplog.records if "'continued'" in r.getMessage()]

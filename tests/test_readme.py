@@ -19,13 +19,18 @@ def test_readme_has_the_two_commands():
 
 
 @pytest.mark.parametrize("index", range(len(python_blocks())))
-def test_readme_example_runs(index, cluster, monkeypatch, tmp_path):
+def test_readme_example_runs(index, cluster, monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("SHARDPS_MANAGER", cluster.address)
     monkeypatch.chdir(tmp_path)
     code = python_blocks()[index]
     # twice against the same cluster: a user runs a script again, in the same job
     for run in range(2):
+        caplog.clear()
         exec(compile(code, f"README.md example {index}, run {run + 1}", "exec"), {"__name__": f"readme{index}"})
+    if 'job="my-model"' in code:
+        # the second run said that it continues the first's tables, as the README quotes it
+        said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "earlier run" in r.getMessage()]
+        assert said and " ".join(said[0].split()) in " ".join(README.read_text().replace("`", "").split()), said
     if "recommender.pt" in code:
         # the exported state dict loads into plain PyTorch, with nn.Embedding for PSEmbedding
         state = torch.load(tmp_path / "recommender.pt")

@@ -13,7 +13,7 @@ import textwrap
 import pytest
 
 from shardps.errors import InvalidArgument
-from shardps.launch import plan
+from shardps.launch import final_error, plan
 
 SHARDPS = [sys.executable, "-m", "shardps.cli"]
 
@@ -47,6 +47,15 @@ def test_the_plan_gives_each_process_its_place():
             plan("m", bad.get("job", "j"), bad.get("nproc", 1), bad.get("nnodes", 1), bad.get("node_rank", 0))
 
 
+def test_a_shardps_error_no_restart_can_change_is_final():
+    tail = b"Traceback (most recent call last):\n  ...\nshardps.errors.AlreadyExists: table 'w' exists\n\n"
+    assert final_error(tail) == "AlreadyExists: table 'w' exists"
+    assert final_error(b"shardps.errors.InvalidArgument: lr=-1\n") == "InvalidArgument: lr=-1"
+    for retried in (b"shardps.errors.Unavailable: server s1 did not answer\n", b"RuntimeError: boom\n",
+                    b"shardps.errors.AlreadyExists: x\nthen the process printed something else\n", b""):
+        assert final_error(retried) is None
+
+
 def _run(cluster, tmp_path, *script_args: str, restarts: int = 3) -> subprocess.CompletedProcess:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
@@ -75,12 +84,27 @@ def test_a_rank_that_keeps_failing_ends_the_run_with_its_status(cluster, tmp_pat
     assert "rank 1 exited with status 7 after 1 restart(s): stopping the others" in out.stderr
 
 
-def _run_alone(tmp_path, script: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """``shardps run`` of ``script`` (rank 0 only, no restart), no cluster needed."""
+@pytest.mark.slow          # processes (shardps run and its script)
+def test_a_rank_failing_on_an_error_no_restart_can_change_is_not_started_again(tmp_path):
+    out = _run_alone(tmp_path, """
+        import sys
+        from shardps.errors import AlreadyExists
+        print("started", file=sys.stderr)
+        raise AlreadyExists("table 'w' of job 'alone' exists, created with optimizer=sgd lr=0.01")
+    """, restarts=3)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert out.stderr.count("Traceback") == 1 and out.stderr.count("started") == 1, out.stderr
+    assert "rank 0 exited with status 1 on AlreadyExists: table 'w' of job 'alone' exists" in out.stderr
+    assert "starting it again cannot change that" in out.stderr
+
+
+def _run_alone(tmp_path, script: str, *args: str, env: dict | None = None, restarts: int = 0
+               ) -> subprocess.CompletedProcess:
+    """``shardps run`` of ``script`` (rank 0 only, ``restarts``), no cluster needed."""
     path = tmp_path / "alone.py"
     path.write_text(textwrap.dedent(script))
-    return subprocess.run(SHARDPS + ["run", "--manager", "127.0.0.1:1", "--job", "alone", "--max-restarts", "0",
-                                     str(path), *args],
+    return subprocess.run(SHARDPS + ["run", "--manager", "127.0.0.1:1", "--job", "alone", "--max-restarts",
+                                     str(restarts), str(path), *args],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
 
 

@@ -101,14 +101,16 @@ class CreateJobRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., consistency: _Optional[_Union[_common_pb2.Consistency, _Mapping]] = ..., quota: _Optional[_Union[JobQuota, _Mapping]] = ..., token_ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class CreateJobResponse(_message.Message):
-    __slots__ = ("token", "created", "token_expires_at")
+    __slots__ = ("token", "created", "token_expires_at", "step")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
     TOKEN_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     token: str
     created: bool
     token_expires_at: float
-    def __init__(self, token: _Optional[str] = ..., created: _Optional[bool] = ..., token_expires_at: _Optional[float] = ...) -> None: ...
+    step: int
+    def __init__(self, token: _Optional[str] = ..., created: _Optional[bool] = ..., token_expires_at: _Optional[float] = ..., step: _Optional[int] = ...) -> None: ...
 
 class RevokeJobTokensRequest(_message.Message):
     __slots__ = ("job", "token_ttl_seconds")
@@ -313,12 +315,14 @@ class JoinWorkerGroupResponse(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., session: _Optional[str] = ..., incarnation: _Optional[int] = ..., group: _Optional[_Union[_common_pb2.WorkerGroup, _Mapping]] = ..., epoch: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., heartbeat_seconds: _Optional[float] = ..., restored: _Optional[bool] = ...) -> None: ...
 
 class LeaveWorkerGroupRequest(_message.Message):
-    __slots__ = ("job", "session")
+    __slots__ = ("job", "session", "step")
     JOB_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     job: str
     session: str
-    def __init__(self, job: _Optional[str] = ..., session: _Optional[str] = ...) -> None: ...
+    step: int
+    def __init__(self, job: _Optional[str] = ..., session: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class LeaveWorkerGroupResponse(_message.Message):
     __slots__ = ("membership_version",)

@@ -67,9 +67,13 @@ def join(st: ManagerState, job_name: str, name: str, rank_hint: int, previous_se
     return member
 
 
-def leave(st: ManagerState, job_name: str, session: str) -> int:
-    """A member leaves its group, or a client ends its session (idempotent)."""
+def leave(st: ManagerState, job_name: str, session: str, step: int = 0) -> int:
+    """A member leaves its group, or a client ends its session (idempotent), having completed
+    ``step`` steps."""
     job = st.job(job_name)
+    if step > job.step and (session in job.members or session in job.clients):
+        job.step = step
+        st.unsaved = True
     if session in job.members:
         remove_member(job, session)
         st.bump()
@@ -97,6 +101,7 @@ def worker_heartbeat(st: ManagerState, job_name: str, session: str, incarnation:
             f"session {session!r} (incarnation {incarnation}) is not a member of job "
             f"{job_name!r}: its lease expired or a newer incarnation joined; join again")
     m.last_heartbeat, m.step, m.samples_per_second, m.loss = now, step, samples_per_second, loss
+    job.step = max(job.step, step)       # saved with the next change (leaving saves it)
     return job, m
 
 

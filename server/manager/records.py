@@ -111,6 +111,7 @@ class JobRecord:
     departed: dict[str, list[int]] = field(default_factory=dict)       # session -> [rank, incarnation]
     membership_version: int = 0
     peak_members: int = 0    # the most live members at once since the group was last empty
+    step: int = 0            # the most steps a worker reported completing, over every run
     restored_path: str = ""
     restored_step: int = 0
     restore_pending: list[int] = field(default_factory=list)   # ranks yet to fetch their state
@@ -171,12 +172,17 @@ def dense_bytes(spec: TableSpec, config: TableConfig) -> int:
     return spec.numel * 4 * (1 + len(optimizers.state_names(config.optimizer)))
 
 
-def describe_config(config: TableConfig) -> str:
-    """The settings a user chose (not the manager's version), as ``key=value``s."""
+def describe_config(config: TableConfig, against: TableConfig | None = None) -> str:
+    """The settings a user chose (not the manager's version), as ``key=value``s: those that
+    differ from their defaults, and, compared ``against`` another config, every optimizer
+    setting of the same name that differs from the other's (``lr=0.01`` against ``lr=0.5``,
+    the default 0.01 included)."""
     o = config.optimizer
+    other = against.optimizer if against is not None else None
     parts = [f"optimizer={o.kind.name.lower()}"] + [
         f"{f.name}={getattr(o, f.name)}" for f in dataclasses.fields(o)
-        if f.name != "kind" and getattr(o, f.name) != f.default]
+        if f.name != "kind" and (getattr(o, f.name) != f.default
+                                 or (other is not None and getattr(o, f.name) != getattr(other, f.name)))]
     if config.allow_non_finite:
         parts.append("allow_non_finite=True")
     if config.lifecycle.enabled:

@@ -121,7 +121,7 @@ class ResourceManagerService:
                                                              req.quota.max_bytes))
         self._sync_floors()
         token, expires = self.issue_token(job.name, ttl)
-        return mg.CreateJobResponse(created=created, token=token, token_expires_at=expires)
+        return mg.CreateJobResponse(created=created, token=token, token_expires_at=expires, step=job.step)
 
     def revoke_job_tokens(self, req, call) -> mg.RevokeJobTokensResponse:
         names.check(names.JOB, req.job, "job")
@@ -263,7 +263,7 @@ class ResourceManagerService:
             heartbeat_seconds=s.worker_heartbeat_seconds, restored=restored)
 
     def leave_worker_group(self, req, call) -> mg.LeaveWorkerGroupResponse:
-        version = self.rt.change(lambda s: s.leave(req.job, req.session))
+        version = self.rt.change(lambda s: s.leave(req.job, req.session, max(0, req.step)))
         return mg.LeaveWorkerGroupResponse(membership_version=version)
 
     def worker_heartbeat(self, req, call) -> mg.WorkerHeartbeatResponse:

@@ -244,8 +244,8 @@ class ManagerState:
     def open_client(self, job_name: str, name: str, now: float) -> MemberRecord:
         return groups.open_client(self, job_name, name, now)
 
-    def leave(self, job_name: str, session: str) -> int:
-        return groups.leave(self, job_name, session)
+    def leave(self, job_name: str, session: str, step: int = 0) -> int:
+        return groups.leave(self, job_name, session, step)
 
     def worker_heartbeat(self, job_name: str, session: str, incarnation: int, step: int,
                          samples_per_second: float, loss: float, now: float) -> tuple[JobRecord, MemberRecord]:

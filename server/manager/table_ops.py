@@ -73,7 +73,7 @@ def _existing(st: ManagerState, job: str, spec: TableSpec, config: TableConfig) 
     if created is not None and created != config.replace(version=0):
         raise AlreadyExists(
             f"table {spec.name!r} of job {job!r} exists, created with "
-            f"{describe_config(created)}; this call asks for {describe_config(config)}. "
+            f"{describe_config(created, config)}; this call asks for {describe_config(config, created)}. "
             f"A job keeps its tables across runs: change the settings with update_config, "
             f"delete the table (or end the job), or use a fresh job per run")
     return existing

@@ -259,7 +259,25 @@ class Admin:
             job=self.job, consistency=consistency_to_proto(mode, staleness),
             quota=mg.JobQuota(max_bytes=quota_bytes), token_ttl_seconds=token_ttl_seconds),
             timeout, idempotent=True)
+        if not resp.created:
+            self._say_existing(int(resp.step))
         return resp.token
+
+    def _say_existing(self, step: int) -> None:
+        """Log that this run uses a job that existed: continuing an earlier run (WARNING: its
+        tables keep their values) or joining one in progress (INFO)."""
+        view = self.refresh_map()
+        tables = sorted(name for job, name in view.tables if job == self.job)
+        group = view.groups.get(self.job)
+        live = len(group.members) if group is not None else 0
+        if live:
+            log.info("job %r is running (%d live workers, step %d, tables: %s): joining it", self.job, live,
+                     step, ", ".join(tables) or "none yet")
+        elif tables or step:
+            log.warning("job %r exists from an earlier run (%d steps, tables: %s): this run continues from "
+                        "its tables' values. To start fresh, end it first (shardps job end %s, or "
+                        "client.end_job()) or name another job", self.job, step, ", ".join(tables) or "none",
+                        self.job)
 
     def end_job(self, timeout: float | None = None) -> None:
         self.call("EndJob", self.stub.EndJob, mg.EndJobRequest(job=self.job), timeout, idempotent=True)

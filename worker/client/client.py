@@ -103,6 +103,7 @@ class PSClient(ManagerCalls, TableTransfer):
         self._data = DataPath(job, self._transport, self._admin, self._session, executor=self._rpcs,
                               metrics=self.metrics, wire_dtype=WireDType.parse(wire_dtype),
                               chunk_bytes=chunk_bytes, default_timeout=timeout)
+        self._member.completed = lambda: self._data.completed
         self._before_leaving: list[weakref.WeakMethod] = []
 
     def before_leaving(self, flush) -> None:

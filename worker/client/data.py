@@ -74,6 +74,7 @@ class DataPath:
         self._last_pull = PullResult([], BlockVersions())
         self._last_clock = 0
         self.step = 0       # the clock of calls that name none (PSClient.next_step advances it)
+        self.completed = 0  # steps completed: one more than the clock of the latest push
         self.steps = StepCalls(job, transport, maps, self.metrics, self._versions, self._header,
                                wire_dtype is WireDType.FLOAT32)
 
@@ -91,6 +92,11 @@ class DataPath:
         """The clock of the pull or push that completed last (any thread)."""
         with self._last_lock:
             return self._last_clock
+
+    def _completed(self, clock: int) -> None:
+        """A push of step ``clock`` was acknowledged: ``completed`` counts it."""
+        with self._last_lock:
+            self.completed = max(self.completed, clock + 1)
 
     def _header(self, view: ShardMapView, sequence: int, clock: int):
         return self.session.header(self.job, view.epoch, sequence, clock, self.wire_dtype.value)
@@ -218,6 +224,7 @@ class DataPath:
             self.session.end_push(seq)
         with self._last_lock:
             self._last_clock = result.clock
+        self._completed(result.clock)
         return result
 
     def _push_request(self, ps_: list[Piece], view: ShardMapView, seq: int, kind: int, clock: int) -> PushRequest:
@@ -277,6 +284,7 @@ class DataPath:
                 got = self.steps.run(push_pieces, GRADIENT, pull_pieces, outputs, deadline, seq, int(clock),
                                      int(clock) + 1)
                 if got is not None and got[0] is not None and got[1] is not None:
+                    self._completed(presult.clock)
                     return got[0], self._finish_pull(got[1], stored)
             push_send = self._push_sender(seq, GRADIENT, presult, deadline)
             pull_send = self._pull_sender(lresult, stored, deadline)
@@ -334,6 +342,7 @@ class DataPath:
                 self.fanout.run(retry_pull, deadline, pull_send)
         finally:
             self.session.end_push(seq)
+        self._completed(presult.clock)
         return presult, self._finish_pull(lresult, stored)
 
 

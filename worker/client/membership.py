@@ -118,6 +118,7 @@ class GroupMember:
         self.job = admin.job
         self.session = session
         self.progress = {"step": 0, "samples_per_second": 0.0, "loss": 0.0}
+        self.completed: Callable[[], int] = lambda: 0      # steps the data path saw completed
         self.checkpoint_request = ""
         self._heartbeat: threading.Thread | None = None
         self._heartbeat_every = 1.0
@@ -186,8 +187,13 @@ class GroupMember:
         if m is not None:
             a = self.admin
             a.call("LeaveWorkerGroup", a.stub.LeaveWorkerGroup,
-                   mg.LeaveWorkerGroupRequest(job=self.job, session=m.session), timeout, idempotent=True)
+                   mg.LeaveWorkerGroupRequest(job=self.job, session=m.session, step=self.steps()), timeout,
+                   idempotent=True)
             self.session.update(None)
+
+    def steps(self) -> int:
+        """The steps this worker completed: its reported progress, or the clock of its pushes."""
+        return max(int(self.progress["step"]), self.completed())
 
     def heartbeat(self, timeout: float | None = None) -> mg.WorkerHeartbeatResponse:
         """One heartbeat now (the thread sends them by itself). FailedPrecondition when not a
@@ -198,7 +204,7 @@ class GroupMember:
         a = self.admin
         resp = a.call("WorkerHeartbeat", a.stub.WorkerHeartbeat, mg.WorkerHeartbeatRequest(
             job=self.job, session=m.session, incarnation=m.incarnation,
-            step=int(self.progress["step"]), samples_per_second=float(self.progress["samples_per_second"]),
+            step=self.steps(), samples_per_second=float(self.progress["samples_per_second"]),
             loss=float(self.progress["loss"])), timeout or 5.0, idempotent=True)
         self.checkpoint_request = resp.checkpoint_id
         updated = after_heartbeat(m, resp)
