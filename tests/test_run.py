@@ -30,9 +30,19 @@ SCRIPT = textwrap.dedent("""
     with PSClient() as client:                          # SHARDPS_MANAGER and SHARDPS_JOB
         client.create_job()
         membership = client.join(heartbeat=False)
+        if "--crash-after-steps" in sys.argv and not os.path.exists(marker):
+            open(marker, "w").close()
+            import numpy as np
+            from shardps.worker import sgd
+            client.create_dense("w", (4,), optimizer=sgd(0.1))
+            for step in range(5):
+                client.push_dense("w", np.ones(4, np.float32), clock=step)
+            client.heartbeat()                          # as the heartbeat thread would
+            os._exit(3)                                 # dies without leaving
         env = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SHARDPS_JOB")}
         with open(f"{out}.{os.environ['RANK']}.json", "w") as f:
-            json.dump({"env": env, "rank": membership.rank, "job": client.job}, f)
+            json.dump({"env": env, "rank": membership.rank, "job": client.job, "world_size": membership.world_size,
+                       "previous_step": membership.previous_step}, f)
         client.leave()
 """)
 
@@ -75,6 +85,16 @@ def test_each_process_joins_with_its_rank_and_a_failed_one_is_started_again(clus
         assert got["env"] == {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
                               "LOCAL_WORLD_SIZE": "2", "SHARDPS_JOB": "mine"}
         assert got["rank"] == rank and got["job"] == "mine"
+        assert got["world_size"] == 2 and got["previous_step"] == 0     # WORLD_SIZE, also for the first to join
+
+
+@pytest.mark.slow          # processes (shardps run and its 2 scripts)
+def test_a_restarted_rank_learns_the_steps_it_had_completed(cluster, tmp_path):
+    out = _run(cluster, tmp_path, "--crash-after-steps")
+    assert out.returncode == 0, out.stdout + out.stderr
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"out.{rank}.json").read_text())
+        assert got["rank"] == rank and got["previous_step"] == 5, got
 
 
 @pytest.mark.slow          # processes (shardps run and its 2 scripts)

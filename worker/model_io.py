@@ -182,8 +182,12 @@ class ModelIO:
         """After ``shardps restore``: load this rank's own state from the checkpoint (local
         parameters, buffers, the step, the random generators) and return the ``(epoch,
         batch)`` given to ``maybe_checkpoint``; None when the job was not restored or the
-        checkpoint holds nothing for this rank. Call it after ``join`` and ``create_tables``."""
+        checkpoint holds nothing for this rank. A rank started again without a restore
+        (``shardps run`` after a crash: ``membership.previous_step`` > 0) gets its step back,
+        ``self.step = previous_step``, and None. Call it after ``join`` and ``create_tables``."""
         m = self.client.membership
+        if m is not None and not m.restored and m.previous_step > self.step:
+            self.step = m.previous_step
         if m is None or not m.restored:
             return None
         try:

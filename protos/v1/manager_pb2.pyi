@@ -295,7 +295,7 @@ class JoinWorkerGroupRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., name: _Optional[str] = ..., rank_hint: _Optional[int] = ..., previous_session: _Optional[str] = ..., consistency: _Optional[_Union[_common_pb2.Consistency, _Mapping]] = ..., client: _Optional[bool] = ...) -> None: ...
 
 class JoinWorkerGroupResponse(_message.Message):
-    __slots__ = ("rank", "session", "incarnation", "group", "epoch", "lease_seconds", "heartbeat_seconds", "restored")
+    __slots__ = ("rank", "session", "incarnation", "group", "epoch", "lease_seconds", "heartbeat_seconds", "restored", "step")
     RANK_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -304,6 +304,7 @@ class JoinWorkerGroupResponse(_message.Message):
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RESTORED_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     rank: int
     session: str
     incarnation: int
@@ -312,7 +313,8 @@ class JoinWorkerGroupResponse(_message.Message):
     lease_seconds: float
     heartbeat_seconds: float
     restored: bool
-    def __init__(self, rank: _Optional[int] = ..., session: _Optional[str] = ..., incarnation: _Optional[int] = ..., group: _Optional[_Union[_common_pb2.WorkerGroup, _Mapping]] = ..., epoch: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., heartbeat_seconds: _Optional[float] = ..., restored: _Optional[bool] = ...) -> None: ...
+    step: int
+    def __init__(self, rank: _Optional[int] = ..., session: _Optional[str] = ..., incarnation: _Optional[int] = ..., group: _Optional[_Union[_common_pb2.WorkerGroup, _Mapping]] = ..., epoch: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., heartbeat_seconds: _Optional[float] = ..., restored: _Optional[bool] = ..., step: _Optional[int] = ...) -> None: ...
 
 class LeaveWorkerGroupRequest(_message.Message):
     __slots__ = ("job", "session", "step")

@@ -42,22 +42,24 @@ def join(st: ManagerState, job_name: str, name: str, rank_hint: int, previous_se
             f"this worker asked for {consistency} (staleness {staleness})")
     taken = {m.rank: m for m in job.members.values()}
     replaced = None
+    step = 0                       # what the rank had completed before, when it takes its place again
     if previous_session and previous_session in job.members:
         replaced = job.members[previous_session]
     elif name:
         replaced = next((m for m in job.members.values() if m.name == name), None)
     if replaced is not None:
         session, rank, incarnation = replaced.session, replaced.rank, replaced.incarnation + 1
+        step = replaced.step
         del job.members[replaced.session]
     elif previous_session and previous_session in job.departed:
-        rank, last_incarnation = job.departed.pop(previous_session)
-        session, incarnation = previous_session, last_incarnation + 1
+        rank, last_incarnation, *was = job.departed.pop(previous_session)
+        session, incarnation, step = previous_session, last_incarnation + 1, (was[0] if was else 0)
         if rank in taken:
             rank = lowest_free(taken)
     else:
         session, incarnation = secrets.token_hex(8), 1
         rank = rank_hint if rank_hint >= 0 and rank_hint not in taken else lowest_free(taken)
-    member = MemberRecord(rank, session, incarnation, name, last_heartbeat=now)
+    member = MemberRecord(rank, session, incarnation, name, last_heartbeat=now, step=step)
     job.members[session] = member
     job.membership_version += 1
     job.peak_members = max(job.peak_members, len(job.members))
@@ -71,7 +73,10 @@ def leave(st: ManagerState, job_name: str, session: str, step: int = 0) -> int:
     """A member leaves its group, or a client ends its session (idempotent), having completed
     ``step`` steps."""
     job = st.job(job_name)
-    if step > job.step and (session in job.members or session in job.clients):
+    m = job.members.get(session) or job.clients.get(session)
+    if m is not None and step > m.step:
+        m.step = step                        # kept with its rank (``departed``)
+    if m is not None and step > job.step:
         job.step = step
         st.unsaved = True
     if session in job.members:
@@ -86,7 +91,7 @@ def remove_member(job: JobRecord, session: str) -> None:
     """A member leaves (or its lease expired). Once none is left the group's peak starts again:
     the job's next run waits for its own workers, not for those of the last one."""
     m = job.members.pop(session)
-    job.departed[session] = [m.rank, m.incarnation]
+    job.departed[session] = [m.rank, m.incarnation, m.step]
     job.membership_version += 1
     if not job.members:
         job.peak_members = 0

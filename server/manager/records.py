@@ -108,7 +108,7 @@ class JobRecord:
     quota_bytes: int = 0
     token_id: str = ""       # str(token generation): see token_generation
     members: dict[str, MemberRecord] = field(default_factory=dict)     # by session
-    departed: dict[str, list[int]] = field(default_factory=dict)       # session -> [rank, incarnation]
+    departed: dict[str, list[int]] = field(default_factory=dict)       # session -> [rank, incarnation, step]
     membership_version: int = 0
     peak_members: int = 0    # the most live members at once since the group was last empty
     step: int = 0            # the most steps a worker reported completing, over every run

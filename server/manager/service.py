@@ -260,7 +260,7 @@ class ResourceManagerService:
         return mg.JoinWorkerGroupResponse(
             rank=max(0, member.rank), session=member.session, incarnation=member.incarnation, group=group,
             epoch=msg.epoch, lease_seconds=s.worker_lease_seconds,
-            heartbeat_seconds=s.worker_heartbeat_seconds, restored=restored)
+            heartbeat_seconds=s.worker_heartbeat_seconds, restored=restored, step=max(0, member.step))
 
     def leave_worker_group(self, req, call) -> mg.LeaveWorkerGroupResponse:
         version = self.rt.change(lambda s: s.leave(req.job, req.session, max(0, req.step)))

@@ -179,9 +179,11 @@ class PSClient(ManagerCalls, TableTransfer):
         the client adopts the group's current step (``server_clock``): a worker that joins
         late, or a script run again in the same job, goes on from there. Under torchrun or
         ``shardps run`` (``RANK`` in the environment) it asks for rank ``RANK`` and, without
-        ``name``, names itself after it, so a restarted process takes its rank back."""
-        name, rank_hint = _torchrun_place(name, rank_hint)
-        membership = self._member.join(name, rank_hint, previous_session, heartbeat, timeout)
+        ``name``, names itself after it, so a restarted process takes its rank back (and
+        ``membership.previous_step`` says where it was); ``world_size`` is then at least
+        ``WORLD_SIZE``."""
+        name, rank_hint, launched = _torchrun_place(name, rank_hint)
+        membership = self._member.join(name, rank_hint, previous_session, heartbeat, timeout, launched)
         group = self.group()
         if group is not None and group.consistency is not Consistency.ASYNC:
             self._data.step = max(self._data.step, self.server_clock(timeout))
@@ -378,14 +380,16 @@ def _cluster_and_job(manager: str, job: str) -> tuple[str, str]:
     return manager, job
 
 
-def _torchrun_place(name: str, rank_hint: int) -> tuple[str, int]:
-    """(name, rank hint) of a join: torchrun's (and `shardps run`'s) RANK where set and not
-    given, and a name after it, so a restarted process takes its rank back."""
+def _torchrun_place(name: str, rank_hint: int) -> tuple[str, int, int]:
+    """(name, rank hint, processes launched) of a join: torchrun's (and `shardps run`'s)
+    RANK where set and not given, and a name after it, so a restarted process takes its rank
+    back; WORLD_SIZE (0 when not set)."""
     rank = os.environ.get("RANK", "")
     if rank.isdigit():
         rank_hint = int(rank) if rank_hint < 0 else rank_hint
         name = name or f"{socket.gethostname()}-rank{rank}"
-    return name, rank_hint
+    world = os.environ.get("WORLD_SIZE", "")
+    return name, rank_hint, int(world) if world.isdigit() else 0
 
 
 def _run_flushes(refs: list, closing: bool) -> None:

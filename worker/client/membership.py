@@ -12,6 +12,7 @@ numbers that make pushes exactly-once.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from dataclasses import dataclass
@@ -27,7 +28,12 @@ log = logging.getLogger("shardps.client")
 
 @dataclass(frozen=True)
 class Membership:
-    """This client's place in its job's worker group."""
+    """This client's place in its job's worker group. ``world_size``: the group's live
+    members, and at least ``launched``, the processes its launcher started (torchrun's and
+    ``shardps run``'s ``WORLD_SIZE``), so the first rank to join does not see 1.
+    ``previous_step``: the steps this rank had completed before it was started again (its last
+    heartbeat's report, about once a second; 0 for a new rank): a restarted loop goes on from
+    there instead of pushing its earlier batches again."""
 
     rank: int
     session: str
@@ -35,6 +41,8 @@ class Membership:
     world_size: int
     restored: bool = False
     client: bool = False        # a client's session outside the group (no rank): see open_client
+    previous_step: int = 0
+    launched: int = 0
 
 
 class Session:
@@ -101,8 +109,9 @@ def after_heartbeat(m: Membership, resp: mg.WorkerHeartbeatResponse) -> Membersh
     """The membership a heartbeat reply leaves (rank and world size may change)."""
     if m.client:
         return m
-    if resp.world_size != m.world_size or resp.rank != m.rank:
-        return Membership(resp.rank, m.session, m.incarnation, resp.world_size, m.restored)
+    world_size = max(int(resp.world_size), m.launched)
+    if world_size != m.world_size or resp.rank != m.rank:
+        return dataclasses.replace(m, rank=resp.rank, world_size=world_size)
     return m
 
 
@@ -129,14 +138,16 @@ class GroupMember:
         return self.session.membership
 
     def join(self, name: str = "", rank_hint: int = -1, previous_session: str = "",
-             heartbeat: bool = True, timeout: float | None = None) -> Membership:
+             heartbeat: bool = True, timeout: float | None = None, launched: int = 0) -> Membership:
         """Join the job's worker group (waits for the shard map that lists this member);
-        starts the heartbeat thread unless ``heartbeat`` is False or it runs already."""
+        starts the heartbeat thread unless ``heartbeat`` is False or it runs already.
+        ``launched``: the processes the launcher started (``Membership.launched``)."""
         self.close_client()                  # a client's own session gives way to the member's
         a = self.admin
         resp = a.call("JoinWorkerGroup", a.stub.JoinWorkerGroup, mg.JoinWorkerGroupRequest(
             job=self.job, name=name, rank_hint=rank_hint, previous_session=previous_session), timeout)
-        m = Membership(resp.rank, resp.session, resp.incarnation, len(resp.group.members), resp.restored)
+        m = Membership(resp.rank, resp.session, resp.incarnation, max(len(resp.group.members), launched),
+                       resp.restored, previous_step=int(resp.step), launched=launched)
         self.session.start(m)
         a.refresh_map(min_epoch=resp.epoch)
         if heartbeat:
