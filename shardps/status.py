@@ -38,6 +38,22 @@ _RECOVERY = {pb.DataLoss.LOST: "LOST", pb.DataLoss.RESTORED: "RESTORED", pb.Data
              pb.DataLoss.PENDING: "RESTORING"}
 
 
+def restored_text(d, table_blocks: int = 0) -> str:
+    """What a restore of lost blocks (``DataLoss`` ``d``, RESTORED) left: the blocks at the
+    checkpoint's step, the table's others at their current values, the updates lost (steps
+    ``checkpoint_step + 1`` to ``lost_at_step`` where the job's step was known), the way to one
+    consistent state. ``table_blocks``: the table's block count, where known."""
+    n = len(d.blocks)
+    of = f" of {table_blocks}" if table_blocks else ""
+    lost = (f"steps {d.checkpoint_step + 1}-{d.lost_at_step}" if d.lost_at_step > d.checkpoint_step
+            else f"the steps after {d.checkpoint_step}")
+    others = (f"the table's other {table_blocks - n} block(s) keep their current values" if table_blocks > n
+              else "the table's other blocks, if any, keep their current values")
+    return (f"{n}{of} block(s) restored from checkpoint {d.checkpoint} at step {d.checkpoint_step}; {others}, "
+            f"so the table mixes the two; the restored blocks' updates of {lost} are lost. "
+            f"`shardps restore JOB` rolls the whole job back to one checkpoint instead")
+
+
 def data_loss_lines(job: str, losses) -> list[str]:
     """One line per ``DataLoss`` of ``job``: what was lost, when, and what became of it."""
     out = []
@@ -46,7 +62,7 @@ def data_loss_lines(job: str, losses) -> list[str]:
         head = (f"  {_RECOVERY.get(d.recovery, '?'):<9} table {d.table}: {len(d.blocks)} block(s) {blocks} lost "
                 f"with server {d.server} at epoch {d.epoch} (step {d.lost_at_step})")
         if d.recovery == pb.DataLoss.RESTORED:
-            head += f"; restored from {d.checkpoint} at step {d.checkpoint_step}: later updates to them are lost"
+            head += "; " + restored_text(d).replace("JOB", job)
         elif d.recovery == pb.DataLoss.RESET:
             head += "; reset to their initial values"
         elif d.recovery == pb.DataLoss.LOST:

@@ -6,6 +6,8 @@ it. Real gRPC servers in this process, a server stopped without warning (its lea
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 
@@ -75,7 +77,8 @@ def test_lost_blocks_fail_loudly_in_every_job_until_reset(make_cluster, client_f
 
 
 @pytest.mark.slow          # waits out leases or retry intervals: over a second
-def test_lost_blocks_are_restored_from_the_jobs_latest_checkpoint(make_cluster, client_factory, tmp_path):
+def test_lost_blocks_are_restored_from_the_jobs_latest_checkpoint(make_cluster, client_factory, tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="shardps.client")
     cluster = make_cluster(2, replication=1, lease=1.0, manager_settings={"checkpoint_dir": str(tmp_path)})
     a = client_factory(cluster.address, "a")
     _fill(a, "a")                                          # rows at -1
@@ -98,6 +101,12 @@ def test_lost_blocks_are_restored_from_the_jobs_latest_checkpoint(make_cluster, 
     assert cluster.manager.metrics.registry.get_sample_value(
         "shardps_blocks_recovered_total", {"training_job": "a", "how": "restored"}) == len(losses[0].blocks)
     a.push_rows("emb", kept_ids, np.ones((kept_ids.size, 4), np.float32))     # training goes on
+    said = [r.getMessage() for r in caplog.records if r.name == "shardps.client" and "restored from" in r.getMessage()]
+    assert len(said) == 1, said                         # the client says what the table now holds
+    n = len(losses[0].blocks)
+    assert f"{n} of 16 block(s) restored from checkpoint {path} at step" in said[0]
+    assert f"the table's other {16 - n} block(s) keep their current values, so the table mixes the two" in said[0]
+    assert "shardps restore a" in said[0]
 
 
 def _lost_restored(cluster):

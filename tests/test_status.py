@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry
 from shardps.metrics import ManagerMetrics
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import manager_pb2 as mg
-from shardps.status import format_status, status_to_dict
+from shardps.status import format_status, restored_text, status_to_dict
 from shardps.tables import sgd
 from tests.waiting import wait_for
 
@@ -82,5 +82,16 @@ def test_status_warns_at_replication_1_and_lists_each_jobs_lost_blocks():
     assert "lost 3" in text and "warning: replication 1" in text
     assert "LOST      table emb: 3 block(s) [1, 4, 6] lost with server s1 at epoch 9 (step 120)" in text
     assert "no checkpoint under /ck" in text and "shardps reset-lost a emb" in text
-    assert "restored from /ck/a/step-60 at step 60" in text
+    assert "restored from checkpoint /ck/a/step-60 at step 60" in text
     assert "warning" not in format_status(_status(2, [pb.SERVING, pb.SERVING], under=0))
+
+
+def test_a_restore_of_lost_blocks_says_what_the_table_holds_and_which_steps_are_lost():
+    d = pb.DataLoss(table="emb", blocks=[1, 5], lost_at_step=57, recovery=pb.DataLoss.RESTORED,
+                    checkpoint="/ck/step-20", checkpoint_step=20)
+    assert restored_text(d, 16) == (
+        "2 of 16 block(s) restored from checkpoint /ck/step-20 at step 20; the table's other 14 block(s) keep "
+        "their current values, so the table mixes the two; the restored blocks' updates of steps 21-57 are "
+        "lost. `shardps restore JOB` rolls the whole job back to one checkpoint instead")
+    d.lost_at_step = 0                  # the job's step unknown then: no range like "1-0"
+    assert "updates of the steps after 20 are lost" in restored_text(d)

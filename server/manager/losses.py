@@ -33,7 +33,7 @@ def record_loss(st: ManagerState, lost: list[tuple[TableRecord, int]], server: s
         rec = st.jobs.get(job)
         if rec is None:
             continue
-        step = max((m.step for m in rec.members.values()), default=0)
+        step = max([rec.step] + [m.step for m in rec.members.values()])
         rec.data_loss.append(DataLossRecord(epoch, server, table, sorted(blocks), step, "pending"))
         st.loss_counts[("lost", job)] += len(blocks)
         recovered = [d for d in rec.data_loss if d.recovery in ("restored", "reset")]

@@ -24,6 +24,7 @@ from shardps.rpc import channels
 from shardps.rpc.status import translated
 from shardps.rpc.stubs import MANAGER, ManagerStub
 from shardps.shardmap import GroupView, ShardMapView, TableView
+from shardps.status import restored_text
 from shardps.tables import (
     Consistency,
     Initializer,
@@ -224,8 +225,9 @@ class Admin:
             what = (f"job {self.job!r}: {len(d.blocks)} block(s) of table {d.table!r} lost every replica "
                     f"with server {d.server} at epoch {d.epoch} (step {d.lost_at_step})")
             if d.recovery == pb.DataLoss.RESTORED:
-                log.warning("%s; restored from checkpoint %s at step %d: their updates of steps %d-%d are "
-                            "lost", what, d.checkpoint, d.checkpoint_step, d.checkpoint_step + 1, d.lost_at_step)
+                t = new.tables.get((self.job, d.table))
+                log.warning("%s; %s", what, restored_text(d, t.spec.block_count if t is not None else 0)
+                            .replace("JOB", self.job))
             elif d.recovery == pb.DataLoss.RESET:
                 log.warning("%s; reset: they start again from their initial values", what)
             else:
