@@ -49,6 +49,9 @@ def run_local(args, worker_flags: list[str]) -> int:
             return 2
         print(f"shardps local: manager at {cluster.manager_address}; {args.servers} servers "
               f"SERVING, replication {cluster.replication}; logs in {cluster.work_dir}", flush=True)
+        print(f"shardps local: {metrics_line(cluster)}", flush=True)
+        watch = threading.Thread(target=_watch, args=(cluster, stop), daemon=True, name="watch-processes")
+        watch.start()
         if cluster.replication < 2 and args.servers >= 2:
             print(f"shardps local: warning: replication {cluster.replication}: a server's death loses "
                   f"the values of its blocks (restored from the latest checkpoint where there is one, "
@@ -63,9 +66,37 @@ def run_local(args, worker_flags: list[str]) -> int:
     except KeyboardInterrupt:
         code = 130
     finally:
+        stop.set()                       # the watcher says nothing of the processes stopped now
         cluster.stop()
         _leave_work_dir(cluster, getattr(args, "keep", False))
     return code
+
+
+def metrics_line(cluster: LocalCluster) -> str:
+    """Where each process serves its Prometheus metrics (from its ready file)."""
+    procs = [("manager", cluster.manager)] + sorted(cluster.servers.items())
+    where = [f"{name} http://{p.info['metrics']}/metrics" for name, p in procs
+             if p is not None and p.info.get("metrics")]
+    return "metrics at " + (", ".join(where) or "none")
+
+
+def _watch(cluster: LocalCluster, stop: threading.Event, every: float = 0.5) -> None:
+    """Say once when the manager or a server exits while the cluster runs (until ``stop``),
+    with the end of its log: training may go on (replication) or stall, and the console
+    would otherwise say nothing."""
+    told: set[str] = set()
+    while not stop.wait(every):
+        procs = [cluster.manager] + list(cluster.servers.values())
+        for p in procs:
+            if p is None or p.alive or p.name in told or stop.is_set():
+                continue
+            told.add(p.name)
+            what = ("the workers' calls to its blocks fail over to their other replicas"
+                    if cluster.replication > 1 else "its blocks are lost unless a checkpoint restores them")
+            if p.role == "manager":
+                what = "training goes on; membership and map changes wait for a manager"
+            print(f"shardps local: {p.role} {p.name} exited with status {p.popen.returncode} ({what}); "
+                  f"its log ends:\n{tail(p.log_path, 10)}", file=sys.stderr, flush=True)
 
 
 def _leave_work_dir(cluster: LocalCluster, keep: bool) -> None:
@@ -143,6 +174,7 @@ def _train_locally(cluster: LocalCluster, args, worker_flags: list[str], stop: t
           f"model={args.model}: mean {summary} (wall {train_seconds:.1f}s including start-up)", flush=True)
     if args.baseline:
         from shardps.worker.runtime import train_single_process
+        stop.set()
         cluster.stop()
         print("shardps local: training the single-process baseline (same model, data and optimizer)...",
               flush=True)

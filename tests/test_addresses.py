@@ -172,3 +172,23 @@ def test_a_worker_that_cannot_reach_the_manager_says_so(refused_address, tmp_pat
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_servers_address_or_an_http_port_given_as_the_managers_is_named_at_once(cluster, client_factory):
+    import http.server
+    import threading
+    import time
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)   # a metrics port
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        server = next(iter(cluster.servers.values())).address
+        for address, says in ((server, "answers gRPC but does not serve CreateJob: it is another kind of process "
+                                       "(a server's address given as the manager's"),
+                              (f"127.0.0.1:{httpd.server_port}", "answers HTTP/1, not gRPC: a metrics port")):
+            started = time.monotonic()
+            with pytest.raises(InvalidArgument, match=r"the manager at 127\.0\.0\.1:\d+ " + says.replace("(", r"\(")):
+                client_factory(address, "wrong", timeout=20).create_job()
+            assert time.monotonic() - started < 5           # not 20 s of retries
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

@@ -52,3 +52,36 @@ def test_keep_keeps_the_work_dir(tmp_path):
         assert (work / "manager.log").exists() and (work / "worker-0.log").exists()
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.mark.slow          # processes (shardps local with 2 servers), a few seconds
+def test_the_console_names_the_metrics_ports_and_a_server_that_dies(tmp_path):
+    import json
+    import os
+    import signal
+    import urllib.request
+    work = tmp_path / "work"
+    proc = subprocess.Popen(SHARDPS + ["local", "--servers", "2", "--port", "0", "--work-dir", str(work)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    try:
+        assert proc.stdout is not None
+        lines = [proc.stdout.readline()]
+        while lines[-1] and "metrics at" not in lines[-1]:
+            lines.append(proc.stdout.readline())
+        found = re.search(r"metrics at manager (http://\S+/metrics), s0 (http://\S+/metrics), "
+                          r"s1 (http://\S+/metrics)", lines[-1])
+        assert found, lines
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        for url in found.groups():                          # each one answers with its metrics
+            assert b"process_cpu_seconds_total" in opener.open(url, timeout=10).read()
+        pid = json.loads((work / "s1.ready").read_text())["pid"]
+        os.kill(pid, signal.SIGKILL)
+        said = ""
+        while "exited" not in said:
+            said = proc.stdout.readline()
+            assert said, "shardps local ended without a word about s1"
+        assert "server s1 exited with status -9 (the workers' calls to its blocks fail over" in said, said
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+    assert "exited with status" not in rest, rest        # the servers it stopped itself: no word

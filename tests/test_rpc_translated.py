@@ -7,7 +7,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from shardps.errors import Internal, InvalidArgument, StaleEpoch, Unavailable
+from shardps.errors import InvalidArgument, StaleEpoch, Unavailable
 from shardps.rpc import channels
 from shardps.rpc.status import Method, bind, translated
 
@@ -87,9 +87,10 @@ def test_codes_without_a_class_of_their_own_keep_their_status(server):
     with pytest.raises(Unavailable) as cancelled, translated("call"):
         ch.unary_unary(f"/{SERVICE}/Cancelled")(b"", timeout=5)
     assert (cancelled.value.status, cancelled.value.details) == ("CANCELLED", "cut by the peer")
-    with pytest.raises(Internal) as unknown, translated("call"):
-        ch.unary_unary(f"/{SERVICE}/NoSuchMethod")(b"", timeout=5)
+    with pytest.raises(InvalidArgument) as unknown, translated("NoSuchMethod", "the manager at x:1"):
+        ch.unary_unary(f"/{SERVICE}/NoSuchMethod")(b"", timeout=5)     # a wrong address: final, named
     assert unknown.value.status == "UNIMPLEMENTED"
+    assert "the manager at x:1 answers gRPC but does not serve NoSuchMethod" in unknown.value.message
 
 
 def test_other_exceptions_pass_unchanged():

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from shardps.devcerts import make_dev_certs
-from shardps.errors import Unavailable
+from shardps.errors import InvalidArgument, Unavailable
 from shardps.rpc.channels import TlsConfig, check_health
 from shardps.tables import sgd
 
@@ -39,9 +39,17 @@ def test_mutual_tls_cluster_serves_only_clients_with_certificates(make_cluster, 
     no_cert = TlsConfig.from_files(ca=str(certs["ca"]))
     with pytest.raises(Unavailable):
         client_factory(cluster.address, tls=no_cert, timeout=3).refresh_map()
-    with pytest.raises(Unavailable):
+    with pytest.raises(Unavailable, match="closed the connection at once: a process that requires TLS"):
         client_factory(cluster.address, timeout=3).refresh_map()
     # health stays reachable in plaintext on its own port for Kubernetes probes
     for proc in [cluster.manager, *cluster.servers.values()]:
         assert check_health(f"127.0.0.1:{proc.net.health_port}") == "SERVING"
         assert check_health(proc.address, tls=tls(certs, "client")) == "SERVING"
+
+
+def test_a_tls_client_of_a_plaintext_manager_is_told_at_once(cluster, client_factory, certs):
+    import time
+    started = time.monotonic()
+    with pytest.raises(InvalidArgument, match="does not speak TLS and this client does"):
+        client_factory(cluster.address, tls=tls(certs, "client"), timeout=20).refresh_map()
+    assert time.monotonic() - started < 5

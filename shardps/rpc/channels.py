@@ -42,7 +42,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from shardps.errors import DeadlineExceeded, InvalidArgument, ShardpsError
+from shardps.errors import DeadlineExceeded, InvalidArgument, ShardpsError, Unavailable
 from shardps.rpc.status import translated
 from shardps.settings import MANAGER_PORT
 
@@ -290,8 +290,8 @@ def call_with_retries(attempt, timeout: float, policy: RetryPolicy = RETRY, *,
         try:
             return attempt(max(_LAST_ATTEMPT_SECONDS, deadline - clock()))
         except ShardpsError as err:
-            if err.status != "UNAVAILABLE":
-                raise
+            if err.status != "UNAVAILABLE" or not isinstance(err, Unavailable):
+                raise                   # a wrong address or TLS setting is final (status.from_rpc_error)
             if sleep(max(0.0, min(delay * (0.5 + jitter()), deadline - clock()))):
                 raise
             if deadline - clock() < _LAST_ATTEMPT_SECONDS:
@@ -323,7 +323,7 @@ class UnreachableWarnings:
         """An attempt failed with ``err``: a call that ended UNAVAILABLE (no connection;
         ``status``) counts towards the warnings; DeadlineExceeded (a hung peer gives it too)
         changes nothing; any other error is an answer."""
-        if err.status == "UNAVAILABLE":
+        if err.status == "UNAVAILABLE" and isinstance(err, Unavailable):
             self.failed(f"UNAVAILABLE: {err.details}" if err.details else "UNAVAILABLE")
         elif not isinstance(err, DeadlineExceeded):
             self.answered()

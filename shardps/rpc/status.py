@@ -40,8 +40,31 @@ def grpc_code(exc: ShardpsError) -> grpc.StatusCode:
     return grpc.StatusCode.UNKNOWN
 
 
-def from_rpc_error(err: grpc.RpcError, what: str) -> ShardpsError:
-    """Translate a failed call into a shardps error whose message says what failed."""
+# What a failed call's status says about a wrong address or TLS setting, before any shardps
+# code ran on the other side: (code, a piece of gRPC's details, the error it is, the advice).
+# The first two are final (a retry meets the same process): no 30 s of retries.
+_WRONG_PEER = (
+    (grpc.StatusCode.UNIMPLEMENTED, "", errors.InvalidArgument,
+     "{peer} answers gRPC but does not serve {what}: it is another kind of process (a server's address "
+     "given as the manager's, or the reverse?). `shardps local` prints the manager's address; "
+     "`shardps status` lists the servers'"),
+    (grpc.StatusCode.UNAVAILABLE, "Failed parsing HTTP/2", errors.InvalidArgument,
+     "{peer} answers HTTP/1, not gRPC: a metrics port (/metrics) or another web server? Give the "
+     "process's gRPC address (--listen; `shardps local` prints the manager's)"),
+    (grpc.StatusCode.UNAVAILABLE, "WRONG_VERSION_NUMBER", errors.InvalidArgument,
+     "{peer} does not speak TLS and this client does: drop the client's TLS settings (--tls-ca, "
+     "SHARDPS_TLS_*) or start the process with TLS"),
+    (grpc.StatusCode.UNAVAILABLE, "Socket closed", errors.Unavailable,
+     "{peer} closed the connection at once: a process that requires TLS (or a client certificate) "
+     "closes it so for a client without one; check both sides' TLS settings (--tls-*), or whether "
+     "it is restarting"),
+)
+
+
+def from_rpc_error(err: grpc.RpcError, what: str, peer: str = "") -> ShardpsError:
+    """Translate a failed call into a shardps error whose message says what failed (and, for
+    a wrong address or TLS setting, what is likely wrong: ``peer`` names the other side, such
+    as "the manager at host:port")."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = err.details() if hasattr(err, "details") else str(err)
     cls = _FROM_GRPC.get(code, errors.Internal)
@@ -54,20 +77,25 @@ def from_rpc_error(err: grpc.RpcError, what: str) -> ShardpsError:
     advice = ""
     if code == grpc.StatusCode.UNAVAILABLE:
         advice = " (is the process at that address running and reachable?)"
+    for wrong_code, sign, wrong_cls, says in _WRONG_PEER:
+        if code == wrong_code and sign in str(details) and named is None:
+            cls = wrong_cls
+            advice = " (" + says.format(peer=peer or "the process at that address", what=what) + ")"
+            break
     exc = cls(f"{what}: {code.name}: {details}{advice}")
     exc.status, exc.details = code.name, str(details)
     return exc
 
 
 @contextlib.contextmanager
-def translated(what: str) -> Iterator[None]:
+def translated(what: str, peer: str = "") -> Iterator[None]:
     """Run the block's gRPC calls with their failures as shardps errors: a ``grpc.RpcError``
     raised in the block (by a call, or while iterating a server-streaming reply) leaves it
-    as ``from_rpc_error(err, what)``, raised from None. Other exceptions pass unchanged."""
+    as ``from_rpc_error(err, what, peer)``, raised from None. Other exceptions pass unchanged."""
     try:
         yield
     except grpc.RpcError as err:
-        raise from_rpc_error(err, what) from None
+        raise from_rpc_error(err, what, peer) from None
 
 
 def _wire_name(err: grpc.RpcError) -> str | None:

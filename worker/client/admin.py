@@ -146,7 +146,7 @@ class Admin:
             nonlocal attempts
             attempts += 1
             try:
-                with translated(what):
+                with translated(what, f"the manager at {self.address}"):
                     reply = fn(request, timeout=left, metadata=self.metadata, **kw)
             except ShardpsError as err:
                 self.unreachable.attempted(err)     # a warning every few seconds while unreachable
