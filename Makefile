@@ -6,6 +6,7 @@ PIP      := $(PY) -m pip
 SHARDPS  := $(VENV)/bin/shardps
 STAMP    := $(VENV)/.shardps-installed
 PYTEST_ARGS ?=
+PORT     ?= 7070
 
 .PHONY: run test test-fast lint setup protos bench bench-quick soak chaos torture wheelhouse images secrets clean help
 
@@ -19,8 +20,8 @@ $(STAMP): pyproject.toml constraints.txt
 
 setup: $(STAMP)  ## create .venv and install shardps with the worker and dev extras
 
-run: $(STAMP)  ## a local cluster (2 servers, 2 workers) trains digits-cnn; prints the baseline beside it
-	$(SHARDPS) local --servers 2 --workers 2 --model digits-cnn --mode async --baseline
+run: $(STAMP)  ## a local cluster (2 servers, 2 workers) trains digits-cnn; prints the baseline beside it (PORT=7070: the manager's)
+	$(SHARDPS) local --servers 2 --workers 2 --model digits-cnn --mode async --baseline --port $(PORT)
 
 # mypy cannot follow pyproject.toml's package-dir (shardps.server is server/, ...): it checks a
 # tree of links laid out as the installed package. Keep the links in step with package-dir.

@@ -10,7 +10,9 @@ servers' own counters (their Prometheus ``grpc_server_handled_total``) and print
 
 Data: the Criteo TSV format when given --data (label, 13 integer features, 26 categorical
 hex features per line; the 26 categorical columns are grouped into 8 multi-hot bags,
-column c going to feature c % 8), synthetic clicks otherwise.
+column c going to feature c % 8), synthetic clicks otherwise. Criteo's 1 TB click logs
+(day_0 ... day_23) are at https://ailab.criteo.com/download-criteo-1tb-click-logs-dataset/ ;
+the Kaggle display-advertising set's train.txt has the same format.
 
     shardps local --servers 2 &             # a cluster at 127.0.0.1:7070
     python examples/dlrm.py --steps 300
@@ -45,6 +47,10 @@ BAG = 4                          # ids per bag at most (26 Criteo columns over 8
 def read_criteo(path: str, rows: int, limit: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(dense [n, 13] log(1 + x), ids [n, 8, 4] hashed into [0, rows) with -1 for none,
     labels [n]) from a Criteo TSV file. Empty fields: dense 0, categorical left out."""
+    if not os.path.isfile(path):
+        raise SystemExit(f"{path}: no such file. Criteo TSV data: the 1 TB click logs at "
+                         f"https://ailab.criteo.com/download-criteo-1tb-click-logs-dataset/ (or the Kaggle "
+                         f"display-advertising train.txt); without --data the script makes synthetic clicks")
     dense, ids, labels = [], [], []
     with open(path) as f:
         for line in f:
@@ -152,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--manager", default=os.environ.get("SHARDPS_MANAGER", "127.0.0.1:7070"),
                    help="the manager's address (default: $SHARDPS_MANAGER or 127.0.0.1:7070)")
     add_job_arguments(p, "dlrm")
-    p.add_argument("--data", default="", help="a Criteo TSV file (default: synthetic clicks)")
+    p.add_argument("--data", default="", help="a Criteo TSV file (default: synthetic clicks; Criteo's 1 TB click "
+                   "logs or the Kaggle display-advertising train.txt)")
     p.add_argument("--samples", type=int, default=0,
                    help="with --data: samples to read, the last 10%% being the test set (default: all); "
                    "synthetic: test samples (default: 4096; training draws fresh ones each step)")

@@ -8,8 +8,10 @@ every table's rows come in one pull per server, and the gradients of the rows it
 back in one push.
 
 The file is MovieLens ``u.data``: ``user \\t item \\t rating \\t timestamp`` per line (ids
-from 1). A seeded 90/10 split of the lines is the training and test set; the script prints
-the test RMSE beside the RMSE of always predicting the training mean.
+from 1), from GroupLens's MovieLens 100K data set (https://grouplens.org/datasets/movielens/100k/:
+``ml-100k.zip`` holds ``ml-100k/u.data``). A seeded 90/10 split of the lines is the training
+and test set; the script prints the test RMSE beside the RMSE of always predicting the
+training mean.
 
     shardps local --servers 2 &             # a cluster at 127.0.0.1:7070
     python examples/movielens_mf.py --ratings ml-100k/u.data --epochs 10
@@ -31,8 +33,14 @@ from shardps.worker import PSClient, adagrad, normal, zeros
 from shardps.worker.torch_ps import PSEmbedding, PSModel
 
 
+MOVIELENS_URL = "https://grouplens.org/datasets/movielens/100k/"
+
+
 def read_ratings(path: str) -> np.ndarray:
     """``[n, 3]`` (user, item, rating) of a u.data file (tab-separated; timestamps ignored)."""
+    if not os.path.isfile(path):
+        raise SystemExit(f"{path}: no such file. Download MovieLens 100K from "
+                         f"{MOVIELENS_URL} and give its u.data: --ratings ml-100k/u.data")
     try:
         data = np.loadtxt(path, delimiter="\t", usecols=(0, 1, 2), dtype=np.int64, ndmin=2)
     except (OSError, ValueError) as exc:
@@ -65,7 +73,8 @@ class MF(nn.Module):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ratings", default="u.data", help="a MovieLens u.data file (default: ./u.data)")
+    p.add_argument("--ratings", default="u.data", help=f"a MovieLens u.data file (default: ./u.data; MovieLens "
+                   f"100K from {MOVIELENS_URL})")
     p.add_argument("--manager", default=os.environ.get("SHARDPS_MANAGER", "127.0.0.1:7070"),
                    help="the manager's address (default: $SHARDPS_MANAGER or 127.0.0.1:7070)")
     add_job_arguments(p, "movielens")

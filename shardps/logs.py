@@ -67,12 +67,27 @@ class HumanFormatter(logging.Formatter):
         return line
 
 
+class StderrHandler(logging.StreamHandler):
+    """A handler writing to whatever ``sys.stderr`` is when a record comes, not the stream it
+    was at set-up: a thread that logs late (a kernel warm-up) then never writes to a stream
+    that was swapped out and closed (pytest's capture of an in-process command)."""
+
+    def __init__(self):
+        super().__init__(sys.stderr)
+
+    @property  # type: ignore[override]
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def setup(role: str, node: str = "", fmt: str = "auto", level: str = "info", stream=None) -> LogContext:
-    """Configure the root logger once for this process; returns the context to update."""
-    stream = stream or sys.stderr
-    if fmt == "auto":
-        fmt = "human" if getattr(stream, "isatty", lambda: False)() else "human"
-    handler = logging.StreamHandler(stream)
+    """Configure the root logger once for this process; returns the context to update.
+    Records go to ``stream``, else to the process's ``sys.stderr`` of the moment."""
+    handler = logging.StreamHandler(stream) if stream is not None else StderrHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else HumanFormatter())
     context = LogContext(role=role, node=node)
     handler.addFilter(context)

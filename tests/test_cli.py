@@ -163,3 +163,10 @@ def test_local_listens_where_the_readme_connects_and_says_when_that_port_is_take
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def test_make_run_takes_another_port():
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(["make", "-n", "run", "PORT=7171"], capture_output=True, text=True, cwd=root, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"shardps local --servers 2 .*--port 7171$", out.stdout, flags=re.M), out.stdout

@@ -171,3 +171,20 @@ def test_the_next_run_of_a_job_waits_for_its_own_workers(make_cluster, client_fa
     assert second.group().peak_members == 1
     with pytest.raises(DeadlineExceeded, match="1 of 2 workers"):
         second.wait_for_workers(2, timeout=0.3)
+
+
+def test_a_psmodel_refuses_another_dtype_at_once_and_keeps_training(cluster, client_factory):
+    from shardps.errors import InvalidArgument
+    client = client_factory(cluster.address, job="dtype")
+    client.create_job()
+    model = PSModel(Recommender(), client, optimizer=sgd(0.1))
+    model.create_tables()
+    for change in (lambda m: m.to(torch.float64), lambda m: m.double(), lambda m: m.half()):
+        with pytest.raises(InvalidArgument, match="cannot become torch.float"):
+            change(model)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    model.to("cpu")                                     # a device is fine
+    model.pull()
+    model(torch.tensor([[1, 2]])).sum().backward()
+    model.push()
+    model.flush()

@@ -39,3 +39,14 @@ def test_readme_example_runs(index, cluster, monkeypatch, tmp_path, caplog):
         plain.head = torch.nn.Linear(8, 1)
         plain.load_state_dict(state)
         assert state["items.weight"].shape == (100_000, 8)
+
+
+def test_the_readme_lists_every_command():
+    import argparse
+
+    from shardps.cli import build_parser
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    text = " ".join(README.read_text().split())
+    listed = re.search(r"`shardps --help` lists them: (.*?)\. Every flag", text)
+    assert listed, "the README's Commands section"
+    assert re.findall(r"`([a-z-]+)`", listed.group(1)) == list(sub.choices)
