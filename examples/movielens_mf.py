@@ -32,7 +32,6 @@ from tqdm import tqdm
 from shardps.worker import PSClient, adagrad, normal, zeros
 from shardps.worker.torch_ps import PSEmbedding, PSModel
 
-
 MOVIELENS_URL = "https://grouplens.org/datasets/movielens/100k/"
 
 
