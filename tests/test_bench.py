@@ -249,3 +249,37 @@ def test_waiting_for_processes_reports_the_first_failure_while_the_others_still_
     finally:
         waiting.kill()
         waiting.wait()
+
+
+def _three_lines(x):
+    y = x + 1
+    z = y * 2
+    return z
+
+
+def test_the_line_counter_counts_the_lines_of_the_files_it_is_given_per_thread():
+    import threading
+
+    from shardps.bench.lines import LineCounter, in_library
+    counter = LineCounter(wanted=lambda name: name == __file__)
+    counter.install()
+    try:
+        _three_lines(1)                              # not counted: inactive
+        counter.active = True
+        _three_lines(1)
+        other = threading.Thread(target=lambda: [_three_lines(i) for i in range(2)], name="other-thread")
+        other.start()
+        other.join()
+        counter.active = False
+        _three_lines(1)
+    finally:
+        counter.remove()
+    me = threading.get_ident()
+    assert counter.lines[me] == 3 and counter.calls[me] == 1
+    roles = counter.by_role(training=me)
+    assert roles["train"] == (3, 1)
+    assert roles["other"][0] >= 6 and roles["other"][1] >= 2        # the thread's lambda and list count too
+    import shardps.bench.lines as lines_module
+    from shardps import kernels
+    from shardps.worker.client import data
+    assert in_library(data.__file__) and in_library(kernels.__file__) and not in_library(lines_module.__file__)

@@ -44,6 +44,7 @@ PARTS = {
     "control": "shardps.bench.control_map",
     "lifecycle": "shardps.bench.lifecycle",
     "gpu": "shardps.bench.gpu",
+    "lines": "shardps.bench.lines",
 }
 DEFAULT_OUT = "bench/results/latest.json"
 

@@ -50,6 +50,7 @@ class BenchConfig:
     scale_points: tuple[tuple[int, int], ...] = ()     # (): every point of scale.POINTS the cores fit
     # many tables: the plain loop on 12 single-hot tables (shardps/bench/many_tables.py)
     many_tables_steps: int = 400
+    lines_steps: int = 40                 # steps the lines part counts (after its warm-up)
     # memory
     mem_dense_params: int = 10_000_000
     mem_sparse_rows: int = 1_000_000
@@ -142,6 +143,7 @@ TINY = BenchConfig(
     e2e_servers=1,
     scale_train_samples=4_096,
     many_tables_steps=5,
+    lines_steps=2,
     mem_dense_params=1 << 18,
     mem_sparse_rows=10_000,
     mem_push_elements=1 << 16,

@@ -22,6 +22,8 @@ REQUIRED_KEYS = (
     "cache_on_pull_bytes_per_step", "cache_off_pull_bytes_per_step", "cache_on_row_pull_bytes_per_step",
     "cache_off_row_pull_bytes_per_step", "cache_on_hit_rate", "cache_on_max_staleness",
     "cache_hit_rate_ceiling", "cache_row_pull_bytes_floor", "cache_staleness_for_quarter_bytes",
+    "lines_worker_train_per_step", "lines_worker_other_per_step", "lines_server_per_request",
+    "lines_many_tables_worker_per_step",
 )
 
 
@@ -92,6 +94,15 @@ TARGETS = (
            "|e2e_ps_async_auc - e2e_ddp_sparse_auc| <= 0.005"),
     Target("e2e_waits", "e2e_ps_async_share_waits", "<=", 0.25,
            "e2e_ps_async pull wait + push wait <= 0.25 of the loop"),
+    # lines of the project's Python per step and per request, counted (python -m shardps.bench.lines)
+    Target("lines_train", "lines_worker_train_per_step", "<=", 100.0,
+           "a ctr step's lines on the worker's training thread <= 100"),
+    Target("lines_other", "lines_worker_other_per_step", "<=", 100.0,
+           "a ctr step's lines on the worker's other threads <= 100"),
+    Target("lines_server", "lines_server_per_request", "<=", 60.0,
+           "a server's lines per data request <= 60"),
+    Target("lines_many_tables", "lines_many_tables_worker_per_step", "<=", 250.0,
+           "a 12-table step's lines on the worker (every thread) <= 250"),
     Target("many_tables_calls", "e2e_many_tables_calls_per_step_per_server", "<=", 1.0,
            "e2e_many_tables: data calls per step per server <= 1"),
     Target("many_tables_speed", "ratio_e2e_many_tables_ps_over_single", ">=", 0.5,
