@@ -31,6 +31,15 @@ class InvalidArgument(ShardpsError):
     code = "INVALID_ARGUMENT"
 
 
+def non_finite(table: str, value: float, where: str) -> InvalidArgument:
+    """The refusal of a NaN or infinity at ``where`` (the sender's place of it, such as
+    "element 4095 of the gradient") in values for ``table``: the one wording of the rule,
+    for clients and servers."""
+    return InvalidArgument(
+        f"{where} for table {table!r} is {value}: NaN/Inf gradients are refused unless the "
+        f"table's config sets allow_non_finite; nothing of the request was applied")
+
+
 class UnknownRegion(InvalidArgument):
     """A shared-memory region this server does not know for the job: never proved to it with
     ProbeSharedMemory, or proved to a process that has since restarted. Prove it again (the

@@ -426,15 +426,6 @@ def check_ids(spec: TableSpec, ids: np.ndarray) -> None:
                 f"[0, {spec.num_rows})")
 
 
-def non_finite(table: str, value: float, where: str) -> InvalidArgument:
-    """The refusal of a NaN or infinity at ``where`` (the sender's place of it, such as
-    "element 4095 of the gradient") in values for ``table``: the one wording of the rule,
-    for clients and servers."""
-    return InvalidArgument(
-        f"{where} for table {table!r} is {value}: NaN/Inf gradients are refused unless the "
-        f"table's config sets allow_non_finite; nothing of the request was applied")
-
-
 # --- initial values: counter-based, a pure function of (seed, row, column) ---
 
 def _uniform01(seed: int, rows: np.ndarray, cols: np.ndarray, stream: int) -> np.ndarray:

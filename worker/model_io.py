@@ -154,6 +154,17 @@ class ModelIO:
         for all of them (call it per epoch or every few hundred steps, not per step)."""
         self.client.update_configs({table: {"lr": float(lr_of(base))} for table, base in self._base_lr.items()})
 
+    def _apply(self, fn, recurse=True):
+        """``to(device)`` and the like, as any module; a change of the parameters' dtype
+        (``.to(torch.float64)``, ``.double()``, ``.half()``) is refused at once, naming the
+        dtype: the tables hold float32, and the next step would fail inside torch. Mixed
+        precision goes through ``torch.autocast``, which leaves the parameters float32."""
+        probe = fn(torch.empty(0, dtype=torch.float32))
+        if probe.dtype != torch.float32:
+            raise InvalidArgument(f"PSModel's parameters are float32 (its tables on the servers hold float32): "
+                                  f"it cannot become {probe.dtype}; for mixed precision use torch.autocast")
+        return super()._apply(fn, recurse)
+
     # ------------------------------------------------------------------ checkpoints
     def maybe_checkpoint(self, every: int = 0, epoch: int = 0, batch: int = 0,
                          timeout: float | None = 300.0) -> str | None:

@@ -140,17 +140,6 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         """The wrapped module's forward."""
         return self.module(*args, **kwargs)
 
-    def _apply(self, fn, recurse=True):
-        """``to(device)`` and the like, as any module; a change of the parameters' dtype
-        (``.to(torch.float64)``, ``.double()``, ``.half()``) is refused at once, naming the
-        dtype: the tables hold float32, and the next step would fail inside torch. Mixed
-        precision goes through ``torch.autocast``, which leaves the parameters float32."""
-        probe = fn(torch.empty(0, dtype=torch.float32))
-        if probe.dtype != torch.float32:
-            raise InvalidArgument(f"PSModel's parameters are float32 (its tables on the servers hold float32): "
-                                  f"it cannot become {probe.dtype}; for mixed precision use torch.autocast")
-        return super()._apply(fn, recurse)
-
     def table_optimizer(self, table: str) -> OptimizerConfig:
         return self.optimizers.get(table, self.optimizer)
 

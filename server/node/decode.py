@@ -24,7 +24,15 @@ import numpy as np
 
 from shardps import dtypes, kernels
 from shardps.dtypes import WireDType
-from shardps.errors import DataLost, InvalidArgument, NotFound, ResourceExhausted, StaleEpoch, Unavailable
+from shardps.errors import (
+    DataLost,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    StaleEpoch,
+    Unavailable,
+    non_finite,
+)
 from shardps.messages import RANGE, ROWS, Header, Selection
 from shardps.rpc.codec import byte_view
 from shardps.server.node import storage_kernels
@@ -35,7 +43,6 @@ from shardps.tables import (
     TableKind,
     check_range,
     dense_blocks_of_range,
-    non_finite,
 )
 
 

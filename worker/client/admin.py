@@ -24,7 +24,6 @@ from shardps.rpc import channels
 from shardps.rpc.status import translated
 from shardps.rpc.stubs import MANAGER, ManagerStub
 from shardps.shardmap import GroupView, ShardMapView, TableView
-from shardps.status import restored_text
 from shardps.tables import (
     Consistency,
     Initializer,
@@ -33,7 +32,7 @@ from shardps.tables import (
     TableConfig,
     TableSpec,
 )
-from shardps.worker.client import requests
+from shardps.worker.client import notices, requests
 
 if TYPE_CHECKING:
     from shardps.worker.client.membership import GroupMember  # it imports this module
@@ -216,24 +215,8 @@ class Admin:
 
     def _report_losses(self, old: ShardMapView, new: ShardMapView) -> None:
         """Log each loss of this job's blocks, and its recovery, once, when a map shows it."""
-        before = {(d.epoch, d.table, d.recovery) for d in
-                  (old.groups[self.job].data_loss if self.job in old.groups else ())}
-        group = new.groups.get(self.job)
-        for d in group.data_loss if group is not None else ():
-            if (d.epoch, d.table, d.recovery) in before or d.recovery == pb.DataLoss.PENDING:
-                continue
-            what = (f"job {self.job!r}: {len(d.blocks)} block(s) of table {d.table!r} lost every replica "
-                    f"with server {d.server} at epoch {d.epoch} (step {d.lost_at_step})")
-            if d.recovery == pb.DataLoss.RESTORED:
-                t = new.tables.get((self.job, d.table))
-                log.warning("%s; %s", what, restored_text(d, t.spec.block_count if t is not None else 0)
-                            .replace("JOB", self.job))
-            elif d.recovery == pb.DataLoss.RESET:
-                log.warning("%s; reset: they start again from their initial values", what)
-            else:
-                log.error("%s: their values are gone (%s); calls touching them fail with DataLost until "
-                          "`shardps restore %s` or `shardps reset-lost %s %s`", what, d.detail or "no checkpoint",
-                          self.job, self.job, d.table)
+        for level, message in notices.losses(self.job, old, new):
+            log.log(level, "%s", message)
 
     def cluster_map(self, timeout: float | None = None) -> ShardMapView:
         """The whole published map, every job's tables and groups (a job token still gets
@@ -261,25 +244,10 @@ class Admin:
             job=self.job, consistency=consistency_to_proto(mode, staleness),
             quota=mg.JobQuota(max_bytes=quota_bytes), token_ttl_seconds=token_ttl_seconds),
             timeout, idempotent=True)
-        if not resp.created:
-            self._say_existing(int(resp.step))
+        said = None if resp.created else notices.existing_job(self.job, self.refresh_map(), int(resp.step))
+        if said is not None:
+            log.log(said[0], "%s", said[1])
         return resp.token
-
-    def _say_existing(self, step: int) -> None:
-        """Log that this run uses a job that existed: continuing an earlier run (WARNING: its
-        tables keep their values) or joining one in progress (INFO)."""
-        view = self.refresh_map()
-        tables = sorted(name for job, name in view.tables if job == self.job)
-        group = view.groups.get(self.job)
-        live = len(group.members) if group is not None else 0
-        if live:
-            log.info("job %r is running (%d live workers, step %d, tables: %s): joining it", self.job, live,
-                     step, ", ".join(tables) or "none yet")
-        elif tables or step:
-            log.warning("job %r exists from an earlier run (%d steps, tables: %s): this run continues from "
-                        "its tables' values. To start fresh, end it first (shardps job end %s, or "
-                        "client.end_job()) or name another job", self.job, step, ", ".join(tables) or "none",
-                        self.job)
 
     def end_job(self, timeout: float | None = None) -> None:
         self.call("EndJob", self.stub.EndJob, mg.EndJobRequest(job=self.job), timeout, idempotent=True)

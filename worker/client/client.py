@@ -179,9 +179,8 @@ class PSClient(ManagerCalls, TableTransfer):
         the client adopts the group's current step (``server_clock``): a worker that joins
         late, or a script run again in the same job, goes on from there. Under torchrun or
         ``shardps run`` (``RANK`` in the environment) it asks for rank ``RANK`` and, without
-        ``name``, names itself after it, so a restarted process takes its rank back (and
-        ``membership.previous_step`` says where it was); ``world_size`` is then at least
-        ``WORLD_SIZE``."""
+        ``name``, names itself after it, so a restarted process takes its rank back (see
+        ``Membership``: ``previous_step``, and ``world_size`` at least ``WORLD_SIZE``)."""
         name, rank_hint, launched = _torchrun_place(name, rank_hint)
         membership = self._member.join(name, rank_hint, previous_session, heartbeat, timeout, launched)
         group = self.group()

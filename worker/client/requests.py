@@ -28,9 +28,9 @@ from typing import Callable
 import numpy as np
 
 from shardps import kernels
-from shardps.errors import InvalidArgument
+from shardps.errors import InvalidArgument, non_finite
 from shardps.shardmap import TableView
-from shardps.tables import MAX_CLOCK, Initializer, TableKind, TableSpec, dense_table, non_finite, sparse_table
+from shardps.tables import MAX_CLOCK, Initializer, TableKind, TableSpec, dense_table, sparse_table
 from shardps.worker.routing import Piece
 
 Finish = Callable[[np.ndarray], np.ndarray]       # pulled values -> what the caller gets
