@@ -31,7 +31,7 @@ lint: $(STAMP)  ## ruff and mypy on the whole repository (make test and make tes
 	$(VENV)/bin/ruff check .
 	@rm -rf $(LINT_TREE) && mkdir -p $(LINT_TREE)/shardps
 	@for entry in shardps/*; do ln -s "$(CURDIR)/$$entry" $(LINT_TREE)/shardps/; done
-	@for pkg in server worker protos; do ln -s "$(CURDIR)/$$pkg" $(LINT_TREE)/shardps/$$pkg; done
+	@for pkg in server worker protos tools; do ln -s "$(CURDIR)/$$pkg" $(LINT_TREE)/shardps/$$pkg; done
 	$(VENV)/bin/mypy -p shardps      # mypy_path (pyproject.toml) is $(LINT_TREE)
 
 test: $(STAMP) lint  ## every test: units, RPC, multi-process, chaos, Prometheus, Docker
@@ -58,7 +58,7 @@ TORTURE_MINUTES ?= 30
 TORTURE_ARGS    ?=
 
 torture: $(STAMP)  ## the fault-schedule verifier for TORTURE_MINUTES (30): kills, pauses, restarts; checker's verdict table
-	$(PY) -m shardps.verify --minutes $(TORTURE_MINUTES) $(if $(SEED),--seed $(SEED)) $(TORTURE_ARGS)
+	$(PY) -m shardps.tools.verify --minutes $(TORTURE_MINUTES) $(if $(SEED),--seed $(SEED)) $(TORTURE_ARGS)
 
 COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
 

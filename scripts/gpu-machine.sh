@@ -7,7 +7,7 @@
 #
 # Writes into $OUT (default bench/results/gpu-machine): env.txt (versions, cores, GPU),
 # tests.log, bench.log (the parts' progress lines) and device.json (+ device.meta.json), the
-# parts' figures merged as `python -m shardps.bench --only PART --out` does.
+# parts' figures merged as `python -m shardps.tools.bench --only PART --out` does.
 #
 # Without an installed shardps (a bare machine with PyTorch, numpy and numba), put the other
 # wheels it needs in .whl/ (grpcio, protobuf, grpcio-health-checking, grpcio-reflection,
@@ -57,6 +57,6 @@ for part in $PARTS; do
         *) echo "unknown part $part (tests, scale, gpu, cache)" >&2; exit 2 ;;
     esac
     # shellcheck disable=SC2086
-    step "$secs" "$OUT/bench.log" python3 -m shardps.bench ${BENCH_ARGS:---quick} --only "$part" \
+    step "$secs" "$OUT/bench.log" python3 -m shardps.tools.bench ${BENCH_ARGS:---quick} --only "$part" \
         --out "$OUT/device.json"
 done

@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 from shardps.tables import sgd
-from shardps.verify.workload import sparse_ids
+from shardps.tools.verify.workload import sparse_ids
 from shardps.worker.client import PSClient
 
 BLOCKS = 24
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     p.add_argument("--checkpoint-every", type=int, default=0,
                    help="join a checkpoint barrier every this many acknowledged pushes")
     args = p.parse_args(argv)
-    from shardps.children import PARENT_ENV, die_with_parent
+    from shardps.tools.children import PARENT_ENV, die_with_parent
     die_with_parent(int(os.environ.get(PARENT_ENV, "0") or 0))
 
     previous = {}

@@ -2,7 +2,7 @@
 
 * ``cluster`` / ``make_cluster``: a manager and servers as real gRPC servers inside the test
   process (port 0), fast to start; for RPC-level tests.
-* ``LocalCluster`` (``shardps.local``): the same processes as ``shardps local``, as children;
+* ``LocalCluster`` (``shardps.tools.local``): the same processes as ``shardps local``, as children;
   for multi-process and chaos tests.
 Every process a test starts is stopped when the test ends, passed or failed.
 """

@@ -65,7 +65,7 @@ def test_a_client_given_a_bad_address_says_which():
 
 
 def test_cli_commands_say_which_address_is_bad(capsys):
-    from shardps.cli import main
+    from shardps.tools.cli import main
     assert main(["status", "--manager", "127.0.0.1:x"]) == 2
     assert "shardps status: manager address '127.0.0.1:x': port 'x'" in capsys.readouterr().err
 
@@ -163,7 +163,7 @@ def test_a_client_that_cannot_reach_the_manager_says_so_every_few_seconds(
 def test_a_worker_that_cannot_reach_the_manager_says_so(refused_address, tmp_path):
     log_path = tmp_path / "worker.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "shardps.cli", "worker", "--manager", refused_address,
+        proc = subprocess.Popen([sys.executable, "-m", "shardps.tools.cli", "worker", "--manager", refused_address,
                                  "--job", "j"], stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
     try:
         wait_for("the worker's warning", lambda: f"cannot reach the manager at {refused_address}"

@@ -1,4 +1,4 @@
-"""The benchmark harness (``python -m shardps.bench``) works and writes every key.
+"""The benchmark harness (``python -m shardps.tools.bench``) works and writes every key.
 
 No timing assertions: the speed targets live in the benchmark's own report. The harness test
 runs the ``--tiny`` preset, every part on toy sizes with real processes (clusters, torch RPC,
@@ -13,8 +13,8 @@ import os
 
 import pytest
 
-from shardps.bench.config import PRESETS, TINY
-from shardps.bench.report import REQUIRED_KEYS, TARGETS, add_derived, table
+from shardps.tools.bench.config import PRESETS, TINY
+from shardps.tools.bench.report import REQUIRED_KEYS, TARGETS, add_derived, table
 
 
 def test_quick_and_full_presets_measure_the_target_sizes():
@@ -64,7 +64,7 @@ def test_the_scale_targets_read_the_point_of_8_workers_and_every_point_for_sync(
 
 
 def test_placement_simulation_small():
-    from shardps.bench.placement_sim import main, simulate
+    from shardps.tools.bench.placement_sim import main, simulate
     res = simulate(5, 40)
     assert res["blocks"] == 200
     assert 1.0 <= res["worst_max_over_mean"] < 2.0
@@ -75,7 +75,7 @@ def test_placement_simulation_small():
 
 @pytest.mark.slow          # about a minute: some 30 real processes start and stop
 def test_tiny_run_writes_every_key(tmp_path):
-    from shardps.bench.cli import main
+    from shardps.tools.bench.cli import main
     out = tmp_path / "results" / "latest.json"
     img = tmp_path / "img"
     code = main(["--tiny", "--out", str(out), "--plots", str(img), "--quiet"])
@@ -94,7 +94,7 @@ def test_tiny_run_writes_every_key(tmp_path):
     assert {p.name for p in img.glob("*.png")} >= {"bench-dense.png", "bench-sparse.png", "bench-e2e.png",
                                                    "bench-memory.png", "bench-curves.png", "bench-placement.png"}
     # the "Results of one run" section of docs/performance.md, from this run's files
-    from shardps.bench.report import markdown_results, md_cell
+    from shardps.tools.bench.report import markdown_results, md_cell
     section = markdown_results(results, meta)
     assert f"| shardps, 1 server (shared memory) | {md_cell(results, 'ps_sparse_rows_per_s')} |" in section
     for mib in TINY.dense_sizes_mib:
@@ -108,7 +108,7 @@ def test_tiny_run_writes_every_key(tmp_path):
 
 def test_control_map_simulation_small():
     """Whole maps against changes at a small size; the changes are a small share already."""
-    from shardps.bench.control_map import main, simulate
+    from shardps.tools.bench.control_map import main, simulate
     res = simulate(8, 100, jobs=4, workers=40)
     assert res["blocks"] == 800 and res["map_bytes"] > 0
     for event in ("death", "join"):
@@ -119,7 +119,7 @@ def test_control_map_simulation_small():
 
 @pytest.mark.slow               # ~4 s: a manager and two servers in this process
 def test_exchange_split_divides_the_cpu_of_both_sides(capsys):
-    from shardps.bench import exchange_split
+    from shardps.tools.bench import exchange_split
     before = [getattr(owner, name) for owner, name in exchange_split.KERNELS + exchange_split.SOCKET]
     assert exchange_split.main(["--steps", "5", "--rounds", "1", "--warmup", "3"]) == 0
     rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[-2:]}
@@ -134,7 +134,7 @@ def test_exchange_split_divides_the_cpu_of_both_sides(capsys):
 
 @pytest.mark.slow               # ~10 s: two server processes, a worker in this process
 def test_worker_split_measures_the_loop_the_exchanges_and_the_servers(capsys):
-    from shardps.bench import worker_split
+    from shardps.tools.bench import worker_split
     from shardps.worker import runtime
     train = runtime.train_with_ps
     assert worker_split.main(["--train-samples", "40960", "--rounds", "1"]) == 0
@@ -151,7 +151,7 @@ def test_worker_split_measures_the_loop_the_exchanges_and_the_servers(capsys):
 
 @pytest.mark.slow               # ~15 s: two local clusters of two server processes, one process
 def test_many_tables_compares_a_block_count_with_the_default(capsys, monkeypatch):
-    from shardps.bench import many_tables
+    from shardps.tools.bench import many_tables
     from shardps.worker.client import PSClient
     counts: list[set[int]] = []
     create = PSClient.create_tables
@@ -167,7 +167,7 @@ def test_many_tables_compares_a_block_count_with_the_default(capsys, monkeypatch
 
 
 def test_server_cpu_measures_requests_of_one_and_of_several_tables(capsys):
-    from shardps.bench import server_cpu
+    from shardps.tools.bench import server_cpu
     assert server_cpu.main(["--rows", "40", "--rounds", "2", "--repeats", "1", "--blocks", "4",
                             "--table-rows", "1000", "--dim", "4", "--tables", "3"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -179,9 +179,9 @@ def test_server_cpu_measures_requests_of_one_and_of_several_tables(capsys):
 def test_server_cpu_at_replication_2_counts_a_backup_that_ends_with_the_primarys_blocks(capsys):
     import numpy as np
 
-    from shardps.bench import server_cpu
     from shardps.messages import GRADIENT, Header, PushRequest
     from shardps.server.node.digest import block_digest
+    from shardps.tools.bench import server_cpu
     assert server_cpu.main(["--rows", "40", "--rounds", "2", "--repeats", "1", "--blocks", "4",
                             "--table-rows", "1000", "--dim", "4", "--replication", "2"]) == 0
     assert all("primary and backup" in line for line in capsys.readouterr().out.splitlines())
@@ -197,8 +197,8 @@ def test_server_cpu_at_replication_2_counts_a_backup_that_ends_with_the_primarys
 
 
 def test_chosen_scale_points_and_gpu_sizes_reach_the_config_and_bad_ones_are_refused(capsys):
-    from shardps.bench import scale
-    from shardps.bench.cli import build_parser
+    from shardps.tools.bench import scale
+    from shardps.tools.bench.cli import build_parser
 
     args = build_parser().parse_args(["--scale-points", "8x4,2x2", "--gpu-batches", "4096", "--gpu-workers", "2"])
     assert (args.scale_points, args.gpu_batches, args.gpu_workers) == (((8, 4), (2, 2)), (4096,), (2,))
@@ -214,7 +214,7 @@ def test_chosen_scale_points_and_gpu_sizes_reach_the_config_and_bad_ones_are_ref
 def test_report_merges_results_files_and_names_a_missing_one(tmp_path, capsys):
     import json
 
-    from shardps.bench.report import main
+    from shardps.tools.bench.report import main
 
     (tmp_path / "a.json").write_text(json.dumps({"gpu_ps_w2_b4096_over_single": 0.5,
                                                  "cache_gpu_on_auc_abs_gap": 0.001}))
@@ -233,7 +233,7 @@ def test_waiting_for_processes_reports_the_first_failure_while_the_others_still_
     import sys
     import time
 
-    from shardps.bench.common import BenchError, wait_all
+    from shardps.tools.bench.common import BenchError, wait_all
     log = tmp_path / "w1.log"
     log.write_text("worker 1 failed: no route to the manager\n")
     waiting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -260,7 +260,7 @@ def _three_lines(x):
 def test_the_line_counter_counts_the_lines_of_the_files_it_is_given_per_thread():
     import threading
 
-    from shardps.bench.lines import LineCounter, in_library
+    from shardps.tools.bench.lines import LineCounter, in_library
     counter = LineCounter(wanted=lambda name: name == __file__)
     counter.install()
     try:
@@ -279,7 +279,7 @@ def test_the_line_counter_counts_the_lines_of_the_files_it_is_given_per_thread()
     roles = counter.by_role(training=me)
     assert roles["train"] == (3, 1)
     assert roles["other"][0] >= 6 and roles["other"][1] >= 2        # the thread's lambda and list count too
-    import shardps.bench.lines as lines_module
+    import shardps.tools.bench.lines as lines_module
     from shardps import kernels
     from shardps.worker.client import data
     assert in_library(data.__file__) and in_library(kernels.__file__) and not in_library(lines_module.__file__)

@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shardps.children import child_env
-from shardps.local import LocalCluster
 from shardps.protos.v1 import common_pb2 as pb
+from shardps.tools.children import child_env
+from shardps.tools.local import LocalCluster
 from shardps.worker.client import PSClient
 from tests.waiting import wait_for
 
@@ -178,7 +178,7 @@ def test_add_a_fourth_server_then_drain_one(chaos, tmp_path):
         moved = sum(len(set(after[b]) - set(before[b])) for b in before) / sum(len(r) for r in before.values())
         print(f"join: {moved:.3f} of replicas moved (ideal 1/N = {1 / 4:.3f})")
         assert moved <= 1.2 * 2 / 4 + 0.05
-        out = subprocess.run([sys.executable, "-m", "shardps.cli", "drain", "s0", "--manager",
+        out = subprocess.run([sys.executable, "-m", "shardps.tools.cli", "drain", "s0", "--manager",
                               cluster.manager_address], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         deadline = time.monotonic() + 90
@@ -257,7 +257,7 @@ def test_kill_every_server_restore_onto_another_count(chaos, tmp_path):
         while sum(1 for s in c.cluster_status().servers if s.server.state == pb.SERVING) != 2:
             assert time.monotonic() < deadline, "old servers not declared dead / new ones not serving"
             time.sleep(0.2)
-        out = subprocess.run([sys.executable, "-m", "shardps.cli", "restore", "chaos", "--manager",
+        out = subprocess.run([sys.executable, "-m", "shardps.tools.cli", "restore", "chaos", "--manager",
                               cluster.manager_address], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         view = c.refresh_map()

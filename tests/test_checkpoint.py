@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from shardps.errors import InvalidArgument
-from shardps.local import LocalCluster
 from shardps.server.manager.checkpoint_files import read_checkpoint
 from shardps.tables import sgd
+from shardps.tools.local import LocalCluster
 from shardps.worker import local_state
 from shardps.worker.client import PSClient
 from shardps.worker.device import no_cuda_reason
@@ -39,7 +39,7 @@ def test_on_demand_checkpoint_while_two_workers_train(tmp_path):
                     break
                 assert time.monotonic() < deadline, f"workers did not start: {steps}"
                 time.sleep(0.2)
-        out = subprocess.run([sys.executable, "-m", "shardps.cli", "checkpoint", "demo", "--manager",
+        out = subprocess.run([sys.executable, "-m", "shardps.tools.cli", "checkpoint", "demo", "--manager",
                               cluster.manager_address], capture_output=True, text=True, timeout=180)
         assert out.returncode == 0, out.stderr
         path = out.stdout.split()[0]

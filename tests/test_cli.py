@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from shardps.cli import FLAGS, build_parser
+from shardps.tools.cli import FLAGS, build_parser
 
-SHARDPS = [sys.executable, "-m", "shardps.cli"]
+SHARDPS = [sys.executable, "-m", "shardps.tools.cli"]
 
 
 @pytest.mark.slow          # a process (shardps --help)
@@ -22,8 +22,8 @@ def test_help_explains_every_subcommand(capsys):
     assert "parameter server" in out
     build_parser()
     for sub in FLAGS:
-        if sub == "bench":            # dispatched to shardps.bench before parsing
-            from shardps.cli import main
+        if sub == "bench":            # dispatched to shardps.tools.bench before parsing
+            from shardps.tools.cli import main
             with pytest.raises(SystemExit) as exit_:
                 main(["bench", "--help"])
             assert exit_.value.code == 0 and "--quick" in capsys.readouterr().out
@@ -60,7 +60,7 @@ def _alive(pid: int) -> bool:
 def test_local_starts_a_sync_jobs_workers_together():
     """``shardps local --mode sync``: its workers wait for one another before the first
     step (``--wait-workers`` = ``--workers``) unless told otherwise; other modes start at once."""
-    from shardps.local_run import _worker_args
+    from shardps.tools.local_run import _worker_args
 
     def wait_flag(*argv: str) -> str:
         args = build_parser().parse_args(["local", "--workers", "3", *argv])

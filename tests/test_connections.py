@@ -106,7 +106,7 @@ def test_idle_clients_keep_their_connections(tmp_path):
 @pytest.fixture(scope="module")
 def manager_process():
     """A manager as a child process (``shardps manager``), resumed and stopped at the end."""
-    from shardps.local import LocalCluster
+    from shardps.tools.local import LocalCluster
     cluster = LocalCluster(servers=0)
     try:
         cluster.start()

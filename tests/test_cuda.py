@@ -31,7 +31,7 @@ from shardps.worker.torch_ps import PSEmbedding, PSEmbeddingBagCollection, PSMod
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason=f"needs a CUDA device: {no_cuda_reason() or 'torch sees none'}")
 
-SHARDPS = [sys.executable, "-m", "shardps.cli"]
+SHARDPS = [sys.executable, "-m", "shardps.tools.cli"]
 GPU = torch.device("cuda", 0)
 CPU = torch.device("cpu")
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from shardps import cli
 from shardps.server.manager.checkpoint_files import read_checkpoint
 from shardps.tables import sgd
+from shardps.tools import cli
 from shardps.worker.torch_ps import PSModel
 
 

@@ -9,7 +9,6 @@ import time
 import numpy as np
 import pytest
 
-from shardps.devcerts import make_dev_certs
 from shardps.errors import (
     DeadlineExceeded,
     Internal,
@@ -31,6 +30,7 @@ from shardps.rpc.dataplane import (
     client_ssl_context,
     server_ssl_context,
 )
+from shardps.tools.devcerts import make_dev_certs
 
 ECHO = 100
 
@@ -281,7 +281,7 @@ def test_idle_connections_wait_then_close_and_the_client_reconnects_quietly():
 def test_transport_bench_part_writes_its_keys(tmp_path):
     import json
 
-    from shardps.bench.cli import main
+    from shardps.tools.bench.cli import main
     out = tmp_path / "results.json"
     assert main(["--tiny", "--only", "transport", "--out", str(out), "--quiet"]) == 0
     results = json.loads(out.read_text())

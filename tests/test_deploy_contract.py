@@ -1,7 +1,7 @@
 """The deployment files speak the binaries' language.
 
 Every ``shardps`` process that docker-compose.yml, the Dockerfiles and the rendered Kubernetes
-manifests start is parsed with the real command-line parser (``shardps.cli.build_parser``) and
+manifests start is parsed with the real command-line parser (``shardps.tools.cli.build_parser``) and
 the environment it would get, and checked:
 
 * every flag is one its subcommand accepts (``FLAGS``; no abbreviations) and parses;
@@ -29,8 +29,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shardps.cli import FLAGS, build_parser
 from shardps.settings import env_name
+from shardps.tools.cli import FLAGS, build_parser
 from tests.test_k8s import pod_templates, rendered_sets
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -16,9 +16,9 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shardps import devcerts
 from shardps.rpc import channels
 from shardps.rpc.channels import TlsConfig
+from shardps.tools import devcerts
 
 SERVICE = "shardps.test.Devcerts"
 

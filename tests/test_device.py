@@ -16,11 +16,11 @@ import pytest
 import torch
 from torch import nn
 
-from shardps.cli import FLAGS, build_parser
 from shardps.errors import FailedPrecondition, InvalidArgument
+from shardps.tools.cli import FLAGS, build_parser
 from shardps.worker.device import module_device, resolve_device
 
-SHARDPS = [sys.executable, "-m", "shardps.cli"]
+SHARDPS = [sys.executable, "-m", "shardps.tools.cli"]
 CPU = torch.device("cpu")
 NO_CUDA_HERE = pytest.mark.skipif(torch.cuda.is_available(), reason="torch sees a GPU on this machine: "
                                   "these tests are about one without (tests/test_cuda.py runs here)")

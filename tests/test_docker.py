@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 
 from shardps import kernels
-from shardps.bench.common import free_port
+from shardps.tools.bench.common import free_port
 from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from shardps.cli import build_parser
-from shardps.local import LocalCluster, Secured
 from shardps.settings import Common, build
+from shardps.tools.cli import build_parser
+from shardps.tools.local import LocalCluster, Secured
 
 
 @pytest.fixture

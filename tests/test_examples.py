@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 def manager():
     """The manager address of one `shardps local --servers 2 --port 0` for the module."""
     env = {k: v for k, v in os.environ.items() if k.lower() not in ("http_proxy", "https_proxy", "grpc_proxy")}
-    proc = subprocess.Popen([sys.executable, "-m", "shardps.cli", "local", "--servers", "2", "--port", "0"],
+    proc = subprocess.Popen([sys.executable, "-m", "shardps.tools.cli", "local", "--servers", "2", "--port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
     try:
         assert proc.stdout is not None

@@ -39,7 +39,7 @@ def one_server(make_cluster, client_factory):
 def process_cluster(tmp_path, job: str, consistency: str = "async", timeout: float = 10.0):
     """A manager and one server as processes (so that a stuck one is killed at the end) and a
     client of ``job``, created with ``consistency``."""
-    from shardps.local import LocalCluster
+    from shardps.tools.local import LocalCluster
     from shardps.worker.client import PSClient
     with LocalCluster(servers=1, work_dir=str(tmp_path)) as cluster:
         with PSClient(cluster.manager_address, job, timeout=timeout) as client:

@@ -152,3 +152,22 @@ def test_no_import_cycles_between_shardps_modules():
     cycles = [c for c in _cycles(graph) if c not in KNOWN_CYCLES]
     assert not cycles, ("module-level import cycles (move an import into the function that needs "
                         "it, or move the shared code down a layer): " + "; ".join(" <-> ".join(c) for c in cycles))
+
+
+def test_nothing_in_the_library_imports_the_tools():
+    """shardps.tools (the commands, bench, verifier, local cluster) sits above the library:
+    no module of shardps, shardps.server or shardps.worker imports it, lazily or not."""
+    modules = _modules()
+    assert "shardps.tools.cli" in modules and "shardps.tools.bench.lines" in modules
+    offenders = []
+    for module, path in modules.items():
+        if module == "shardps.tools" or module.startswith("shardps.tools."):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if isinstance(node, ast.ImportFrom) and node.module == "shardps":
+                names = [f"shardps.{a.name}" for a in node.names]
+            offenders += [f"{module} (line {node.lineno}): {n}" for n in names
+                          if n == "shardps.tools" or n.startswith("shardps.tools.")]
+    assert not offenders, "the library imports the tools: " + "; ".join(offenders)

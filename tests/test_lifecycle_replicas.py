@@ -1,6 +1,6 @@
 """Replicas stay bit-identical after eviction (issue 18): the block digest
 (``server/node/digest.py``), the ``GetBlockDigests`` RPC, the verifier's replica check
-(``shardps.verify``, ``lifecycle`` job) and proof that it catches divergence: with the
+(``shardps.tools.verify``, ``lifecycle`` job) and proof that it catches divergence: with the
 test-only switch ``SHARDPS_TEST_REINTRODUCE_DEFECT=3`` backups skip their primary's eviction
 and admission decisions, and the same run fails on the replica check."""
 
@@ -17,9 +17,9 @@ from shardps.server.node.blocks import DenseBlock, SparseBlock
 from shardps.server.node.digest import block_digest, held_digests
 from shardps.server.node.lifecycle import SKETCH_BYTES
 from shardps.tables import LifecyclePolicy, TableConfig, adagrad, dense_table, normal, sgd, sparse_table
-from shardps.verify.__main__ import print_table
-from shardps.verify.checker import Replica, compare_replicas
-from shardps.verify.run import RunConfig, run_schedule
+from shardps.tools.verify.__main__ import print_table
+from shardps.tools.verify.checker import Replica, compare_replicas
+from shardps.tools.verify.run import RunConfig, run_schedule
 
 SPEC = sparse_table("e", 4, num_blocks=1, init=normal(0.0, 0.1, seed=3))
 CONFIG = TableConfig(adagrad(0.1), lifecycle=LifecyclePolicy(admit_after=2, ttl_steps=5,

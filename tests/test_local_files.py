@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from shardps.local_run import worker_file
+from shardps.tools.local_run import worker_file
 
-SHARDPS = [sys.executable, "-m", "shardps.cli"]
+SHARDPS = [sys.executable, "-m", "shardps.tools.cli"]
 
 
 def test_a_workers_file_is_absolute_and_one_per_worker(tmp_path, monkeypatch):

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from shardps.bench.many_tables import data_calls
 from shardps.tables import normal, sgd
+from shardps.tools.bench.many_tables import data_calls
 from shardps.worker.lookups import LookupPlanner, Recipe
 from shardps.worker.torch_ps import PSEmbedding, PSModel
 

@@ -26,12 +26,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shardps.children import child_env
 from shardps.errors import ShardpsError
-from shardps.netproxy import TcpProxy
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.tables import dense_table, sgd
-from shardps.verify.etcd import EtcdProcess
+from shardps.tools.children import child_env
+from shardps.tools.netproxy import TcpProxy
+from shardps.tools.verify.etcd import EtcdProcess
 from shardps.worker.client import PSClient
 from tests.debian import debian_binary
 from tests.waiting import wait_for
@@ -85,7 +85,7 @@ class HaCluster:
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         log = open(self.work / f"{name}.log", "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "shardps.cli", *args], stdout=log,
+        proc = subprocess.Popen([sys.executable, "-m", "shardps.tools.cli", *args], stdout=log,
                                 stderr=subprocess.STDOUT, env=child_env())
         log.close()
         self.procs[name] = proc

@@ -6,9 +6,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from shardps.bench.common import free_port
 from shardps.rpc import channels
 from shardps.rpc.failover import FailoverChannel, LeaderGate, refused_by_follower
+from shardps.tools.bench.common import free_port
 
 SERVICE = "test.Echo"
 METHOD = f"/{SERVICE}/Echo"

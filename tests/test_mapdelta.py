@@ -160,7 +160,7 @@ def test_changes_refuse_a_base_of_another_epoch_and_changes_that_do_not_fit():
 
 def test_the_managers_maps_through_a_join_a_death_and_its_repair():
     """The manager's own state (ManagerState, as the placement simulation drives it)."""
-    from shardps.bench.placement_sim import build_state
+    from shardps.tools.bench.placement_sim import build_state
     st, _ = build_state(6, 300)
     maps = [st.shard_map()]
     st.register_server("server-0006", "new:1", "", "boot", now=1.0)       # shifts nothing: last

@@ -111,7 +111,7 @@ def test_a_flooding_job_is_refused_while_another_jobs_pulls_keep_their_latency(t
     SIGSTOP for the rounds alone), so drift of the shared machine hits both alike. The
     flooder runs at nice 19: on this two-core machine it stands for a client on another
     host, so what is measured is what its requests, admitted and refused, cost the servers."""
-    from shardps.local import LocalCluster
+    from shardps.tools.local import LocalCluster
     from shardps.worker import PSClient, sgd
     limits = ("--job-max-requests-per-second", str(RATE), "--job-max-bytes-in-flight", str(BYTES_IN_FLIGHT))
     alone, flooded = [], []

@@ -165,7 +165,7 @@ def test_a_manager_a_server_and_a_client_expose_what_the_doc_lists(client_factor
 # ---------------------------------------------------------------- processes
 @pytest.mark.slow          # processes (a manager and a server)
 def test_processes_expose_the_process_collectors_and_the_documented_metrics(tmp_path):
-    from shardps.local import LocalCluster
+    from shardps.tools.local import LocalCluster
     with LocalCluster(servers=1, work_dir=str(tmp_path / "cluster")) as cluster:
         for proc in [cluster.manager, *cluster.servers.values()]:
             assert_matches_doc(proc.role, emitted(proc.info["metrics"]))

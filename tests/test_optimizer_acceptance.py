@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from shardps.local import LocalCluster
 from shardps.tables import adagrad, adam, sgd
+from shardps.tools.local import LocalCluster
 from shardps.worker.client import PSClient
 from shardps.worker.runtime import torch_optimizer
 

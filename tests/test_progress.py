@@ -22,7 +22,7 @@ def test_the_progress_bar_shows_the_total_and_an_eta(make_cluster, tmp_path):
     cluster = make_cluster(1)
     leader, follower = os.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 160, 0, 0))    # a terminal's width
-    proc = subprocess.Popen([sys.executable, "-m", "shardps.cli", "worker", "--manager", cluster.address,
+    proc = subprocess.Popen([sys.executable, "-m", "shardps.tools.cli", "worker", "--manager", cluster.address,
                              "--name", "w0", "--job", "bar", "--device", "cpu", "--model", "digits-cnn",
                              "--steps", "40"],
                             stdin=follower, stdout=follower, stderr=follower, cwd=tmp_path, close_fds=True)

@@ -332,7 +332,7 @@ def provoke_stale_epoch_and_bad_request(cluster, on_new_server) -> dict:
 @pytest.mark.prometheus
 @pytest.mark.timeout(300, method="thread")     # a hang in C code would never see a signal
 def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path):
-    from shardps.local import LocalCluster, tail
+    from shardps.tools.local import LocalCluster, tail
 
     binary = prometheus_binary()
     started = time.monotonic()

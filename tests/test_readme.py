@@ -44,7 +44,7 @@ def test_readme_example_runs(index, cluster, monkeypatch, tmp_path, caplog):
 def test_the_readme_lists_every_command():
     import argparse
 
-    from shardps.cli import build_parser
+    from shardps.tools.cli import build_parser
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     text = " ".join(README.read_text().split())
     listed = re.search(r"`shardps --help` lists them: (.*?)\. Every flag", text)

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from shardps.bench.cache import hit_rate_ceiling
 from shardps.errors import InvalidArgument
 from shardps.tables import sgd
+from shardps.tools.bench.cache import hit_rate_ceiling
 from shardps.worker.row_cache import ROW_OVERHEAD_BYTES, RowCache
 from shardps.worker.torch_ps import PSEmbedding, PSModel
 

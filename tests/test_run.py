@@ -13,9 +13,9 @@ import textwrap
 import pytest
 
 from shardps.errors import InvalidArgument
-from shardps.launch import final_error, plan
+from shardps.tools.launch import final_error, plan
 
-SHARDPS = [sys.executable, "-m", "shardps.cli"]
+SHARDPS = [sys.executable, "-m", "shardps.tools.cli"]
 
 SCRIPT = textwrap.dedent("""
     import json, os, sys

@@ -31,7 +31,7 @@ def secure_local(tmp_path):
     """``shardps local --secure --port 0`` as a child; yields (the variables it printed to
     export, its work dir, its output so far); stopped with SIGTERM, like Ctrl-C."""
     work = tmp_path / "local"
-    proc = subprocess.Popen([sys.executable, "-m", "shardps.cli", "local", "--secure", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "shardps.tools.cli", "local", "--secure", "--port", "0",
                              "--servers", "2", "--work-dir", str(work)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
@@ -105,7 +105,7 @@ def test_shardps_local_secure_serves_mutual_tls_with_tokens_and_the_readme_clien
     with PSClient(manager, "other", token=token, tls=tls, timeout=5) as c, pytest.raises(PermissionDenied):
         c.create_dense("x", shape=(2,))
     # the CLI with the exported variables and the admin token
-    from shardps.cli import main
+    from shardps.tools.cli import main
     admin = str(secrets / "admin-token")
     assert main(["status", "--token-file", admin, "--json"]) == 0
     status = json.loads(capsys.readouterr().out)

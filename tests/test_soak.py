@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from shardps.bench.common import metric_sum, proc_status_kb, scrape
-from shardps.local import LocalCluster
 from shardps.tables import sgd
+from shardps.tools.bench.common import metric_sum, proc_status_kb, scrape
+from shardps.tools.local import LocalCluster
 from shardps.worker.client import PSClient
 
 WORKERS = 16

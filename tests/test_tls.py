@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from shardps.devcerts import make_dev_certs
 from shardps.errors import InvalidArgument, Unavailable
 from shardps.rpc.channels import TlsConfig, check_health
 from shardps.tables import sgd
+from shardps.tools.devcerts import make_dev_certs
 
 
 @pytest.fixture(scope="module")

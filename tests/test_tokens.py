@@ -195,7 +195,7 @@ def test_an_expired_token_is_refused_with_unauthenticated_naming_the_expiry(make
 
 def test_revoke_refuses_old_tokens_on_the_manager_at_once_and_on_every_server_within_seconds(
         make_cluster, client_factory, capsys, tmp_path):
-    from shardps.cli import main
+    from shardps.tools.cli import main
     cluster = _secure_cluster(make_cluster, servers=3)
     old = client_factory(cluster.address, job="team-a", token=ADMIN).create_job()
     other = client_factory(cluster.address, job="team-b", token=ADMIN).create_job()

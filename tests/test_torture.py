@@ -1,9 +1,9 @@
-"""The fault-schedule verifier's short form (``shardps.verify``): fixed seeds on real
+"""The fault-schedule verifier's short form (``shardps.tools.verify``): fixed seeds on real
 processes, judged by its checker; and proof that it catches bugs: with the test-only switch
-``SHARDPS_TEST_REINTRODUCE_DEFECT`` (``shardps/verify/defects.py``) the servers re-introduce
+``SHARDPS_TEST_REINTRODUCE_DEFECT`` (``tools/verify/defects.py``) the servers re-introduce
 defect 1 or 2 of issue 13, and the same short form fails, within its time.
 
-``python -m shardps.verify --short`` prints the same runs as a table; ``make torture`` runs
+``python -m shardps.tools.verify --short`` prints the same runs as a table; ``make torture`` runs
 schedules for 30 minutes.
 """
 
@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from shardps.verify.__main__ import print_table
-from shardps.verify.run import RunConfig, run_schedule, short_form
+from shardps.tools.verify.__main__ import print_table
+from shardps.tools.verify.run import RunConfig, run_schedule, short_form
 
 pytestmark = pytest.mark.chaos
 SHORT_FORM_BUDGET = 150.0          # seconds: what the passing short form may take here
@@ -61,7 +61,7 @@ def test_manager_replicas_on_etcd_under_the_leaders_kill_and_its_partition_from_
     """Three manager replicas on a real etcd (issue 19, item 4 in the verifier): the leader is
     killed -9 and restarted, and cut off from etcd and healed, while the ASYNC workloads push;
     the checker's verdict as for every schedule (exact counters, gaps <= 5 s, replicas)."""
-    from shardps.verify.run import ASYNC_JOBS
+    from shardps.tools.verify.run import ASYNC_JOBS
     from tests.debian import debian_binary
     binary = debian_binary("etcd", "etcd-server")
     v = run_schedule(RunConfig(seed=5, seconds=16, managers=3, etcd_binary=binary, jobs=ASYNC_JOBS,

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardps.errors import InvalidArgument
-from shardps.local import LocalCluster
 from shardps.tables import sgd
+from shardps.tools.local import LocalCluster
 from shardps.worker.data import position, shard_indices
 from shardps.worker.torch_ps import PSModel
 
@@ -220,7 +220,7 @@ def test_json_logs_carry_the_context_and_the_worker_plots_its_curve(tmp_path):
     """`--log-format json`: one JSON object per line with role, node, job, rank and epoch;
     `--plot PATH` writes the loss/accuracy curve as a PNG."""
     plot = tmp_path / "curve.png"
-    out = subprocess.run([sys.executable, "-m", "shardps.cli", "local", "--port", "0", "--servers", "1",
+    out = subprocess.run([sys.executable, "-m", "shardps.tools.cli", "local", "--port", "0", "--servers", "1",
                           "--workers", "1",
                           "--model", "digits-cnn", "--epochs", "2", "--log-format", "json",
                           "--plot", str(plot), "--work-dir", str(tmp_path / "w")],

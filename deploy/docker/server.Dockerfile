@@ -50,6 +50,7 @@ COPY protos /src/protos
 COPY shardps /src/shardps
 COPY server /src/server
 COPY worker /src/worker
+COPY tools /src/tools
 # shardps itself, without the worker extra (no torch). Then drop what only building needs
 # (the wheels, the sources, pip, setuptools, the packages' own test suites); documentation,
 # manual pages and translations are not needed at run time either. The state and checkpoint
@@ -71,7 +72,7 @@ RUN set -eu; \
     install -d -o shardps -g shardps /var/lib/shardps/state /checkpoints
 
 # One flat layer: the files deleted above (the wheels among them) leave the image instead of
-# hiding in a lower layer (442 MB, of which numba and llvmlite are about 200 MB).
+# hiding in a lower layer (452 MB, of which numba and llvmlite are about 200 MB).
 FROM scratch
 COPY --from=runtime / /
 ENV PATH=/opt/shardps/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \

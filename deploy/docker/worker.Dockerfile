@@ -56,6 +56,7 @@ COPY protos /src/protos
 COPY shardps /src/shardps
 COPY server /src/server
 COPY worker /src/worker
+COPY tools /src/tools
 RUN /opt/shardps/bin/pip wheel --no-cache-dir --disable-pip-version-check --no-index --no-deps \
         --no-build-isolation -w /dist /src
 

@@ -30,7 +30,7 @@ from shardps.shardmap import ShardMapView, TableView
 if TYPE_CHECKING:
     from shardps.server.node.steps import SyncSteps
 
-# TEST-ONLY (shardps/verify/defects.py): "3" makes backups skip the lifecycle decisions a
+# TEST-ONLY (tools/verify/defects.py): "3" makes backups skip the lifecycle decisions a
 # primary forwards with its APPLY ops (ids not admitted, ids evicted) so the verifier's
 # replica check can show it catches replicas that diverge.
 _TEST_DEFECT = os.environ.get("SHARDPS_TEST_REINTRODUCE_DEFECT", "")

@@ -36,7 +36,7 @@ from shardps.tables import Consistency
 
 log = logging.getLogger("shardps.server")
 
-# TEST-ONLY (shardps/verify/defects.py): "2" re-introduces defect 2 of issue 13 (a SYNC push
+# TEST-ONLY (tools/verify/defects.py): "2" re-introduces defect 2 of issue 13 (a SYNC push
 # for an applied step acknowledged into that step, which is never applied again) so the
 # verifier's tests can show they catch it.
 _TEST_DEFECT = os.environ.get("SHARDPS_TEST_REINTRODUCE_DEFECT", "")

@@ -45,7 +45,7 @@ from shardps.server.node.blocks import AnyBlock, BlockKey, DenseBlock, SparseBlo
 from shardps.shardmap import ShardMapView, TableView
 from shardps.tables import TableKind
 
-# TEST-ONLY (shardps/verify/defects.py): "1" re-introduces defect 1 of issue 13 (copy
+# TEST-ONLY (tools/verify/defects.py): "1" re-introduces defect 1 of issue 13 (copy
 # destinations never pruned on map install) so the verifier's tests can show they catch it.
 _TEST_DEFECT = os.environ.get("SHARDPS_TEST_REINTRODUCE_DEFECT", "")
 
