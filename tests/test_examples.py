@@ -120,3 +120,13 @@ def test_logistic_regression_in_sync_over_3_workers_equals_one_large_batch(manag
         assert "workers=3" in out, out
         assert metric(out, "sync_vs_one_large_batch_max_diff") < 1e-5, out
         assert metric(out, "test_accuracy") > 0.85, out
+
+
+@pytest.mark.parametrize("script, flag", [("movielens_mf.py", "--ratings"), ("dlrm.py", "--data")])
+def test_a_missing_data_file_names_where_the_data_comes_from(script, flag, tmp_path):
+    env = dict(os.environ, no_proxy="127.0.0.1,localhost")
+    out = subprocess.run([sys.executable, str(EXAMPLES / script), "--manager", "127.0.0.1:1", flag,
+                          str(tmp_path / "missing")], capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert f"{tmp_path / 'missing'}: no such file" in out.stderr and "https://" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
