@@ -18,11 +18,15 @@ def test_readme_has_the_two_commands():
     assert "make run" in text and "make test" in text
 
 
-@pytest.mark.parametrize("index", range(len(python_blocks())))
+@pytest.mark.parametrize("index", [pytest.param(i, marks=pytest.mark.slow) if 'dense="allreduce"' in block else i
+                                   for i, block in enumerate(python_blocks())])     # slow: torchrun, 2 processes
 def test_readme_example_runs(index, cluster, monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("SHARDPS_MANAGER", cluster.address)
     monkeypatch.chdir(tmp_path)
     code = python_blocks()[index]
+    if 'dense="allreduce"' in code:          # hybrid: as the README runs it, under plain torchrun
+        _under_torchrun(code, cluster.address, f"readme{index}", tmp_path)
+        return
     # twice against the same cluster: a user runs a script again, in the same job
     for run in range(2):
         caplog.clear()
@@ -50,3 +54,17 @@ def test_the_readme_lists_every_command():
     listed = re.search(r"`shardps --help` lists them: (.*?)\. Every flag", text)
     assert listed, "the README's Commands section"
     assert re.findall(r"`([a-z-]+)`", listed.group(1)) == list(sub.choices)
+
+
+def _under_torchrun(code: str, manager: str, job: str, tmp_path) -> None:
+    """Run a README block as its comment says: torchrun, 2 processes; twice, in the same job."""
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "hybrid.py"
+    script.write_text(code)
+    env = {**os.environ, "SHARDPS_MANAGER": manager, "SHARDPS_JOB": job, "OMP_NUM_THREADS": "1"}
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                              str(script)], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+        assert out.returncode == 0, out.stdout + out.stderr

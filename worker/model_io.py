@@ -17,8 +17,10 @@ import numpy as np
 import torch
 
 from shardps.errors import InvalidArgument, NotFound
+from shardps.tables import OptimizerConfig, assigned, dense_table, sparse_table
 from shardps.worker import local_state
 from shardps.worker.device import module_device
+from shardps.worker.embeddings import bind_caches
 
 if TYPE_CHECKING:
     from torch import nn
@@ -80,9 +82,43 @@ class ModelIO:
 
     _prefetch: collections.deque
 
+    optimizer: OptimizerConfig
+    optimizers: dict[str, OptimizerConfig]
+    block_size: int
+    cache_bytes: int
+    cache_staleness: int
+    overlap: bool
+
     if TYPE_CHECKING:                     # PSModel's
         def flush(self) -> None: ...
         def settle(self) -> None: ...
+        def pull(self, features=None) -> None: ...
+        @property
+        def lookahead(self) -> int: ...
+
+    def table_optimizer(self, table: str) -> OptimizerConfig:
+        return self.optimizers.get(table, self.optimizer)
+
+
+    def create_tables(self, timeout: float | None = None) -> None:
+        """Create every table (idempotent) and offer this module's initial values; then pull
+        the values that won, so every worker starts identical."""
+        tables = [(dense_table(name, tuple(p.shape), assigned(), self.block_size), self.table_optimizer(name))
+                  for name, p in self.dense.items()]
+        for emb in self.embeddings.values():
+            assert emb.table is not None          # PSModel named every embedding's table
+            tables.append((sparse_table(emb.table, emb.embedding_dim, emb.num_embeddings, emb.init, emb.num_blocks),
+                           emb.optimizer or self.table_optimizer(emb.table)))
+        self.client.create_tables(tables, timeout=timeout)      # one map change for the lot
+        for name, p in self.dense.items():
+            self.client.initialize_dense(name, p.detach().cpu().numpy(), timeout=timeout)
+            self._base_lr[name] = self.table_optimizer(name).lr
+        for emb in self.embeddings.values():
+            assert emb.table is not None
+            self._base_lr[emb.table] = (emb.optimizer or self.table_optimizer(emb.table)).lr
+        bind_caches(self.embeddings.values(), self.client, self.cache_bytes, self.cache_staleness,
+                    self.lookahead if self.overlap else 1)
+        self.pull()
 
     def forget_pulled(self) -> None:
         """Drop every value pulled ahead (the exchanges in flight, the embeddings' fetched

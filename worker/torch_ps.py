@@ -47,11 +47,12 @@ import torch
 from torch import nn
 
 from shardps.errors import InvalidArgument
-from shardps.tables import OptimizerConfig, assigned, dense_table, sgd, sparse_table
+from shardps.tables import OptimizerConfig, sgd
+from shardps.worker import hybrid
 from shardps.worker.client import PSClient, PushResult
 from shardps.worker.device_copies import DeviceCopies
 from shardps.worker.embedding_bag import KeyedJaggedTensor, PSEmbeddingBagCollection
-from shardps.worker.embeddings import PSEmbedding, PSEmbeddingBag, PSRows, bind_caches
+from shardps.worker.embeddings import PSEmbedding, PSEmbeddingBag, PSRows
 from shardps.worker.lookups import LookupPlanner
 from shardps.worker.model_io import ModelIO
 from shardps.worker.row_cache import wanted_ids
@@ -77,12 +78,20 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
                  optimizers: dict[str, OptimizerConfig] | None = None, local: Sequence[str] = (),
                  local_optimizer: torch.optim.Optimizer | None = None, block_size: int = 0,
                  report_steps: bool | None = None, overlap: bool = False, lookahead: int = 1,
-                 cache_bytes: int = 0, cache_staleness: int = 8):
+                 cache_bytes: int = 0, cache_staleness: int = 8, dense: str = "servers",
+                 dense_optimizer: torch.optim.Optimizer | None = None):
         super().__init__()
         self.module = module
         self.client = client
         self.optimizer = optimizer or sgd(0.01)
         self.optimizers = dict(optimizers or {})
+        self.dense_mode = hybrid.dense_mode(dense)
+        if self.dense_mode == "allreduce":      # every parameter on the worker (worker/hybrid.py)
+            local, local_optimizer = [n for n, _ in module.named_parameters()], hybrid.check_optimizer(
+                dense_optimizer, local_optimizer)
+        elif dense_optimizer is not None:
+            raise InvalidArgument("dense_optimizer is for dense='allreduce'; parameters kept local with local= "
+                                  "are stepped by local_optimizer")
         self.local = tuple(local)
         self.local_optimizer = local_optimizer
         self.block_size = block_size
@@ -97,6 +106,8 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
                 self.embeddings[name] = mod
             elif isinstance(mod, PSEmbeddingBagCollection):
                 self.collections.append(mod)
+        # DDP over the module (dense="allreduce"), kept out of the module tree and the state dict
+        self.__dict__["_ddp"] = hybrid.wrap(module, list(self.embeddings)) if self.dense_mode == "allreduce" else None
         self.dense: dict[str, nn.Parameter] = {}
         for name, p in module.named_parameters():
             if _under(name, self.local):
@@ -127,6 +138,8 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
             module.register_forward_pre_hook(self._before_forward, with_kwargs=True)
             module.register_forward_hook(self._after_forward, with_kwargs=True)
 
+    _ddp: nn.Module | None        # DistributedDataParallel over the module (dense="allreduce"), else None
+
     # written every step: set directly, past nn.Module.__setattr__'s checks (as PSRows does)
     _PLAIN = frozenset({"step", "_deferred_pull", "_held", "_pending_push"})
 
@@ -136,33 +149,15 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         else:
             super().__setattr__(name, value)
 
+    def train(self, mode: bool = True) -> "PSModel":
+        """``nn.Module.train`` (and ``eval``), reaching the DistributedDataParallel wrapper too."""
+        if self._ddp is not None:
+            self._ddp.train(mode)
+        return super().train(mode)
+
     def forward(self, *args, **kwargs):
-        """The wrapped module's forward."""
-        return self.module(*args, **kwargs)
-
-    def table_optimizer(self, table: str) -> OptimizerConfig:
-        return self.optimizers.get(table, self.optimizer)
-
-    # ------------------------------------------------------------------ set-up
-    def create_tables(self, timeout: float | None = None) -> None:
-        """Create every table (idempotent) and offer this module's initial values; then pull
-        the values that won, so every worker starts identical."""
-        tables = [(dense_table(name, tuple(p.shape), assigned(), self.block_size), self.table_optimizer(name))
-                  for name, p in self.dense.items()]
-        for emb in self.embeddings.values():
-            assert emb.table is not None          # PSModel named every embedding's table
-            tables.append((sparse_table(emb.table, emb.embedding_dim, emb.num_embeddings, emb.init, emb.num_blocks),
-                           emb.optimizer or self.table_optimizer(emb.table)))
-        self.client.create_tables(tables, timeout=timeout)      # one map change for the lot
-        for name, p in self.dense.items():
-            self.client.initialize_dense(name, p.detach().cpu().numpy(), timeout=timeout)
-            self._base_lr[name] = self.table_optimizer(name).lr
-        for emb in self.embeddings.values():
-            assert emb.table is not None
-            self._base_lr[emb.table] = (emb.optimizer or self.table_optimizer(emb.table)).lr
-        bind_caches(self.embeddings.values(), self.client, self.cache_bytes, self.cache_staleness,
-                    self.lookahead if self.overlap else 1)
-        self.pull()
+        """The wrapped module's forward (through DistributedDataParallel with dense="allreduce")."""
+        return (self._ddp or self.module)(*args, **kwargs)
 
     # ------------------------------------------------------------------ per step
     def prefetch(self, features: KeyedJaggedTensor) -> None:

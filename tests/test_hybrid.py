@@ -1,0 +1,143 @@
+"""Hybrid training: ``PSModel(..., dense="allreduce")`` keeps a model's dense parameters on the
+workers, averaged by torch's DistributedDataParallel, and its embedding tables on the servers.
+The script runs unchanged under plain torchrun (``python -m torch.distributed.run``: its c10d
+rendezvous and environment) against real servers on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from shardps.errors import FailedPrecondition, InvalidArgument
+from shardps.tables import adagrad
+from shardps.worker.torch_ps import PSEmbedding, PSModel
+
+SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    from shardps.worker import PSClient, adagrad
+    from shardps.worker.torch_ps import PSEmbedding, PSModel
+
+    class CTR(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.items = PSEmbedding(1000, 8, optimizer=adagrad(lr=0.1))     # rows on the servers
+            self.head = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))   # all-reduced
+
+        def forward(self, ids):
+            return self.head(self.items(ids).mean(dim=1)).squeeze(1)
+
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(rank)                    # different initial values: DDP starts every rank from rank 0's
+    client = PSClient()                        # SHARDPS_MANAGER, SHARDPS_JOB
+    client.create_job()
+    client.join()
+    module = CTR()
+    model = PSModel(module, client, dense="allreduce",
+                    dense_optimizer=torch.optim.SGD(module.parameters(), lr=0.5))
+    model.create_tables()
+    first = [p.detach().clone() for p in module.parameters()]
+    g = torch.Generator().manual_seed(100 + rank)          # each rank its own batches
+    losses = []
+    for step in range(30):
+        ids = torch.randint(0, 1000, (64, 3), generator=g)
+        clicks = (ids[:, 0] % 2).float()
+        model.pull()
+        loss = F.binary_cross_entropy_with_logits(model(ids), clicks)
+        loss.backward()
+        model.push()
+        losses.append(float(loss))
+    model.flush()
+    tables = sorted(t.name for t in client.tables())
+    json.dump({"first": [p.tolist() for p in first], "last": [p.detach().tolist() for p in module.parameters()],
+               "losses": losses, "tables": tables, "world_size": client.membership.world_size},
+              open(sys.argv[1] + f".{rank}.json", "w"))
+    client.leave()
+    client.close()
+""")
+
+
+@pytest.mark.slow          # processes (torchrun and its 2 workers)
+def test_a_hybrid_script_runs_under_plain_torchrun(cluster, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "SHARDPS_MANAGER": cluster.address, "SHARDPS_JOB": "hybrid", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script), str(tmp_path / "out")], capture_output=True, text=True, timeout=300,
+                         env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    got = [json.loads((tmp_path / f"out.{r}.json").read_text()) for r in (0, 1)]
+    # DDP broadcast rank 0's initial values, then averaged every step's gradients: the dense
+    # parameters agree on both ranks, bit for bit, though each trained on its own batches
+    assert got[0]["first"] == got[1]["first"] and got[0]["last"] == got[1]["last"]
+    assert got[0]["last"] != got[0]["first"]
+    # only the embedding is a table on the servers: the dense parameters never went there
+    assert got[0]["tables"] == ["items"] and got[0]["world_size"] == 2
+    for g in got:
+        assert np.mean(g["losses"][-5:]) < np.mean(g["losses"][:5]), g["losses"]
+
+
+class _Small(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.items = PSEmbedding(100, 4, optimizer=adagrad(lr=0.1))
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, ids):
+        return self.head(self.items(ids).mean(dim=1)).squeeze(1)
+
+
+def test_allreduce_needs_a_torch_optimizer_and_a_process_group(cluster, client_factory, monkeypatch):
+    import torch.distributed as dist
+    assert not dist.is_initialized()
+    client = client_factory(cluster.address, job="hybrid-args")
+    client.create_job()
+    module = _Small()
+    with pytest.raises(InvalidArgument, match="pass dense_optimizer=torch.optim"):
+        PSModel(module, client, dense="allreduce")
+    with pytest.raises(InvalidArgument, match="dense='ring'"):
+        PSModel(module, client, dense="ring")
+    with pytest.raises(InvalidArgument, match="dense_optimizer is for dense='allreduce'"):
+        PSModel(module, client, dense_optimizer=torch.optim.SGD(module.parameters(), lr=0.1))
+    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(FailedPrecondition, match="start the workers with torchrun or `shardps run`"):
+        PSModel(module, client, dense="allreduce", dense_optimizer=torch.optim.SGD(module.parameters(), lr=0.1))
+
+
+def test_one_worker_trains_in_hybrid_mode_and_exports_plain_weights(cluster, client_factory, tmp_path):
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    client = client_factory(cluster.address, job="hybrid-one")
+    client.create_job()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        module = _Small()
+        model = PSModel(module, client, dense="allreduce", dense_optimizer=torch.optim.Adam(module.parameters(), 1e-2))
+        model.create_tables()
+        before = module.head.weight.detach().clone()
+        for _ in range(5):
+            model.pull()
+            F.mse_loss(model(torch.tensor([[1, 2], [3, 4]])), torch.ones(2)).backward()
+            model.push()
+        model.flush()
+        assert not torch.equal(before, module.head.weight)              # stepped on the worker
+        assert [t.name for t in client.tables()] == ["items"]
+        state = model.state_dict()                                      # the servers' rows, the worker's head
+        assert set(state) == {"items.weight", "head.weight", "head.bias"}
+        assert torch.equal(state["head.weight"], module.head.weight.detach())
+        model.eval()
+        assert not model._ddp.training and not module.training
+    finally:
+        dist.destroy_process_group()

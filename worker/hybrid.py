@@ -1,0 +1,112 @@
+"""Hybrid training: a model's dense parameters all-reduced among the workers by torch's own
+``DistributedDataParallel``, its embedding tables on the servers.
+
+``PSModel(module, client, dense="allreduce", dense_optimizer=torch.optim.Adam(...))`` keeps
+every parameter of ``module`` on the worker, wraps ``module`` in
+``torch.nn.parallel.DistributedDataParallel`` (whose buckets average the gradients during the
+backward pass) and steps ``dense_optimizer`` (any ``torch.optim`` optimizer) in ``push``;
+the ``PSEmbedding`` / ``PSEmbeddingBag`` tables keep their rows, their server-side
+optimizers and the job's ASYNC / SSP / SYNC semantics. PSModel's tables hold no
+``nn.Parameter`` (their rows arrive per step), so DDP sees the dense parameters only; any
+parameter under a table's module is still handed to
+``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``, as TorchRec keeps
+its sharded tables out of DDP.
+
+The process group is torch's: the default group when the script initialised one, else one
+initialised here from torchrun's environment (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
+``WORLD_SIZE``, as ``torchrun`` and ``shardps run`` set them): gloo for CPU workers, NCCL for
+CUDA workers (one GPU each). Workers sharing one GPU cannot use NCCL (it refuses two ranks on
+one device): ``backend="gloo"`` on CUDA tensors then, through the host.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from shardps.errors import FailedPrecondition, InvalidArgument
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+DENSE_MODES = ("servers", "allreduce")
+_TORCHRUN_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+
+
+def dense_mode(dense: str) -> str:
+    """``dense`` checked: "servers" (dense tables on the servers, the default) or "allreduce"."""
+    if dense not in DENSE_MODES:
+        raise InvalidArgument(f"dense={dense!r}: use 'servers' (dense parameters as tables on the servers) "
+                              f"or 'allreduce' (kept on the workers, averaged by DistributedDataParallel)")
+    return dense
+
+
+def check_optimizer(dense_optimizer, local_optimizer):
+    """The optimizer of dense="allreduce": ``dense_optimizer``, a ``torch.optim`` optimizer
+    (InvalidArgument without one, or with ``local_optimizer`` beside it)."""
+    if local_optimizer is not None:
+        raise InvalidArgument("dense='allreduce' keeps every parameter on the worker: pass its optimizer as "
+                              "dense_optimizer, not local_optimizer")
+    if not isinstance(dense_optimizer, torch.optim.Optimizer):
+        raise InvalidArgument(f"dense='allreduce' steps the dense parameters with a torch optimizer on each worker: "
+                              f"pass dense_optimizer=torch.optim.Adam(module.parameters(), ...) (got "
+                              f"{type(dense_optimizer).__name__})")
+    return dense_optimizer
+
+
+def backend_for(device: torch.device) -> str:
+    """The process group's backend for workers on ``device``: NCCL for CUDA, gloo otherwise."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def process_group(device: torch.device, environ=os.environ) -> "dist.ProcessGroup":
+    """The default process group: the one the script initialised, else one initialised now
+    from torchrun's environment (``backend_for(device)``). FailedPrecondition, saying how to
+    start the workers, where there is neither."""
+    import torch.distributed as dist
+    if not dist.is_available():
+        raise FailedPrecondition("dense='allreduce' needs torch.distributed, which this torch build lacks")
+    if not dist.is_initialized():
+        missing = [k for k in _TORCHRUN_ENV if not environ.get(k)]
+        if missing:
+            raise FailedPrecondition(
+                f"dense='allreduce' all-reduces the dense parameters among the workers, and no process group "
+                f"is initialised ({', '.join(missing)} not set): start the workers with torchrun or "
+                f"`shardps run`, or call torch.distributed.init_process_group first")
+        dist.init_process_group(backend=backend_for(device))
+    group = dist.group.WORLD
+    assert group is not None           # initialised above
+    return group
+
+
+def ignored_parameters(module: nn.Module, table_modules: list[str]) -> list[str]:
+    """The names of ``module``'s parameters and buffers under the modules of its tables
+    (``table_modules``: their paths): DDP leaves them alone."""
+    def under(name: str) -> bool:
+        return any(name == p or name.startswith(p + ".") for p in table_modules if p)
+    return ([n for n, _ in module.named_parameters() if under(n)]
+            + [n for n, _ in module.named_buffers() if under(n)])
+
+
+def wrap(module: nn.Module, table_modules: list[str], **ddp_kwargs) -> nn.parallel.DistributedDataParallel:
+    """``module`` in ``DistributedDataParallel`` over the default process group (see
+    ``process_group``), its tables' parameters ignored; on a CUDA module, ``device_ids`` its
+    device. A collective: every worker of the group constructs its own at the same point (it
+    broadcasts rank 0's parameters and buffers, so every worker starts from the same)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    try:
+        device = next(module.parameters()).device
+    except StopIteration:
+        raise InvalidArgument("dense='allreduce': the module has no dense parameters to all-reduce; "
+                              "use the default dense='servers'") from None
+    process_group(device)
+    ignored = ignored_parameters(module, table_modules)
+    if ignored:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, ignored)
+    if device.type == "cuda":
+        ddp_kwargs.setdefault("device_ids", [device.index if device.index is not None else torch.cuda.current_device()])
+    return DistributedDataParallel(module, **ddp_kwargs)
