@@ -50,6 +50,9 @@ SCRIPT = textwrap.dedent("""
     g = torch.Generator().manual_seed(100 + rank)          # each rank its own batches
     losses = []
     for step in range(30):
+        if step == 10 and "--die-once" in sys.argv and rank == 1 and not os.path.exists(sys.argv[1] + ".died"):
+            open(sys.argv[1] + ".died", "w").close()
+            os.kill(os.getpid(), 9)                        # SIGKILL: torchrun restarts the whole group
         ids = torch.randint(0, 1000, (64, 3), generator=g)
         clicks = (ids[:, 0] % 2).float()
         model.pull()
@@ -60,7 +63,8 @@ SCRIPT = textwrap.dedent("""
     model.flush()
     tables = sorted(t.name for t in client.tables())
     json.dump({"first": [p.tolist() for p in first], "last": [p.detach().tolist() for p in module.parameters()],
-               "losses": losses, "tables": tables, "world_size": client.membership.world_size},
+               "losses": losses, "tables": tables, "world_size": client.membership.world_size,
+               "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))},
               open(sys.argv[1] + f".{rank}.json", "w"))
     client.leave()
     client.close()
@@ -111,7 +115,7 @@ def test_allreduce_needs_a_torch_optimizer_and_a_process_group(cluster, client_f
         PSModel(module, client, dense_optimizer=torch.optim.SGD(module.parameters(), lr=0.1))
     for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
-    with pytest.raises(FailedPrecondition, match="start the workers with torchrun or `shardps run`"):
+    with pytest.raises(FailedPrecondition, match="start the workers with torchrun or `shardps run --elastic`"):
         PSModel(module, client, dense="allreduce", dense_optimizer=torch.optim.SGD(module.parameters(), lr=0.1))
 
 
@@ -141,3 +145,33 @@ def test_one_worker_trains_in_hybrid_mode_and_exports_plain_weights(cluster, cli
         assert not model._ddp.training and not module.training
     finally:
         dist.destroy_process_group()
+
+
+def test_elastic_runs_torchrun_with_the_cluster_added():
+    from shardps.tools.launch import elastic_command
+    assert elastic_command(["train.py", "--epochs", "3"], 2, python="py") == [
+        "py", "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "3",
+        "--standalone", "train.py", "--epochs", "3"]
+    assert elastic_command(["./train"], 4, "2:4", 1, "m0:29400", python="py")[5:] == [
+        "--nproc-per-node", "4", "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "m0:29400",
+        "--no-python", "./train"]
+    with pytest.raises(InvalidArgument, match="--rdzv-endpoint HOST:PORT"):
+        elastic_command(["train.py"], 2, "2")
+    with pytest.raises(InvalidArgument, match="--nnodes 'two'"):
+        elastic_command(["train.py"], 2, "two")
+
+
+@pytest.mark.slow          # processes (shardps run, torchrun and 2 workers, twice)
+def test_under_shardps_run_elastic_a_killed_worker_restarts_the_whole_group(cluster, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "shardps.tools.cli", "run", "--manager", cluster.address, "--job",
+                          "hybrid-elastic", "--elastic", "--nproc-per-node", "2", "--max-restarts", "1",
+                          str(script), str(tmp_path / "out"), "--die-once"],
+                         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert (tmp_path / "out.died").exists()                 # rank 1 was killed once
+    got = [json.loads((tmp_path / f"out.{r}.json").read_text()) for r in (0, 1)]
+    assert [g["restart"] for g in got] == [1, 1]            # both ranks: the group's second round
+    assert got[0]["last"] == got[1]["last"] and got[0]["tables"] == ["items"]

@@ -139,14 +139,23 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
                  "Start --nproc-per-node processes of SCRIPT with the cluster and their place in\n"
                  "the environment (SHARDPS_MANAGER, SHARDPS_JOB, RANK, WORLD_SIZE, LOCAL_RANK,\n"
                  "LOCAL_WORLD_SIZE); PSClient() and join() read them. A process that fails is\n"
-                 "started again (--max-restarts per rank); then the others are stopped.\n\n"
-                 "  shardps run --job ctr --nproc-per-node 4 train.py --epochs 3", environ)
+                 "started again (--max-restarts per rank); then the others are stopped.\n"
+                 "--elastic, for scripts that all-reduce (PSModel dense='allreduce'): torch's elastic\n"
+                 "agent (torchrun) runs them and restarts the whole group into a new rendezvous round.\n\n"
+                 "  shardps run --job ctr --nproc-per-node 4 train.py --epochs 3\n"
+                 "  shardps run --job ctr --elastic --nproc-per-node 2 hybrid.py", environ)
     fs.add("--manager", DEFAULT_MANAGER, MANAGER_HELP)
     fs.add("--job", "", "the job every process joins (SHARDPS_JOB)")
     fs.add("--nproc-per-node", 1, "processes on this machine")
-    fs.add("--nnodes", 1, "machines running this job (ranks: node_rank x nproc-per-node + local rank)")
+    fs.add("--nnodes", "1", "machines running this job (ranks: node_rank x nproc-per-node + local rank); "
+           "with --elastic, MIN:MAX")
     fs.add("--node-rank", 0, "this machine's index among --nnodes")
-    fs.add("--max-restarts", 3, "times a failed process is started again before the run gives up")
+    fs.add("--max-restarts", 3, "times a failed process is started again before the run gives up (with "
+           "--elastic: times the whole group is)")
+    fs.add("--elastic", False, "run the processes under torch's elastic agent (torchrun): whole-group restarts, "
+           "c10d rendezvous; for scripts that all-reduce (PSModel dense='allreduce')")
+    fs.add("--rdzv-endpoint", "", "with --elastic over several machines: the rendezvous HOST:PORT (the same "
+           "on all)")
     fs.add("--log-format", "human", "log lines: human or json", choices=["human", "json"])
     p.add_argument("script", nargs=argparse.REMAINDER, help="the script (a .py file runs with this Python) "
                    "and its arguments")

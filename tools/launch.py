@@ -16,8 +16,18 @@ status (128 + N for a rank killed by signal N; 130 / 143 when ``shardps run`` it
 SIGINT / SIGTERM). Each process's SHARDPS_PARENT_PID names ``shardps run``
 (``shardps.tools.children``): a rank that is a ``shardps`` command dies with it.
 
-``plan`` (pure: what each rank's environment holds) and ``Supervisor`` (the processes:
-start, restart, stop) are separate; the CLI glue is ``run``.
+``--elastic`` is for scripts whose workers all-reduce (``PSModel(dense="allreduce")``): one
+rank cannot rejoin a process group the others still hold, so the group restarts whole. There
+``shardps run`` hands the processes to torch's own elastic agent, ``python -m
+torch.distributed.run`` (torchrun): its c10d rendezvous (``--standalone`` on one machine,
+``--rdzv-endpoint`` across several, ``--nnodes MIN:MAX``), its whole-group restarts into a
+new rendezvous round (``--max-restarts``) and its environment (``MASTER_ADDR``, ...), with
+``SHARDPS_MANAGER`` and ``SHARDPS_JOB`` added. Jobs without all-reduce keep the per-rank
+restarts above: a rank's death need not stop the others, whose pushes the servers keep.
+
+``plan`` (pure: what each rank's environment holds), ``elastic_command`` (pure: torchrun's
+command line) and ``Supervisor`` (the processes: start, restart, stop) are separate; the
+CLI glue is ``run``.
 """
 
 from __future__ import annotations
@@ -35,6 +45,28 @@ from shardps.errors import InvalidArgument
 from shardps.tools.children import child_env, stop_processes
 
 log = logging.getLogger("shardps.run")
+
+
+def elastic_command(command: list[str], nproc: int, nnodes: str = "1", max_restarts: int = 3,
+                    rdzv_endpoint: str = "", python: str = sys.executable) -> list[str]:
+    """torchrun's command line for ``command`` (a ``.py`` script runs with ``python``; another
+    command with ``--no-python``): ``nproc`` processes here, ``nnodes`` machines ("N" or
+    "MIN:MAX"), whole-group restarts, c10d rendezvous (standalone on one machine)."""
+    if nproc < 1:
+        raise InvalidArgument(f"--nproc-per-node {nproc}: at least 1")
+    if not all(part.isdigit() and int(part) >= 1 for part in nnodes.split(":", 1)):
+        raise InvalidArgument(f"--nnodes {nnodes!r}: a number of machines, or MIN:MAX with --elastic")
+    out = [python, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
+           "--max-restarts", str(max_restarts)]
+    if rdzv_endpoint:
+        out += ["--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint]
+    elif nnodes == "1":
+        out += ["--standalone"]
+    else:
+        raise InvalidArgument(f"--nnodes {nnodes} with --elastic: name the rendezvous, --rdzv-endpoint HOST:PORT "
+                              f"(a port on one of the machines, the same for all)")
+    script, *rest = command
+    return out + ([script, *rest] if script.endswith(".py") else ["--no-python", script, *rest])
 
 
 def plan(manager: str, job: str, nproc: int, nnodes: int = 1, node_rank: int = 0) -> list[dict[str, str]]:
@@ -191,8 +223,12 @@ def run(args) -> int:
         print("shardps run: name the script to run: shardps run --job J [--nproc-per-node N] script.py [args]",
               file=sys.stderr)
         return 2
+    if args.elastic:
+        return _run_elastic(args)
     try:
-        envs = plan(args.manager, args.job, args.nproc_per_node, args.nnodes, args.node_rank)
+        if not str(args.nnodes).isdigit():
+            raise InvalidArgument(f"--nnodes {args.nnodes!r}: a number (MIN:MAX is for --elastic)")
+        envs = plan(args.manager, args.job, args.nproc_per_node, int(args.nnodes), args.node_rank)
     except InvalidArgument as exc:
         print(f"shardps run: {exc.message}", file=sys.stderr)
         return 2
@@ -209,3 +245,24 @@ def run(args) -> int:
     except OSError as exc:          # the command cannot be started (not found, not executable)
         print(f"shardps run: cannot start {command[0]}: {exc.strerror or exc}", file=sys.stderr)
         return 2
+
+
+def _run_elastic(args) -> int:
+    """``shardps run --elastic``: torchrun's elastic agent runs the processes (see the module
+    docstring); its exit status is the run's. SIGINT / SIGTERM are passed on to it."""
+    if not args.job:
+        print("shardps run: shardps run needs --job (or SHARDPS_JOB): the job every process joins", file=sys.stderr)
+        return 2
+    try:
+        command = elastic_command(args.script, args.nproc_per_node, str(args.nnodes), args.max_restarts,
+                                  args.rdzv_endpoint)
+    except InvalidArgument as exc:
+        print(f"shardps run: {exc.message}", file=sys.stderr)
+        return 2
+    env = child_env({**os.environ, "SHARDPS_MANAGER": args.manager, "SHARDPS_JOB": args.job})
+    log.info("running %s (torch's elastic agent: whole-group restarts) for job %s, manager %s",
+             " ".join(command), args.job, args.manager)
+    agent = subprocess.Popen(command, env=env)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _frame: agent.send_signal(signum))
+    return exit_status(agent.wait())

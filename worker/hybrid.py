@@ -21,6 +21,7 @@ one device): ``backend="gloo"`` on CUDA tensors then, through the host.
 
 from __future__ import annotations
 
+import datetime
 import os
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
 DENSE_MODES = ("servers", "allreduce")
+STORE_TIMEOUT = datetime.timedelta(minutes=10)     # torch's default for a process group's store
 _TORCHRUN_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
 
 
@@ -75,11 +77,28 @@ def process_group(device: torch.device, environ=os.environ) -> "dist.ProcessGrou
             raise FailedPrecondition(
                 f"dense='allreduce' all-reduces the dense parameters among the workers, and no process group "
                 f"is initialised ({', '.join(missing)} not set): start the workers with torchrun or "
-                f"`shardps run`, or call torch.distributed.init_process_group first")
-        dist.init_process_group(backend=backend_for(device))
+                f"`shardps run --elastic`, or call torch.distributed.init_process_group first")
+        _init_from_env(backend_for(device), environ)
     group = dist.group.WORLD
     assert group is not None           # initialised above
     return group
+
+
+def _init_from_env(backend: str, environ) -> None:
+    """``init_process_group`` from torchrun's environment. Under torch's elastic agent every
+    restart round's workers meet in the agent's store at the same address, and torch's env://
+    rendezvous adds no prefix per round: a new round's rank could read the address a rank of
+    the last round (dead) left there, and fail to connect. The store is prefixed by the round
+    (``TORCHELASTIC_RESTART_COUNT``) here."""
+    import torch.distributed as dist
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend=backend)
+        return
+    rank, world = int(environ["RANK"]), int(environ["WORLD_SIZE"])
+    agent = dist.TCPStore(environ["MASTER_ADDR"], int(environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=STORE_TIMEOUT)
+    store = dist.PrefixStore(f"shardps/round-{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world)
 
 
 def ignored_parameters(module: nn.Module, table_modules: list[str]) -> list[str]:
