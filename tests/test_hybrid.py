@@ -175,3 +175,20 @@ def test_under_shardps_run_elastic_a_killed_worker_restarts_the_whole_group(clus
     got = [json.loads((tmp_path / f"out.{r}.json").read_text()) for r in (0, 1)]
     assert [g["restart"] for g in got] == [1, 1]            # both ranks: the group's second round
     assert got[0]["last"] == got[1]["last"] and got[0]["tables"] == ["items"]
+
+
+@pytest.mark.slow          # processes (shardps local: a manager, 2 servers, 2 workers)
+def test_shardps_local_trains_the_digits_with_dense_allreduce(tmp_path):
+    import re
+    out = subprocess.run([sys.executable, "-m", "shardps.tools.cli", "local", "--servers", "2", "--port", "0",
+                          "--workers", "2", "--model", "digits-cnn", "--dense", "allreduce", "--epochs", "8",
+                          "--work-dir", str(tmp_path), "--result-file", str(tmp_path / "r.json")],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    accuracy = float(re.search(r"mean test_accuracy=([0-9.]+)", out.stdout).group(1))
+    assert accuracy > 0.95, out.stdout
+    results = [json.loads((tmp_path / f"r-worker-{i}.json").read_text()) for i in (0, 1)]
+    assert results[0]["steps"] == results[1]["steps"] > 0          # DDP: every worker the same steps
+    # the same parameters; batch-norm statistics differ by each worker's last batch (DDP broadcasts
+    # rank 0's buffers at each forward, as in any DDP job)
+    assert abs(results[0]["metrics"]["test_accuracy"] - results[1]["metrics"]["test_accuracy"]) < 0.03

@@ -100,7 +100,7 @@ class LocalCluster:
 
     # ------------------------------------------------------------------ processes
     def _spawn(self, role: str, name: str, args: list[str], ready: bool = True,
-               stdout=None) -> Proc:
+               stdout=None, env: dict | None = None) -> Proc:
         ready_file = self.work_dir / f"{name}.ready"
         log_path = self.work_dir / f"{name}.log"
         if ready_file.exists():
@@ -110,7 +110,7 @@ class LocalCluster:
             cmd += ["--ready-file", str(ready_file)]
         logf = open(log_path, "ab")
         popen = subprocess.Popen(cmd, stdout=stdout if stdout is not None else logf, stderr=logf,
-                                 env=self._env_of(role), cwd=str(self.work_dir))
+                                 env={**self._env_of(role), **(env or {})}, cwd=str(self.work_dir))
         logf.close()
         proc = Proc(role, name, popen, ready_file, log_path)
         log.debug("started %s %s (pid %d)", role, name, popen.pid)
@@ -224,9 +224,10 @@ class LocalCluster:
                                        f"{count} servers SERVING after {timeout}s")
                 time.sleep(0.1)
 
-    def start_worker(self, name: str, args: list[str], stdout=subprocess.PIPE) -> Proc:
+    def start_worker(self, name: str, args: list[str], stdout=subprocess.PIPE, env: dict | None = None) -> Proc:
+        """Start ``shardps worker`` ``name`` with ``args`` (and ``env`` added to its environment)."""
         full = ["--manager", self.manager_address, "--name", name, "--log-format", self.log_format] + args
-        proc = self._spawn("worker", name, full, ready=False, stdout=stdout)
+        proc = self._spawn("worker", name, full, ready=False, stdout=stdout, env=env)
         self.workers.append(proc)
         return proc
 

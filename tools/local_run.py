@@ -146,8 +146,10 @@ def _worker_args(args, worker_flags: list[str], index: int = 0, count: int = 1) 
 
 def _train_locally(cluster: LocalCluster, args, worker_flags: list[str], stop: threading.Event,
                    started: float, client_args: tuple[str, ...] | list[str] = ()) -> int:
+    group = torch_group_env(args.workers) if getattr(args, "dense", "servers") == "allreduce" else None
     procs = [cluster.start_worker(f"worker-{i}", _worker_args(args, worker_flags, i, args.workers) + list(client_args),
-                                  stdout=subprocess.PIPE) for i in range(args.workers)]
+                                  stdout=subprocess.PIPE, env=group[i] if group else None)
+             for i in range(args.workers)]
     for flag in OUTPUT_FLAGS:
         value = getattr(args, flag[2:].replace("-", "_"), "")
         if value:
@@ -188,6 +190,18 @@ def _train_locally(cluster: LocalCluster, args, worker_flags: list[str], stop: t
               if key == "test_accuracy" else f"{key}={dist.get(key, float('nan')):.4f}", flush=True)
     stop.set()
     return 0
+
+
+def torch_group_env(workers: int, host: str = "127.0.0.1") -> list[dict[str, str]]:
+    """Each local worker's torch process group, as torchrun would give it (``--dense
+    allreduce``: DDP among the workers): its rank, the world, and rank 0's store on a free
+    port of ``host``."""
+    import socket
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    return [{"RANK": str(i), "WORLD_SIZE": str(workers), "LOCAL_RANK": str(i), "LOCAL_WORLD_SIZE": str(workers),
+             "MASTER_ADDR": host, "MASTER_PORT": str(port)} for i in range(workers)]
 
 
 def _metrics_of(lines: list[str]) -> dict:

@@ -33,6 +33,8 @@ from shardps.errors import FailedPrecondition, InvalidArgument
 if TYPE_CHECKING:
     import torch.distributed as dist
 
+    from shardps.tables import OptimizerConfig
+
 DENSE_MODES = ("servers", "allreduce")
 STORE_TIMEOUT = datetime.timedelta(minutes=10)     # torch's default for a process group's store
 _TORCHRUN_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
@@ -57,6 +59,24 @@ def check_optimizer(dense_optimizer, local_optimizer):
                               f"pass dense_optimizer=torch.optim.Adam(module.parameters(), ...) (got "
                               f"{type(dense_optimizer).__name__})")
     return dense_optimizer
+
+
+def worker_kwargs(dense: str, module: nn.Module, optimizer: "OptimizerConfig",
+                  per_table: dict[str, "OptimizerConfig"]) -> dict:
+    """``PSModel``'s dense arguments for ``shardps worker --dense``: none for "servers"; for
+    "allreduce", the torch optimizer equivalent to each dense parameter's table optimizer
+    (``per_table`` by name, else ``optimizer``)."""
+    from shardps.worker.runtime import torch_optimizer
+    if dense_mode(dense) == "servers":
+        return {}
+    by_config: dict = {}
+    for name, p in module.named_parameters():
+        by_config.setdefault(per_table.get(name, optimizer), []).append(p)
+    if len(by_config) != 1:
+        raise InvalidArgument(f"--dense allreduce: the model's dense parameters have {len(by_config)} optimizer "
+                              f"configs; one torch optimizer steps them all (use PSModel's dense_optimizer)")
+    (config, params), = by_config.items()
+    return {"dense": dense, "dense_optimizer": torch_optimizer(config, params)}
 
 
 def backend_for(device: torch.device) -> str:

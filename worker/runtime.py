@@ -78,6 +78,9 @@ def add_training_flags(fs) -> None:
            "worker then starts at step 0 with the same share of the data and, with --scale-lr, the same "
            f"learning rate. Fails after {WAIT_WORKERS_SECONDS:.0f} s")
     fs.add("--checkpoint-every", 0, "join a checkpoint every this many steps (0: only on demand)")
+    fs.add("--dense", "servers", "the dense parameters: servers (tables, the servers' optimizer) or allreduce "
+           "(on the workers, averaged by DistributedDataParallel; start the workers with torchrun's environment)",
+           choices=["servers", "allreduce"])
     fs.add("--ready-file", "", "write a JSON line (name, rank, metrics address, pid) here once joined")
 
 
@@ -182,7 +185,7 @@ def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=Fals
         ranks = [m.rank for m in g.members] if g else [client.membership.rank]
         index, count = position(client.membership.rank, ranks)
         idx = shard_indices(n, epoch, args.seed, index, count)
-        if mode is Consistency.SYNC:      # every worker takes the same number of steps
+        if mode is Consistency.SYNC or ps_model.dense_mode == "allreduce":   # equal steps on every worker
             per_worker = n // count // bs
             idx = idx[:per_worker * bs]
         batch_list = list(batches(idx, bs))
@@ -356,6 +359,7 @@ def run_worker(args) -> int:
     from shardps.metrics import WorkerMetrics
     from shardps.rpc.channels import TlsConfig
     from shardps.settings import Common, build
+    from shardps.worker import hybrid
     from shardps.worker.client import PSClient
     from shardps.worker.device import cuda_device_count, describe, no_cuda_reason, resolve_device, use_device
     from shardps.worker.torch_ps import PSModel
@@ -413,6 +417,7 @@ def run_worker(args) -> int:
         opt, per_table = _lr_scaled(task, args, world)
         lookahead = args.lookahead or _default_lookahead(task.model)
         ps_model = PSModel(task.model, client, optimizer=opt, optimizers=per_table, overlap=args.overlap,
+                           **hybrid.worker_kwargs(args.dense, task.model, opt, per_table),
                            lookahead=lookahead, cache_bytes=args.cache_bytes,
                            cache_staleness=args.cache_staleness or cache_staleness_for(
                                args.batch_size or task.batch_size, lookahead if args.overlap else 1))
@@ -430,6 +435,7 @@ def run_worker(args) -> int:
             with open(args.result_file, "w") as f:
                 json.dump(result.__dict__, f)
         if args.plot:
+            from shardps.worker.curve import plot_curve
             plot_curve(result, args.plot, task.name)
         client.leave()
         return 0
@@ -466,32 +472,3 @@ def _wait_for_manager(client, timeout: float = 120.0) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(1.0)
-
-
-def plot_curve(result: TrainResult, path: str, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4))
-    losses = result.losses
-    ax.plot(losses, lw=0.6, alpha=0.4, label="loss")
-    k = max(1, len(losses) // 50)
-    if len(losses) >= k:
-        smooth = [sum(losses[i:i + k]) / k for i in range(0, len(losses) - k + 1)]
-        ax.plot(range(k - 1, k - 1 + len(smooth)), smooth, lw=1.5, label=f"loss ({k}-step mean)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
-    if result.curve:
-        name = next(iter(result.curve[0][1]))
-        ax2 = ax.twinx()
-        ax2.plot([s for s, _ in result.curve], [m[name] for _, m in result.curve], "o-", color="C3",
-                 label=name)
-        ax2.set_ylabel(name)
-        ax2.legend(loc="lower right")
-    metric = ", ".join(f"{k}={v:.4f}" for k, v in result.metrics.items())
-    ax.set_title(f"{title}, rank {result.rank}: {metric}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
