@@ -141,8 +141,12 @@ def test_one_worker_trains_in_hybrid_mode_and_exports_plain_weights(cluster, cli
         state = model.state_dict()                                      # the servers' rows, the worker's head
         assert set(state) == {"items.weight", "head.weight", "head.bias"}
         assert torch.equal(state["head.weight"], module.head.weight.detach())
+        with pytest.raises(InvalidArgument, match=r"call the PSModel \(model\(x\)\), not the module it wraps"):
+            module(torch.tensor([[1, 2]]))               # a training forward past DDP: not averaged
         model.eval()
         assert not model._ddp.training and not module.training
+        with torch.no_grad():
+            module(torch.tensor([[1, 2]]))               # evaluation may call the module itself
     finally:
         dist.destroy_process_group()
 

@@ -121,6 +121,15 @@ def _init_from_env(backend: str, environ) -> None:
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world)
 
 
+def check_through_ddp(through: bool | None) -> None:
+    """A training forward (gradients on) of the module itself, not through the ``PSModel``
+    (its DDP wrapper): its gradients would not be averaged and the workers would drift apart:
+    InvalidArgument. Evaluation under ``torch.no_grad()`` may call the module directly."""
+    if not through and torch.is_grad_enabled():
+        raise InvalidArgument("dense='allreduce': call the PSModel (model(x)), not the module it wraps: "
+                              "DistributedDataParallel averages the gradients through its own forward")
+
+
 def ignored_parameters(module: nn.Module, table_modules: list[str]) -> list[str]:
     """The names of ``module``'s parameters and buffers under the modules of its tables
     (``table_modules``: their paths): DDP leaves them alone."""

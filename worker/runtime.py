@@ -212,7 +212,7 @@ def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=Fals
             if xb is None:
                 xb = x[torch.as_tensor(b)].to(device)
             yb = y[torch.as_tensor(b)].to(device)
-            loss = task.loss(task.model(xb), yb)
+            loss = task.loss(ps_model(xb), yb)
             unique_rows += sum(emb.last_unique for emb in embeddings)
             loss.backward()
             synchronize(device)      # compute is the GPU's work (push copies the gradients anyway)

@@ -108,6 +108,8 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
                 self.collections.append(mod)
         # DDP over the module (dense="allreduce"), kept out of the module tree and the state dict
         self.__dict__["_ddp"] = hybrid.wrap(module, list(self.embeddings)) if self.dense_mode == "allreduce" else None
+        if self._ddp is not None:
+            module.register_forward_pre_hook(lambda *_: hybrid.check_through_ddp(self.__dict__.get("_through_ddp")))
         self.dense: dict[str, nn.Parameter] = {}
         for name, p in module.named_parameters():
             if _under(name, self.local):
@@ -157,7 +159,13 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
 
     def forward(self, *args, **kwargs):
         """The wrapped module's forward (through DistributedDataParallel with dense="allreduce")."""
-        return (self._ddp or self.module)(*args, **kwargs)
+        if self._ddp is None:
+            return self.module(*args, **kwargs)
+        self.__dict__["_through_ddp"] = True
+        try:
+            return self._ddp(*args, **kwargs)
+        finally:
+            self.__dict__["_through_ddp"] = False
 
     # ------------------------------------------------------------------ per step
     def prefetch(self, features: KeyedJaggedTensor) -> None:
