@@ -196,3 +196,23 @@ def test_shardps_local_trains_the_digits_with_dense_allreduce(tmp_path):
     # the same parameters; batch-norm statistics differ by each worker's last batch (DDP broadcasts
     # rank 0's buffers at each forward, as in any DDP job)
     assert abs(results[0]["metrics"]["test_accuracy"] - results[1]["metrics"]["test_accuracy"]) < 0.03
+
+
+def test_a_learning_rate_schedule_reaches_the_workers_own_optimizer(cluster, client_factory, tmp_path):
+    import torch.distributed as dist
+    client = client_factory(cluster.address, job="hybrid-lr")
+    client.create_job()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        module = _Small()
+        model = PSModel(module, client, optimizer=adagrad(0.2), dense="allreduce",
+                        dense_optimizer=torch.optim.SGD(module.parameters(), lr=0.5))
+        model.create_tables()
+        model.set_lr(lambda base: base * 0.1, tables=False)          # another rank's: its own optimizer only
+        assert model.local_optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+        assert client.refresh_map().table("hybrid-lr", "items").config.optimizer.lr == pytest.approx(0.1)
+        model.set_lr(lambda base: base * 0.01)                       # rank 0's: the tables too, from their bases
+        assert model.local_optimizer.param_groups[0]["lr"] == pytest.approx(0.005)
+        assert client.refresh_map().table("hybrid-lr", "items").config.optimizer.lr == pytest.approx(0.001)
+    finally:
+        dist.destroy_process_group()

@@ -79,6 +79,7 @@ class ModelIO:
     step: int
     _base_lr: dict[str, float]
     _handled_checkpoint: tuple[str, int]
+    local_optimizer: torch.optim.Optimizer | None
 
     _prefetch: collections.deque
 
@@ -185,10 +186,19 @@ class ModelIO:
         self.forget_pulled()
         return IncompatibleKeys(missing, unexpected)
 
-    def set_lr(self, lr_of: Callable[[float], float]) -> None:
-        """Set every table's learning rate to ``lr_of(base_lr)``: one change of the shard map
-        for all of them (call it per epoch or every few hundred steps, not per step)."""
-        self.client.update_configs({table: {"lr": float(lr_of(base))} for table, base in self._base_lr.items()})
+    def set_lr(self, lr_of: Callable[[float], float], tables: bool = True) -> None:
+        """Set every learning rate to ``lr_of(base_lr)``: the worker's own optimizer's (the
+        parameters kept local, or all-reduced: each worker sets its own) and, with
+        ``tables``, every table's, in one change of the shard map (one worker of the job does
+        that for all: call it per epoch or every few hundred steps, not per step)."""
+        optimizer = self.local_optimizer
+        if optimizer is not None:
+            # the bases: the optimizer's learning rates when the first schedule came
+            bases = self.__dict__.setdefault("_local_base_lr", [g["lr"] for g in optimizer.param_groups])
+            for group, base in zip(optimizer.param_groups, bases):
+                group["lr"] = float(lr_of(base))
+        if tables and self._base_lr:
+            self.client.update_configs({table: {"lr": float(lr_of(base))} for table, base in self._base_lr.items()})
 
     def _apply(self, fn, recurse=True):
         """``to(device)`` and the like, as any module; a change of the parameters' dtype

@@ -174,11 +174,11 @@ def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=Fals
     start_epoch, start_batch = resume or (0, 0)
     factor = 1.0
     for epoch in range(start_epoch, epochs):
-        if task.lr_schedule is not None and client.membership.rank == 0:
+        if task.lr_schedule is not None:
             wanted = task.lr_schedule(epoch, epochs)
-            if wanted != factor:           # one worker updates the shared tables' configs
+            if wanted != factor:           # every worker its own optimizer; one the shared tables' configs
                 factor = wanted
-                ps_model.set_lr(lambda base, factor=factor: base * factor)
+                ps_model.set_lr(lambda base, factor=factor: base * factor, tables=client.membership.rank == 0)
                 log.info("epoch %d: learning rate factor %g", epoch, factor)
         view = client.refresh_map()
         g = view.groups.get(job)
