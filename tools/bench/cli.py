@@ -45,6 +45,7 @@ PARTS = {
     "lifecycle": "shardps.tools.bench.lifecycle",
     "gpu": "shardps.tools.bench.gpu",
     "lines": "shardps.tools.bench.lines",
+    "hybrid": "shardps.tools.bench.hybrid",
 }
 DEFAULT_OUT = "bench/results/latest.json"
 

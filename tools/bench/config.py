@@ -51,6 +51,7 @@ class BenchConfig:
     # many tables: the plain loop on 12 single-hot tables (tools/bench/many_tables.py)
     many_tables_steps: int = 400
     lines_steps: int = 40                 # steps the lines part counts (after its warm-up)
+    hybrid_digits_epochs: int = 0         # hybrid: the digits CNN's epochs (0: the model's, 20)
     # memory
     mem_dense_params: int = 10_000_000
     mem_sparse_rows: int = 1_000_000
@@ -144,6 +145,7 @@ TINY = BenchConfig(
     scale_train_samples=4_096,
     many_tables_steps=5,
     lines_steps=2,
+    hybrid_digits_epochs=1,
     mem_dense_params=1 << 18,
     mem_sparse_rows=10_000,
     mem_push_elements=1 << 16,

@@ -13,6 +13,10 @@ of batches on every rank (DDP needs equal step counts). One thread per process.
 
 Each rank reports: samples, the training-loop wall time (after set-up and data generation,
 before evaluation), its peak RSS (VmHWM), and rank 0 the test AUC.
+
+``model="digits-cnn"`` (the hybrid part): the digits CNN as ``shardps worker`` builds it, its
+optimizer for every parameter, its epochs and learning-rate schedule; rank 0 reports its
+``test_accuracy``.
 """
 
 from __future__ import annotations
@@ -49,38 +53,49 @@ def _train(rank: int, world: int, port: int, opts: dict) -> dict:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
         torch.manual_seed(seed)
-        emb = nn.Embedding(rows, DIM, sparse=sparse)
-        nn.init.normal_(emb.weight, 0.0, 0.01)
-        task = build_ctr(seed=seed, rows=rows, train_samples=opts["train_samples"], embedding=emb)
+        if opts.get("model", "ctr") == "ctr":
+            emb = nn.Embedding(rows, DIM, sparse=sparse)
+            nn.init.normal_(emb.weight, 0.0, 0.01)
+            task = build_ctr(seed=seed, rows=rows, train_samples=opts["train_samples"], embedding=emb)
+        else:
+            from shardps.worker.models import build
+            task = build(opts["model"], seed=seed)
         model = DDP(task.model)                      # broadcasts rank 0's parameters
         optimizers = []
         for name, p in task.model.named_parameters():
             table = name.rsplit(".", 1)[0]
             cfg = task.optimizers.get(table, task.optimizer)
             optimizers.append(torch_optimizer(cfg, [p], sparse=sparse and table == "embedding"))
+        bases = [[g["lr"] for g in o.param_groups] for o in optimizers]
         x, y = task.train
         bs = task.batch_size
-        idx = shard_indices(x.shape[0], 0, seed, rank, world)
         steps = x.shape[0] // world // bs
         if opts.get("steps"):
             steps = min(steps, opts["steps"])
-        idx = idx[:steps * bs]
+        epochs = opts.get("epochs") or (task.epochs if opts.get("model", "ctr") != "ctr" else 1)
         dist.barrier()
         started = time.perf_counter()
         samples = 0
-        for b in batches(idx, bs):
-            b = torch.as_tensor(b)
-            loss = task.loss(model(x[b]), y[b])
-            for o in optimizers:
-                o.zero_grad()
-            loss.backward()
-            for o in optimizers:
-                o.step()
-            samples += len(b)
+        for epoch in range(epochs):
+            factor = task.lr_schedule(epoch, epochs) if task.lr_schedule is not None else 1.0
+            for o, base in zip(optimizers, bases):
+                for group, lr in zip(o.param_groups, base):
+                    group["lr"] = lr * factor
+            for b in batches(shard_indices(x.shape[0], epoch, seed, rank, world)[:steps * bs], bs):
+                b = torch.as_tensor(b)
+                loss = task.loss(model(x[b]), y[b])
+                for o in optimizers:
+                    o.zero_grad()
+                loss.backward()
+                for o in optimizers:
+                    o.step()
+                samples += len(b)
         wall = time.perf_counter() - started
-        result = {"samples": samples, "steps": steps, "wall_seconds": wall, "peak_rss_kb": self_peak_rss_kb()}
+        result: dict = {"samples": samples, "steps": steps * epochs, "wall_seconds": wall,
+                        "peak_rss_kb": self_peak_rss_kb()}
         if rank == 0 and opts.get("evaluate", True):
-            result["test_auc"] = task.evaluate(task.model, *task.test)["test_auc"]
+            metrics = task.evaluate(task.model, *task.test)
+            result["metrics"], result["test_auc"] = metrics, metrics.get("test_auc", float("nan"))
         dist.barrier()
         return result
     finally:
@@ -88,10 +103,12 @@ def _train(rank: int, world: int, port: int, opts: dict) -> dict:
 
 
 def run_ddp(rows: int, sparse: bool, train_samples: int, world: int = 2, seed: int = 0,
-            steps: int = 0, evaluate: bool = True, timeout: float = 900.0) -> list[dict]:
-    """Train with DDP in ``world`` spawned processes; one result dict per rank, rank order."""
+            steps: int = 0, evaluate: bool = True, timeout: float = 900.0, model: str = "ctr",
+            epochs: int = 0) -> list[dict]:
+    """Train with DDP in ``world`` spawned processes; one result dict per rank, rank order.
+    ``epochs``: the model's (0: its default; ctr: 1)."""
     opts = {"rows": rows, "sparse": sparse, "train_samples": train_samples, "seed": seed,
-            "steps": steps, "evaluate": evaluate}
+            "steps": steps, "evaluate": evaluate, "model": model, "epochs": epochs}
     import torch.distributed as dist
 
     # the ranks' rendezvous: a store listening on port 0 here, its port handed to them

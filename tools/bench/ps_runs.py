@@ -20,11 +20,12 @@ from shardps.tools.bench.common import Children, metric_sum, read_json, scrape, 
 SERVER_PHASES = ("decode", "lookup", "optimizer", "encode")
 
 
-def train(cluster, job: str, workers: int, args: list[str], timeout: float) -> list[dict]:
+def train(cluster, job: str, workers: int, args: list[str], timeout: float,
+          envs: list[dict] | None = None) -> list[dict]:
     """Run ``workers`` shardps workers of ``job`` to completion; one dict per worker:
-    the TrainResult fields plus ``peak_rss_kb``."""
+    the TrainResult fields plus ``peak_rss_kb``. ``envs``: each worker's additions to the
+    environment (a torch process group's, for ``--dense allreduce``)."""
     work = Path(cluster.work_dir)
-    env = dict(os.environ)
     with Children() as children:
         procs, logs, files = [], [], []
         for i in range(workers):
@@ -36,7 +37,7 @@ def train(cluster, job: str, workers: int, args: list[str], timeout: float) -> l
             cmd = worker_command(cluster.manager_address, name,
                                  ["--job", job, "--result-file", str(result_file),
                                   "--wait-workers", str(workers)] + args, rss_file)
-            procs.append(children.popen(cmd, log, env))
+            procs.append(children.popen(cmd, log, {**os.environ, **(envs[i] if envs else {})}))
             logs.append(log)
             files.append((result_file, rss_file))
         wait_all(procs, timeout, f"shardps worker of job {job}", logs)
