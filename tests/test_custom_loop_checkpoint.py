@@ -112,3 +112,53 @@ def test_shardps_checkpoint_names_the_ranks_that_never_arrive_and_what_they_must
     assert "ps_model.maybe_checkpoint()" in err and "nothing was written" in err
     assert "waited" not in err, "the manager answered: no hint about reaching it"
     assert not list(tmp_path.iterdir())
+
+
+def test_a_hybrid_models_dense_values_and_optimizer_state_come_back_with_a_restore(make_cluster, client_factory,
+                                                                                     tmp_path):
+    import torch.distributed as dist
+
+    from shardps.worker.torch_ps import PSEmbedding
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.items = PSEmbedding(50, 4)
+            self.head = nn.Linear(4, 1)
+
+        def forward(self, ids):
+            return self.head(self.items(ids).mean(dim=1)).squeeze(1)
+
+    cluster = make_cluster(2)
+    cluster.manager.service.checkpoints.default_dir = str(tmp_path)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        c = client_factory(cluster.address, job="hybrid-ck")
+        c.create_job()
+        c.join(name="w0", heartbeat=False)
+        net = Net()
+        model = PSModel(net, c, dense="allreduce", dense_optimizer=torch.optim.Adam(net.parameters(), lr=0.01))
+        model.create_tables()
+        for step in range(3):
+            model.pull()
+            model(torch.tensor([[step, step + 1]])).sum().backward()
+            model.push()
+            path = model.maybe_checkpoint(every=3)
+        assert path is not None
+        saved_head = net.head.weight.detach().clone()
+        saved_adam = model.local_optimizer.state_dict()["state"][0]["exp_avg"].clone()
+        c.leave()
+        admin = client_factory(cluster.address, job="hybrid-ck")
+        admin.restore(path)
+
+        again = client_factory(cluster.address, job="hybrid-ck")
+        again.join(name="w0", heartbeat=False)
+        fresh = Net()
+        resumed = PSModel(fresh, again, dense="allreduce",
+                          dense_optimizer=torch.optim.Adam(fresh.parameters(), lr=0.01))
+        resumed.create_tables()
+        assert resumed.resume() == (0, 0) and resumed.step == 3
+        assert torch.equal(fresh.head.weight, saved_head)          # the dense values, from the worker state
+        assert torch.equal(resumed.local_optimizer.state_dict()["state"][0]["exp_avg"], saved_adam)
+    finally:
+        dist.destroy_process_group()

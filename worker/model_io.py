@@ -37,11 +37,15 @@ class IncompatibleKeys(NamedTuple):
 
 
 def worker_state_bytes(model, ps_model, epoch: int, batch: int) -> bytes:
-    """What lives on the worker (local parameters and buffers, the step, the data position
-    (epoch, batch), the random generators), encoded for a checkpoint."""
+    """What lives on the worker (local parameters and buffers, the state of the optimizer
+    that steps them, the step, the data position (epoch, batch), the random generators),
+    encoded for a checkpoint."""
     local = {k: v for k, v in model.state_dict().items() if k not in ps_model.dense}
     state = {"step": ps_model.step, "epoch": epoch, "batch": batch, "local": local,
              "torch_rng": torch.get_rng_state()}
+    optimizer = getattr(ps_model, "local_optimizer", None)
+    if optimizer is not None:
+        state["optimizer"] = optimizer.state_dict()
     device = module_device(model)
     if device.type == "cuda":            # dropout on the GPU draws from the GPU's generator
         state["cuda_rng"] = torch.cuda.get_rng_state(device)
@@ -61,6 +65,11 @@ def load_worker_state(raw: bytes, model, ps_model) -> tuple[int, int]:
         raise InvalidArgument("worker state: expected int step, epoch and batch, a dict of "
                               "tensors 'local' and uint8 tensors 'torch_rng' (and 'cuda_rng')")
     model.load_state_dict(local, strict=False)       # copied onto the model's device
+    saved, optimizer = state.get("optimizer"), getattr(ps_model, "local_optimizer", None)
+    if saved is not None and optimizer is not None:
+        if not isinstance(saved, dict):
+            raise InvalidArgument("worker state: 'optimizer' is not an optimizer's state dict")
+        optimizer.load_state_dict(saved)                # onto its parameters' device
     ps_model.step = state["step"]
     torch.set_rng_state(rng)
     device = module_device(model)
