@@ -61,9 +61,11 @@ class LineCounter:
     started afterwards; ``remove`` stops this thread's tracing (threads started meanwhile
     keep their tracer until they end, counting nothing once inactive)."""
 
-    def __init__(self, wanted: Callable[[str], bool] = in_library):
+    def __init__(self, wanted: Callable[[str], bool] = in_library, detail: bool = False):
         self.wanted = wanted
         self.active = False
+        # with ``detail``: lines per (thread, file, function), for ``--top``
+        self.where: collections.Counter[tuple[int, str, str]] | None = collections.Counter() if detail else None
         self.lines: collections.Counter[int] = collections.Counter()
         self.calls: collections.Counter[int] = collections.Counter()
         self.names: dict[int, str] = {}
@@ -85,7 +87,11 @@ class LineCounter:
 
     def _line(self, frame, event, arg):
         if event == "line" and self.active:
-            self.lines[threading.get_ident()] += 1
+            ident = threading.get_ident()
+            self.lines[ident] += 1
+            if self.where is not None:
+                code = frame.f_code
+                self.where[(ident, code.co_filename, code.co_name)] += 1
         return self._line
 
     def install(self) -> None:
@@ -97,15 +103,28 @@ class LineCounter:
         sys.settrace(None)
         threading.settrace(None)          # None: no tracer for the threads started from now on
 
+    def role(self, ident: int, training: int) -> str:
+        """A counted thread's role (see ``by_role``)."""
+        name = self.names.get(ident, "")
+        return ("train" if ident == training else "server" if name.startswith(SERVER_THREADS)
+                else "cluster" if name.startswith(CLUSTER_THREADS) else "other")
+
+    def top(self, training: int, role: str, n: int) -> list[tuple[str, int]]:
+        """The ``n`` functions of ``role``'s threads that ran the most lines ("file:function", lines)."""
+        assert self.where is not None, "a LineCounter(detail=True)"
+        by_function: collections.Counter[str] = collections.Counter()
+        for (ident, filename, function), lines in self.where.items():
+            if self.role(ident, training) == role:
+                by_function[f"{Path(filename).relative_to(ROOT)}:{function}"] += lines
+        return by_function.most_common(n)
+
     def by_role(self, training: int) -> dict[str, tuple[int, int]]:
         """(lines, calls) per role of the counted threads: ``train`` (the thread ``training``),
         ``server`` (data-plane connections), ``cluster`` (its machinery), ``other`` (the
         rest: the worker's threads)."""
         out = {role: [0, 0] for role in ("train", "server", "cluster", "other")}
         for ident in set(self.lines) | set(self.calls):
-            name = self.names.get(ident, "")
-            role = ("train" if ident == training else "server" if name.startswith(SERVER_THREADS)
-                    else "cluster" if name.startswith(CLUSTER_THREADS) else "other")
+            role = self.role(ident, training)
             out[role][0] += self.lines[ident]
             out[role][1] += self.calls[ident]
         return {role: (lines, calls) for role, (lines, calls) in out.items()}
@@ -163,13 +182,14 @@ def _data_requests(servers) -> float:
     return total
 
 
-def count_ctr(warmup: int = WARMUP, steps: int = STEPS) -> dict[str, float]:
-    """The ``ctr`` counts (see the module docstring)."""
+def count_ctr(warmup: int = WARMUP, steps: int = STEPS, top: int = 0) -> dict[str, float]:
+    """The ``ctr`` counts (see the module docstring); ``top``: also print the functions that
+    ran the most lines, per role."""
     from shardps.tools.bench.common import in_process_cluster
     from shardps.tools.cli import build_parser
     from shardps.worker import runtime
 
-    counter = LineCounter()
+    counter = LineCounter(detail=top > 0)
     requests: list[float] = []
     manager, servers = in_process_cluster(2)
     try:
@@ -193,6 +213,10 @@ def count_ctr(warmup: int = WARMUP, steps: int = STEPS) -> dict[str, float]:
         raise RuntimeError(f"the ctr worker took {window.pushes} steps: fewer than {warmup + steps + 1}")
     roles = counter.by_role(window.training)
     served = requests[1] - requests[0]
+    for role, per in (("train", steps), ("other", steps), ("server", max(1.0, served))) if top else ():
+        print(f"ctr, the functions that ran the most lines: {role} (per {'request' if role == 'server' else 'step'})")
+        for function, lines in counter.top(window.training, role, top):
+            print(f"  {lines / per:8.1f}  {function}")
     return {"lines_worker_train_per_step": roles["train"][0] / steps,
             "lines_worker_other_per_step": roles["other"][0] / steps,
             "lines_server_per_request": roles["server"][0] / max(1.0, served),
@@ -271,8 +295,10 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--warmup", type=int, default=WARMUP, help=f"steps before counting (default {WARMUP})")
     p.add_argument("--steps", type=int, default=STEPS, help=f"steps counted (default {STEPS})")
+    p.add_argument("--top", type=int, default=0, metavar="N",
+                   help="also print the N functions that ran the most lines on each side of a ctr step")
     args = p.parse_args(argv)
-    out = count_ctr(args.warmup, args.steps)
+    out = count_ctr(args.warmup, args.steps, args.top)
     out.update(count_many_tables(args.warmup, args.steps))
     for key in sorted(out):
         print(f"{key:<40}{out[key]:10.1f}")
