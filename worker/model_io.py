@@ -89,6 +89,7 @@ class ModelIO:
     _base_lr: dict[str, float]
     _handled_checkpoint: tuple[str, int]
     local_optimizer: torch.optim.Optimizer | None
+    _ddp: "nn.Module | None"
 
     _prefetch: collections.deque
 
@@ -208,6 +209,12 @@ class ModelIO:
                 group["lr"] = float(lr_of(base))
         if tables and self._base_lr:
             self.client.update_configs({table: {"lr": float(lr_of(base))} for table, base in self._base_lr.items()})
+
+    def train(self, mode: bool = True):
+        """``nn.Module.train`` (and ``eval``), reaching the DistributedDataParallel wrapper too."""
+        if self._ddp is not None:
+            self._ddp.train(mode)
+        return super().train(mode)            # type: ignore[misc]  # nn.Module's, after this mixin
 
     def _apply(self, fn, recurse=True):
         """``to(device)`` and the like, as any module; a change of the parameters' dtype

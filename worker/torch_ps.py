@@ -151,12 +151,6 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         else:
             super().__setattr__(name, value)
 
-    def train(self, mode: bool = True) -> "PSModel":
-        """``nn.Module.train`` (and ``eval``), reaching the DistributedDataParallel wrapper too."""
-        if self._ddp is not None:
-            self._ddp.train(mode)
-        return super().train(mode)
-
     def forward(self, *args, **kwargs):
         """The wrapped module's forward (through DistributedDataParallel with dense="allreduce")."""
         if self._ddp is None:
