@@ -53,3 +53,18 @@ def test_a_sync_clock_takes_a_push_one_step_ahead_and_refuses_two():
     assert not clock.adopt(5, pushing=True)
     assert clock.adopt(5, pushing=False) is False  # a pull never moves a clock that took a push
     assert clock.applied_steps == 3
+
+
+def test_a_worker_that_completed_a_sync_step_and_left_still_counts_in_its_mean():
+    clock = JobClock(Consistency.SYNC, 0, FakeTime())
+    clock.set_members({"a", "b", "c"}, Consistency.SYNC, 0)
+    clock.report("a", 0)                       # a pushed step 0 (its gradients are accumulated) ...
+    clock.set_members({"b", "c"}, Consistency.SYNC, 0)     # ... and left before b and c did
+    clock.report("b", 0)
+    clock.report("c", 0)
+    assert clock.steps_to_apply() == range(0, 1)
+    assert clock.workers_of(0) == 3            # the mean of step 0 is over a, b and c
+    clock.mark_applied(0)
+    assert clock.workers_of(1) == 2 and clock.departed == {}
+    clock.set_members({"b"}, Consistency.SYNC, 0)          # c left before completing step 1
+    assert clock.workers_of(1) == 1

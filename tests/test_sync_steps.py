@@ -159,3 +159,19 @@ def test_sync_push_from_a_non_member_is_refused():
     with pytest.raises(FailedPrecondition, match="not a member"):
         node.push(push_header(), segments, payload)
     assert node.table.blocks[(JOB, "w", 0)].version == 0
+
+
+def test_a_worker_that_pushed_its_step_and_left_still_counts_in_the_mean():
+    # a worker's last push, then its leave, can both land before a slower worker's push of
+    # that step: the step's mean is still over the three gradients accumulated, not over
+    # the two workers left (examples/logreg_sync.py agreed with one large batch to 1e-2 only)
+    node = Layers()
+    node.install(shard_map(1, [dense_w(replicas=[["s0"]])], [G(["w0", "w1", "w2"], mode=Consistency.SYNC)]))
+    blk = node.table.blocks[(JOB, "w", 0)]
+    for session, value in (("w0", 3.0), ("w1", 6.0)):
+        segments, payload = dense_seg(0, 8, np.full(8, value))
+        node.push(header(session=session, sequence=1, clock=0), segments, payload)
+    node.install(shard_map(2, [dense_w(replicas=[["s0"]])], [G(["w1", "w2"], mode=Consistency.SYNC)]))   # w0 left
+    segments, payload = dense_seg(0, 8, np.full(8, 9.0))
+    node.push(header(session="w2", sequence=1, clock=0, epoch=2), segments, payload)
+    np.testing.assert_array_equal(blk.values, np.full(8, -6.0))              # -(3 + 6 + 9) / 3

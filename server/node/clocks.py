@@ -33,6 +33,9 @@ class JobClock:
         self.ranks: dict[str, int] = {}        # session -> rank, to name workers in messages
         self.reports: dict[str, tuple[int, int]] = {}   # session -> (step, push sequence) last reported
         self.applied_steps = 0                # SYNC: steps applied on this server
+        # SYNC: sessions that left with steps completed but not applied here yet: their
+        # gradients of those steps are accumulated, so they count in those steps' means
+        self.departed: dict[str, int] = {}    # session -> completed steps when it left
         self.closed_below = 0                 # SYNC: steps below this take no more pushes
         self.fresh = True                     # SYNC: no step applied here yet (see adopt)
 
@@ -47,8 +50,11 @@ class JobClock:
                 start = max(start, self.applied_steps)
             for s in sessions - self.live:
                 self.completed[s] = max(self.completed.get(s, 0), start)
+                self.departed.pop(s, None)
             for s in self.live - sessions:
-                self.completed.pop(s, None)
+                done = self.completed.pop(s, 0)
+                if done > self.applied_steps:
+                    self.departed[s] = done
                 self.reports.pop(s, None)
             self.live = set(sessions)
             self.cond.notify_all()
@@ -82,6 +88,13 @@ class JobClock:
     def min_completed(self) -> int:
         with self.cond:
             return self._min_locked()
+
+    def workers_of(self, step: int) -> int:
+        """SYNC: how many workers step ``step``'s mean is over: the live ones, and those that
+        completed the step and then left before it was applied here (their gradients of it
+        are accumulated). A worker that left before completing it is not counted."""
+        with self.cond:
+            return len(self.live) + sum(1 for done in self.departed.values() if done > step)
 
     def steps_to_apply(self) -> range:
         """SYNC: steps every live worker completed that are not applied here yet."""
@@ -129,6 +142,7 @@ class JobClock:
     def mark_applied(self, step: int) -> None:
         with self.cond:
             self.applied_steps = max(self.applied_steps, step + 1)
+            self.departed = {s: done for s, done in self.departed.items() if done > self.applied_steps}
             self.closed_below = max(self.closed_below, self.applied_steps)
             self.fresh = False
             self.cond.notify_all()

@@ -3,7 +3,8 @@
 A SYNC job's pushes are not applied when they arrive: each block accumulates them per step
 (``accumulate``), and once every live worker of the job's group completed step ``t``,
 ``apply_ready`` applies the step on every block this node is primary of as the mean over
-the live workers (the sum divided by their number) and forwards it to the backups.
+the workers that completed it (the sum divided by their number: the live ones, and any that
+completed it and then left) and forwards it to the backups.
 
 A push for a step that was already applied is refused (``check_step_open``), never kept:
 a push is either part of its step or refused.
@@ -143,7 +144,8 @@ class SyncSteps:
             self.apply_ready(job)
 
     def apply_ready(self, job: str) -> None:
-        """Apply every SYNC step all live workers completed (mean over live workers), and
+        """Apply every SYNC step all live workers completed (the mean over the workers that
+        completed it: ``JobClock.workers_of``), and
         forward each to the backups. A backup that misses a step is marked for a resync
         (logged, not raised). Nothing held on entry; takes the job's apply lock, then the
         gate shared, then the blocks' locks."""
@@ -175,7 +177,7 @@ class SyncSteps:
                             with self.table.lock:
                                 self.pending.get(job, set()).discard(k)
             for step in sorted(with_data):      # steps nobody pushed data for need no work here
-                divisor = max(1, len(clock.live))
+                divisor = max(1, clock.workers_of(step))
                 with self.table.gate.shared(), contextlib.ExitStack() as stack:
                     with self.table.lock:
                         keys = sorted(self.pending.get(job, set()))
@@ -221,7 +223,7 @@ class SyncSteps:
 
     def apply_step_locked(self, blocks: list[AnyBlock], t: TableView, step: int, divisor: int) -> None:
         """Apply the accumulated gradients of ``step`` of ``blocks`` (one dense block, or sparse
-        blocks of table ``t``) divided by ``divisor`` (the live workers). Block locks held; a
+        blocks of table ``t``) divided by ``divisor`` (the workers of the step). Block locks held; a
         primary applies a table's blocks in one call, a backup each block as its APPLY_STEP
         arrives, with the same results: each row's gradients are summed in the order they
         were accumulated (``storage_kernels.sum_rows``) and rows update independently."""
