@@ -28,6 +28,9 @@
 * Parameters whose names start with a prefix in ``local`` stay on the worker and are trained by
   ``local_optimizer`` (a torch optimizer you pass); buffers (batch-norm running statistics)
   always stay local to each worker.
+* ``dense="allreduce"``: every dense parameter stays on the worker, in torch's
+  DistributedDataParallel over torch's process group, stepped by ``dense_optimizer`` (a torch
+  optimizer); only the embedding tables live on the servers (``shardps.worker.hybrid``).
 * ``state_dict()`` returns the module's ordinary state dict with the servers' values (a
   ``PSEmbedding``'s ``weight`` as a full ``[num_embeddings, dim]`` tensor), loadable into the
   same architecture with ``nn.Embedding`` in place of ``PSEmbedding`` (``nn.EmbeddingBag`` in
