@@ -154,7 +154,7 @@ def test_one_worker_trains_in_hybrid_mode_and_exports_plain_weights(cluster, cli
 def test_elastic_runs_torchrun_with_the_cluster_added():
     from shardps.tools.launch import elastic_command
     assert elastic_command(["train.py", "--epochs", "3"], 2, python="py") == [
-        "py", "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "3",
+        "py", "-m", "shardps.tools.elastic_agent", "--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "3",
         "--standalone", "train.py", "--epochs", "3"]
     assert elastic_command(["./train"], 4, "2:4", 1, "m0:29400", python="py")[5:] == [
         "--nproc-per-node", "4", "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "m0:29400",
@@ -216,3 +216,39 @@ def test_a_learning_rate_schedule_reaches_the_workers_own_optimizer(cluster, cli
         assert client.refresh_map().table("hybrid-lr", "items").config.optimizer.lr == pytest.approx(0.001)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.slow          # processes (shardps run, torchrun and 2 workers)
+def test_the_elastic_agent_and_its_workers_die_with_shardps_run(tmp_path):
+    import signal
+    import time
+    script = tmp_path / "sleeper.py"
+    script.write_text("import os, sys, time\n"
+                      "open(sys.argv[1] + '.' + os.environ['RANK'], 'w').write(str(os.getpid()))\n"
+                      "time.sleep(600)\n")
+    run = subprocess.Popen([sys.executable, "-m", "shardps.tools.cli", "run", "--manager", "127.0.0.1:1", "--job",
+                            "sleepers", "--elastic", "--nproc-per-node", "2", str(script), str(tmp_path / "pid")],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"pid.{r}").exists() for r in (0, 1)):
+            assert time.monotonic() < deadline and run.poll() is None, "the workers never started"
+            time.sleep(0.2)
+        time.sleep(0.5)                                  # both pid files written whole
+        pids = [int((tmp_path / f"pid.{r}").read_text()) for r in (0, 1)]
+        run.send_signal(signal.SIGKILL)                  # no chance to stop anything itself
+        run.wait()
+
+        def alive(pid: int) -> bool:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return False
+            return True
+        deadline = time.monotonic() + 60
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(alive(p) for p in pids), "workers outlived shardps run"
+    finally:
+        if run.poll() is None:
+            run.kill()

@@ -49,14 +49,15 @@ log = logging.getLogger("shardps.run")
 
 def elastic_command(command: list[str], nproc: int, nnodes: str = "1", max_restarts: int = 3,
                     rdzv_endpoint: str = "", python: str = sys.executable) -> list[str]:
-    """torchrun's command line for ``command`` (a ``.py`` script runs with ``python``; another
+    """torchrun's command line for ``command`` (through ``shardps.tools.elastic_agent``: torchrun
+    that dies with this process; a ``.py`` script runs with ``python``; another
     command with ``--no-python``): ``nproc`` processes here, ``nnodes`` machines ("N" or
     "MIN:MAX"), whole-group restarts, c10d rendezvous (standalone on one machine)."""
     if nproc < 1:
         raise InvalidArgument(f"--nproc-per-node {nproc}: at least 1")
     if not all(part.isdigit() and int(part) >= 1 for part in nnodes.split(":", 1)):
         raise InvalidArgument(f"--nnodes {nnodes!r}: a number of machines, or MIN:MAX with --elastic")
-    out = [python, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
+    out = [python, "-m", "shardps.tools.elastic_agent", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
            "--max-restarts", str(max_restarts)]
     if rdzv_endpoint:
         out += ["--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint]
