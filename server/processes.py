@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import start_http_server
 
-from shardps.errors import FailedPrecondition, ShardpsError
+from shardps.errors import FailedPrecondition, InvalidArgument, ShardpsError
 from shardps.metrics import ManagerMetrics, NodeMetrics
 from shardps.protos.v1 import manager_pb2 as mg
 from shardps.rpc import channels
@@ -28,6 +28,7 @@ from shardps.rpc.peers import NodePeers
 from shardps.rpc.status import translated
 from shardps.rpc.stubs import GrpcPeers, ManagerStub, StubPool
 from shardps.server.manager.checkpoints import CheckpointCoordinator
+from shardps.server.manager.ending import JobEnding
 from shardps.server.manager.etcd_store import EtcdClient
 from shardps.server.manager.records import ManagerSettings
 from shardps.server.manager.replica import ManagerReplica
@@ -46,8 +47,11 @@ log = logging.getLogger("shardps.process")
 
 
 def advertised(serving: Serving, port: int) -> str:
+    """The address others reach this process at: ``--advertise`` (HOST:PORT as given; a bare
+    HOST gets the port bound, for ``--listen HOST:0``), else the listen address."""
     if serving.advertise:
-        return serving.advertise
+        bare = ":" not in serving.advertise or serving.advertise.endswith("]")
+        return f"{serving.advertise}:{port}" if bare else serving.advertise
     host = serving.listen.rsplit(":", 1)[0]
     if host in ("0.0.0.0", "[::]", ""):
         host = socket.gethostname()
@@ -123,6 +127,11 @@ class ManagerProcess:
         self._metadata = tuple(metadata)
         self.replica: ManagerReplica | None = None
         self._term: _ManagerTerm | None = None
+        self.finished = threading.Event()       # --exit-when-job-ends: the job ended, servers told
+        self._stopped = threading.Event()
+        if settings.exit_when_job_ends and settings.etcd:
+            raise InvalidArgument("--exit-when-job-ends is for a one-job cluster's single manager, not "
+                                  "with --etcd")
         if settings.etcd:
             gate = LeaderGate(MANAGER_SERVICE, lambda: "")
             self.net = _Serving(settings.serving, tls, MANAGER_SERVICE, gate,
@@ -177,6 +186,9 @@ class ManagerProcess:
         else:
             self.runtime.start()
             self.net.set_serving(True)
+        if self.settings.exit_when_job_ends:
+            self.service.ending = ending = JobEnding(self.settings.exit_when_job_ends)
+            threading.Thread(target=self._end_with_job, args=(ending,), name="job-ending", daemon=True).start()
         log.info("manager serving on %s (metrics %s)%s", self.address, self.net.metrics_address or "off",
                  f"; state in etcd {self.settings.etcd}, campaigning" if self.replica else "")
         _write_ready(self.settings.serving.ready_file,
@@ -184,7 +196,29 @@ class ManagerProcess:
                       "pid": os.getpid()})
         return self
 
+    def _end_with_job(self, ending: JobEnding) -> None:
+        """--exit-when-job-ends: once the job ended, retire every server (its next heartbeat
+        says so) and set ``finished`` when each live one has heard, or their leases ran out."""
+        rt = self.runtime
+        while not self._stopped.wait(0.2):
+            with rt.lock:
+                jobs = set(rt.state.jobs)
+            if ending.job_ended(jobs):
+                break
+        else:
+            return
+        log.info("job %s ended: every server is told to exit, then this manager exits", ending.job)
+        ending.close()
+        deadline = time.monotonic() + 2 * self.settings.server_lease_seconds + 1.0
+        while time.monotonic() < deadline and not self._stopped.wait(0.2):
+            with rt.lock:
+                live = [name for name, rec in rt.state.servers.items() if rec.live]
+            if ending.may_exit(live):
+                break
+        self.finished.set()
+
     def stop(self) -> None:
+        self._stopped.set()
         self.net.stop()
         if self.replica is not None:
             self.replica.stop()
@@ -382,7 +416,7 @@ class ServerProcess:
             self._update_revocations(resp.token_floors)
         if resp.retired:
             if not self.retired.is_set():
-                log.info("server %s was drained and retired: it holds no blocks", self.node.name)
+                log.info("server %s was retired (drained, or its cluster's one job ended): exiting", self.node.name)
                 self.retired.set()
                 self.net.set_serving(False)
             return

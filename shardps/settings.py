@@ -79,8 +79,8 @@ def add_common(fs: FlagSet) -> None:
 
 def add_serving(fs: FlagSet, listen: str, metrics_port: int) -> None:
     fs.add("--listen", listen, "gRPC listen address host:port (port 0 picks a free port)")
-    fs.add("--advertise", "", "address others use to reach this process (default: the listen "
-           "address, with 0.0.0.0 replaced by this host's name)")
+    fs.add("--advertise", "", "address others use to reach this process, HOST:PORT, or HOST with the "
+           "port bound (default: the listen address, with 0.0.0.0 replaced by this host's name)")
     fs.add("--metrics-port", metrics_port, "Prometheus /metrics port (0 picks a free one, -1 disables)")
     fs.add("--metrics-host", "0.0.0.0", "Prometheus /metrics bind address")
     fs.add("--health-port", -1, "with TLS on: plaintext gRPC health port for probes (-1: none)")
@@ -192,6 +192,7 @@ class ManagerProcessSettings:
     etcd: str = ""                    # etcd endpoints, comma-separated http(s)://host:port
     etcd_prefix: str = "/shardps"     # the keys of this cluster: {prefix}/leader, {prefix}/state/
     leader_lease_seconds: int = 2     # a dead leader is replaced after about this long
+    exit_when_job_ends: str = ""      # a cluster for one job: retire the servers and exit when it ends
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from shardps import __version__, logs
 from shardps.settings import (
@@ -78,6 +79,8 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
            "manager replicas whose state lives in etcd, serving while elected leader; --state-dir "
            "is then unused")
     fs.add("--etcd-prefix", "/shardps", "with --etcd: the prefix of this cluster's keys")
+    fs.add("--exit-when-job-ends", "", "a cluster for one job (TorchX: shardps.tools.torchx_job): once "
+           "this job has existed and ended (shardps job end JOB), tell every server to exit, then exit 0")
     fs.add("--leader-lease-seconds", 2, "with --etcd: the leader's etcd lease; a dead leader is "
            "replaced after about this long")
     p.set_defaults(func=cmd_manager)
@@ -195,6 +198,8 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
     fs.add("--mode", "async", "consistency: async, sync or ssp", choices=["async", "sync", "ssp"])
     fs.add("--staleness", 2, "SSP staleness bound T")
     fs.add("--quota-bytes", 0, "storage quota of the job across servers (0: none)")
+    fs.add("--wait-workers", 0.0, "end: first wait up to this many seconds for the job's worker group "
+           "to empty (each worker leaves, or its lease lapses); then end it all the same")
     fs.add("--token-out", "", "create, revoke: write the job's token to this file (mode 0600) "
            "instead of printing it")
     fs.add("--token-ttl-seconds", 0.0, "revoke: lifetime of the new token (0: the manager's default)")
@@ -262,11 +267,12 @@ def _tls(common: Common):
                                 common.tls_require_client_cert)
 
 
-def _wait_for_signal(stop: threading.Event | None = None) -> None:
-    stop = stop or threading.Event()
+def _wait_for_signal(until: threading.Event | None = None) -> None:
+    """Until SIGINT or SIGTERM, or ``until`` is set (a retired server, a manager whose job ended)."""
+    stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(0.5):
+    while not stop.wait(0.5) and not (until is not None and until.is_set()):
         pass
 
 
@@ -280,7 +286,7 @@ def cmd_manager(args) -> int:
     admin = settings.serving.resolved_admin_token()
     metadata = (("authorization", f"Bearer {admin}"),) if admin else ()
     proc = ManagerProcess(settings, authenticate=authn, tls=_tls(common), metadata=metadata).start()
-    _wait_for_signal()
+    _wait_for_signal(proc.finished)
     log.info("stopping")
     proc.stop()
     return 0
@@ -300,13 +306,7 @@ def cmd_server(args) -> int:
     proc = ServerProcess(settings, authenticate=authn, tls=_tls(common), metadata=metadata)
     proc.node.on_epoch = lambda e: ctx.set(epoch=e)
     proc.start(wait_registered=None)
-    stop = threading.Event()
-
-    def stop_when_retired() -> None:
-        proc.retired.wait()
-        stop.set()
-    threading.Thread(target=stop_when_retired, daemon=True).start()
-    _wait_for_signal(stop)
+    _wait_for_signal(proc.retired)
     log.info("stopping")
     proc.stop()
     return 0
@@ -437,12 +437,21 @@ def cmd_job(args) -> int:
 
     def job(client):
         if args.action == "create":
-            token = client.create_job(args.mode, args.staleness, args.quota_bytes)
-            _show_token(args, token, f"job {args.job} ready")
-        else:
-            client.end_job()
-            print(f"job {args.job} ended")
+            return _show_token(args, client.create_job(args.mode, args.staleness, args.quota_bytes),
+                               f"job {args.job} ready")
+        busy = _wait_for_workers(client, args.job, args.wait_workers)
+        client.end_job()
+        print(f"job {args.job} ended" + (f" with {busy} worker(s) in its group" if busy else ""))
     return _admin_command(args, "job", job, args.job)
+
+
+def _wait_for_workers(client, job: str, seconds: float) -> int:
+    """Wait up to ``seconds`` until ``job``'s worker group is empty; the workers left in it."""
+    deadline = time.monotonic() + seconds
+    while (busy := sum(len(g.workers) for g in client.cluster_status().groups if g.job == job)) and \
+            time.monotonic() < deadline:
+        time.sleep(0.5)
+    return busy
 
 
 def cmd_checkpoint(args) -> int:

@@ -20,6 +20,7 @@ from shardps.rpc.status import Method, bind, proto_method
 from shardps.server import tokens
 from shardps.server.manager.checkpoint_files import read_checkpoint
 from shardps.server.manager.checkpoints import CheckpointCoordinator
+from shardps.server.manager.ending import JobEnding
 from shardps.server.manager.runtime import ManagerRuntime
 
 log = logging.getLogger("shardps.manager")
@@ -41,6 +42,7 @@ class ResourceManagerService:
         self.keys = tokens.keys_from(token_key)
         self.token_ttl_seconds = tokens.check_ttl(token_ttl_seconds)
         self.revocations = revocations
+        self.ending: JobEnding | None = None      # --exit-when-job-ends: the cluster's one job
         self._sync_floors()
 
     def methods(self) -> dict[str, Method]:
@@ -104,6 +106,8 @@ class ResourceManagerService:
         with self.rt.lock:
             retired = self.rt.state.servers[req.name].retired
             floors = self.rt.state.token_floors()
+        if self.ending is not None and self.ending.tell(req.name):   # the cluster's job ended
+            retired = True
         return mg.ServerHeartbeatResponse(epoch=self.rt.published.epoch, retired=retired,
                                           token_floors=floors)
 
@@ -150,6 +154,8 @@ class ResourceManagerService:
 
     def end_job(self, req, call) -> mg.EndJobResponse:
         names.check(names.JOB, req.job, "job")
+        if self.ending is not None:
+            self.ending.end_asked(req.job)
         dropped = self.rt.change(lambda s: s.end_job(req.job))
         if dropped:
             log.info("job %s ended: %d tables deleted", req.job, len(dropped))
