@@ -2,16 +2,18 @@
 """Hybrid training of a click model: the item embeddings on the servers, the dense tower in
 DistributedDataParallel among the workers (``PSModel(..., dense="allreduce")``).
 
-A torchrun script: the workers' process group and ranks are torchrun's, the cluster's
-address and the job come from SHARDPS_MANAGER and SHARDPS_JOB. The same file runs under
-plain torchrun, under ``shardps run --elastic`` and as a TorchX job:
+A torchrun script: the workers' process group and ranks are torchrun's. The same file
+runs under plain torchrun, under ``shardps run --elastic`` and as a TorchX job (whose
+cluster ends with the job):
 
     shardps local --servers 2 &                       # a cluster at 127.0.0.1:7070
-    SHARDPS_JOB=hybrid-ctr torchrun --nproc-per-node 2 examples/hybrid_ctr.py --steps 200
+    torchrun --nproc-per-node 2 examples/hybrid_ctr.py --steps 200
+    shardps run --job hybrid-ctr --elastic --nproc-per-node 2 examples/hybrid_ctr.py
     torchx run -s local_cwd tools/torchx_job.py:job --script examples/hybrid_ctr.py -- --steps 200
 
-The clicks follow a hidden preference per item, so the embeddings must learn: rank 0
-prints the AUC on held-out clicks at the end (about 0.5 before training).
+The clicks follow a hidden taste per item, so the embeddings must learn it: rank 0 prints
+the AUC on held-out clicks at the end (test_auc=; 0.5 is chance). The run ends its job
+(unless --keep-job) once every rank is done.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import os
 import numpy as np
 import torch
 import torch.nn.functional as F
+from _common import add_job_arguments, finish_job  # examples/_common.py: this folder is on sys.path
 from sklearn.metrics import roc_auc_score
 from torch import nn
 
@@ -49,7 +52,10 @@ def batch(rng: np.random.Generator, taste: np.ndarray, n: int) -> tuple[torch.Te
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--manager", default=os.environ.get("SHARDPS_MANAGER", "127.0.0.1:7070"),
+                        help="the manager's address (default: $SHARDPS_MANAGER or 127.0.0.1:7070)")
+    add_job_arguments(parser, os.environ.get("SHARDPS_JOB", "hybrid-ctr"))
     parser.add_argument("--steps", type=int, default=200, help="training steps per worker (default 200)")
     parser.add_argument("--batch", type=int, default=256, help="impressions per step and worker (default 256)")
     args = parser.parse_args()
@@ -57,7 +63,7 @@ def main() -> None:
     taste = np.random.default_rng(0).normal(0, 1, ITEMS)       # the same hidden truth on every rank
     rng = np.random.default_rng(1 + rank)                        # each rank its own impressions
 
-    client = PSClient()                   # SHARDPS_MANAGER, SHARDPS_JOB
+    client = PSClient(args.manager, job=args.job)
     client.create_job()                   # a rerun of the same job continues its table
     client.join()                         # rank RANK of WORLD_SIZE
     module = ClickModel()
@@ -77,8 +83,12 @@ def main() -> None:
         with torch.no_grad():
             model.pull(ids)
             auc = roc_auc_score(clicks.numpy(), module(ids).numpy())
-        print(f"rank 0: {model.step} steps, last loss {float(loss.detach()):.4f}, held-out AUC {auc:.4f}", flush=True)
-    client.leave()
+        print(f"rank 0: {model.step} steps, last loss {float(loss.detach()):.4f}, test_auc={auc:.4f}", flush=True)
+    if rank != 0:
+        client.leave()                    # after its last push (flush)
+    torch.distributed.barrier()           # every other rank has left: the job may end
+    if rank == 0:
+        finish_job(client, args.keep_job)
     client.close()
 
 

@@ -55,7 +55,7 @@ def metric(text: str, name: str) -> float:
     return float(found[-1])
 
 
-@pytest.mark.parametrize("script", ["dlrm.py", "movielens_mf.py", "logreg_sync.py"])
+@pytest.mark.parametrize("script", ["dlrm.py", "movielens_mf.py", "logreg_sync.py", "hybrid_ctr.py"])
 def test_help_explains_the_example(script):
     out = run(script, "--help")
     assert "usage:" in out and "--manager" in out and "shardps local" in out
@@ -130,3 +130,17 @@ def test_a_missing_data_file_names_where_the_data_comes_from(script, flag, tmp_p
     assert out.returncode == 1, out.stdout + out.stderr
     assert f"{tmp_path / 'missing'}: no such file" in out.stderr and "https://" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_the_hybrid_click_model_learns_under_torchrun(manager):
+    """examples/hybrid_ctr.py as its docstring runs it: plain torchrun, 2 ranks; the run ends its job."""
+    env = {k: v for k, v in os.environ.items() if k.lower() not in ("http_proxy", "https_proxy", "grpc_proxy")}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(EXAMPLES / "hybrid_ctr.py"), "--manager", manager, "--job", "hybrid-test",
+                          "--steps", "60"], capture_output=True, text=True, timeout=180,
+                         env={**env, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert metric(out.stdout, "test_auc") > 0.6, out.stdout
+    from shardps.worker import PSClient
+    with PSClient(manager, "hybrid-test") as client:
+        assert client.tables() == []

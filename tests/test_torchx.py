@@ -136,7 +136,7 @@ def test_torchx_local_cwd_runs_a_hybrid_job_to_completion_and_the_cluster_exits(
     rc, log = _torchx_run(tmp_path, port, "--script", "examples/hybrid_ctr.py", "--servers", "2",
                           "--workers", "1x2", "--", "--steps", "60")
     assert rc == 0 and "Job finished: SUCCEEDED" in log, log[-4000:]
-    auc = float(re.search(r"rank 0: 60 steps, .*held-out AUC ([0-9.]+)", log).group(1))
+    auc = float(re.search(r"rank 0: 60 steps, .*test_auc=([0-9.]+)", log).group(1))
     assert auc > 0.6, log[-4000:]           # it trained: 0.5 is chance
     assert re.search(r"manager/0 .* job \S+ ended: every server is told to exit", log)
     assert len(re.findall(r"server/\d .* was retired", log)) == 2

@@ -27,7 +27,8 @@ import shlex
 import torchx.specs as specs
 from torchx.specs import macros
 
-SHARDPS_IMAGE = "shardps-worker:latest"    # docker-compose's worker image: it holds both commands
+WORKER_IMAGE = "shardps/worker:latest"      # `make images`' worker image: shardps with torch
+SERVER_IMAGE = "shardps/server:latest"      # ... and its server image: no torch
 
 
 def _nodes(workers: str) -> tuple[int, int, int]:
@@ -55,8 +56,8 @@ def job(
     servers: int = 2,
     replication: int = 1,
     workers: str = "1x2",
-    image: str = SHARDPS_IMAGE,
-    server_image: str = "",
+    image: str = WORKER_IMAGE,
+    server_image: str = SERVER_IMAGE,
     cpu: int = 2,
     gpu: int = 0,
     memMB: int = 4096,
@@ -78,8 +79,8 @@ def job(
         servers: server replicas
         replication: copies of every block (2 survives a server's death)
         workers: [MIN:]NODESxPROCS, worker nodes (elastic from MIN) and torchrun processes on each
-        image: the image of the manager and the workers (shardps with torch)
-        server_image: the servers' image (default: image)
+        image: the workers' image (shardps with torch)
+        server_image: the manager's and the servers' image
         cpu: CPUs per worker node
         gpu: GPUs per worker node (one per process: NCCL; none: gloo)
         memMB: memory per worker node, MB
@@ -105,12 +106,12 @@ def job(
     job_q = shlex.quote(job_name)
     roles = [
         specs.Role(
-            name="manager", image=image, entrypoint="bash", resource=specs.resource(cpu=1, memMB=1024),
+            name="manager", image=server_image, entrypoint="bash", resource=specs.resource(cpu=1, memMB=1024),
             args=_bash(f"exec shardps manager --listen 0.0.0.0:{manager_port} --metrics-port 0 "
                        f"--replication {replication} --exit-when-job-ends {job_q}"),
             port_map={"grpc": manager_port}),
         specs.Role(
-            name="server", image=server_image or image, entrypoint="bash", num_replicas=servers,
+            name="server", image=server_image, entrypoint="bash", num_replicas=servers,
             resource=specs.resource(cpu=1, memMB=server_memMB),
             args=_bash(f'exec shardps server --manager "{manager}" --name server-{macros.replica_id} '
                        f"--listen 0.0.0.0:0 {advertise} --metrics-port 0")),
