@@ -51,6 +51,14 @@ def batch(rng: np.random.Generator, taste: np.ndarray, n: int) -> tuple[torch.Te
     return torch.from_numpy(ids), torch.from_numpy(clicks.astype(np.float32))
 
 
+def held_out_auc(model: PSModel, taste: np.ndarray, n: int = 4096) -> float:
+    """The AUC on ``n`` held-out impressions (the same ones on every run and rank)."""
+    ids, clicks = batch(np.random.default_rng(10_000), taste, n)
+    with torch.no_grad():
+        model.pull(ids)
+        return float(roc_auc_score(clicks.numpy(), model.module(ids).numpy()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--manager", default=os.environ.get("SHARDPS_MANAGER", "127.0.0.1:7070"),
@@ -79,10 +87,7 @@ def main() -> None:
         model.push()                      # the rows' gradients to the servers; Adam steps the tower
     model.flush()
     if rank == 0:
-        ids, clicks = batch(np.random.default_rng(10_000), taste, 4096)
-        with torch.no_grad():
-            model.pull(ids)
-            auc = roc_auc_score(clicks.numpy(), module(ids).numpy())
+        auc = held_out_auc(model, taste)
         print(f"rank 0: {model.step} steps, last loss {float(loss.detach()):.4f}, test_auc={auc:.4f}", flush=True)
     if rank != 0:
         client.leave()                    # after its last push (flush)

@@ -95,6 +95,51 @@ def test_periodic_checkpoints_every_n_steps(make_cluster, client_factory, tmp_pa
     assert made == [(3, 3), (6, 6)]
 
 
+def _dies(client) -> None:
+    """The worker dies without leaving: its last heartbeat reported its steps."""
+    client.heartbeat()
+
+
+def test_a_rank_started_again_without_a_restore_takes_its_state_from_the_latest_checkpoint(
+        make_cluster, client_factory, tmp_path):
+    """A worker dies and starts again (no ``shardps restore``): the tables go on as the
+    servers hold them, its step is the one it had reached, its local state the latest
+    checkpoint's; without a checkpoint, only the step comes back."""
+    cluster = make_cluster(2)
+    cluster.manager.service.checkpoints.default_dir = str(tmp_path)
+    for job, every in (("again", 3), ("no-checkpoint", 0)):
+        c = client_factory(cluster.address, job=job)
+        c.create_job()
+        c.join(name="w0", heartbeat=False)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+        ps_model = PSModel(model, c, optimizer=sgd(0.05))
+        ps_model.create_tables()
+        g = torch.Generator().manual_seed(0)
+        for _ in range(7):
+            _step(ps_model, model, g)
+            if every and ps_model.maybe_checkpoint(every=every, epoch=1, batch=ps_model.step) is not None:
+                at_checkpoint = model[1].running_mean.clone()           # steps 3, then 6
+        ps_model.flush()
+        tables = c.state_dict()
+        _dies(c)
+
+        again = client_factory(cluster.address, job=job)
+        assert again.join(name="w0", heartbeat=False).previous_step == 7
+        fresh = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+        resumed = PSModel(fresh, again, optimizer=sgd(0.05))
+        resumed.create_tables()
+        position = resumed.resume()
+        assert resumed.step == 7
+        for k, v in again.state_dict().items():                      # the tables: as the servers hold them
+            np.testing.assert_array_equal(v, tables[k], err_msg=k)
+        if every:
+            assert position == (1, 6)                                # the checkpoint's data position
+            assert torch.equal(fresh[1].running_mean, at_checkpoint)     # the local state: step 6's
+        else:
+            assert position is None and torch.equal(fresh[1].running_mean, torch.zeros(4))
+
+
 @pytest.mark.slow          # waits out leases or retry intervals: over a second
 def test_shardps_checkpoint_names_the_ranks_that_never_arrive_and_what_they_must_call(
         make_cluster, client_factory, tmp_path, capsys):

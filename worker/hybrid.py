@@ -158,3 +158,14 @@ def wrap(module: nn.Module, table_modules: list[str], **ddp_kwargs) -> nn.parall
     if device.type == "cuda":
         ddp_kwargs.setdefault("device_ids", [device.index if device.index is not None else torch.cuda.current_device()])
     return DistributedDataParallel(module, **ddp_kwargs)
+
+
+def agreed_step(step: int, device: torch.device) -> int:
+    """The step every rank of the default process group resumes from: the highest any rank
+    brings (a restarted group's ranks join while the last round's leave and report their
+    steps, so they may be told different ones). A collective: each rank calls it once, at
+    the same point; all then run the same number of steps, as DDP needs."""
+    import torch.distributed as dist
+    mine = torch.tensor([step], dtype=torch.int64, device=device if backend_for(device) == "nccl" else "cpu")
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    return int(mine.item())

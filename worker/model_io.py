@@ -18,7 +18,7 @@ import torch
 
 from shardps.errors import InvalidArgument, NotFound
 from shardps.tables import OptimizerConfig, assigned, dense_table, sparse_table
-from shardps.worker import local_state
+from shardps.worker import hybrid, local_state
 from shardps.worker.device import module_device
 from shardps.worker.embeddings import bind_caches
 
@@ -52,9 +52,10 @@ def worker_state_bytes(model, ps_model, epoch: int, batch: int) -> bytes:
     return local_state.encode(state)
 
 
-def load_worker_state(raw: bytes, model, ps_model) -> tuple[int, int]:
-    """Restore what ``worker_state_bytes`` saved; returns the data position (epoch, batch).
-    InvalidArgument for anything else (a pickle above all: it is never loaded)."""
+def load_worker_state(raw: bytes, model, ps_model, generators: bool = True) -> tuple[int, int]:
+    """Restore what ``worker_state_bytes`` saved (``generators``: the random generators too);
+    returns the data position (epoch, batch). InvalidArgument for anything else (a pickle
+    above all: it is never loaded)."""
     state = local_state.decode(raw)
     local, rng, cuda_rng = state.get("local"), state.get("torch_rng"), state.get("cuda_rng")
     fields = (state.get("step"), state.get("epoch"), state.get("batch"))
@@ -71,6 +72,8 @@ def load_worker_state(raw: bytes, model, ps_model) -> tuple[int, int]:
             raise InvalidArgument("worker state: 'optimizer' is not an optimizer's state dict")
         optimizer.load_state_dict(saved)                # onto its parameters' device
     ps_model.step = state["step"]
+    if not generators:
+        return state["epoch"], state["batch"]
     torch.set_rng_state(rng)
     device = module_device(model)
     if cuda_rng is not None and device.type == "cuda":
@@ -252,22 +255,54 @@ class ModelIO:
         return path
 
     def resume(self) -> tuple[int, int] | None:
-        """After ``shardps restore``: load this rank's own state from the checkpoint (local
-        parameters, buffers, the step, the random generators) and return the ``(epoch,
-        batch)`` given to ``maybe_checkpoint``; None when the job was not restored or the
-        checkpoint holds nothing for this rank. A rank started again without a restore
-        (``shardps run`` after a crash: ``membership.previous_step`` > 0) gets its step back,
-        ``self.step = previous_step``, and None. Call it after ``join`` and ``create_tables``."""
+        """Where this rank goes on from; call it after ``join`` and ``create_tables``.
+
+        After ``shardps restore``: this rank's own state from the checkpoint (local
+        parameters, buffers, the optimizer's state, the step, the random generators); returns
+        the ``(epoch, batch)`` given to ``maybe_checkpoint``, or None when the checkpoint holds
+        nothing for this rank.
+
+        A rank started again without a restore (a worker died and ``shardps run`` or torchrun
+        started it, or its whole group, again: ``membership.previous_step`` > 0) keeps the
+        tables as the servers hold them and goes on from the job's step (``self.step =
+        previous_step``); its local state comes from the job's latest checkpoint when there is
+        one (``maybe_checkpoint``), whose ``(epoch, batch)`` it returns; else None. With
+        ``dense="allreduce"`` every rank calls it (a collective): a rank the checkpoint has no
+        state for (the group grew) takes rank 0's, whose dense part every rank shares, and
+        all ranks take the highest step any was given (``hybrid.agreed_step``), so all run
+        the same steps. None on a first start."""
         m = self.client.membership
-        if m is not None and not m.restored and m.previous_step > self.step:
-            self.step = m.previous_step
-        if m is None or not m.restored:
+        if m is None:
             return None
+        if m.restored:
+            try:
+                raw, _ = self.client.worker_state()
+            except NotFound:
+                return None
+            return load_worker_state(raw, self.module, self)
+        step, position = max(self.step, m.previous_step), None
+        if m.previous_step > 0:
+            position = self._latest_state()         # sets self.step: the checkpoint's
+            step = max(step, self.step)
+        if self._ddp is not None:
+            step = hybrid.agreed_step(step, module_device(self.module))
+        self.step = step
+        return position
+
+    def _latest_state(self) -> tuple[int, int] | None:
+        """Load this rank's state from the job's latest checkpoint (a hybrid rank it has none
+        for: rank 0's, without its random generators); its (epoch, batch), or None."""
         try:
-            raw, _ = self.client.worker_state()
+            raw, _ = self.client.worker_state(latest=True)
+            return load_worker_state(raw, self.module, self)
+        except NotFound:
+            if self._ddp is None or self.client.membership is None or self.client.membership.rank == 0:
+                return None
+        try:
+            raw, _ = self.client.worker_state(latest=True, rank=0)
         except NotFound:
             return None
-        return load_worker_state(raw, self.module, self)
+        return load_worker_state(raw, self.module, self, generators=False)
 
 
 def _float32(value: torch.Tensor) -> np.ndarray:

@@ -439,12 +439,14 @@ class ResetLostBlocksResponse(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., blocks: _Optional[int] = ...) -> None: ...
 
 class GetWorkerStateRequest(_message.Message):
-    __slots__ = ("job", "rank")
+    __slots__ = ("job", "rank", "latest")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    LATEST_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
+    latest: bool
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., latest: _Optional[bool] = ...) -> None: ...
 
 class GetWorkerStateResponse(_message.Message):
     __slots__ = ("worker_state", "step")

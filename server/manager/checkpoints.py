@@ -283,13 +283,23 @@ class CheckpointCoordinator:
                     "after step %d are lost", job, sum(map(len, lost.values())),
                     sorted(t for _, t in lost), path, ck.step, ck.step)
 
-    def worker_state(self, job: str, rank: int) -> tuple[bytes, int]:
+    def worker_state(self, job: str, rank: int, newest: bool = False) -> tuple[bytes, int]:
         """The state worker ``rank`` of a restored ``job`` resumes from, and its step; the
-        rank is no longer pending a restore (persisted)."""
-        path, step = self.rt.change(lambda s: s.claim_restored_state(job, rank), wait_published=False)
-        if not path:
-            raise NotFound(f"job {job!r} was not restored from a checkpoint")
+        rank is no longer pending a restore (persisted). ``newest``: from the job's latest
+        checkpoint instead, restored or not (NotFound when there is none)."""
+        if newest:
+            found = latest(self.default_dir, job) if self.default_dir else None
+            if found is None:
+                raise NotFound(f"job {job!r} has no checkpoint under the manager's --checkpoint-dir "
+                               f"({self.default_dir or 'none set'})")
+            path, step = str(found), -1
+        else:
+            path, step = self.rt.change(lambda s: s.claim_restored_state(job, rank), wait_published=False)
+            if not path:
+                raise NotFound(f"job {job!r} was not restored from a checkpoint")
         ck = read_checkpoint(path, verify=False)
+        if step < 0:
+            step = ck.step
         if rank not in ck.workers:
             raise NotFound(f"checkpoint {path} holds no state for rank {rank} "
                            f"(ranks: {sorted(ck.workers)})")

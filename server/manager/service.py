@@ -316,7 +316,7 @@ class ResourceManagerService:
         return mg.ResetLostBlocksResponse(epoch=self.rt.published.epoch, blocks=n)
 
     def get_worker_state(self, req, call) -> mg.GetWorkerStateResponse:
-        state, step = self.checkpoints.worker_state(req.job, req.rank)
+        state, step = self.checkpoints.worker_state(req.job, req.rank, req.latest)
         return mg.GetWorkerStateResponse(worker_state=state, step=step)
 
     # --- status ---

@@ -205,9 +205,9 @@ class PSClient(ManagerCalls, TableTransfer):
         self._send_held()
         return self._member.checkpoint_barrier(step, worker_state, checkpoint_id, timeout)
 
-    def worker_state(self, timeout: float | None = None) -> tuple[bytes, int]:
-        """This rank's local state from the checkpoint the job was restored from, and its step."""
-        return self._member.worker_state(timeout)
+    def worker_state(self, timeout: float | None = None, latest: bool = False, rank: int | None = None):
+        """This rank's (``rank``'s) state and step in the job's restored (``latest``: newest) checkpoint."""
+        return self._member.worker_state(timeout, latest, rank)
 
     # ================================================================== data: pulls
     def pull_dense(self, table: str, start: int = 0, stop: int | None = None,

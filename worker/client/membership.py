@@ -260,14 +260,17 @@ class GroupMember:
             self.checkpoint_request = ""
         return resp.path
 
-    def worker_state(self, timeout: float | None = None) -> tuple[bytes, int]:
-        """This rank's local state from the checkpoint the job was restored from, and its step."""
+    def worker_state(self, timeout: float | None = None, latest: bool = False,
+                     rank: int | None = None) -> tuple[bytes, int]:
+        """This rank's (or ``rank``'s) local state from the checkpoint the job was restored
+        from (``latest``: from the job's latest checkpoint), and its step."""
         m = self.membership
         if m is None:
             raise FailedPrecondition("worker_state needs a group member: call join() first")
         a = self.admin
         resp = a.call("GetWorkerState", a.stub.GetWorkerState,
-                      mg.GetWorkerStateRequest(job=self.job, rank=m.rank), timeout, idempotent=True)
+                      mg.GetWorkerStateRequest(job=self.job, rank=m.rank if rank is None else rank, latest=latest),
+                      timeout, idempotent=True)
         return resp.worker_state, resp.step
 
     def close(self) -> None:
