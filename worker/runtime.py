@@ -424,8 +424,8 @@ def run_worker(args) -> int:
         ps_model.create_tables()
         resume = ps_model.resume()
         if resume is not None:
-            log.info("resuming from the restored checkpoint at step %d (epoch %d, batch %d)",
-                     ps_model.step, *resume)
+            log.info("resuming at step %d from the job's checkpoint (epoch %d, batch %d)%s", ps_model.step, *resume,
+                     "" if membership.restored else ": the latest, the tables as the servers hold them")
         elif ps_model.report_steps:
             ps_model.step = client.server_clock()
         show = membership.rank == 0 and sys.stderr.isatty()
