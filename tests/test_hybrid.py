@@ -151,6 +151,15 @@ def test_one_worker_trains_in_hybrid_mode_and_exports_plain_weights(cluster, cli
         dist.destroy_process_group()
 
 
+def test_ranks_sharing_a_gpu_all_reduce_by_gloo_and_one_gpu_each_by_nccl():
+    from shardps.worker.hybrid import backend_for
+    cuda = torch.device("cuda", 0)
+    assert backend_for(torch.device("cpu"), 4, 0) == "gloo"
+    assert backend_for(cuda, 1, 1) == "nccl" and backend_for(cuda, 8, 8) == "nccl"
+    # NCCL refuses two ranks on one device: torchrun --nproc-per-node 2 on a 1-GPU host
+    assert backend_for(cuda, 2, 1) == "gloo" and backend_for(cuda, 9, 8) == "gloo"
+
+
 def test_elastic_runs_torchrun_with_the_cluster_added():
     from shardps.tools.launch import elastic_command
     assert elastic_command(["train.py", "--epochs", "3"], 2, python="py") == [

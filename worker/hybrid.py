@@ -15,13 +15,16 @@ its sharded tables out of DDP.
 The process group is torch's: the default group when the script initialised one, else one
 initialised here from torchrun's environment (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
 ``WORLD_SIZE``, as ``torchrun`` and ``shardps run`` set them): gloo for CPU workers, NCCL for
-CUDA workers (one GPU each). Workers sharing one GPU cannot use NCCL (it refuses two ranks on
-one device): ``backend="gloo"`` on CUDA tensors then, through the host.
+CUDA workers with a GPU each. Where torchrun starts more ranks on a host than it has GPUs
+(``LOCAL_WORLD_SIZE`` > the GPUs torch sees) ranks share GPUs, and NCCL refuses two ranks on
+one device ("Duplicate GPU detected"): gloo then, on the CUDA tensors through host memory,
+with a warning (``backend_for``).
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 from typing import TYPE_CHECKING
 
@@ -29,6 +32,8 @@ import torch
 from torch import nn
 
 from shardps.errors import FailedPrecondition, InvalidArgument
+
+log = logging.getLogger("shardps.worker")
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -79,9 +84,27 @@ def worker_kwargs(dense: str, module: nn.Module, optimizer: "OptimizerConfig",
     return {"dense": dense, "dense_optimizer": torch_optimizer(config, params)}
 
 
-def backend_for(device: torch.device) -> str:
-    """The process group's backend for workers on ``device``: NCCL for CUDA, gloo otherwise."""
-    return "nccl" if device.type == "cuda" else "gloo"
+def backend_for(device: torch.device, local_world_size: int = 1, cuda_count: int = 1) -> str:
+    """The process group's backend for workers on ``device``: gloo on the CPU; on CUDA, NCCL
+    where each of the host's ``local_world_size`` ranks has a GPU of its own among the
+    ``cuda_count`` it sees, else gloo (NCCL refuses two ranks on one GPU, "Duplicate GPU
+    detected"; gloo all-reduces CUDA tensors through host memory, slower, and works). Pure."""
+    if device.type != "cuda":
+        return "gloo"
+    return "nccl" if local_world_size <= cuda_count else "gloo"
+
+
+def _backend(device: torch.device, environ) -> str:
+    """``backend_for`` this process: torchrun's LOCAL_WORLD_SIZE, the GPUs torch sees; a
+    warning when ranks share a GPU."""
+    from shardps.worker.device import cuda_device_count
+    local, count = int(environ.get("LOCAL_WORLD_SIZE") or 1), cuda_device_count()
+    backend = backend_for(device, local, count)
+    if device.type == "cuda" and backend == "gloo":
+        log.warning("dense='allreduce': %d ranks on this host share %d GPU(s); NCCL needs a GPU per rank, so "
+                    "the dense gradients are all-reduced by gloo through host memory (slower). Start at "
+                    "most one rank per GPU (torchrun --nproc-per-node %d) for NCCL", local, count, count)
+    return backend
 
 
 def process_group(device: torch.device, environ=os.environ) -> "dist.ProcessGroup":
@@ -98,7 +121,7 @@ def process_group(device: torch.device, environ=os.environ) -> "dist.ProcessGrou
                 f"dense='allreduce' all-reduces the dense parameters among the workers, and no process group "
                 f"is initialised ({', '.join(missing)} not set): start the workers with torchrun or "
                 f"`shardps run --elastic`, or call torch.distributed.init_process_group first")
-        _init_from_env(backend_for(device), environ)
+        _init_from_env(_backend(device, environ), environ)
     group = dist.group.WORLD
     assert group is not None           # initialised above
     return group
@@ -166,6 +189,6 @@ def agreed_step(step: int, device: torch.device) -> int:
     steps, so they may be told different ones). A collective: each rank calls it once, at
     the same point; all then run the same number of steps, as DDP needs."""
     import torch.distributed as dist
-    mine = torch.tensor([step], dtype=torch.int64, device=device if backend_for(device) == "nccl" else "cpu")
+    mine = torch.tensor([step], dtype=torch.int64, device=device if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)
     return int(mine.item())
