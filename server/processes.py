@@ -296,7 +296,7 @@ class ServerProcess:
             name, limits=NodeLimits(max_request_bytes=settings.max_request_bytes,
                                     max_rows=settings.max_rows,
                                     forward_timeout=settings.forward_timeout),
-            metrics=self.metrics)
+            metrics=self.metrics, defect=settings.test_defect)
         self.peers = _peers(name, self.node.view_address, self.pool, settings.forward_timeout, tls, metadata)
         self.node.peers = self.peers
         self.service = ParameterServerService(self.node)

@@ -208,6 +208,8 @@ class ServerProcessSettings:
     # per-job admission control (server/node/admission.py); 0: off
     job_max_requests_per_second: float = 0.0
     job_max_bytes_in_flight: int = 0
+    # TEST-ONLY: a fixed defect the node re-introduces (shardps.tools.verify.defects); "" in production
+    test_defect: str = ""
 
 
 def _unreadable(path: str) -> str:

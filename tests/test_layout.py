@@ -75,3 +75,15 @@ def test_the_grpc_check_sees_imports_and_handlers():
     assert sorted(_grpc_uses(ast.parse(source))) == [
         "line 1: imports grpc", "line 2: imports grpc_health.v1", "line 3: imports grpcx.y",
         "line 7: except (grpc.RpcError, OSError)"]
+
+
+def test_the_server_nodes_layers_read_no_environment():
+    """Settings (and the verifier's test-only defects) reach a node through its constructor:
+    ``shardps server`` reads the environment once, at its start."""
+    readers = []
+    for path in sorted((ROOT / "server" / "node").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv") and \
+                    isinstance(node.value, ast.Name) and node.value.id == "os":
+                readers.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not readers, "read the environment in the entry point and pass it in: " + ", ".join(readers)

@@ -297,7 +297,8 @@ def cmd_server(args) -> int:
     name = args.name or __import__("socket").gethostname()
     ctx = logs.setup("server", name, common.log_format, common.log_level)
     settings = build(ServerProcessSettings, args, common=common, serving=build(Serving, args))
-    settings = ServerProcessSettings(**{**settings.__dict__, "name": name})
+    from shardps.tools.verify.defects import ENV as DEFECT  # TEST-ONLY, for the verifier's servers
+    settings = ServerProcessSettings(**{**settings.__dict__, "name": name, "test_defect": os.environ.get(DEFECT, "")})
     from shardps.server import auth
     from shardps.server.processes import ServerProcess
     authn = auth.authenticator_for(settings.serving, role="server")

@@ -3,7 +3,6 @@ the contract): apply a primary's forwarded ops, load whole blocks."""
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Sequence, cast
 
 import numpy as np
@@ -33,7 +32,6 @@ if TYPE_CHECKING:
 # TEST-ONLY (tools/verify/defects.py): "3" makes backups skip the lifecycle decisions a
 # primary forwards with its APPLY ops (ids not admitted, ids evicted) so the verifier's
 # replica check can show it catches replicas that diverge.
-_TEST_DEFECT = os.environ.get("SHARDPS_TEST_REINTRODUCE_DEFECT", "")
 
 
 def _decode_ops(ops: Sequence[ps.BlockOp], payload) -> list[Op]:
@@ -70,9 +68,10 @@ class BackupApplier:
     entry. No I/O.
     """
 
-    def __init__(self, table: BlockTable, steps: "SyncSteps"):
+    def __init__(self, table: BlockTable, steps: "SyncSteps", defect: str = ""):
         self.table = table
         self.steps = steps
+        self.defect = defect                  # TEST-ONLY: "3" re-introduces a fixed defect
 
     def apply_replicated(self, epoch: int, source: str, ops: Sequence[ps.BlockOp],
                          payload) -> tuple[int, list[BlockKey]]:
@@ -112,7 +111,7 @@ class BackupApplier:
                         # our config is behind the primary's: take the whole block instead
                         stale.append(key)
                         continue
-                    if _TEST_DEFECT == "3" and (op.dropped_count or op.evicted_count):
+                    if self.defect == "3" and (op.dropped_count or op.evicted_count):
                         arrays[0] = arrays[0][:int(op.id_count - op.dropped_count - op.evicted_count)]
                         op = ps.BlockOp(job=op.job, table=op.table, block=op.block, kind=op.kind,
                                         step=op.step, version=op.version)

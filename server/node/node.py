@@ -76,7 +76,8 @@ class ServerNode:
     """One server node's blocks and duties. Thread-safe; methods may block (see each)."""
 
     def __init__(self, name: str, peers: Peers | None = None, limits: NodeLimits = NodeLimits(),
-                 metrics: NodeMetrics | None = None, clock=time.monotonic):
+                 metrics: NodeMetrics | None = None, clock=time.monotonic, defect: str = ""):
+        """``defect``: TEST-ONLY, a fixed defect to re-introduce (``shardps.tools.verify.defects``)."""
         self.name = name
         self.limits = limits
         # the kernels' first use would otherwise land in the first requests (~0.3 s)
@@ -85,10 +86,10 @@ class ServerNode:
         self._now = clock
         self.incarnation = 0
         self.on_epoch: Callable[[int], object] | None = None   # callback(epoch) after each install (logging)
-        self.table = BlockTable(name)
+        self.table = BlockTable(name, defect)
         self.forwarder = Forwarder(self.table, self.metrics, peers or NoPeers(), clock)
-        self.steps = SyncSteps(self.table, self.forwarder, clock)
-        self.backup = BackupApplier(self.table, self.steps)
+        self.steps = SyncSteps(self.table, self.forwarder, clock, defect)
+        self.backup = BackupApplier(self.table, self.steps, defect)
         self.holds = JobHolds(self.table.gate, clock)
         self.pusher = PushApplier(self.table, self.steps, self.forwarder, self.holds, limits,
                                   self.metrics, clock)

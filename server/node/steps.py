@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 
@@ -40,14 +39,14 @@ log = logging.getLogger("shardps.server")
 # TEST-ONLY (tools/verify/defects.py): "2" re-introduces defect 2 of issue 13 (a SYNC push
 # for an applied step acknowledged into that step, which is never applied again) so the
 # verifier's tests can show they catch it.
-_TEST_DEFECT = os.environ.get("SHARDPS_TEST_REINTRODUCE_DEFECT", "")
 
 
 class SyncSteps:
     """Job clocks and SYNC step application of one node."""
 
-    def __init__(self, table: BlockTable, forwarder: Forwarder, clock=time.monotonic):
+    def __init__(self, table: BlockTable, forwarder: Forwarder, clock=time.monotonic, defect: str = ""):
         self.table = table
+        self.defect = defect                  # TEST-ONLY: "2" re-introduces a fixed defect
         self.forwarder = forwarder
         self._now = clock
         self.clocks: dict[str, JobClock] = {}
@@ -93,7 +92,7 @@ class SyncSteps:
             return step
         if clock.reported_by(writer.session, step, writer.sequence):
             return clock.closed_below
-        if _TEST_DEFECT == "2":
+        if self.defect == "2":
             return step
         raise FailedPrecondition(
             f"SYNC step {step} of job {job!r} was already applied on server {self.table.name} "
@@ -172,7 +171,7 @@ class SyncSteps:
                         # learnt a later step (JobClock.adopt)
                         if self.table.is_primary(k):
                             with_data.update(st for st in blk.pending
-                                             if st < closed and (_TEST_DEFECT != "2" or st in ready))
+                                             if st < closed and (self.defect != "2" or st in ready))
                         if not blk.pending:
                             with self.table.lock:
                                 self.pending.get(job, set()).discard(k)

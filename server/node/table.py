@@ -35,7 +35,6 @@ block's ``needs_resync`` entry holding only that block's lock, and ``backups`` r
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 
 from shardps.errors import Unavailable
@@ -47,7 +46,6 @@ from shardps.tables import TableKind
 
 # TEST-ONLY (tools/verify/defects.py): "1" re-introduces defect 1 of issue 13 (copy
 # destinations never pruned on map install) so the verifier's tests can show they catch it.
-_TEST_DEFECT = os.environ.get("SHARDPS_TEST_REINTRODUCE_DEFECT", "")
 
 
 class EpochGate:
@@ -111,8 +109,9 @@ class BlockTable:
     """The blocks one node holds and the map it obeys. Thread-safe as the module docstring
     says: methods named ``*_locked`` expect ``lock`` held, the others take it themselves."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, defect: str = ""):
         self.name = name
+        self.defect = defect                  # TEST-ONLY: "1" re-introduces a fixed defect (see install)
         self.gate = EpochGate()
         self.lock = threading.Lock()          # guards the dicts below
         self.view = ShardMapView()
@@ -176,7 +175,7 @@ class BlockTable:
             for d in (self.extra, self.needs_resync):
                 for key in [k for k in d if k not in listed]:
                     del d[key]
-            if _TEST_DEFECT != "1":
+            if self.defect != "1":
                 self.prune_destinations_locked(view)
             for key in [k for k, (blk, _) in self.staged.items()
                         if (k[0], k[1]) not in view.tables]:

@@ -1,8 +1,9 @@
 """TEST-ONLY: re-introduce fixed defects of issue 13 (and one of issue 18), to show the
 verifier catches them.
 
-The servers read the environment variable ``SHARDPS_TEST_REINTRODUCE_DEFECT`` once, when
-their modules are imported:
+``shardps server`` reads the environment variable ``SHARDPS_TEST_REINTRODUCE_DEFECT`` once,
+at its start, and hands it to its node (``ServerProcessSettings.test_defect``,
+``ServerNode(defect=...)``); the node's layers read no environment:
 
 * ``1``: a map install does not prune copy destinations from a primary's forwarding set
   (``server/node/table.py``, ``BlockTable.install``): after a block copy, the destination's
