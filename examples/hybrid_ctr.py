@@ -66,6 +66,9 @@ def main() -> None:
     add_job_arguments(parser, os.environ.get("SHARDPS_JOB", "hybrid-ctr"))
     parser.add_argument("--steps", type=int, default=200, help="training steps per worker (default 200)")
     parser.add_argument("--batch", type=int, default=256, help="impressions per step and worker (default 256)")
+    parser.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                        help="a checkpoint every N steps (the manager's --checkpoint-dir): a restarted group's "
+                        "ranks take their dense state from the latest (default 0: none)")
     args = parser.parse_args()
     rank = int(os.environ.get("RANK", "0"))
     taste = np.random.default_rng(0).normal(0, 1, ITEMS)       # the same hidden truth on every rank
@@ -78,13 +81,14 @@ def main() -> None:
     model = PSModel(module, client, dense="allreduce",
                     dense_optimizer=torch.optim.Adam(module.parameters(), lr=1e-2))
     model.create_tables()
-    model.resume()                        # after a restart: the step this rank had reached
+    model.resume()                        # after a restart: the step, and the latest checkpoint's tower
     while model.step < args.steps:
         ids, clicks = batch(rng, taste, args.batch)
         model.pull()
         loss = F.binary_cross_entropy_with_logits(model(ids), clicks)
         loss.backward()                   # DDP averages the tower's gradients among the ranks
         model.push()                      # the rows' gradients to the servers; Adam steps the tower
+        model.maybe_checkpoint(every=args.checkpoint_every)
     model.flush()
     if rank == 0:
         auc = held_out_auc(model, taste)

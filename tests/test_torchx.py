@@ -70,6 +70,8 @@ def test_the_component_refuses_unclear_arguments():
 def test_kubernetes_gets_a_volcano_job_whose_pods_validate():
     kv = kubernetes_validate()
     info = _dryrun("kubernetes", "--script", "train.py", "--servers", "2", "--workers", "1:2x4", "--gpu", "4",
+                   "--checkpoint_dir", "/checkpoints",
+                   "--mounts", "type=volume,src=shardps-checkpoints,dst=/checkpoints",
                    "--", "--epochs", "3", cfg={"queue": "default"})
     job = yaml.safe_load(str(info.request))         # the resource TorchX submits, as YAML
     assert (job["apiVersion"], job["kind"]) == ("batch.volcano.sh/v1alpha1", "Job")
@@ -81,7 +83,12 @@ def test_kubernetes_gets_a_volcano_job_whose_pods_validate():
             kv.validate(pod, version, strict=True)
     command = {name: t["template"]["spec"]["containers"][0]["command"][2] for name, t in tasks.items()}
     app = job["metadata"]["name"]
-    assert f"--exit-when-job-ends '{app}'" in command["manager-0"]
+    assert f"--exit-when-job-ends '{app}' --checkpoint-dir /checkpoints" in command["manager-0"]
+    manager = tasks["manager-0"]["template"]["spec"]       # the checkpoints on the claimed volume
+    claim = next(v for v in manager["volumes"] if "persistentVolumeClaim" in v)
+    assert claim["persistentVolumeClaim"]["claimName"] == "shardps-checkpoints"
+    assert {"name": claim["name"], "mountPath": "/checkpoints"}.items() <= next(
+        m for m in manager["containers"][0]["volumeMounts"] if m["name"] == claim["name"]).items()
     # every role finds the manager through the first role's host, as TorchX names it on Volcano
     assert '--manager "${VC_MANAGER_0_HOSTS:-localhost}:7070"' in command["server-1"]
     assert "--name server-1" in command["server-1"] and "--name server-0" in command["server-0"]
@@ -133,14 +140,17 @@ def _left_running(port: int, log: str) -> str:
 @pytest.mark.slow        # processes: TorchX, a manager, 2 servers, torchrun and 2 workers
 def test_torchx_local_cwd_runs_a_hybrid_job_to_completion_and_the_cluster_exits(tmp_path):
     port = _free_port()
-    rc, log = _torchx_run(tmp_path, port, "--script", "examples/hybrid_ctr.py", "--servers", "2",
-                          "--workers", "1x2", "--", "--steps", "60")
+    rc, log = _torchx_run(tmp_path, port, "--script", "examples/hybrid_ctr.py", "--servers", "2", "--workers", "1x2",
+                          "--checkpoint_dir", str(tmp_path / "checkpoints"), "--", "--steps", "60",
+                          "--checkpoint-every", "20")
     assert rc == 0 and "Job finished: SUCCEEDED" in log, log[-4000:]
     auc = float(re.search(r"rank 0: 60 steps, .*test_auc=([0-9.]+)", log).group(1))
     assert auc > 0.6, log[-4000:]           # it trained: 0.5 is chance
     assert re.search(r"manager/0 .* job \S+ ended: every server is told to exit", log)
     assert len(re.findall(r"server/\d .* was retired", log)) == 2
     assert _left_running(port, log) == ""
+    # the checkpoints the script cut every 20 steps outlive the cluster (--checkpoint_dir)
+    assert len([p for p in (tmp_path / "checkpoints").rglob("manifest.json")]) == 3, log[-3000:]
 
 
 @pytest.mark.slow

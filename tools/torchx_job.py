@@ -23,6 +23,7 @@ workers' component, else ``localhost``).
 
 
 import shlex
+from typing import List, Optional
 
 import torchx.specs as specs
 from torchx.specs import macros
@@ -66,6 +67,8 @@ def job(
     rdzv_port: int = 29500,
     max_restarts: int = 3,
     wait_workers_s: int = 60,
+    checkpoint_dir: str = "",
+    mounts: Optional[List[str]] = None,
 ) -> specs.AppDef:
     """A shardps job: one manager, ``servers`` servers, and workers running ``script`` (or
     module ``m``) under torchrun with SHARDPS_MANAGER and SHARDPS_JOB set. The workers end the
@@ -89,6 +92,8 @@ def job(
         rdzv_port: the c10d rendezvous port on the first worker node (several nodes)
         max_restarts: torchrun's whole-group restarts before the job fails
         wait_workers_s: after torchrun exits, how long a node waits for the group to empty before it ends the job
+        checkpoint_dir: the manager's --checkpoint-dir: where maybe_checkpoint and shardps checkpoint write, and where a restarted group's ranks find their state (on a cluster: a volume mounted there)
+        mounts: mounts for the manager, in TorchX's form (type=volume,src=CLAIM,dst=/checkpoints; type=bind,...)
     """
     if bool(script) == bool(m):
         raise ValueError("give exactly one of --script and -m")
@@ -108,8 +113,9 @@ def job(
         specs.Role(
             name="manager", image=server_image, entrypoint="bash", resource=specs.resource(cpu=1, memMB=1024),
             args=_bash(f"exec shardps manager --listen 0.0.0.0:{manager_port} --metrics-port 0 "
-                       f"--replication {replication} --exit-when-job-ends {job_q}"),
-            port_map={"grpc": manager_port}),
+                       f"--replication {replication} --exit-when-job-ends {job_q}"
+                       + (f" --checkpoint-dir {shlex.quote(checkpoint_dir)}" if checkpoint_dir else "")),
+            port_map={"grpc": manager_port}, mounts=specs.parse_mounts(mounts) if mounts else []),
         specs.Role(
             name="server", image=server_image, entrypoint="bash", num_replicas=servers,
             resource=specs.resource(cpu=1, memMB=server_memMB),
