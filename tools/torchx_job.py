@@ -92,8 +92,9 @@ def job(
         rdzv_port: the c10d rendezvous port on the first worker node (several nodes)
         max_restarts: torchrun's whole-group restarts before the job fails
         wait_workers_s: after torchrun exits, how long a node waits for the group to empty before it ends the job
-        checkpoint_dir: the manager's --checkpoint-dir: where maybe_checkpoint and shardps checkpoint write, and where a restarted group's ranks find their state (on a cluster: a volume mounted there)
-        mounts: mounts for the manager, in TorchX's form (type=volume,src=CLAIM,dst=/checkpoints; type=bind,...)
+        checkpoint_dir: the manager's --checkpoint-dir, where checkpoints go and a restarted group's
+            ranks find their state (on a cluster: a volume mounted there)
+        mounts: the manager's mounts, as TorchX writes them (type=volume,src=CLAIM,dst=/checkpoints)
     """
     if bool(script) == bool(m):
         raise ValueError("give exactly one of --script and -m")
