@@ -72,6 +72,7 @@ def test_local_starts_a_sync_jobs_workers_together():
     assert wait_flag("--mode", "async") == "0"
 
 
+@pytest.mark.slow          # processes: shardps local, its manager and servers (about 4 s)
 def test_local_cluster_stops_cleanly_on_sigterm(tmp_path):
     proc = subprocess.Popen(SHARDPS + ["local", "--servers", "2", "--port", "0", "--work-dir", str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

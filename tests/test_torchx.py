@@ -67,6 +67,7 @@ def test_the_component_refuses_unclear_arguments():
         job(script="a.py", workers="3:2x1")
 
 
+@pytest.mark.slow          # TorchX's Kubernetes scheduler and the schemas load: about 2 s
 def test_kubernetes_gets_a_volcano_job_whose_pods_validate():
     kv = kubernetes_validate()
     info = _dryrun("kubernetes", "--script", "train.py", "--servers", "2", "--workers", "1:2x4", "--gpu", "4",
@@ -100,6 +101,7 @@ def test_kubernetes_gets_a_volcano_job_whose_pods_validate():
     assert str(limits["nvidia.com/gpu"]) == "4"
 
 
+@pytest.mark.slow
 def test_slurm_gets_a_heterogeneous_batch_job():
     script = str(_dryrun("slurm", "--script", "train.py", "--servers", "3", "--workers", "2x2"))
     assert script.count("#SBATCH hetjob") == 1 + 3 + 2 - 1
