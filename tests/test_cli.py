@@ -1,7 +1,6 @@
 """The `shardps` command: help texts, `shardps local` end to end, clean shutdown."""
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from shardps.tools.cli import FLAGS, build_parser
+from tests.waiting import alive, wait_for
 
 SHARDPS = [sys.executable, "-m", "shardps.tools.cli"]
 
@@ -45,17 +45,6 @@ def test_environment_variables_set_defaults():
     assert args.replication == 2
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:   # a zombie is gone for our purposes
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.slow          # processes (shardps local)
 def test_local_starts_a_sync_jobs_workers_together():
     """``shardps local --mode sync``: its workers wait for one another before the first
@@ -86,13 +75,10 @@ def test_local_cluster_stops_cleanly_on_sigterm(tmp_path):
         from shardps.rpc.channels import check_health
         assert check_health(address) == "SERVING"
         pids = [json.loads(p.read_text())["pid"] for p in tmp_path.glob("*.ready")]
-        assert len(pids) == 3 and all(_alive(p) for p in pids)
+        assert len(pids) == 3 and all(alive(p) for p in pids)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
-        deadline = time.monotonic() + 10
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(_alive(p) for p in pids), "orphaned processes left behind"
+        wait_for("its manager and servers to exit, not orphaned", lambda: not any(alive(p) for p in pids), 10, 0.1)
     finally:
         if proc.poll() is None:
             proc.kill()

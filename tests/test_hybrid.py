@@ -19,6 +19,7 @@ from torch import nn
 from shardps.errors import FailedPrecondition, InvalidArgument
 from shardps.tables import adagrad
 from shardps.worker.torch_ps import PSEmbedding, PSModel
+from tests.waiting import alive, wait_for
 
 SCRIPT = textwrap.dedent("""
     import json, os, sys
@@ -230,7 +231,6 @@ def test_a_learning_rate_schedule_reaches_the_workers_own_optimizer(cluster, cli
 @pytest.mark.slow          # processes (shardps run, torchrun and 2 workers)
 def test_the_elastic_agent_and_its_workers_die_with_shardps_run(tmp_path):
     import signal
-    import time
     script = tmp_path / "sleeper.py"
     script.write_text("import os, sys, time\n"
                       "open(sys.argv[1] + '.' + os.environ['RANK'], 'w').write(str(os.getpid()))\n"
@@ -239,25 +239,14 @@ def test_the_elastic_agent_and_its_workers_die_with_shardps_run(tmp_path):
                             "sleepers", "--elastic", "--nproc-per-node", "2", str(script), str(tmp_path / "pid")],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
     try:
-        deadline = time.monotonic() + 120
-        while not all((tmp_path / f"pid.{r}").exists() for r in (0, 1)):
-            assert time.monotonic() < deadline and run.poll() is None, "the workers never started"
-            time.sleep(0.2)
-        time.sleep(0.5)                                  # both pid files written whole
+        files = [tmp_path / f"pid.{r}" for r in (0, 1)]
+        wait_for("both workers to start", lambda: all(f.exists() and f.read_text() for f in files)
+                 or run.poll() is not None, 120, 0.2)
+        assert run.poll() is None, "shardps run ended before its workers started"
         pids = [int((tmp_path / f"pid.{r}").read_text()) for r in (0, 1)]
         run.send_signal(signal.SIGKILL)                  # no chance to stop anything itself
         run.wait()
-
-        def alive(pid: int) -> bool:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return False
-            return True
-        deadline = time.monotonic() + 60
-        while any(alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not any(alive(p) for p in pids), "workers outlived shardps run"
+        wait_for("the workers to die with shardps run", lambda: not any(alive(p) for p in pids), 60, 0.2)
     finally:
         if run.poll() is None:
             run.kill()

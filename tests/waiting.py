@@ -2,7 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie is gone for our purposes)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
 
 
 def wait_for(what: str, check, timeout: float, interval: float = 0.5):

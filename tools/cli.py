@@ -7,6 +7,7 @@ win); ``shardps SUBCOMMAND --help`` lists them with their defaults.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -298,7 +299,7 @@ def cmd_server(args) -> int:
     ctx = logs.setup("server", name, common.log_format, common.log_level)
     settings = build(ServerProcessSettings, args, common=common, serving=build(Serving, args))
     from shardps.tools.verify.defects import ENV as DEFECT  # TEST-ONLY, for the verifier's servers
-    settings = ServerProcessSettings(**{**settings.__dict__, "name": name, "test_defect": os.environ.get(DEFECT, "")})
+    settings = dataclasses.replace(settings, name=name, test_defect=os.environ.get(DEFECT, ""))
     from shardps.server import auth
     from shardps.server.processes import ServerProcess
     authn = auth.authenticator_for(settings.serving, role="server")

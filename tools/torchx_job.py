@@ -26,6 +26,7 @@ import shlex
 from typing import List, Optional
 
 import torchx.specs as specs
+from torchx.components.dist import get_role_name, parse_nnodes
 from torchx.specs import macros
 
 WORKER_IMAGE = "shardps/worker:latest"      # `make images`' worker image: shardps with torch
@@ -33,16 +34,16 @@ SERVER_IMAGE = "shardps/server:latest"      # ... and its server image: no torch
 
 
 def _nodes(workers: str) -> tuple[int, int, int]:
-    """``[MIN:]NODESxPROCS`` -> (min nodes, nodes, processes per node)."""
-    nodes, _, procs = workers.partition("x")
-    low, _, high = nodes.rpartition(":")
+    """``[[MIN:]NODESx]PROCS``, as TorchX's ``dist.ddp -j`` reads it -> (min nodes, nodes,
+    processes per node); ValueError naming ``workers`` for anything else."""
     try:
-        counts = int(low or high), int(high), int(procs)
+        low, nodes, procs, _ = parse_nnodes(workers)
     except ValueError:
-        raise ValueError(f"workers={workers!r}: expected NODESxPROCS or MIN:MAXxPROCS, e.g. 1x2 or 1:4x8") from None
-    if not 0 < counts[0] <= counts[1] or counts[2] < 1:
+        raise ValueError(f"workers={workers!r}: expected NODESxPROCS, MIN:MAXxPROCS or PROCS, "
+                         f"e.g. 1x2, 1:4x8 or 2") from None
+    if not 0 < low <= nodes or procs < 1:
         raise ValueError(f"workers={workers!r}: nodes and processes must be >= 1, MIN <= MAX")
-    return counts
+    return low, nodes, procs
 
 
 def _bash(*lines: str) -> list[str]:
@@ -81,7 +82,7 @@ def job(
         job_name: the shardps job (default: the TorchX app id, a fresh job per run)
         servers: server replicas
         replication: copies of every block (2 survives a server's death)
-        workers: [MIN:]NODESxPROCS, worker nodes (elastic from MIN) and torchrun processes on each
+        workers: [[MIN:]NODESx]PROCS, worker nodes (elastic from MIN) and torchrun processes on each
         image: the workers' image (shardps with torch)
         server_image: the manager's and the servers' image
         cpu: CPUs per worker node
@@ -108,7 +109,7 @@ def job(
     rdzv = "localhost:0" if nodes == 1 else f"{first_worker}:{rdzv_port}"
     torchrun = (f"torchrun --nnodes {low}:{nodes} --nproc_per_node {procs} --rdzv_backend c10d "
                 f'--rdzv_endpoint "{rdzv}" --rdzv_id {macros.app_id} --max_restarts {max_restarts} '
-                + shlex.join(["--module", m] if m else [script]) + "".join(f" {shlex.quote(a)}" for a in script_args))
+                + shlex.join([*(["--module", m] if m else [script]), *script_args]))
     job_q = shlex.quote(job_name)
     roles = [
         specs.Role(
@@ -130,5 +131,4 @@ def job(
                        "exit $$trained"),
             port_map={"c10d": rdzv_port}),
     ]
-    name = script.rsplit("/", 1)[-1].removesuffix(".py") if script else m.rsplit(".", 1)[-1]
-    return specs.AppDef(name=f"shardps-{name}", roles=roles)
+    return specs.AppDef(name=f"shardps-{get_role_name(script or None, m or None)}", roles=roles)

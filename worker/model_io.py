@@ -269,8 +269,8 @@ class ModelIO:
         one (``maybe_checkpoint``), whose ``(epoch, batch)`` it returns; else None. With
         ``dense="allreduce"`` every rank calls it (a collective): a rank the checkpoint has no
         state for (the group grew) takes rank 0's, whose dense part every rank shares, and
-        all ranks take the highest step any was given (``hybrid.agreed_step``), so all run
-        the same steps. None on a first start."""
+        all ranks take the highest step any was given (``hybrid.agreed_step``) before they
+        decide, so all load alike and run the same steps. None on a first start."""
         m = self.client.membership
         if m is None:
             return None
@@ -280,13 +280,11 @@ class ModelIO:
             except NotFound:
                 return None
             return load_worker_state(raw, self.module, self)
-        step, position = max(self.step, m.previous_step), None
-        if m.previous_step > 0:
-            position = self._latest_state()         # sets self.step: the checkpoint's
-            step = max(step, self.step)
-        if self._ddp is not None:
+        step = max(self.step, m.previous_step)
+        if self._ddp is not None:    # one decision for the group: a rank told 0 loads what the others load
             step = hybrid.agreed_step(step, module_device(self.module))
-        self.step = step
+        position = self._latest_state() if step > 0 else None     # sets self.step: the checkpoint's
+        self.step = max(step, self.step)
         return position
 
     def _latest_state(self) -> tuple[int, int] | None:

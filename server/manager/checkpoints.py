@@ -292,14 +292,14 @@ class CheckpointCoordinator:
             if found is None:
                 raise NotFound(f"job {job!r} has no checkpoint under the manager's --checkpoint-dir "
                                f"({self.default_dir or 'none set'})")
-            path, step = str(found), -1
+            path = str(found)
+            ck = read_checkpoint(path, verify=False)
+            step = ck.step
         else:
             path, step = self.rt.change(lambda s: s.claim_restored_state(job, rank), wait_published=False)
             if not path:
                 raise NotFound(f"job {job!r} was not restored from a checkpoint")
-        ck = read_checkpoint(path, verify=False)
-        if step < 0:
-            step = ck.step
+            ck = read_checkpoint(path, verify=False)
         if rank not in ck.workers:
             raise NotFound(f"checkpoint {path} holds no state for rank {rank} "
                            f"(ranks: {sorted(ck.workers)})")

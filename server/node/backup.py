@@ -29,10 +29,6 @@ from shardps.shardmap import ShardMapView, TableView
 if TYPE_CHECKING:
     from shardps.server.node.steps import SyncSteps
 
-# TEST-ONLY (tools/verify/defects.py): "3" makes backups skip the lifecycle decisions a
-# primary forwards with its APPLY ops (ids not admitted, ids evicted) so the verifier's
-# replica check can show it catches replicas that diverge.
-
 
 def _decode_ops(ops: Sequence[ps.BlockOp], payload) -> list[Op]:
     """Each op with its key and arrays (views of ``payload``: ids int64, values float32).
@@ -71,7 +67,10 @@ class BackupApplier:
     def __init__(self, table: BlockTable, steps: "SyncSteps", defect: str = ""):
         self.table = table
         self.steps = steps
-        self.defect = defect                  # TEST-ONLY: "3" re-introduces a fixed defect
+        # TEST-ONLY (tools/verify/defects.py): "3" makes backups skip the lifecycle decisions a
+        # primary forwards with its APPLY ops (ids not admitted, ids evicted) so the verifier's
+        # replica check can show it catches replicas that diverge
+        self.defect = defect
 
     def apply_replicated(self, epoch: int, source: str, ops: Sequence[ps.BlockOp],
                          payload) -> tuple[int, list[BlockKey]]:

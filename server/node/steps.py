@@ -36,17 +36,16 @@ from shardps.tables import Consistency
 
 log = logging.getLogger("shardps.server")
 
-# TEST-ONLY (tools/verify/defects.py): "2" re-introduces defect 2 of issue 13 (a SYNC push
-# for an applied step acknowledged into that step, which is never applied again) so the
-# verifier's tests can show they catch it.
-
 
 class SyncSteps:
     """Job clocks and SYNC step application of one node."""
 
     def __init__(self, table: BlockTable, forwarder: Forwarder, clock=time.monotonic, defect: str = ""):
         self.table = table
-        self.defect = defect                  # TEST-ONLY: "2" re-introduces a fixed defect
+        # TEST-ONLY (tools/verify/defects.py): "2" re-introduces defect 2 of issue 13 (a SYNC push
+        # for an applied step acknowledged into that step, which is never applied again) so the
+        # verifier's tests can show they catch it
+        self.defect = defect
         self.forwarder = forwarder
         self._now = clock
         self.clocks: dict[str, JobClock] = {}

@@ -44,9 +44,6 @@ from shardps.server.node.blocks import AnyBlock, BlockKey, DenseBlock, SparseBlo
 from shardps.shardmap import ShardMapView, TableView
 from shardps.tables import TableKind
 
-# TEST-ONLY (tools/verify/defects.py): "1" re-introduces defect 1 of issue 13 (copy
-# destinations never pruned on map install) so the verifier's tests can show they catch it.
-
 
 class EpochGate:
     """Data requests enter shared; a map install enters exclusive and waits for them.
@@ -111,7 +108,9 @@ class BlockTable:
 
     def __init__(self, name: str, defect: str = ""):
         self.name = name
-        self.defect = defect                  # TEST-ONLY: "1" re-introduces a fixed defect (see install)
+        # TEST-ONLY (tools/verify/defects.py): "1" re-introduces defect 1 of issue 13 (copy
+        # destinations never pruned on map install) so the verifier's tests can show they catch it
+        self.defect = defect
         self.gate = EpochGate()
         self.lock = threading.Lock()          # guards the dicts below
         self.view = ShardMapView()

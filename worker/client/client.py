@@ -152,8 +152,7 @@ class PSClient(ManagerCalls, TableTransfer):
 
     @property
     def progress(self) -> dict:
-        """Training progress the heartbeats report: update ``step``, ``samples_per_second``,
-        ``loss`` in place."""
+        """Training progress the heartbeats report: update ``step``, ``samples_per_second``, ``loss`` in place."""
         return self._member.progress
 
     @property
@@ -205,7 +204,8 @@ class PSClient(ManagerCalls, TableTransfer):
         self._send_held()
         return self._member.checkpoint_barrier(step, worker_state, checkpoint_id, timeout)
 
-    def worker_state(self, timeout: float | None = None, latest: bool = False, rank: int | None = None):
+    def worker_state(self, timeout: float | None = None, latest: bool = False,
+                     rank: int | None = None) -> tuple[bytes, int]:
         """This rank's (``rank``'s) state and step in the job's restored (``latest``: newest) checkpoint."""
         return self._member.worker_state(timeout, latest, rank)
 
