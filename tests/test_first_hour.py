@@ -50,7 +50,7 @@ def test_psmodel_with_its_defaults_trains_in_every_mode(make_cluster, client_fac
         loss.backward()
         model.push()
     assert model.step == 6
-    assert np.isfinite(client.pull_dense("head.weight")).all()
+    assert np.isfinite(client.pull_dense("dense-params")).all()
 
 
 def test_a_sync_job_driven_by_the_raw_client_equals_one_large_batch(make_cluster, client_factory):

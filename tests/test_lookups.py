@@ -13,6 +13,7 @@ from shardps.tables import normal, sgd
 from shardps.tools.bench.many_tables import data_calls
 from shardps.worker.lookups import LookupPlanner, Recipe
 from shardps.worker.torch_ps import PSEmbedding, PSModel
+from tests.dense import server_value
 
 TABLES, ROWS, DIM, BATCH = 4, 1000, 4, 32
 
@@ -124,7 +125,7 @@ def test_leave_sends_the_push_the_model_holds(make_cluster, client_factory):
     assert model._held is not None                            # waiting for the next pull
     c.leave()
     assert model._held is None
-    np.testing.assert_allclose(c.pull_dense("head.bias"), (bias - 0.1 * grad).numpy(), rtol=1e-6)
+    np.testing.assert_allclose(server_value(c, model, "head.bias"), (bias - 0.1 * grad).numpy(), rtol=1e-6)
 
 
 def test_a_pull_no_forward_took_is_completed_by_push(make_cluster, client_factory):
@@ -139,7 +140,7 @@ def test_a_pull_no_forward_took_is_completed_by_push(make_cluster, client_factor
     model.pull()                                      # deferred: the lookups are learned
     model.push()                                      # no forward: the pull is completed here
     assert float(module.head.bias.detach()) != 123.0
-    np.testing.assert_array_equal(module.head.bias.detach().numpy(), c.pull_dense("head.bias"))
+    np.testing.assert_array_equal(module.head.bias.detach().numpy(), server_value(c, model, "head.bias"))
 
 
 class _Bumps(nn.Module):

@@ -36,7 +36,7 @@ def test_a_schedule_sets_every_tables_learning_rate_in_one_map_change(make_clust
     cluster = make_cluster(2)
     c = client_factory(cluster.address, job="lr")
     c.create_job()
-    model = PSModel(_Wide(20), c, optimizer=sgd(0.2))
+    model = PSModel(_Wide(20), c, optimizer=sgd(0.2), dense_table=None)     # a table per parameter
     model.create_tables()
     epoch = c.refresh_map().epoch
     model.set_lr(lambda base: base / 4)

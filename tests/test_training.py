@@ -92,7 +92,7 @@ def _with_a_local_layer(make_cluster, client_factory, job: str, local_optimizer)
 def test_parameters_listed_local_stay_on_the_worker(make_cluster, client_factory):
     c, model, m = _with_a_local_layer(make_cluster, client_factory, "loc", lambda p: torch.optim.SGD(p, lr=0.1))
     assert set(m.dense) == {"0.weight", "0.bias"}
-    assert {t.name for t in c.tables()} == {"0.weight", "0.bias"}
+    assert {t.name: t.spec.shape for t in c.tables()} == {"dense-params": (20,)}     # 0.weight, 0.bias end to end
     before = model[1].weight.detach().clone()
     m.pull()
     model(torch.ones(2, 4)).sum().backward()
@@ -195,12 +195,13 @@ def test_learning_rate_schedule_updates_every_table(make_cluster, client_factory
     schedule = PSLambdaLR(m, lambda epoch: 0.5 ** epoch)
     schedule.step()
     lrs = {t.name: t.config.optimizer.lr for t in c.tables()}
-    assert lrs == {"emb": 0.05, "fc.weight": 0.1, "fc.bias": 0.1}
-    before = c.pull_dense("fc.bias").copy()
+    assert lrs == {"emb": 0.05, "dense-params": 0.1}
+    a, z = m.buckets[0].piece("fc.bias")
+    before = c.pull_dense("dense-params")[a:z].copy()
     m.pull()
     model.fc(torch.ones(1, 4)).sum().backward()
     m.push()
-    np.testing.assert_allclose(c.pull_dense("fc.bias"), before - 0.1, rtol=1e-6)   # the new lr, at once
+    np.testing.assert_allclose(c.pull_dense("dense-params")[a:z], before - 0.1, rtol=1e-6)   # the new lr, at once
 
 
 @pytest.mark.slow          # processes (LocalCluster)

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from shardps.worker.client import PSClient
+    from shardps.worker.dense_buckets import DenseBucket
     from shardps.worker.embeddings import PSRows
 
 
@@ -88,6 +89,7 @@ class ModelIO:
     client: "PSClient"
     embeddings: "dict[str, PSRows]"
     dense: dict[str, torch.nn.Parameter]
+    buckets: "list[DenseBucket]"
     step: int
     _base_lr: dict[str, float]
     _handled_checkpoint: tuple[str, int]
@@ -117,16 +119,16 @@ class ModelIO:
     def create_tables(self, timeout: float | None = None) -> None:
         """Create every table (idempotent) and offer this module's initial values; then pull
         the values that won, so every worker starts identical."""
-        tables = [(dense_table(name, tuple(p.shape), assigned(), self.block_size), self.table_optimizer(name))
-                  for name, p in self.dense.items()]
+        tables = [(dense_table(b.table, b.shape, assigned(), self.block_size), self.table_optimizer(b.names[0]))
+                  for b in self.buckets]
         for emb in self.embeddings.values():
             assert emb.table is not None          # PSModel named every embedding's table
             tables.append((sparse_table(emb.table, emb.embedding_dim, emb.num_embeddings, emb.init, emb.num_blocks),
                            emb.optimizer or self.table_optimizer(emb.table)))
         self.client.create_tables(tables, timeout=timeout)      # one map change for the lot
-        for name, p in self.dense.items():
-            self.client.initialize_dense(name, p.detach().cpu().numpy(), timeout=timeout)
-            self._base_lr[name] = self.table_optimizer(name).lr
+        for b in self.buckets:
+            self.client.initialize_dense(b.table, b.values().numpy(), timeout=timeout)
+            self._base_lr[b.table] = self.table_optimizer(b.names[0]).lr
         for emb in self.embeddings.values():
             assert emb.table is not None
             self._base_lr[emb.table] = (emb.optimizer or self.table_optimizer(emb.table)).lr
@@ -185,19 +187,37 @@ class ModelIO:
                 tables[f"{emb.table}.ids"] = np.arange(emb.num_embeddings, dtype=np.int64)
                 tables[f"{emb.table}.rows"] = _float32(value)
             else:
-                if key in self.dense:
-                    if not value.is_floating_point():
-                        raise InvalidArgument(f"load_state_dict: {key!r} is {value.dtype}, not floating point")
-                    tables[key] = _float32(value)
+                if key in self.dense and not value.is_floating_point():
+                    raise InvalidArgument(f"load_state_dict: {key!r} is {value.dtype}, not floating point")
                 local[key] = value       # dense parameters too: the module holds their copy
         try:                             # the module first: a shape it refuses writes no table
             self.module.load_state_dict(local, strict=False)
         except RuntimeError as exc:
             raise InvalidArgument(f"load_state_dict: {exc}") from None
         self.flush()
+        tables.update(self._bucket_values(set(local)))
         self.client.load_state_dict(tables)
         self.forget_pulled()
         return IncompatibleKeys(missing, unexpected)
+
+    def _bucket_values(self, given: set[str]) -> dict[str, np.ndarray]:
+        """The dense tables to write after the module loaded the parameters ``given``: a
+        bucket all of whose parameters were given, as the module holds it; one given in
+        part, as the servers hold it with those parameters' pieces replaced."""
+        out = {}
+        for b in self.buckets:
+            names = [n for n in b.names if n in given]
+            if not names:
+                continue
+            values = b.values().numpy()
+            if len(names) < len(b.names):
+                ours = values
+                values = self.client.pull_dense(b.table).reshape(-1).copy()
+                for n in names:
+                    a, z = b.piece(n)
+                    values[a:z] = ours[a:z]
+            out[b.table] = values
+        return out
 
     def set_lr(self, lr_of: Callable[[float], float], tables: bool = True) -> None:
         """Set every learning rate to ``lr_of(base_lr)``: the worker's own optimizer's (the

@@ -10,9 +10,12 @@
         ps_model.push()                              # gradients to the servers (their optimizer)
     torch.save(ps_model.state_dict(), "model.pt")    # plain PyTorch loads it
 
-* Every dense parameter becomes a dense table named after the parameter ("fc1.weight"),
-  created with ASSIGNED initial values: each worker offers its module's own initial values
-  and the first one written wins, so all workers start from identical values.
+* The dense parameters travel as flat buckets (``shardps.worker.dense_buckets``): those
+  sharing an optimizer lie end to end in one dense table, ``dense_table`` ("dense-params";
+  more optimizers: "dense-params.1", ...), so a step's pull and push cost the same for 4 or
+  400 tensors. ``dense_table=None``: a table per parameter, named after it ("fc1.weight").
+  The tables are created with ASSIGNED initial values: each worker offers its module's own
+  initial values and the first one written wins, so all workers start from identical values.
 * ``PSEmbedding`` / ``PSEmbeddingBag`` (``shardps.worker.embeddings``) and
   ``PSEmbeddingBagCollection`` (``shardps.worker.embedding_bag``) keep their rows on sparse
   tables: a step moves only the distinct ids of the batch and their gradient rows.
@@ -24,7 +27,8 @@
 * ``cache_bytes``: each embedding keeps its hot rows on the worker (``RowCache``) and reads
   them without a pull while they are at most ``cache_staleness`` steps old, in ASYNC jobs
   (SYNC and SSP jobs read every row from the servers); every gradient is still pushed.
-* The optimizer runs on the servers, chosen per table (``optimizers={"fc1.weight": sgd(...)}``).
+* The optimizer runs on the servers, chosen per parameter or embedding table
+  (``optimizers={"fc1.weight": sgd(...)}``: fc1.weight goes in a bucket of its own).
 * Parameters whose names start with a prefix in ``local`` stay on the worker and are trained by
   ``local_optimizer`` (a torch optimizer you pass); buffers (batch-norm running statistics)
   always stay local to each worker.
@@ -51,8 +55,9 @@ from torch import nn
 
 from shardps.errors import InvalidArgument
 from shardps.tables import OptimizerConfig, sgd
-from shardps.worker import hybrid
+from shardps.worker import dense_buckets, hybrid
 from shardps.worker.client import PSClient, PushResult
+from shardps.worker.dense_buckets import DenseBucket
 from shardps.worker.device_copies import DeviceCopies
 from shardps.worker.embedding_bag import KeyedJaggedTensor, PSEmbeddingBagCollection
 from shardps.worker.embeddings import PSEmbedding, PSEmbeddingBag, PSRows
@@ -82,7 +87,7 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
                  local_optimizer: torch.optim.Optimizer | None = None, block_size: int = 0,
                  report_steps: bool | None = None, overlap: bool = False, lookahead: int = 1,
                  cache_bytes: int = 0, cache_staleness: int = 8, dense: str = "servers",
-                 dense_optimizer: torch.optim.Optimizer | None = None):
+                 dense_optimizer: torch.optim.Optimizer | None = None, dense_table: str | None = "dense-params"):
         super().__init__()
         self.module = module
         self.client = client
@@ -118,6 +123,8 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
             if _under(name, self.local):
                 continue
             self.dense[name] = p
+        # the dense parameters' tables: flat buckets (worker/dense_buckets.py), or one per parameter
+        self.buckets = dense_buckets.buckets(self.dense, self.table_optimizer, dense_table, self.embeddings.values())
         self.step = 0
         if not 1 <= lookahead <= MAX_LOOKAHEAD:
             raise InvalidArgument(f"lookahead={lookahead}: use 1 to {MAX_LOOKAHEAD} steps")
@@ -206,7 +213,7 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         if features is not None:
             self.prefetch(features)
         started = time.perf_counter()
-        names = list(self.dense)
+        names = [b.table for b in self.buckets]
         while self._prefetch and self._prefetch[0][0] < self.step:
             self._prefetch.popleft()                # fetched for a step that was not run
         if self._prefetch and self._prefetch[0][0] == self.step:
@@ -214,7 +221,7 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
             self._cache_arrived()                                # completes its rows (and any returned)
             for emb, ids, rows in self._prefetch.popleft()[2]:
                 emb._provide(ids, rows)
-            _load_dense(self.dense, names, res.values, self.copies)
+            _load_dense(self.buckets, res.values, self.copies)
             names = []                                           # loaded from the exchange
             waited = res.waited_seconds
         else:
@@ -236,7 +243,8 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
                    if held is not None else self.client.pull_many(pulls, clock=self.step))
             for (emb, ids, plan, refreshed), rows in zip(wanted, res.values[len(names):]):
                 emb._provide(ids, emb.complete(plan, rows, refreshed))
-            _load_dense(self.dense, names, res.values, self.copies)
+            if names:
+                _load_dense(self.buckets, res.values, self.copies)
             waited = max(waited, res.waited_seconds)
         elif held is not None:
             self.client.push_many(held[0], clock=held[1], report_step=self.report_steps)
@@ -265,7 +273,7 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         if self._deferred_pull:                    # pulled, then no forward: load the values
             self._pull_now()
         started = time.perf_counter()
-        requests = _gradient_requests(self.dense, self.embeddings.values(), self.copies)
+        requests = _gradient_requests(self.buckets, self.embeddings.values(), self.copies)
         self.flush()
         self._cache_arrived()
         prefetch = None
@@ -280,7 +288,7 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
                       for emb in self.embeddings.values() if emb._wanted is not None]
             for emb, *_ in wanted:
                 emb._wanted = None
-            requests_next = [(n,) for n in self.dense] + [(emb.table, wanted_ids(ids, plan))
+            requests_next = [(b.table,) for b in self.buckets] + [(emb.table, wanted_ids(ids, plan))
                                                           for emb, ids, plan, _ in wanted]
             if requests_next:
                 self._set_clock(self.step + 1)
@@ -291,8 +299,8 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
             future = self.client.push_many_async(requests, clock=self.step, report_step=self.report_steps)
         stepped = _step_local(self.local_optimizer)     # compute: not counted as push_wait
         self.timings["local_optimizer"] += stepped
-        for p in self.dense.values():
-            p.grad = None
+        for b in self.buckets:
+            b.zero_grad()
         self.step += 1
         self._set_clock(self.step)
         result = None
@@ -311,7 +319,7 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         (``flush`` waited for the last exchange) its rows enter the caches before this push
         plans the lookups of step ``step + lookahead``. With lookahead 2 a cached row is then 2
         steps old when a plan reads it; completed only when its step read it, 3."""
-        names = len(self.dense)
+        names = len(self.buckets)
         for k, (use, future, carried) in enumerate(self._prefetch):
             if isinstance(carried, _Completed) or not future.done() or future.exception() is not None:
                 continue
@@ -383,29 +391,30 @@ class _Completed(list):
     """A prefetch's (embedding, ids, rows), completed by ``_cache_arrived``."""
 
 
-def _load_dense(dense: dict[str, nn.Parameter], names: list[str], values: list, copies: DeviceCopies) -> None:
-    """Copy pulled values (``values[i]`` for ``names[i]``) into the dense parameters (on a
-    GPU: through ``copies``, every parameter's values in one copy, without waiting for it)."""
-    params = [dense[name] for name in names]
+def _load_dense(buckets: list[DenseBucket], values: list, copies: DeviceCopies) -> None:
+    """Copy pulled values (``values[i]`` for ``buckets[i]``) into the dense parameters (on a
+    GPU: through ``copies``, every bucket's values in one copy, without waiting for it)."""
     by_device: dict[torch.device, list[int]] = {}
-    for i, p in enumerate(params):
-        by_device.setdefault(p.device, []).append(i)
-    with torch.no_grad():
-        for device, members in by_device.items():
-            arrays = [np.asarray(values[i]) for i in members]
-            for i, on_device in zip(members, copies.to_device_all(arrays, device)):
-                params[i].copy_(on_device.reshape(params[i].shape))
+    for i, b in enumerate(buckets):
+        by_device.setdefault(b.device, []).append(i)
+    for device, members in by_device.items():
+        arrays = [np.asarray(values[i]) for i in members]
+        for i, on_device in zip(members, copies.to_device_all(arrays, device)):
+            buckets[i].load(on_device)
 
 
-def _gradient_requests(dense: dict[str, nn.Parameter], embeddings: Iterable[PSRows],
+def _gradient_requests(buckets: list[DenseBucket], embeddings: Iterable[PSRows],
                        copies: DeviceCopies) -> list[tuple]:
-    """A step's push: each dense gradient, then each embedding's gradient rows (one request
-    per table). The gradients reach the host in one ``copies.to_host_all``: on a GPU every
-    table's copy is in flight together and the training thread waits once."""
-    grads = {name: p.grad for name, p in dense.items() if p.grad is not None}
+    """A step's push: each dense bucket's gradient (whole, or the pieces of its parameters
+    that have one), then each embedding's gradient rows (one request per table). The
+    gradients reach the host in one ``copies.to_host_all``: on a GPU every table's copy is
+    in flight together and the training thread waits once."""
+    dense = [(b, start, grad) for b in buckets for start, grad in b.gradients()]
     tables = [(emb.table, emb.take_gradient_rows()) for emb in embeddings]
-    on_host = iter(copies.to_host_all(list(grads.values()) + [grad for _, parts in tables for _, grad in parts]))
-    requests: list[tuple] = [(name, next(on_host)) for name in grads]
+    on_host = iter(copies.to_host_all([grad for _, _, grad in dense]
+                                      + [grad for _, parts in tables for _, grad in parts]))
+    requests: list[tuple] = [(b.table, next(on_host)) if start == 0 and grad.shape[0] == b.numel
+                             else (b.table, next(on_host), start) for b, start, grad in dense]
     for table, parts in tables:
         if parts:
             rows = [next(on_host) for _ in parts]
