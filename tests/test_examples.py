@@ -95,7 +95,9 @@ def test_dlrm_overlap_makes_one_exchange_per_server_per_step_on_a_criteo_file(ma
     calls = re.findall(r"pull=([0-9.]+) push=([0-9.]+) exchange=([0-9.]+) step=([0-9.]+)", out)
     assert len(calls) == 2, out
     for pull, push, exchange, step in calls:     # the first step's pull, then one exchange a step
-        assert float(pull) == float(push) == 0 and float(step) <= 1 / 20 + 1e-9 and float(exchange) == 1.0, out
+        # (the last step's push goes alone to a server it has nothing to pull from: the dense bucket is elsewhere)
+        assert float(pull) == 0 and float(push) <= 1 / 20 + 1e-9 and float(step) <= 1 / 20 + 1e-9, out
+        assert abs(float(exchange) + float(push) - 1.0) < 1e-9, out
     assert np.isfinite(metric(out, "test_logloss")), out
 
 

@@ -6,8 +6,9 @@ two Prometheus servers on loopback: one configured from ``deploy/prometheus/prom
 (Compose), one from ``deploy/prometheus/kubernetes.yml`` (pod annotations), each with its
 service discovery swapped for a file of the local targets, so both configs' relabelling is what
 is tested. During training the test provokes a stale-epoch refusal (a raw Push under the epoch
-before a server joined) and a rejected bad request (a NaN gradient), so the error panels have
-data. Then every PromQL expression of every panel of every dashboard runs through each
+before a server joined), a rejected bad request (a NaN gradient) and refusals of the workers'
+own requests (the server holding their table drained), so the error panels have data. Then
+every PromQL expression of every panel of every dashboard runs through each
 Prometheus's HTTP API and must parse and return a non-empty result.
 """
 
@@ -328,6 +329,21 @@ def provoke_stale_epoch_and_bad_request(cluster, on_new_server) -> dict:
     return seen
 
 
+def move_the_workers_block(cluster) -> str:
+    """Drain the server the workers' dense table lives on (one block: the CNN's parameters in
+    one bucket), unless it moved to s2 when s2 joined: either way the workers' next request
+    to it is refused under their old epoch and retried, which the worker-side error panel
+    shows. Returns what happened."""
+    from shardps.worker.client import PSClient
+
+    with PSClient(cluster.manager_address, "demo", timeout=30.0) as c:
+        primary = c.refresh_map().table("demo", "dense-params").replicas[0][0]
+        if primary == "s2":
+            return "moved to s2 when it joined"
+        c.drain_server(primary)
+    return f"drained {primary}"
+
+
 # ====================================================================== the test
 @pytest.mark.prometheus
 @pytest.mark.timeout(300, method="thread")     # a hang in C code would never see a signal
@@ -374,7 +390,9 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path):
             wait_for(f"prometheus {p.name} sees both workers training", lambda p=p: training(p), timeout=90)
 
         seen = provoke_stale_epoch_and_bad_request(cluster, write_targets)
-        print(f"stale-epoch refusal: {seen['stale_epoch']}\nrejected bad request: {seen['bad_request']}")
+        seen["worker_refused"] = move_the_workers_block(cluster)
+        print(f"stale-epoch refusal: {seen['stale_epoch']}\nrejected bad request: {seen['bad_request']}\n"
+              f"the workers' block moved: {seen['worker_refused']}")
         for p in proms:                  # the k8s file also lists one pod without the annotation
             wait_for(f"prometheus {p.name} scrapes all 6 processes", lambda p=p: all_targets_up(p, 6), timeout=30)
             dropped = p.targets()["droppedTargets"]
