@@ -25,6 +25,7 @@ error; both leave the same blocks, versions and records (``tests/test_lane.py``)
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -47,7 +48,7 @@ from shardps.messages import (
     Versions,
 )
 from shardps.server.node import fast, storage_kernels
-from shardps.server.node.blocks import Writer, applied_any, remember_all
+from shardps.server.node.blocks import VERSION_OF, BlockLocks, Writer, applied_any, remember_all
 from shardps.server.node.table import BlockTable
 from shardps.shardmap import TableView
 from shardps.tables import Consistency, TableKind
@@ -197,8 +198,7 @@ class Lane:
                     return None
                 if e.finite and not kernels.finite(values):
                     return None
-                objects = [e.objects[b] for b in blocks]
-                units.append((e, blocks, objects, None, values, s))
+                units.append((e, blocks, list(map(e.objects.__getitem__, blocks)), None, values, s))
             else:
                 ids = s.ids
                 rows = e.rows
@@ -211,8 +211,7 @@ class Lane:
                 if e.finite and not kernels.finite(values):
                     return None
                 blocks = counts.nonzero()[0].tolist()
-                objects = [e.objects[b] for b in blocks]
-                units.append((e, blocks, objects, ids, values.reshape(-1, e.dim), s))
+                units.append((e, blocks, list(map(e.objects.__getitem__, blocks)), ids, values.reshape(-1, e.dim), s))
             nbytes += s.values.nbytes
             if e.any_backed and not backed:
                 backed = any(e.backed[b] for b in blocks)
@@ -220,8 +219,9 @@ class Lane:
             return None
         if len(units) > 1:
             units.sort(key=_unit_order)             # the blocks in key order
-            if len({(u[0].name, b) for u in units for b in u[1]}) < sum(len(u[1]) for u in units) or \
-                    len({u[0].name for u in units if u[3] is not None}) < sum(u[3] is not None for u in units):
+            if len({u[0].name for u in units}) < len(units) and (   # a table twice (runs of a dense one)
+                    len({(u[0].name, b) for u in units for b in u[1]}) < sum(len(u[1]) for u in units) or
+                    len({u[0].name for u in units if u[3] is not None}) < sum(u[3] is not None for u in units)):
                 return None             # a block or a sparse table twice: the general path sums them
         writer = Writer(header.session, header.incarnation, header.sequence, header.acked_below)
         if backed:
@@ -236,11 +236,8 @@ class Lane:
     def _applied(self, units: list, generation: int, writer: Writer) -> PushAck | None:
         """A push to blocks without backups: locks, exactly-once, the update, versions."""
         table = self.table
-        every = [blk for u in units for blk in u[2]]
-        locks = [blk.lock for blk in every]
-        for lock in locks:
-            lock.acquire()
-        try:
+        every = units[0][2] if len(units) == 1 else list(itertools.chain.from_iterable(u[2] for u in units))
+        with BlockLocks(every):
             if (table.generation != generation or applied_any(every, writer)
                     or ((table.missing or table.needs_resync or table.extra) and fast._unsettled(table, every))):
                 return None
@@ -266,12 +263,9 @@ class Lane:
                         rows.apply_rows(config, ids, values)
                     for blk in objects:
                         blk.version += 1
-                ack.versions.append(Versions(e.name, blocks, [blk.version for blk in objects]))
+                ack.versions.append(Versions(e.name, blocks, list(map(VERSION_OF, objects))))
             remember_all(every, writer)
             return ack
-        finally:
-            for lock in reversed(locks):
-                lock.release()
 
     def _forwarded(self, units: list, generation: int, writer: Writer) -> PushAck | None:
         """A push to blocks with backups: ``fast.apply_push`` forwards it as it applies it."""
@@ -311,7 +305,7 @@ class Lane:
                 if blocks is None:
                     return None
                 n = s.stop - s.start
-                plan.append((e, blocks, [e.objects[b] for b in blocks], s, n))
+                plan.append((e, blocks, list(map(e.objects.__getitem__, blocks)), s, n))
                 out_bytes += 4 * n
                 continue
             ids = s.ids
@@ -323,12 +317,12 @@ class Lane:
                 return None
             blocks = counts.nonzero()[0].tolist()
             n = ids.shape[0] * e.dim
-            plan.append((e, blocks, [e.objects[b] for b in blocks], s, n))
+            plan.append((e, blocks, list(map(e.objects.__getitem__, blocks)), s, n))
             out_bytes += 4 * n
         if out_bytes > self.max_response_bytes or rows_total > self.max_rows:
             return None
         if len(plan) > 1:                   # the locks in key order: by table, a table's by block
-            every = [blk for p in sorted(plan, key=_plan_name) for blk in p[2]]
+            every = list(itertools.chain.from_iterable(p[2] for p in sorted(plan, key=_plan_name)))
             if len({p[0].name for p in plan}) < len(plan):     # a table twice: each block locked once
                 every = sorted({id(blk): blk for blk in every}.values(), key=_block_key)
         else:
@@ -337,10 +331,7 @@ class Lane:
         reply = PullReply()
         arrays = []
         at = 0
-        locks = [blk.lock for blk in every]
-        for lock in locks:
-            lock.acquire()
-        try:
+        with BlockLocks(every):
             if self.table.generation != generation:
                 return None                 # a block dropped or loaded since admission
             for p in plan:
@@ -363,10 +354,7 @@ class Lane:
                     with rows.lock:
                         rows.read(s.ids, out=values.reshape(-1, e.dim))
                 reply.segments.append(Layout(1, n))
-                reply.versions.append(Versions(e.name, blocks, [blk.version for blk in objects]))
-        finally:
-            for lock in reversed(locks):
-                lock.release()
+                reply.versions.append(Versions(e.name, blocks, list(map(VERSION_OF, objects))))
         clock = self.steps.clocks.get(job)
         if clock is not None:
             reply.min_clock = clock.min_completed()
