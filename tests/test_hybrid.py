@@ -191,6 +191,26 @@ def test_under_shardps_run_elastic_a_killed_worker_restarts_the_whole_group(clus
     assert got[0]["last"] == got[1]["last"] and got[0]["tables"] == ["items"]
 
 
+@pytest.mark.slow          # processes (shardps run, torchrun and 2 shardps workers)
+def test_shardps_worker_ranks_of_one_host_under_shardps_run_elastic_are_distinct_members(cluster):
+    """``shardps worker`` without --name under torchrun: each rank joins as HOST-rankN (once
+    both took the host's name, and each join fenced the other's)."""
+    import re
+    import socket
+    out = subprocess.run([sys.executable, "-m", "shardps.tools.cli", "run", "--manager", cluster.address, "--job",
+                          "hybrid-worker", "--elastic", "--nproc-per-node", "2", "--max-restarts", "0",
+                          sys.executable, "-m", "shardps.tools.cli", "worker", "--model", "ctr", "--dense", "allreduce",
+                          "--train-samples", "20000", "--torch-threads", "1"],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    finals = re.findall(r"shardps worker rank=(\d) steps=(\d+) test_auc=([0-9.]+)", out.stdout)
+    assert sorted(f[0] for f in finals) == ["0", "1"], out.stdout[-3000:]
+    assert finals[0][1] == finals[1][1]                       # the same steps (DDP)
+    assert "fenced" not in out.stderr and "membership lost" not in out.stderr, out.stderr[-3000:]
+    host = socket.gethostname()
+    assert f"node={host}-rank0" in out.stderr and f"node={host}-rank1" in out.stderr
+
+
 @pytest.mark.slow          # processes (shardps local: a manager, 2 servers, 2 workers)
 def test_shardps_local_trains_the_digits_with_dense_allreduce(tmp_path):
     import re

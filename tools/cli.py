@@ -130,8 +130,8 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
                  "pulling parameters from and pushing gradients to the servers.", environ)
     add_common(fs)
     fs.add("--manager", DEFAULT_MANAGER, MANAGER_HELP)
-    fs.add("--name", "", "worker name (default: the host name); a restart with the same name "
-           "keeps its rank")
+    fs.add("--name", "", "worker name (default: the host name; under torchrun or shardps run HOST-rankRANK); "
+           "a restart with the same name keeps its rank")
     fs.add("--rank-hint", -1, "preferred rank (e.g. a Kubernetes completion index)")
     fs.add("--metrics-port", -1, "Prometheus /metrics port (-1 disables, 0 picks one)")
     fs.add("--metrics-host", "0.0.0.0", "Prometheus /metrics bind address")

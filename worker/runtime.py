@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -361,11 +360,12 @@ def run_worker(args) -> int:
     from shardps.settings import Common, build
     from shardps.worker import hybrid
     from shardps.worker.client import PSClient
+    from shardps.worker.client.client import default_worker_name
     from shardps.worker.device import cuda_device_count, describe, no_cuda_reason, resolve_device, use_device
     from shardps.worker.torch_ps import PSModel
 
     common = build(Common, args)
-    name = args.name or socket.gethostname()
+    name = args.name or default_worker_name()           # host-rankN under torchrun / shardps run
     ctx = logs.setup("worker", name, common.log_format, common.log_level)
     ctx.set(job=args.job)
     torch.set_num_threads(args.torch_threads)

@@ -379,14 +379,22 @@ def _cluster_and_job(manager: str, job: str) -> tuple[str, str]:
     return manager, job
 
 
+def default_worker_name(environ=os.environ) -> str:
+    """A worker's name when none is given: the host's, and under torchrun (or `shardps run`)
+    its RANK after it (``host-rank1``), so the processes of one host are distinct members and
+    a restarted one takes its rank back."""
+    rank = environ.get("RANK", "")
+    return f"{socket.gethostname()}-rank{rank}" if rank.isdigit() else socket.gethostname()
+
+
 def _torchrun_place(name: str, rank_hint: int) -> tuple[str, int, int]:
     """(name, rank hint, processes launched) of a join: torchrun's (and `shardps run`'s)
-    RANK where set and not given, and a name after it, so a restarted process takes its rank
-    back; WORLD_SIZE (0 when not set)."""
+    RANK where set and not given, and a name after it (``default_worker_name``); WORLD_SIZE
+    (0 when not set)."""
     rank = os.environ.get("RANK", "")
     if rank.isdigit():
         rank_hint = int(rank) if rank_hint < 0 else rank_hint
-        name = name or f"{socket.gethostname()}-rank{rank}"
+        name = name or default_worker_name()
     world = os.environ.get("WORLD_SIZE", "")
     return name, rank_hint, int(world) if world.isdigit() else 0
 
