@@ -171,6 +171,10 @@ def build_images(compose: Compose, refs: dict[str, str]) -> dict[str, int]:
 
 
 # ------------------------------------------------------------------ the test
+HYBRID_LINE = re.compile(r"shardps worker rank=(\d+) steps=(\d+) test_auc=([0-9.]+)")
+MIN_HYBRID_AUC = 0.75          # ctr's oracle is 0.83; 2 ranks of its default run reach about 0.79
+
+
 def _final_line(container: str) -> tuple[int, int, float] | None:
     """(rank, steps, test_accuracy) of a worker container's last final line, if it printed one."""
     out = subprocess.run([_docker(), "logs", container], capture_output=True, text=True, timeout=60)
@@ -318,6 +322,16 @@ def test_compose_cluster_trains_scales_and_reports_a_dead_server(tmp_path):
         compiled = {c: k for c, k in kernels.items() if k is None or k[2] != 0}
         assert not compiled, f"containers compiled kernels (or logged none) instead of loading them: {compiled}"
         report("min_test_accuracy", min(f[2] for f in finals))
+
+        # -- hybrid training (profile hybrid): two ranks under torch's elastic agent in one
+        # container, the dense tower all-reduced between them, the embedding on s0 and s1
+        t_hybrid = time.monotonic()
+        hybrid = compose.run("--profile", "hybrid", "run", "--rm", "-T", "--no-deps", "hybrid", timeout=400)
+        ranks = HYBRID_LINE.findall(hybrid.stdout + hybrid.stderr)
+        report("hybrid", {"seconds": round(time.monotonic() - t_hybrid, 1),
+                          "ranks": [{"rank": int(r), "steps": int(n), "test_auc": float(a)} for r, n, a in ranks]})
+        assert sorted(int(r) for r, _, _ in ranks) == [0, 1], hybrid.stdout[-3000:] + hybrid.stderr[-3000:]
+        assert ranks[0][1] == ranks[1][1] and min(float(a) for _, _, a in ranks) > MIN_HYBRID_AUC, ranks
         failed = False
     finally:
         if failed:
@@ -354,3 +368,6 @@ def test_compose_files_load_in_the_installed_compose():
             out = subprocess.run(tool + args + ["--profile", "monitoring", "config", "--services"], cwd=ROOT,
                                  capture_output=True, text=True, timeout=60)
             assert out.returncode == 0 and {"prometheus", "grafana"} <= set(out.stdout.split()), out.stderr
+            out = subprocess.run(tool + args + ["--profile", "hybrid", "config", "--services"], cwd=ROOT,
+                                 capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0 and "hybrid" in out.stdout.split(), out.stderr
