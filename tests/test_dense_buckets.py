@@ -89,3 +89,21 @@ def test_a_bucket_name_taken_by_an_embedding_or_a_float64_parameter_is_refused(m
     module.double()
     with pytest.raises(InvalidArgument, match="parameter 'a.weight' is torch.float64: PSModel's tables hold float32"):
         PSModel(module, c)
+
+
+def test_a_job_with_a_table_per_parameter_goes_on_from_those_tables(make_cluster, client_factory, caplog):
+    """A job trained before buckets (a table per parameter) keeps its dense values when the
+    script runs again with today's default, instead of starting a bucket afresh."""
+    cluster = make_cluster(2)
+    trained, _ = _train(client_factory, cluster.address, "older", dense_table=None)
+    c = client_factory(cluster.address, job="older")
+    module = _Net()
+    again = PSModel(module, c, optimizer=adam(0.01))
+    with caplog.at_level("INFO", logger="shardps.worker"):
+        again.create_tables()
+    assert "has a table per dense parameter" in caplog.text
+    assert [b.table for b in again.buckets] == list(again.dense)
+    assert "dense-params" not in {t.name for t in c.tables()}
+    state = again.state_dict()
+    for key in trained:
+        assert torch.equal(state[key], trained[key]), key

@@ -134,6 +134,18 @@ def buckets(dense: dict[str, nn.Parameter], config_of, name: str | None, embeddi
     return out
 
 
+def for_job(chosen: list[DenseBucket], dense: dict[str, nn.Parameter], tables: dict) -> list[DenseBucket]:
+    """The layout to train in a job that may have tables already (``tables``: name -> its
+    view): ``chosen``, unless the job holds none of its tables but a table per parameter of
+    ``dense``, each of its parameter's shape (a job trained before buckets, or with
+    ``dense_table=None``), whose values it then trains on: a table per parameter."""
+    if not dense or any(b.table in tables for b in chosen):
+        return chosen
+    if all(n in tables and tuple(tables[n].spec.shape) == tuple(p.shape) for n, p in dense.items()):
+        return buckets(dense, None, None, ())
+    return chosen
+
+
 def bucket_of(all_buckets: Sequence[DenseBucket], name: str) -> DenseBucket | None:
     """The bucket holding parameter ``name`` (None: not bucketed)."""
     for b in all_buckets:

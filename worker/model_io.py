@@ -11,6 +11,7 @@ reading it cannot run code).
 from __future__ import annotations
 
 import collections
+import logging
 from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple
 
 import numpy as np
@@ -18,9 +19,11 @@ import torch
 
 from shardps.errors import InvalidArgument, NotFound
 from shardps.tables import OptimizerConfig, assigned, dense_table, sparse_table
-from shardps.worker import hybrid, local_state
+from shardps.worker import dense_buckets, hybrid, local_state
 from shardps.worker.device import module_device
 from shardps.worker.embeddings import bind_caches
+
+log = logging.getLogger("shardps.worker")
 
 if TYPE_CHECKING:
     from torch import nn
@@ -118,7 +121,15 @@ class ModelIO:
 
     def create_tables(self, timeout: float | None = None) -> None:
         """Create every table (idempotent) and offer this module's initial values; then pull
-        the values that won, so every worker starts identical."""
+        the values that won, so every worker starts identical. A job trained with a table
+        per dense parameter (and no bucket) goes on with that layout, from those tables."""
+        if self.buckets:
+            existing = {t.name: t for t in self.client.tables()}
+            layout = dense_buckets.for_job(self.buckets, self.dense, existing)
+            if layout is not self.buckets:
+                log.info("job %s has a table per dense parameter: this model trains on them (as with "
+                         "dense_table=None), not on a flat bucket", self.client.job)
+                self.buckets = layout
         tables = [(dense_table(b.table, b.shape, assigned(), self.block_size), self.table_optimizer(b.names[0]))
                   for b in self.buckets]
         for emb in self.embeddings.values():
