@@ -80,6 +80,8 @@ def add_training_flags(fs) -> None:
     fs.add("--dense", "servers", "the dense parameters: servers (tables, the servers' optimizer) or allreduce "
            "(on the workers, averaged by DistributedDataParallel; start the workers with torchrun's environment)",
            choices=["servers", "allreduce"])
+    fs.add("--block-size", 0, "elements per block of the model's dense tables (0: the default, 65,536): smaller "
+           "blocks spread a small model's dense parameters over more servers")
     fs.add("--ready-file", "", "write a JSON line (name, rank, metrics address, pid) here once joined")
 
 
@@ -418,7 +420,7 @@ def run_worker(args) -> int:
         lookahead = args.lookahead or _default_lookahead(task.model)
         ps_model = PSModel(task.model, client, optimizer=opt, optimizers=per_table, overlap=args.overlap,
                            **hybrid.worker_kwargs(args.dense, task.model, opt, per_table),
-                           lookahead=lookahead, cache_bytes=args.cache_bytes,
+                           lookahead=lookahead, cache_bytes=args.cache_bytes, block_size=args.block_size,
                            cache_staleness=args.cache_staleness or cache_staleness_for(
                                args.batch_size or task.batch_size, lookahead if args.overlap else 1))
         ps_model.create_tables()
