@@ -52,7 +52,13 @@ def parse(argv: list[str], env: dict[str, str], where: str, check_env: bool = Tr
     build_parser({})
     sub = argv[0]
     assert sub in FLAGS, f"{where}: `shardps {sub}` is not a subcommand ({sorted(FLAGS)})"
-    for token in argv[1:]:
+    tokens = argv[1:]
+    if sub == "run":              # its flags (--x=y) end at the command it runs, itself checked
+        cut = next((i for i, t in enumerate(tokens) if not t.startswith("-")), len(tokens))
+        tokens, command = tokens[:cut], tokens[cut:]
+        if command[:1] == ["shardps"]:
+            parse(command[1:], env, f"{where} (the command it runs)", check_env)
+    for token in tokens:
         if token.startswith("--"):
             flag = token.split("=", 1)[0]
             assert flag in FLAGS[sub], f"{where}: `shardps {sub}` has no flag {flag}"
@@ -250,9 +256,12 @@ def test_tls_compose_override_speaks_the_cli():
     plaintext health port and the job-init service all use flags and variables that exist."""
     procs = compose_processes(("docker-compose.yml", "docker-compose.tls.yml"))
     assert {"manager", "s0", "worker", "job-init"} <= procs.keys()
-    for proc in procs.values():
+    # opt-in services (profiles: the hybrid demo) run on docker-compose.yml alone
+    opt_in = {n for n, svc in compose_services("docker-compose.yml").items() if svc.get("profiles")}
+    assert "hybrid" in opt_in
+    for name, proc in procs.items():
         proc.check()
-        assert "SHARDPS_TLS_CA" in proc.env, proc.where
+        assert name in opt_in or "SHARDPS_TLS_CA" in proc.env, proc.where
 
 
 def test_compose_addresses_point_at_listening_services():

@@ -12,7 +12,6 @@ Plain numpy; no grpc, no torch.
 
 from __future__ import annotations
 
-import _thread
 import collections
 import json
 import operator
@@ -400,8 +399,8 @@ class BlockLocks:
     """``with BlockLocks(blocks):`` holds every block's lock (the caller orders ``blocks`` by
     key), released in reverse order on exit: one context manager for the lot, where an
     ``ExitStack`` costs a callback per block (a push or pull touches dozens). The locks are
-    taken and released by ``map`` in C, no Python per block. A blocking ``acquire`` raises
-    only on a signal, which reaches the main thread alone, never a request's thread."""
+    taken and released by ``map`` in C, no Python per block; when taking one raises, those
+    already taken (counted by what is left of the iterator) are released before it goes on."""
 
     __slots__ = ("locks",)
 
@@ -409,7 +408,13 @@ class BlockLocks:
         self.locks = list(map(_LOCK_OF, blocks))
 
     def __enter__(self) -> "BlockLocks":
-        _each(_ACQUIRE, self.locks)
+        remaining = iter(self.locks)
+        try:
+            _each(_ACQUIRE, remaining)
+        except BaseException:
+            taken = len(self.locks) - operator.length_hint(remaining) - 1     # the last one raised
+            _each(_RELEASE, reversed(self.locks[:taken]))
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
@@ -418,7 +423,7 @@ class BlockLocks:
 
 _LOCK_OF = operator.attrgetter("lock")
 VERSION_OF = operator.attrgetter("version")
-_ACQUIRE, _RELEASE = _thread.LockType.acquire, _thread.LockType.release
+_ACQUIRE, _RELEASE = operator.methodcaller("acquire"), operator.methodcaller("release")
 
 
 def _each(method, items) -> None:
