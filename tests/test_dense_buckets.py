@@ -12,7 +12,7 @@ from torch import nn
 from shardps.errors import InvalidArgument
 from shardps.tables import adam, sgd
 from shardps.worker.torch_ps import PSEmbedding, PSModel
-from tests.dense import server_value
+from tests.dense import replicas_agree, server_value
 
 
 class _Net(nn.Module):
@@ -29,10 +29,21 @@ class _Net(nn.Module):
         return self.b(torch.relu(self.a(self.emb(ids).reshape(ids.shape[0], -1)))).squeeze(1)
 
 
-def _train(client_factory, address: str, job: str, steps: int = 5, **kw) -> tuple[dict, PSModel]:
+class _UnusedInTheMiddle(_Net):
+    """The unused layer between two used ones: a push sends the bucket in two runs."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        del self.unused, self.b
+        self.unused = nn.Linear(2, 2)
+        self.b = nn.Linear(16, 1)
+
+
+def _train(client_factory, address: str, job: str, steps: int = 5, net=_Net, **kw) -> tuple[dict, PSModel]:
     c = client_factory(address, job=job)
     c.create_job()
-    module = _Net()
+    module = net()
     model = PSModel(module, c, optimizer=adam(0.01), **kw)
     model.create_tables()
     g = torch.Generator().manual_seed(1)
@@ -56,6 +67,19 @@ def test_a_bucket_trains_exactly_as_a_table_per_parameter(make_cluster, client_f
         assert torch.equal(bucketed[key], per_table[key]), key
     # the unused layer never had a gradient: its values did not move (Adam would move them on zeros)
     assert torch.equal(bucketed["unused.weight"], _Net().unused.weight.detach())
+
+
+def test_a_bucket_pushed_in_runs_takes_one_optimizer_step_per_push_on_every_replica(make_cluster, client_factory):
+    """An unused layer between two used ones: each push reaches the bucket's block in two
+    ranges, which share one Adam step (as one range would), on the primary and its backup."""
+    cluster = make_cluster(3, replication=2)
+    bucketed, model = _train(client_factory, cluster.address, "runs", net=_UnusedInTheMiddle)
+    per_table, _ = _train(client_factory, cluster.address, "runs-per-parameter", net=_UnusedInTheMiddle,
+                          dense_table=None)
+    assert model.buckets[0].names == ["a.weight", "a.bias", "unused.weight", "unused.bias", "b.weight", "b.bias"]
+    for key in bucketed:
+        assert torch.equal(bucketed[key], per_table[key]), key
+    assert replicas_agree(cluster, "runs") >= 2
 
 
 def test_the_parameters_are_views_of_the_bucket_and_keep_their_names(make_cluster, client_factory):

@@ -10,20 +10,9 @@ import torch
 from torch import nn
 
 from shardps.errors import InvalidArgument
-from shardps.server.node.digest import held_digests
 from shardps.tables import LifecyclePolicy, adagrad, normal, sgd
 from shardps.worker.torch_ps import PSEmbedding, PSModel
-from tests.dense import server_value
-
-
-def _replicas_agree(cluster, job: str) -> int:
-    """Every block's replicas hold bit-identical state; returns how many blocks."""
-    held: dict = {}
-    for server in cluster.servers.values():
-        for d in held_digests(server.node.table, job):
-            held.setdefault(d.key, set()).add(d.digest)
-    assert held and all(len(digests) == 1 for digests in held.values()), held
-    return len(held)
+from tests.dense import replicas_agree, server_value
 
 
 def test_load_state_dict_overwrites_values_and_restarts_their_optimizer_state(make_cluster, client_factory):
@@ -47,7 +36,7 @@ def test_load_state_dict_overwrites_values_and_restarts_their_optimizer_state(ma
     c.push_many([("w", np.ones((6, 4), np.float32)), ("e", ids, np.ones((4, 4), np.float32))])
     np.testing.assert_allclose(c.pull_dense("w"), w - 0.5, rtol=0, atol=1e-6)
     np.testing.assert_allclose(c.pull_rows("e", ids), rows - 0.5, rtol=0, atol=1e-6)
-    assert _replicas_agree(cluster, "warm") == 5        # backups applied the same bytes
+    assert replicas_agree(cluster, "warm") == 5        # backups applied the same bytes
     exported = c.state_dict()
     np.testing.assert_array_equal(exported["w"], w - np.float32(0.5))
 

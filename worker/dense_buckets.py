@@ -11,10 +11,8 @@ one (SGD, Adagrad, Adam: ``tests/test_dense_buckets.py`` compares them bit for b
 Frozen parameters (``requires_grad=False``) get buckets of their own, which are pulled and
 never pushed. When a trained parameter has no gradient in a step (the forward did not use
 it), the runs of its neighbours that have one are sent, so its values and optimizer state do
-not move; the optimizer's step count of a block two such runs share then advances once per
-run (Adam's bias correction and Adagrad's lr_decay see one step more, as if those parameters
-had been pushed twice; a table per parameter, ``PSModel(dense_table=None)``, has no such
-sharing).
+not move; a block that several runs of one push reach takes one optimizer step for them
+(``BlockOp.same_step``), so that too trains bit for bit as a table per parameter.
 
 ``state_dict`` keys stay the parameters' names (``PSModel.state_dict`` is the module's);
 ``bucket_of`` / ``pieces`` map names to their place in a bucket's table.

@@ -154,7 +154,7 @@ class WriterId(_message.Message):
     def __init__(self, session: _Optional[str] = ..., incarnation: _Optional[int] = ..., sequence: _Optional[int] = ..., acked_below: _Optional[int] = ...) -> None: ...
 
 class BlockOp(_message.Message):
-    __slots__ = ("job", "table", "block", "kind", "writer", "version", "config_version", "step", "divisor", "id_count", "element_count", "range", "dropped_count", "evicted_count", "blocks", "versions")
+    __slots__ = ("job", "table", "block", "kind", "writer", "version", "config_version", "step", "divisor", "id_count", "element_count", "range", "dropped_count", "evicted_count", "blocks", "versions", "same_step")
     JOB_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +171,7 @@ class BlockOp(_message.Message):
     EVICTED_COUNT_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    SAME_STEP_FIELD_NUMBER: _ClassVar[int]
     job: str
     table: str
     block: int
@@ -187,7 +188,8 @@ class BlockOp(_message.Message):
     evicted_count: int
     blocks: _containers.RepeatedScalarFieldContainer[int]
     versions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, job: _Optional[str] = ..., table: _Optional[str] = ..., block: _Optional[int] = ..., kind: _Optional[_Union[BlockOpKind, str]] = ..., writer: _Optional[_Union[WriterId, _Mapping]] = ..., version: _Optional[int] = ..., config_version: _Optional[int] = ..., step: _Optional[int] = ..., divisor: _Optional[int] = ..., id_count: _Optional[int] = ..., element_count: _Optional[int] = ..., range: _Optional[_Union[_common_pb2.Range, _Mapping]] = ..., dropped_count: _Optional[int] = ..., evicted_count: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[int]] = ...) -> None: ...
+    same_step: bool
+    def __init__(self, job: _Optional[str] = ..., table: _Optional[str] = ..., block: _Optional[int] = ..., kind: _Optional[_Union[BlockOpKind, str]] = ..., writer: _Optional[_Union[WriterId, _Mapping]] = ..., version: _Optional[int] = ..., config_version: _Optional[int] = ..., step: _Optional[int] = ..., divisor: _Optional[int] = ..., id_count: _Optional[int] = ..., element_count: _Optional[int] = ..., range: _Optional[_Union[_common_pb2.Range, _Mapping]] = ..., dropped_count: _Optional[int] = ..., evicted_count: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[int]] = ..., same_step: _Optional[bool] = ...) -> None: ...
 
 class ReplicateHeader(_message.Message):
     __slots__ = ("epoch", "source", "ops", "payload_bytes")

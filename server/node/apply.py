@@ -65,7 +65,7 @@ def apply_gradient(blk: AnyBlock, t: TableView, arrays, op: ps.BlockOp) -> None:
     """Apply a gradient op's arrays to ``blk`` with the table's optimizer (lock held). A
     sparse table's lifecycle decisions ride on the op (see BlockOp.dropped_count)."""
     if isinstance(blk, DenseBlock):
-        blk.apply_gradient(t.config, op.range.start, op.range.stop, arrays[0])
+        blk.apply_gradient(t.config, op.range.start, op.range.stop, arrays[0], same_step=op.same_step)
     elif op.dropped_count or op.evicted_count or t.config.lifecycle.enabled or blk.table_rows.life is not None:
         ids = arrays[0]
         n = ids.shape[0] - int(op.dropped_count) - int(op.evicted_count)
@@ -321,6 +321,7 @@ class PushApplier:
                         max(0, blk.version - base[part.key]))
                 todo.append((part, blk))
             i = 0
+            stepped: set[int] = set()         # dense blocks a range of this push reached: one step each
             while i < len(todo):
                 part, blk = todo[i]
                 j = i + 1
@@ -331,7 +332,8 @@ class PushApplier:
                         j += 1
                     ops.extend(self.apply_sparse(todo[i:j], writer, step))
                 else:
-                    op, arrays = self.apply_one(blk, part, kind, writer, sync, step)
+                    op, arrays = self.apply_one(blk, part, kind, writer, sync, step, id(blk) in stepped)
+                    stepped.add(id(blk))
                     ops.append((blk.key, op, arrays))
                 i = j
             remember_all(unique, writer)
@@ -381,8 +383,9 @@ class PushApplier:
         return out
 
     def apply_one(self, blk: AnyBlock, part: Part, kind: int, writer: Writer, sync: bool,
-                  step: int) -> tuple[ps.BlockOp, list[np.ndarray]]:
-        """Apply one part to its block (lock held); returns the op to forward to backups."""
+                  step: int, same_step: bool = False) -> tuple[ps.BlockOp, list[np.ndarray]]:
+        """Apply one part to its block (lock held); returns the op to forward to backups.
+        ``same_step``: the push reached this dense block in an earlier part too."""
         t = part.table
         op = ps.BlockOp(job=blk.key[0], table=blk.key[1], block=blk.key[2],
                         writer=ps.WriterId(session=writer.session, incarnation=writer.incarnation,
@@ -410,6 +413,7 @@ class PushApplier:
             self.steps.accumulate(blk, step, arrays, part.lo, part.hi)
         else:
             op.kind = ps.APPLY
+            op.same_step = same_step and isinstance(blk, DenseBlock)
             apply_gradient(blk, t, arrays, op)
         op.version = blk.version
         return op, arrays

@@ -162,14 +162,19 @@ class DenseBlock(Block):
             return out
         return values
 
-    def apply_gradient(self, config: TableConfig, lo: int, hi: int, grad: np.ndarray) -> None:
+    def apply_gradient(self, config: TableConfig, lo: int, hi: int, grad: np.ndarray,
+                       same_step: bool = False) -> None:
+        """Apply ``grad`` to the flat range [lo, hi), the block's optimizer step counting it;
+        ``same_step``: a further range of the same push, which takes that push's step (one
+        step per block per push, whatever the ranges it arrives in)."""
         if not self.initialized:
             raise FailedPrecondition(
                 f"table {self.spec.name!r} block {self.key[2]} has no initial values yet: "
                 f"push INITIALIZE before gradients")
         values = self._materialise(config)
         a, b = lo - self.start, hi - self.start
-        self.step += 1
+        if not same_step or self.step == 0:
+            self.step += 1
         if kernels.AVAILABLE:
             # the range as one row of the compiled update (one pass, in place); the block's
             # step is the row's step count
