@@ -96,7 +96,9 @@ def test_the_parameters_are_views_of_the_bucket_and_keep_their_names(make_cluste
     bucket = model.buckets[0]
     assert bucket.names == ["a.weight", "a.bias", "b.weight", "unused.weight", "unused.bias"]
     assert module.a.bias.data_ptr() == bucket.flat[8 * 16:].data_ptr()
-    assert set(model.state_dict()) == set(module.state_dict()) | {"emb.weight"}    # the parameters' own names
+    state = model.state_dict()
+    assert set(state) == set(module.state_dict()) | {"emb.weight"}    # the parameters' own names
+    assert state["a.bias"].untyped_storage().nbytes() == 16 * 4      # its own copy, not the bucket's
     module._apply(lambda t: torch.full_like(t, 7.0))     # new tensors (as .to(device) makes): bound again
     model.pull()
     model(torch.zeros((1, 2), dtype=torch.int64))

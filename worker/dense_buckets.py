@@ -114,8 +114,8 @@ def buckets(dense: dict[str, nn.Parameter], config_of, name: str | None, embeddi
     """The buckets of ``dense`` (name -> parameter): one per (optimizer config
     ``config_of(name)``, device, whether it is trained: ``requires_grad``), in the order
     their first parameter appears; the tables are named ``name``, ``name.1``, ... (``name``
-    None: a table per parameter, named and shaped as it). InvalidArgument when one of those names is the table of one of
-    ``embeddings``."""
+    None: a table per parameter, named and shaped as it). InvalidArgument when one of those
+    names is the table of one of ``embeddings``."""
     if name is None:
         return [DenseBucket(n, [n], [p], tuple(p.shape)) for n, p in dense.items()]
     groups: dict[tuple, list[str]] = {}

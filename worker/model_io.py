@@ -158,9 +158,13 @@ class ModelIO:
 
     # ------------------------------------------------------------------ export, warm start
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The module's ordinary state dict holding the servers' current values."""
+        """The module's ordinary state dict holding the servers' current values. A dense
+        parameter's tensor is its own copy, not a view of its bucket (``torch.save`` of one
+        saves that parameter alone)."""
         self.settle()
         state = self.module.state_dict()
+        for key in self.dense.keys() & state.keys():
+            state[key] = state[key].clone()
         for name, emb in self.embeddings.items():
             state[_weight_key(name)] = torch.from_numpy(_full_embedding(self.client, emb))
         return state
