@@ -100,6 +100,25 @@ def _dies(client) -> None:
     client.heartbeat()
 
 
+def _seven_steps(client_factory, address: str, job: str, every: int):
+    """A worker "w0" of a new ``job`` trains 7 steps, checkpointing every ``every`` (0: never):
+    (its client, its PSModel, its batch-norm mean at the last checkpoint)."""
+    c = client_factory(address, job=job)
+    c.create_job()
+    c.join(name="w0", heartbeat=False)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+    ps_model = PSModel(model, c, optimizer=sgd(0.05))
+    ps_model.create_tables()
+    g = torch.Generator().manual_seed(0)
+    at_checkpoint = None
+    for _ in range(7):
+        _step(ps_model, model, g)
+        if every and ps_model.maybe_checkpoint(every=every, epoch=1, batch=ps_model.step) is not None:
+            at_checkpoint = model[1].running_mean.clone()           # steps 3, then 6
+    return c, ps_model, at_checkpoint
+
+
 def test_a_rank_started_again_without_a_restore_takes_its_state_from_the_latest_checkpoint(
         make_cluster, client_factory, tmp_path):
     """A worker dies and starts again (no ``shardps restore``): the tables go on as the
@@ -108,18 +127,7 @@ def test_a_rank_started_again_without_a_restore_takes_its_state_from_the_latest_
     cluster = make_cluster(2)
     cluster.manager.service.checkpoints.default_dir = str(tmp_path)
     for job, every in (("again", 3), ("no-checkpoint", 0)):
-        c = client_factory(cluster.address, job=job)
-        c.create_job()
-        c.join(name="w0", heartbeat=False)
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
-        ps_model = PSModel(model, c, optimizer=sgd(0.05))
-        ps_model.create_tables()
-        g = torch.Generator().manual_seed(0)
-        for _ in range(7):
-            _step(ps_model, model, g)
-            if every and ps_model.maybe_checkpoint(every=every, epoch=1, batch=ps_model.step) is not None:
-                at_checkpoint = model[1].running_mean.clone()           # steps 3, then 6
+        c, ps_model, at_checkpoint = _seven_steps(client_factory, cluster.address, job, every)
         ps_model.flush()
         tables = c.state_dict()
         _dies(c)
@@ -138,6 +146,29 @@ def test_a_rank_started_again_without_a_restore_takes_its_state_from_the_latest_
             assert torch.equal(fresh[1].running_mean, at_checkpoint)     # the local state: step 6's
         else:
             assert position is None and torch.equal(fresh[1].running_mean, torch.zeros(4))
+
+
+@pytest.mark.slow          # make test-fast stays under a minute
+def test_a_later_elastic_round_goes_on_from_the_latest_checkpoint_when_the_manager_lost_the_step(
+        make_cluster, client_factory, tmp_path, monkeypatch):
+    """The last round's rank left (torchrun stopped it) before the new round joined: the
+    manager tells step 0, and a first start would begin afresh; a later round of torch's
+    elastic agent goes on from the latest checkpoint."""
+    cluster = make_cluster(2)
+    cluster.manager.service.checkpoints.default_dir = str(tmp_path)
+    c, _, at_checkpoint = _seven_steps(client_factory, cluster.address, "round", 3)
+    c.leave()
+    for restart_count, position, step in (("0", None, 0), ("1", (1, 6), 6)):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", restart_count)
+        again = client_factory(cluster.address, job="round")
+        assert again.join(name="w0", heartbeat=False).previous_step == 0
+        fresh = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+        resumed = PSModel(fresh, again, optimizer=sgd(0.05))
+        resumed.create_tables()
+        assert resumed.resume() == position and resumed.step == step
+        if position:
+            assert torch.equal(fresh[1].running_mean, at_checkpoint)
+        again.leave()
 
 
 @pytest.mark.slow          # waits out leases or retry intervals: over a second

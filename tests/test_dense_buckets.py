@@ -69,6 +69,7 @@ def test_a_bucket_trains_exactly_as_a_table_per_parameter(make_cluster, client_f
     assert torch.equal(bucketed["unused.weight"], _Net().unused.weight.detach())
 
 
+@pytest.mark.slow          # make test-fast stays under a minute
 def test_a_bucket_pushed_in_runs_takes_one_optimizer_step_per_push_on_every_replica(make_cluster, client_factory):
     """An unused layer between two used ones: each push reaches the bucket's block in two
     ranges, which share one Adam step (as one range would), on the primary and its backup."""

@@ -192,3 +192,11 @@ def agreed_step(step: int, device: torch.device) -> int:
     mine = torch.tensor([step], dtype=torch.int64, device=device if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)
     return int(mine.item())
+
+
+def restart_round(environ=os.environ) -> int:
+    """The elastic agent's restart round of this process (torchrun's
+    ``TORCHELASTIC_RESTART_COUNT``; 0: the first round, or no agent). Every rank of a round
+    sees the same."""
+    count = environ.get("TORCHELASTIC_RESTART_COUNT", "")
+    return int(count) if count.isdigit() else 0

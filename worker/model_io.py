@@ -301,7 +301,10 @@ class ModelIO:
         started it, or its whole group, again: ``membership.previous_step`` > 0) keeps the
         tables as the servers hold them and goes on from the job's step (``self.step =
         previous_step``); its local state comes from the job's latest checkpoint when there is
-        one (``maybe_checkpoint``), whose ``(epoch, batch)`` it returns; else None. With
+        one (``maybe_checkpoint``), whose ``(epoch, batch)`` it returns; else None. A later
+        round of torch's elastic agent (``TORCHELASTIC_RESTART_COUNT`` > 0) is such a restart
+        too, when the manager no longer knows the step (its ranks left, or their leases ran
+        out, before the group came back): it goes on from the latest checkpoint's step. With
         ``dense="allreduce"`` every rank calls it (a collective): a rank the checkpoint has no
         state for (the group grew) takes rank 0's, whose dense part every rank shares, and
         all ranks take the highest step any was given (``hybrid.agreed_step``) before they
@@ -318,7 +321,10 @@ class ModelIO:
         step = max(self.step, m.previous_step)
         if self._ddp is not None:    # one decision for the group: a rank told 0 loads what the others load
             step = hybrid.agreed_step(step, module_device(self.module))
-        position = self._latest_state() if step > 0 else None     # sets self.step: the checkpoint's
+        # a later round of torch's elastic agent is a restart even when the manager tells step 0:
+        # the last round's ranks left, and a killed one's lease may have run out, before it came back
+        restarted = step > 0 or hybrid.restart_round() > 0
+        position = self._latest_state() if restarted else None     # sets self.step: the checkpoint's
         self.step = max(step, self.step)
         return position
 
