@@ -80,8 +80,9 @@ class DenseBucket:
         """(start, flat gradient) to push: the whole bucket in one piece when every parameter
         has a gradient, else each run of neighbours that have one; none without gradients."""
         grads = [p.grad for p in self.params]
-        if all(g is not None for g in grads):
-            return [(0, torch.cat([g.reshape(-1) for g in grads]))]    # type: ignore[union-attr]
+        if all(g is not None for g in grads):       # one parameter: its own gradient, not a copy
+            flat = [g.reshape(-1) for g in grads]   # type: ignore[union-attr]
+            return [(0, flat[0] if len(flat) == 1 else torch.cat(flat))]
         runs: list[tuple[int, list[torch.Tensor]]] = []
         end = -1
         for g, a, z in zip(grads, self.offsets, self.offsets[1:]):

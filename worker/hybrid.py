@@ -140,7 +140,7 @@ def _init_from_env(backend: str, environ) -> None:
     rank, world = int(environ["RANK"]), int(environ["WORLD_SIZE"])
     agent = dist.TCPStore(environ["MASTER_ADDR"], int(environ["MASTER_PORT"]), world, is_master=False,
                           timeout=STORE_TIMEOUT)
-    store = dist.PrefixStore(f"shardps/round-{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent)
+    store = dist.PrefixStore(f"shardps/round-{restart_round(environ)}", agent)
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world)
 
 

@@ -173,7 +173,7 @@ class DenseBlock(Block):
                 f"push INITIALIZE before gradients")
         values = self._materialise(config)
         a, b = lo - self.start, hi - self.start
-        if not same_step or self.step == 0:
+        if not same_step:
             self.step += 1
         if kernels.AVAILABLE:
             # the range as one row of the compiled update (one pass, in place); the block's
