@@ -36,6 +36,7 @@ from shardps.server.manager.runtime import ManagerRuntime, RuntimeSettings
 from shardps.server.manager.service import SERVICE as MANAGER_SERVICE
 from shardps.server.manager.service import ResourceManagerService
 from shardps.server.node import NodeLimits, ServerNode
+from shardps.server.node.cold import cold_root
 from shardps.server.node.service import SERVICE as NODE_SERVICE
 from shardps.server.node.service import ParameterServerService
 from shardps.settings import ManagerProcessSettings, ServerProcessSettings, Serving
@@ -292,11 +293,15 @@ class ServerProcess:
         self.metrics = NodeMetrics()
         self.pool = StubPool(tls=tls, metadata=metadata)
         name = settings.name or socket.gethostname()
+        try:
+            cold_dir = cold_root(settings.cold_dir)
+        except ValueError as e:
+            raise SystemExit(f"shardps server: {e}") from None
         self.node = ServerNode(
             name, limits=NodeLimits(max_request_bytes=settings.max_request_bytes,
                                     max_rows=settings.max_rows,
                                     forward_timeout=settings.forward_timeout),
-            metrics=self.metrics, defect=settings.test_defect)
+            metrics=self.metrics, defect=settings.test_defect, cold_dir=cold_dir)
         self.peers = _peers(name, self.node.view_address, self.pool, settings.forward_timeout, tls, metadata)
         self.node.peers = self.peers
         self.service = ParameterServerService(self.node)

@@ -59,12 +59,12 @@ def optimizer_from_proto(msg: pb.OptimizerConfig) -> OptimizerConfig:
 
 def lifecycle_to_proto(p: LifecyclePolicy) -> pb.LifecyclePolicy:
     return pb.LifecyclePolicy(budget_bytes=p.budget_bytes, admit_after=p.admit_after,
-                              ttl_steps=p.ttl_steps, ttl_seconds=p.ttl_seconds)
+                              ttl_steps=p.ttl_steps, ttl_seconds=p.ttl_seconds, cold=p.cold)
 
 
 def lifecycle_from_proto(msg: pb.LifecyclePolicy) -> LifecyclePolicy:
     return LifecyclePolicy(budget_bytes=int(msg.budget_bytes), admit_after=int(msg.admit_after),
-                           ttl_steps=int(msg.ttl_steps), ttl_seconds=float(msg.ttl_seconds))
+                           ttl_steps=int(msg.ttl_steps), ttl_seconds=float(msg.ttl_seconds), cold=bool(msg.cold))
 
 
 def config_to_proto(cfg: TableConfig) -> pb.TableConfig:

@@ -234,6 +234,16 @@ class NodeMetrics:
         self.table_pull_miss = Gauge(
             "shardps_table_pull_miss_ratio", "Share of pulled rows not stored, by reason: evicted "
             "(admitted before), not_admitted.", tl + ("reason",), registry=r)
+        self.table_hot_hits = Gauge("shardps_table_hot_hit_ratio", "Share of pulled rows found in RAM (the "
+                                    "others: in the cold tier, or not stored).", tl, registry=r)
+        self.table_cold_rows = Gauge("shardps_table_cold_rows", "Rows in this server's cold tier of a table "
+                                     "(on local disk).", tl, registry=r)
+        self.table_cold_bytes = Gauge("shardps_table_cold_bytes", "Bytes the rows of a table's cold tier take "
+                                      "on this server's disk.", tl, registry=r)
+        self.table_cold_moves = Counter(
+            "shardps_table_cold_moves", "Rows through a table's cold tier: written (evicted from RAM to disk), "
+            "read (by pulls), warmed (back to RAM by a push), expired (TTL).", tl + ("event",), registry=r)
+        self._cold_seen: dict[tuple, int] = {}
 
         self._lane = Batch(r, self._record_lane)
         self._calls = Batch(r, self._record_calls)
@@ -272,16 +282,26 @@ class NodeMetrics:
     def set_lifecycle(self, reports: dict) -> None:
         """Set the lifecycle gauges from ``server.lifecycle.report`` per (job, table)."""
         for g in (self.table_rows, self.table_budget, self.table_storage, self.table_lifecycle_rows,
-                  self.table_pull_miss):
+                  self.table_pull_miss, self.table_hot_hits, self.table_cold_rows, self.table_cold_bytes):
             g.clear()
         for (job, table), r in reports.items():
             self.table_rows.labels(job, table).set(r["rows"])
             self.table_budget.labels(job, table).set(r["budget_bytes"])
             self.table_storage.labels(job, table).set(r["memory_bytes"])
-            for event in ("admitted", "not_admitted", "evicted_ttl", "evicted_budget", "evicted_replicated"):
+            for event in ("admitted", "not_admitted", "evicted_ttl", "evicted_budget", "evicted_replicated",
+                          "cooled"):
                 self.table_lifecycle_rows.labels(job, table, event).set(r[f"rows_{event}"])
             for reason in ("evicted", "not_admitted"):
                 self.table_pull_miss.labels(job, table, reason).set(r[f"pull_miss_{reason}"])
+            self.table_hot_hits.labels(job, table).set(r["hot_hit_ratio"])
+            if "cold_rows" in r:
+                self.table_cold_rows.labels(job, table).set(r["cold_rows"])
+                self.table_cold_bytes.labels(job, table).set(r["cold_bytes"])
+                for event in ("written", "read", "warmed", "expired"):
+                    seen, now = self._cold_seen.get((job, table, event), 0), r[f"cold_{event}"]
+                    if now > seen:         # the report's counts since the tier began; a new tier: from 0
+                        self.table_cold_moves.labels(job, table, event).inc(now - seen)
+                    self._cold_seen[(job, table, event)] = now
 
 
 class ManagerMetrics:

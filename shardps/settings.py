@@ -204,6 +204,7 @@ class ServerProcessSettings:
     max_request_bytes: int = 1 << 30
     max_rows: int = 4_000_000
     forward_timeout: float = 1.5
+    cold_dir: str = ""                # the cold tiers of sparse tables (server/node/cold.py)
     data_plane_port: int = 0          # the data plane's port (0: any free one; -1: none, gRPC only)
     # per-job admission control (server/node/admission.py); 0: off
     job_max_requests_per_second: float = 0.0

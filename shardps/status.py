@@ -142,7 +142,8 @@ def fetch_node_statuses(st: mg.ClusterStatus, tls=None, token: str = "", timeout
 
 def budget_rows(nodes: list) -> list[dict]:
     """Per table with a lifecycle policy, summed over servers (primaries and backups): bytes
-    stored, the budget those servers' blocks are allowed, rows, and row counters."""
+    stored, the budget those servers' blocks are allowed, rows in RAM and in the cold tier
+    (on disk), and row counters."""
     tables: dict[tuple[str, str], dict] = {}
     for n in nodes:
         for t in n.tables:
@@ -150,9 +151,10 @@ def budget_rows(nodes: list) -> list[dict]:
                 continue
             e = tables.setdefault((t.job, t.table), dict(job=t.job, table=t.table, bytes=0, budget_bytes=0,
                                                          rows=0, rows_admitted=0, rows_not_admitted=0,
-                                                         rows_evicted_ttl=0, rows_evicted_budget=0))
+                                                         rows_evicted_ttl=0, rows_evicted_budget=0,
+                                                         rows_cooled=0, cold_rows=0, cold_bytes=0))
             for k in ("bytes", "budget_bytes", "rows", "rows_admitted", "rows_not_admitted",
-                      "rows_evicted_ttl", "rows_evicted_budget"):
+                      "rows_evicted_ttl", "rows_evicted_budget", "rows_cooled", "cold_rows", "cold_bytes"):
                 e[k] += int(getattr(t, k))
     return [tables[k] for k in sorted(tables)]
 
@@ -165,7 +167,9 @@ def format_budgets(nodes: list) -> str:
     body = [[f"{r['job']}/{r['table']}", _bytes(r["bytes"]),
              _bytes(r["budget_bytes"]) if r["budget_bytes"] else "unbounded",
              f"{100 * r['bytes'] / r['budget_bytes']:.0f}%" if r["budget_bytes"] else "-",
-             str(r["rows"]), str(r["rows_admitted"]), str(r["rows_not_admitted"]),
+             str(r["rows"]), str(r["cold_rows"]) if r["cold_rows"] or r["rows_cooled"] else "-",
+             _bytes(r["cold_bytes"]) if r["cold_rows"] or r["rows_cooled"] else "-",
+             str(r["rows_admitted"]), str(r["rows_not_admitted"]),
              str(r["rows_evicted_ttl"]), str(r["rows_evicted_budget"])] for r in rows]
-    return _table(["TABLE", "STORED", "BUDGET", "USE", "ROWS", "ADMITTED", "NOT ADMITTED", "EVICTED TTL",
-                   "EVICTED BUDGET"], body)
+    return _table(["TABLE", "STORED", "BUDGET", "USE", "HOT ROWS", "COLD ROWS", "ON DISK", "ADMITTED",
+                   "NOT ADMITTED", "EVICTED TTL", "EVICTED BUDGET"], body)

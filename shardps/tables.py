@@ -22,6 +22,7 @@ from enum import Enum
 
 import numpy as np
 
+from shardps.budget import MAX_ADMIT_AFTER, LifecyclePolicy  # noqa: F401 (part of this module's vocabulary)
 from shardps.errors import InvalidArgument, ResourceExhausted
 
 DEFAULT_BLOCK_SIZE = 1 << 16      # dense elements per block: 256 KiB of float32
@@ -310,49 +311,6 @@ def sparse_table(name: str, dim: int, num_rows: int = 0, init: Initializer | Non
 
 
 MAX_CLOCK = 1 << 40       # a worker's completed steps: far beyond any real run, below int64 overflow
-MAX_ADMIT_AFTER = 255      # the admission sketch's counters are 8-bit
-
-
-@dataclass(frozen=True)
-class LifecyclePolicy:
-    """How a sparse table lives within a memory budget (docs/memory-budget.md).
-
-    * ``budget_bytes``: the most bytes one copy of the table may take (values, optimizer
-      state, per-row bookkeeping, index, admission sketch); 0: unbounded. Each block may
-      hold ``budget_bytes / num_blocks``: when a push leaves a block above its share, the
-      block's least recently pushed rows (LRU on the job's clock, ties by id) are evicted
-      down to ``LOW_WATERMARK`` of it.
-    * ``admit_after`` (k): a row is stored only from its k-th push (counted in a per-block
-      count-min sketch); before that, pulls return its initial value and its gradients are
-      dropped (counted). 0 or 1: every pushed row is stored.
-    * ``ttl_steps`` / ``ttl_seconds``: rows not pushed for more than this many steps of the
-      job's clock (the pushes' clock) / seconds are evicted; 0: never.
-
-    A policy with every field 0 is disabled (the table behaves as without one).
-    """
-
-    budget_bytes: int = 0
-    admit_after: int = 0
-    ttl_steps: int = 0
-    ttl_seconds: float = 0.0
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.budget_bytes or self.admit_after > 1 or self.ttl_steps or self.ttl_seconds)
-
-    def validate(self) -> None:
-        if not 0 <= self.budget_bytes < 1 << 62:
-            raise InvalidArgument(f"lifecycle budget_bytes={self.budget_bytes}: must be >= 0 (0: unbounded)")
-        if not 0 <= self.admit_after <= MAX_ADMIT_AFTER:
-            raise InvalidArgument(f"lifecycle admit_after={self.admit_after}: must lie in "
-                                  f"[0, {MAX_ADMIT_AFTER}] (0 or 1: admit at the first push)")
-        if not 0 <= self.ttl_steps < 1 << 31:
-            raise InvalidArgument(f"lifecycle ttl_steps={self.ttl_steps}: must lie in [0, 2**31) (0: no TTL)")
-        if not (math.isfinite(self.ttl_seconds) and self.ttl_seconds >= 0):
-            raise InvalidArgument(f"lifecycle ttl_seconds={self.ttl_seconds!r}: must be a finite "
-                                  f"number >= 0 (0: no TTL)")
-
-
 @dataclass(frozen=True)
 class TableConfig:
     """Mutable, versioned configuration of a table (the manager assigns ``version``).

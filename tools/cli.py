@@ -103,6 +103,8 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
            "get RESOURCE_EXHAUSTED with a retry hint (0: no limit)")
     fs.add("--forward-timeout", 1.5, "seconds a primary waits for a backup to apply a push "
            "(plus 1 s per 20 MB); keep it below the manager's server lease")
+    fs.add("--cold-dir", "", "local-disk directory for the cold tiers of sparse tables whose lifecycle "
+           "policy has cold (the rows their budget evicts); default: the system's temp directory")
     p.set_defaults(func=cmd_server)
 
     p, fs = _sub(sub, "local", "run a whole cluster as local processes",

@@ -158,16 +158,18 @@ class TableConfig(_message.Message):
     def __init__(self, optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., allow_non_finite: _Optional[bool] = ..., version: _Optional[int] = ..., lifecycle: _Optional[_Union[LifecyclePolicy, _Mapping]] = ...) -> None: ...
 
 class LifecyclePolicy(_message.Message):
-    __slots__ = ("budget_bytes", "admit_after", "ttl_steps", "ttl_seconds")
+    __slots__ = ("budget_bytes", "admit_after", "ttl_steps", "ttl_seconds", "cold")
     BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     ADMIT_AFTER_FIELD_NUMBER: _ClassVar[int]
     TTL_STEPS_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COLD_FIELD_NUMBER: _ClassVar[int]
     budget_bytes: int
     admit_after: int
     ttl_steps: int
     ttl_seconds: float
-    def __init__(self, budget_bytes: _Optional[int] = ..., admit_after: _Optional[int] = ..., ttl_steps: _Optional[int] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+    cold: bool
+    def __init__(self, budget_bytes: _Optional[int] = ..., admit_after: _Optional[int] = ..., ttl_steps: _Optional[int] = ..., ttl_seconds: _Optional[float] = ..., cold: _Optional[bool] = ...) -> None: ...
 
 class Consistency(_message.Message):
     __slots__ = ("mode", "staleness")

@@ -154,7 +154,7 @@ class WriterId(_message.Message):
     def __init__(self, session: _Optional[str] = ..., incarnation: _Optional[int] = ..., sequence: _Optional[int] = ..., acked_below: _Optional[int] = ...) -> None: ...
 
 class BlockOp(_message.Message):
-    __slots__ = ("job", "table", "block", "kind", "writer", "version", "config_version", "step", "divisor", "id_count", "element_count", "range", "dropped_count", "evicted_count", "blocks", "versions", "same_step")
+    __slots__ = ("job", "table", "block", "kind", "writer", "version", "config_version", "step", "divisor", "id_count", "element_count", "range", "dropped_count", "evicted_count", "blocks", "versions", "same_step", "cooled_count")
     JOB_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +172,7 @@ class BlockOp(_message.Message):
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     SAME_STEP_FIELD_NUMBER: _ClassVar[int]
+    COOLED_COUNT_FIELD_NUMBER: _ClassVar[int]
     job: str
     table: str
     block: int
@@ -189,7 +190,8 @@ class BlockOp(_message.Message):
     blocks: _containers.RepeatedScalarFieldContainer[int]
     versions: _containers.RepeatedScalarFieldContainer[int]
     same_step: bool
-    def __init__(self, job: _Optional[str] = ..., table: _Optional[str] = ..., block: _Optional[int] = ..., kind: _Optional[_Union[BlockOpKind, str]] = ..., writer: _Optional[_Union[WriterId, _Mapping]] = ..., version: _Optional[int] = ..., config_version: _Optional[int] = ..., step: _Optional[int] = ..., divisor: _Optional[int] = ..., id_count: _Optional[int] = ..., element_count: _Optional[int] = ..., range: _Optional[_Union[_common_pb2.Range, _Mapping]] = ..., dropped_count: _Optional[int] = ..., evicted_count: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[int]] = ..., same_step: _Optional[bool] = ...) -> None: ...
+    cooled_count: int
+    def __init__(self, job: _Optional[str] = ..., table: _Optional[str] = ..., block: _Optional[int] = ..., kind: _Optional[_Union[BlockOpKind, str]] = ..., writer: _Optional[_Union[WriterId, _Mapping]] = ..., version: _Optional[int] = ..., config_version: _Optional[int] = ..., step: _Optional[int] = ..., divisor: _Optional[int] = ..., id_count: _Optional[int] = ..., element_count: _Optional[int] = ..., range: _Optional[_Union[_common_pb2.Range, _Mapping]] = ..., dropped_count: _Optional[int] = ..., evicted_count: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[int]] = ..., same_step: _Optional[bool] = ..., cooled_count: _Optional[int] = ...) -> None: ...
 
 class ReplicateHeader(_message.Message):
     __slots__ = ("epoch", "source", "ops", "payload_bytes")
@@ -342,7 +344,7 @@ class GetNodeStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TableUsage(_message.Message):
-    __slots__ = ("job", "table", "blocks", "parameters", "bytes", "budget_bytes", "rows", "rows_admitted", "rows_evicted_ttl", "rows_evicted_budget", "rows_not_admitted")
+    __slots__ = ("job", "table", "blocks", "parameters", "bytes", "budget_bytes", "rows", "rows_admitted", "rows_evicted_ttl", "rows_evicted_budget", "rows_not_admitted", "rows_cooled", "cold_rows", "cold_bytes")
     JOB_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -354,6 +356,9 @@ class TableUsage(_message.Message):
     ROWS_EVICTED_TTL_FIELD_NUMBER: _ClassVar[int]
     ROWS_EVICTED_BUDGET_FIELD_NUMBER: _ClassVar[int]
     ROWS_NOT_ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    ROWS_COOLED_FIELD_NUMBER: _ClassVar[int]
+    COLD_ROWS_FIELD_NUMBER: _ClassVar[int]
+    COLD_BYTES_FIELD_NUMBER: _ClassVar[int]
     job: str
     table: str
     blocks: int
@@ -365,7 +370,10 @@ class TableUsage(_message.Message):
     rows_evicted_ttl: int
     rows_evicted_budget: int
     rows_not_admitted: int
-    def __init__(self, job: _Optional[str] = ..., table: _Optional[str] = ..., blocks: _Optional[int] = ..., parameters: _Optional[int] = ..., bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., rows: _Optional[int] = ..., rows_admitted: _Optional[int] = ..., rows_evicted_ttl: _Optional[int] = ..., rows_evicted_budget: _Optional[int] = ..., rows_not_admitted: _Optional[int] = ...) -> None: ...
+    rows_cooled: int
+    cold_rows: int
+    cold_bytes: int
+    def __init__(self, job: _Optional[str] = ..., table: _Optional[str] = ..., blocks: _Optional[int] = ..., parameters: _Optional[int] = ..., bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., rows: _Optional[int] = ..., rows_admitted: _Optional[int] = ..., rows_evicted_ttl: _Optional[int] = ..., rows_evicted_budget: _Optional[int] = ..., rows_not_admitted: _Optional[int] = ..., rows_cooled: _Optional[int] = ..., cold_rows: _Optional[int] = ..., cold_bytes: _Optional[int] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
     __slots__ = ("name", "incarnation", "epoch", "state", "primary_blocks", "replica_blocks", "bytes", "tables", "clocks")

@@ -69,8 +69,9 @@ def apply_gradient(blk: AnyBlock, t: TableView, arrays, op: ps.BlockOp) -> None:
     elif op.dropped_count or op.evicted_count or t.config.lifecycle.enabled or blk.table_rows.life is not None:
         ids = arrays[0]
         n = ids.shape[0] - int(op.dropped_count) - int(op.evicted_count)
-        blk.apply_decided(t.config, ids[:n], arrays[1], ids[n:n + int(op.dropped_count)],
-                          ids[n + int(op.dropped_count):], int(op.step))
+        cooled = n + int(op.dropped_count)
+        blk.apply_decided(t.config, ids[:n], arrays[1], ids[n:cooled], ids[cooled:cooled + int(op.cooled_count)],
+                          ids[cooled + int(op.cooled_count):], int(op.step))
     else:
         blk.apply_gradient(t.config, arrays[0], arrays[1].reshape(-1, blk.dim))
 

@@ -289,13 +289,14 @@ class SparseBlock(Block):
         self.version += 1
 
     def apply_decided(self, config: TableConfig, ids: np.ndarray, grad: np.ndarray,
-                      dropped: np.ndarray, evicted: np.ndarray, tick: int) -> None:
+                      dropped: np.ndarray, cooled: np.ndarray, gone: np.ndarray, tick: int) -> None:
         """Backup: apply a primary's APPLY op with its lifecycle decisions (rows ``ids``
-        applied, ``dropped`` not admitted, ``evicted`` removed after; see server.lifecycle)."""
+        applied, ``dropped`` not admitted, ``cooled`` moved to the cold tier and ``gone``
+        removed after; see server.lifecycle)."""
         from shardps.server.node import lifecycle
         with self.table_rows.lock:
             lifecycle.apply_decided(self.table_rows, config, ids, grad.reshape(-1, self.dim),
-                                    dropped, evicted, tick)
+                                    dropped, cooled, gone, tick)
         self.version += 1
 
     def assign(self, config: TableConfig, ids: np.ndarray, values: np.ndarray) -> None:
@@ -335,6 +336,13 @@ class SparseBlock(Block):
                 meta["lifecycle"] = life_meta
                 arrays.update(life_arrays)
                 arrays["lifecycle.ticks"] = sh.ensure_ticks().take(slots)
+            if sh.cold is not None and sh.cold.block_counts[self.key[2]]:   # and the cold tier's rows
+                cold_ids, cold_slots = sh.cold.block_rows(self.key[2])
+                values, state, steps, ticks = sh.cold.rows(cold_slots)
+                arrays.update({"cold.ids": cold_ids, "cold.values": values, "cold.ticks": ticks})
+                arrays.update({f"cold.state.{k}": v for k, v in state.items()})
+                if steps is not None:
+                    arrays["cold.row_steps"] = steps
         for s, parts in self.pending.items():
             for i, (ids, g) in enumerate(parts):
                 arrays[f"pending.{s}.{i}.ids"] = np.array(ids, dtype=np.int64, copy=True)
@@ -356,6 +364,15 @@ class SparseBlock(Block):
             self.table_rows.insert(ids, None, values, state, steps, ticks)
             if "lifecycle" in meta:
                 self.table_rows.lifecycle().load_block(self.key[2], meta["lifecycle"], arrays)
+            if "cold.ids" in arrays:
+                cold_ids = np.asarray(arrays["cold.ids"], dtype=np.int64)
+                n = cold_ids.shape[0]
+                self.table_rows.ensure_cold().put(
+                    cold_ids, np.asarray(arrays["cold.values"], np.float32).reshape(n, self.dim),
+                    {k[len("cold.state."):]: np.asarray(v, np.float32).reshape(n, self.dim)
+                     for k, v in arrays.items() if k.startswith("cold.state.")},
+                    np.asarray(arrays["cold.row_steps"], np.int32) if "cold.row_steps" in arrays else None,
+                    np.asarray(arrays["cold.ticks"], np.int32).reshape(n))
         self.pending = {int(s): [(arrays[f"pending.{s}.{i}.ids"],
                                   arrays[f"pending.{s}.{i}.grad"].reshape(-1, self.dim))
                                  for i in range(n)]

@@ -28,6 +28,11 @@ Semantics (the decisions are functions of that state and the pushes, in block or
   ``row_bytes``, plus its sketch when admission is on). A push that leaves a block above
   it evicts the block's least recently pushed rows (LRU on ticks, ties by smaller id first)
   down to ``LOW_WATERMARK`` of its share. Eviction is decided after the push is applied.
+* cold tier (``cold``): the rows a budget eviction chose move to the table's cold tier on
+  the server's disk (``server/node/cold.py``) instead of being dropped, with their state and
+  tick; a pull reads them there, and the next push of such a row brings it back to RAM
+  before it is applied (it was admitted once: admission does not count it again). TTL
+  expires rows in both tiers.
 
 The primary decides (``apply_push``) and forwards the decision with its APPLY op; a backup
 replays it (``apply_decided``) without deciding anything. Plain numpy; no grpc.
@@ -42,6 +47,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from shardps import kernels
+from shardps.server.node import cold
 from shardps.tables import LifecyclePolicy, TableConfig, splitmix64
 
 if TYPE_CHECKING:
@@ -72,10 +78,13 @@ def sketch_cells(ids: np.ndarray, blocks: np.ndarray) -> np.ndarray:
 
 @dataclass
 class Outcome:
-    """A push's lifecycle decisions: ids pushed but not admitted, ids evicted after it."""
+    """A push's lifecycle decisions: ids pushed but not admitted, ids evicted after it from
+    RAM to the cold tier (``cooled``), ids gone (evicted from RAM, or expired from either
+    tier)."""
 
     dropped: np.ndarray
-    evicted: np.ndarray
+    cooled: np.ndarray
+    gone: np.ndarray
 
 
 class TableLifecycle:
@@ -97,7 +106,7 @@ class TableLifecycle:
         self._tick_times: list[tuple[float, int]] = []
         self._next_seconds_scan = 0.0
         self.counters = dict(admitted=0, not_admitted=0, evicted_ttl=0, evicted_budget=0,
-                             evicted_replicated=0, pulled=0, pulled_evicted=0,
+                             cooled=0, evicted_replicated=0, pulled=0, pulled_evicted=0,
                              pulled_not_admitted=0)
 
     # ------------------------------------------------------------------ sketch
@@ -195,7 +204,7 @@ def apply_push(rows: "SparseRows", config: TableConfig, ids: np.ndarray, grad: n
     blocks = kernels.sparse_block_of(ids, nb)
     pushed = np.bincount(blocks, minlength=nb) > 0
     dropped = _EMPTY
-    missing = rows.lookup(ids) < 0
+    missing = _missing_warmed(rows, ids)
     if missing.any():
         new_ids, new_blocks = ids[missing], blocks[missing]
         if policy.admit_after > 1:
@@ -214,19 +223,30 @@ def apply_push(rows: "SparseRows", config: TableConfig, ids: np.ndarray, grad: n
         every = max(1, policy.ttl_steps // TTL_SCANS)
         due = pushed & (life.now // every < tick // every)
     _touch(rows, life, config, ids, grad, pushed, tick)
-    evicted = _choose_evictions(rows, life, policy, pushed, due, tick, wall)
-    rows.remove(evicted)
-    return Outcome(dropped, evicted)
+    cooled, gone = _choose_evictions(rows, life, policy, pushed, due, tick, wall)
+    cold.cool(rows, cooled)
+    cold.forget(rows, gone)
+    return Outcome(dropped, cooled, gone)
+
+
+def _missing_warmed(rows: "SparseRows", ids: np.ndarray) -> np.ndarray:
+    """Which of ``ids`` (unique) are not in RAM, after the rows the cold tier holds of them
+    came back to RAM (a stored row: never subject to admission again)."""
+    missing = rows.lookup(ids) < 0
+    if rows.cold is not None and missing.any():
+        missing[missing] = ~cold.warm(rows, ids[missing])
+    return missing
 
 
 def apply_decided(rows: "SparseRows", config: TableConfig, ids: np.ndarray, grad: np.ndarray,
-                  dropped: np.ndarray, evicted: np.ndarray, tick: int) -> None:
-    """Backup: replay the primary's decision (apply ``ids``, count ``dropped``, evict
-    ``evicted``), leaving the block's state identical to the primary's."""
+                  dropped: np.ndarray, cooled: np.ndarray, gone: np.ndarray, tick: int) -> None:
+    """Backup: replay the primary's decision (apply ``ids``, count ``dropped``, move
+    ``cooled`` to the cold tier, drop ``gone``), leaving the block's state identical to the
+    primary's."""
     life = rows.lifecycle()
     life.policy = config.lifecycle
     nb = rows.spec.num_blocks
-    missing = rows.lookup(ids) < 0
+    missing = _missing_warmed(rows, ids)
     counted = np.concatenate([ids[missing], dropped])
     counted_blocks = kernels.sparse_block_of(counted, nb)
     if config.lifecycle.admit_after > 1:
@@ -237,8 +257,9 @@ def apply_decided(rows: "SparseRows", config: TableConfig, ids: np.ndarray, grad
     if ids.shape[0]:
         pushed[kernels.sparse_block_of(ids[:1], nb)] = True
     _touch(rows, life, config, ids, grad, pushed, tick)
-    rows.remove(evicted)
-    life.counters["evicted_replicated"] += evicted.shape[0]
+    cold.cool(rows, cooled)
+    cold.forget(rows, gone)
+    life.counters["evicted_replicated"] += cooled.shape[0] + gone.shape[0]
 
 
 def _touch(rows: "SparseRows", life: TableLifecycle, config: TableConfig, ids: np.ndarray,
@@ -253,9 +274,9 @@ def _touch(rows: "SparseRows", life: TableLifecycle, config: TableConfig, ids: n
 
 def _choose_evictions(rows: "SparseRows", life: TableLifecycle, policy: LifecyclePolicy,
                       pushed: np.ndarray, due_steps: np.ndarray | None, tick: int,
-                      wall: float | None) -> np.ndarray:
-    """Ids to evict from the blocks ``pushed`` (a mask; ``due_steps``: those due a TTL scan
-    in steps), per the module docstring."""
+                      wall: float | None) -> tuple[np.ndarray, np.ndarray]:
+    """(ids to move to the cold tier, ids to drop) of the blocks ``pushed`` (a mask;
+    ``due_steps``: those due a TTL scan in steps), per the module docstring."""
     threshold = None
     if policy.ttl_seconds and wall is not None:
         threshold = life._seconds_threshold(tick, wall)
@@ -270,19 +291,17 @@ def _choose_evictions(rows: "SparseRows", life: TableLifecycle, policy: Lifecycl
     if threshold is not None:
         scan |= pushed
     if not scan.any():
-        return _EMPTY
+        return _EMPTY, _EMPTY
     ids, slots = rows.index.stored()
     b = kernels.sparse_block_of(ids, life.num_blocks)
     sel = scan[b]
     ids, slots, b = ids[sel], slots[sel], b[sel]
     seen = rows.ensure_ticks().take(slots).astype(np.int64)
-    ttl = np.zeros(ids.shape[0], dtype=bool)
-    if due_steps is not None and due_steps.any():
-        ttl |= due_steps[b] & (tick - seen > policy.ttl_steps)
+    ttl = _expired(seen, b, due_steps, threshold, policy, tick)
     if threshold is not None and wall is not None:
-        ttl |= seen < threshold
         life._next_seconds_scan = wall + policy.ttl_seconds / TTL_SCANS
     evict = ttl.copy()
+    cooled = _EMPTY
     if over is not None and over.any():
         left = np.flatnonzero(~ttl & over[b])
         order = left[np.lexsort((ids[left], seen[left], b[left]))]   # per block: oldest, then id
@@ -292,28 +311,66 @@ def _choose_evictions(rows: "SparseRows", life: TableLifecycle, policy: Lifecycl
         target = int(limit * LOW_WATERMARK)
         excess = np.maximum(counts - target, 0)
         chosen = order[rank < excess[ob]]
-        evict[chosen] = True
-        life.counters["evicted_budget"] += chosen.shape[0]
+        if policy.cold:
+            cooled = np.sort(ids[chosen])
+            life.counters["cooled"] += chosen.shape[0]
+        else:
+            evict[chosen] = True
+            life.counters["evicted_budget"] += chosen.shape[0]
     life.counters["evicted_ttl"] += int(ttl.sum())
-    return ids[evict]
+    gone = ids[evict]
+    ttl_blocks = np.zeros(life.num_blocks, dtype=bool)
+    if due_steps is not None:
+        ttl_blocks |= due_steps
+    if threshold is not None:
+        ttl_blocks |= pushed
+    if rows.cold is not None and rows.cold.count and ttl_blocks.any():
+        cold_ids, cold_slots = rows.cold.stored(ttl_blocks)    # TTL holds in the cold tier too
+        cold_seen = rows.cold.ticks.data[cold_slots].astype(np.int64)
+        cold_b = kernels.sparse_block_of(cold_ids, life.num_blocks)
+        expired = cold_ids[_expired(cold_seen, cold_b, due_steps, threshold, policy, tick)]
+        if expired.shape[0]:
+            rows.cold.counters["expired"] += expired.shape[0]
+            life.counters["evicted_ttl"] += expired.shape[0]
+            gone = np.concatenate([gone, expired])
+    return cooled, gone
+
+
+def _expired(seen: np.ndarray, b: np.ndarray, due_steps: np.ndarray | None, threshold: int | None,
+             policy: LifecyclePolicy, tick: int) -> np.ndarray:
+    """Which rows (last pushed at ``seen``, of blocks ``b``) TTL expires now."""
+    ttl = np.zeros(seen.shape[0], dtype=bool)
+    if due_steps is not None and due_steps.any():
+        ttl |= due_steps[b] & (tick - seen > policy.ttl_steps)
+    if threshold is not None:
+        ttl |= seen < threshold
+    return ttl
 
 
 def report(rows: "SparseRows", blocks_held: int) -> dict | None:
     """This server's lifecycle figures of one table (None without a policy ever applied):
     its share of the budget (the blocks it holds), rows, bytes, counters since it took the
-    blocks up, and the share of pulled rows that were not stored."""
+    blocks up, the share of pulled rows that were not stored, and, with a cold tier, its
+    rows, bytes and counters (``cold_*``)."""
     life = rows.life
     if life is None:
         return None
     c = life.counters
     pulled = max(1, c["pulled"])
-    return {"budget_bytes": life.policy.budget_bytes * blocks_held // rows.spec.num_blocks,
-            "rows": int(rows.block_counts.sum()), "memory_bytes": rows.memory_bytes(),
-            "rows_admitted": c["admitted"], "rows_not_admitted": c["not_admitted"],
-            "rows_evicted_ttl": c["evicted_ttl"], "rows_evicted_budget": c["evicted_budget"],
-            "rows_evicted_replicated": c["evicted_replicated"],
-            "pull_miss_evicted": c["pulled_evicted"] / pulled,
-            "pull_miss_not_admitted": c["pulled_not_admitted"] / pulled}
+    cold = rows.cold.counters if rows.cold is not None else {"read": 0}
+    out = {"budget_bytes": life.policy.budget_bytes * blocks_held // rows.spec.num_blocks,
+           "rows": int(rows.block_counts.sum()), "memory_bytes": rows.memory_bytes(),
+           "rows_admitted": c["admitted"], "rows_not_admitted": c["not_admitted"],
+           "rows_evicted_ttl": c["evicted_ttl"], "rows_evicted_budget": c["evicted_budget"],
+           "rows_evicted_replicated": c["evicted_replicated"], "rows_cooled": c["cooled"],
+           "pull_miss_evicted": c["pulled_evicted"] / pulled,
+           "pull_miss_not_admitted": c["pulled_not_admitted"] / pulled,
+           "hot_hit_ratio": 1.0 - (c["pulled_evicted"] + c["pulled_not_admitted"] + cold["read"]) / pulled
+           if c["pulled"] else 1.0}
+    if rows.cold is not None:
+        out.update(cold_rows=rows.cold.count, cold_bytes=rows.cold.disk_bytes(),
+                   **{f"cold_{k}": v for k, v in cold.items()})
+    return out
 
 
 def publish(metrics, sparse_rows: dict, tables: dict) -> None:

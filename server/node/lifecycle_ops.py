@@ -2,8 +2,9 @@
 
 An APPLY op of a sparse table with a lifecycle policy carries, after the rows it applies,
 the ids of its block that were pushed and not admitted (``dropped_count``) and the ids the
-primary evicted after the push (``evicted_count``); ``step`` is the push's clock. A backup
-replays them (``SparseBlock.apply_decided``) and decides nothing itself.
+primary evicted after the push (``evicted_count``: first the ``cooled_count`` moved to the
+cold tier, then those gone); ``step`` is the push's clock. A backup replays them
+(``SparseBlock.apply_decided``) and decides nothing itself.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ class ByBlock:
     def __init__(self, outcome: Outcome, num_blocks: int):
         self.outcome = outcome
         self.num_blocks = num_blocks
-        self._split: tuple[dict[int, np.ndarray], dict[int, np.ndarray]] | None = None
+        self._split: list[dict[int, np.ndarray]] | None = None
 
-    def of(self, block: int) -> tuple[np.ndarray, np.ndarray]:
-        """(dropped ids, evicted ids) of ``block``."""
+    def of(self, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(dropped ids, cooled ids, gone ids) of ``block``."""
         if self._split is None:
-            self._split = (self._group(self.outcome.dropped), self._group(self.outcome.evicted))
-        return self._split[0].get(block, _EMPTY), self._split[1].get(block, _EMPTY)
+            o = self.outcome
+            self._split = [self._group(o.dropped), self._group(o.cooled), self._group(o.gone)]
+        return tuple(part.get(block, _EMPTY) for part in self._split)   # type: ignore[return-value]
 
     def _group(self, ids: np.ndarray) -> dict[int, np.ndarray]:
         if ids.shape[0] == 0:
@@ -47,14 +49,14 @@ def block_op(key: tuple[str, str, int], ids: np.ndarray, values: np.ndarray, dec
              clock: int) -> tuple[ps.BlockOp, list[np.ndarray]]:
     """The APPLY op of block ``key`` for its pushed ``ids`` / ``values`` and the primary's
     decisions; the caller sets writer, config_version and version."""
-    dropped, evicted = decided.of(key[2])
+    dropped, cooled, gone = decided.of(key[2])
     ids = np.ascontiguousarray(ids, dtype=np.int64)
     values = np.asarray(values, dtype=np.float32).reshape(ids.shape[0], -1)
     if dropped.shape[0]:
         keep = ~np.isin(ids, dropped)
         ids, values = ids[keep], values[keep]
+    evicted = cooled.shape[0] + gone.shape[0]
     op = ps.BlockOp(job=key[0], table=key[1], block=key[2], kind=ps.APPLY, step=clock,
-                    id_count=ids.shape[0] + dropped.shape[0] + evicted.shape[0],
-                    element_count=values.size, dropped_count=dropped.shape[0],
-                    evicted_count=evicted.shape[0])
-    return op, [np.concatenate([ids, dropped, evicted]), np.ascontiguousarray(values, dtype=np.float32)]
+                    id_count=ids.shape[0] + dropped.shape[0] + evicted, element_count=values.size,
+                    dropped_count=dropped.shape[0], evicted_count=evicted, cooled_count=cooled.shape[0])
+    return op, [np.concatenate([ids, dropped, cooled, gone]), np.ascontiguousarray(values, dtype=np.float32)]

@@ -76,8 +76,9 @@ class ServerNode:
     """One server node's blocks and duties. Thread-safe; methods may block (see each)."""
 
     def __init__(self, name: str, peers: Peers | None = None, limits: NodeLimits = NodeLimits(),
-                 metrics: NodeMetrics | None = None, clock=time.monotonic, defect: str = ""):
-        """``defect``: TEST-ONLY, a fixed defect to re-introduce (``shardps.tools.verify.defects``)."""
+                 metrics: NodeMetrics | None = None, clock=time.monotonic, defect: str = "", cold_dir: str = ""):
+        """``defect``: TEST-ONLY, a fixed defect to re-introduce (``shardps.tools.verify.defects``);
+        ``cold_dir``: where sparse tables' cold tiers go ("": the system's temp directory)."""
         self.name = name
         self.limits = limits
         # the kernels' first use would otherwise land in the first requests (~0.3 s)
@@ -86,7 +87,7 @@ class ServerNode:
         self._now = clock
         self.incarnation = 0
         self.on_epoch: Callable[[int], object] | None = None   # callback(epoch) after each install (logging)
-        self.table = BlockTable(name, defect)
+        self.table = BlockTable(name, defect, cold_dir)
         self.forwarder = Forwarder(self.table, self.metrics, peers or NoPeers(), clock)
         self.steps = SyncSteps(self.table, self.forwarder, clock, defect)
         self.backup = BackupApplier(self.table, self.steps, defect)

@@ -153,6 +153,8 @@ class PullReader:
                 else:
                     meta, arrays = blk.snapshot()
                     stored[part.segment].append((arrays["ids"], arrays["values"]))
+                    if "cold.ids" in arrays:        # and the rows of its cold tier
+                        stored[part.segment].append((arrays["cold.ids"], arrays["cold.values"]))
                 versions[part.key] = blk.version
         for seg_index, block_indexes in sparse_blocks_of.items():
             # one vectorised read of every block of the segment, consistent across them

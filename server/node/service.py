@@ -403,8 +403,9 @@ def node_status(node: ServerNode, job: str | None = None) -> ps.NodeStatus:
                     r = lifecycle.report(rows, blocks)
                 if r is not None:
                     for field in ("budget_bytes", "rows", "rows_admitted", "rows_evicted_ttl",
-                                  "rows_evicted_budget", "rows_not_admitted"):
+                                  "rows_evicted_budget", "rows_not_admitted", "rows_cooled"):
                         setattr(entry, field, r[field])
+                    entry.cold_rows, entry.cold_bytes = r.get("cold_rows", 0), r.get("cold_bytes", 0)
     for j, clock in sorted(node.clocks.items()):
         if job is not None and j != job:
             continue

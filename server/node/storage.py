@@ -19,6 +19,7 @@ from shardps.server.node import optimizer_kernels, storage_kernels
 from shardps.tables import InitKind, TableConfig, TableSpec, sparse_block_of
 
 if TYPE_CHECKING:
+    from shardps.server.node.cold import ColdRows
     from shardps.server.node.lifecycle import Outcome, TableLifecycle
 
 MAPPED_MIN_BYTES = 64 << 10
@@ -187,17 +188,18 @@ class SparseRows:
     it. Slots of removed rows are reused. Not thread-safe: hold ``lock`` (after block locks).
     """
 
-    def __init__(self, spec: TableSpec):
+    def __init__(self, spec: TableSpec, cold_dir: str = ""):
         self.spec = spec
         self.dim = spec.dim
         self.lock = threading.Lock()
-        n = spec.num_rows
-        self.index = _DirectIndex(n) if 0 < n <= DIRECT_INDEX_MAX_ROWS else _SortedIndex()
+        self.index = self._new_index()
         self.rows = _Rows((self.dim,), np.float32)
         self.state: dict[str, _Rows] = {}
         self.row_steps: _Rows | None = None
         self.ticks: _Rows | None = None                 # lifecycle: tick of each row's last push
         self.life: TableLifecycle | None = None         # lifecycle state (server/node/lifecycle.py)
+        self.cold: ColdRows | None = None               # the cold tier (server/node/cold.py)
+        self.cold_dir = cold_dir                        # where it goes ("": the system's temp directory)
         self.used = 0                                   # slots handed out so far
         self.free = np.empty(0, dtype=np.int64)         # slots of removed rows, reused first
         self.block_counts = np.zeros(spec.num_blocks, dtype=np.int64)
@@ -205,6 +207,10 @@ class SparseRows:
         cache = InitCache(spec) if spec.init.kind is InitKind.NORMAL else None
         self.cache = (cache.ids, cache.ok, cache.rows) if cache is not None else InitCache.none(spec.dim)
         self._state_for: TableConfig | None = None      # the config whose state is ensured
+
+    def _new_index(self) -> _DirectIndex | _SortedIndex:
+        n = self.spec.num_rows
+        return _DirectIndex(n) if 0 < n <= DIRECT_INDEX_MAX_ROWS else _SortedIndex()
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """Slot of each id, or -1 where the row is not stored."""
@@ -224,13 +230,21 @@ class SparseRows:
             if self.life is not None:
                 self.life.count_pull(ids, None)
             return self.rows.take(slots, out)
-        if self.life is not None:
-            self.life.count_pull(ids, missing)
         if out is None:
             out = np.empty((ids.shape[0], self.dim), dtype=np.float32)
         present = ~missing
         out[present] = self.rows.take(slots[present])
-        out[missing] = self.initial(ids[missing], remember=True)
+        if self.cold is not None and self.cold.count:      # rows the budget moved to disk
+            where = np.flatnonzero(missing)
+            cold_slots = self.cold.lookup(ids[where])
+            found = cold_slots >= 0
+            if found.any():
+                out[where[found]] = self.cold.read(cold_slots[found])
+                missing[where[found]] = False
+        if self.life is not None:
+            self.life.count_pull(ids, missing if missing.any() else None)
+        if missing.any():
+            out[missing] = self.initial(ids[missing], remember=True)
         return out
 
     def initial(self, ids: np.ndarray, remember: bool = False) -> np.ndarray:
@@ -415,6 +429,14 @@ class SparseRows:
         blocks = kernels.sparse_block_of(ids, self.spec.num_blocks)
         self.block_counts -= np.bincount(blocks, minlength=self.block_counts.shape[0])
 
+    def ensure_cold(self) -> ColdRows:
+        """The table's cold tier here, created on first use (ValueError naming the
+        directory when it cannot hold files)."""
+        if self.cold is None:
+            from shardps.server.node.cold import ColdRows, cold_root
+            self.cold = ColdRows(self.spec.num_blocks, self.dim, cold_root(self.cold_dir), self._new_index())
+        return self.cold
+
     def block_rows(self, block: int) -> tuple[np.ndarray, np.ndarray]:
         """(ids, slots) of ``block``'s stored rows, ordered by id (canonical for snapshots)."""
         ids, slots = self.index.stored()
@@ -424,7 +446,9 @@ class SparseRows:
         return ids[order], slots[order]
 
     def remove_block(self, block: int) -> None:
-        """Forget every row of ``block``; its slots are reused by later inserts."""
+        """Forget every row of ``block`` (both tiers); its slots are reused by later inserts."""
+        if self.cold is not None:
+            self.cold.remove_block(block)
         if self.block_counts[block] == 0:
             return
         ids, slots = self.block_rows(block)

@@ -106,8 +106,9 @@ class BlockTable:
     """The blocks one node holds and the map it obeys. Thread-safe as the module docstring
     says: methods named ``*_locked`` expect ``lock`` held, the others take it themselves."""
 
-    def __init__(self, name: str, defect: str = ""):
+    def __init__(self, name: str, defect: str = "", cold_dir: str = ""):
         self.name = name
+        self.cold_dir = cold_dir              # the sparse tables' cold tiers (server/node/cold.py)
         # TEST-ONLY (tools/verify/defects.py): "1" re-introduces defect 1 of issue 13 (copy
         # destinations never pruned on map install) so the verifier's tests can show they catch it
         self.defect = defect
@@ -213,7 +214,7 @@ class BlockTable:
         if spec.kind is TableKind.SPARSE:
             rows = self.sparse_rows.get((key[0], key[1]))
             if rows is None or rows.spec != spec:
-                rows = self.sparse_rows[(key[0], key[1])] = SparseRows(spec)
+                rows = self.sparse_rows[(key[0], key[1])] = SparseRows(spec, self.cold_dir)
             return new_block(key, spec, rows)
         return new_block(key, spec)
 
