@@ -302,6 +302,67 @@ def test_prometheus_targets_are_metrics_ports():
     assert seen >= 5
 
 
+def compose_named_volumes(*names: str) -> set[str]:
+    """The named volumes the compose files declare (top-level ``volumes``), merged."""
+    return {v for name in names for v in (yaml.safe_load((ROOT / name).read_text()).get("volumes") or {})}
+
+
+def compose_mounts(svc: dict) -> dict[str, dict]:
+    """A service's volumes by container path, each as the long syntax ({type, source, target})."""
+    mounts = {}
+    for v in svc.get("volumes") or []:
+        if isinstance(v, str):
+            parts = v.split(":")
+            if len(parts) == 1:
+                v = {"type": "volume", "target": parts[0]}         # anonymous
+            else:
+                kind = "bind" if parts[0].startswith((".", "/", "~", "$")) else "volume"
+                v = {"type": kind, "source": parts[0], "target": parts[1]}
+        mounts[v["target"].rstrip("/")] = v
+    for t in svc.get("tmpfs") or []:
+        mounts[t.split(":")[0].rstrip("/")] = {"type": "tmpfs", "target": t}
+    return mounts
+
+
+def runtime_owned_dirs(role: str) -> set[str]:
+    """The folders the image creates for its runtime user (``install -d -o USER``), USER being
+    the final stage's: Docker copies their ownership into a fresh named volume mounted there."""
+    ins = dockerfile_instructions(DOCKERFILES[role])
+    user = next(rest for word, rest in reversed(ins) if word == "USER").split(":")[0]
+    owned = set()
+    for word, rest in ins:
+        if word == "RUN":
+            for m in re.finditer(r"install -d -o (\S+)(?: -g \S+)? ([^;&|]+)", rest):
+                if m[1] == user:
+                    owned |= {d.rstrip("/") for d in m[2].split()}
+    return owned
+
+
+@pytest.mark.parametrize("files", [("docker-compose.yml",), ("docker-compose.yml", "docker-compose.tls.yml"),
+                                   ("docker-compose.yml", "docker-compose.ha.yml"),
+                                   ("docker-compose.yml", "docker-compose.gpu.yml")], ids=lambda f: "+".join(f))
+def test_compose_servers_keep_their_cold_tier_on_a_volume_of_their_own(files):
+    """Every server's --cold-dir (flag or SHARDPS_COLD_DIR) is a named volume of its own,
+    not the container's writable layer nor a tmpfs (RAM, the very thing the tier saves), in
+    a folder the image gives its user, so a fresh volume is writable."""
+    services = compose_services(*files)
+    declared = compose_named_volumes(*files)
+    owned = runtime_owned_dirs("server")
+    servers = {n: p for n, p in compose_processes(files).items() if p.argv[0] == "server"}
+    assert {"s0", "s1", "s2"} <= servers.keys()
+    sources = []
+    for name, proc in servers.items():
+        cold_dir = parse(proc.argv, proc.env, proc.where).cold_dir.rstrip("/")
+        assert cold_dir, f"{proc.where}: no --cold-dir (the cold tier would go to the container's /tmp)"
+        mount = compose_mounts(services[name]).get(cold_dir)
+        assert mount is not None, f"{proc.where}: --cold-dir {cold_dir} is not a mounted volume"
+        assert mount["type"] == "volume" and mount.get("source") in declared, \
+            f"{proc.where}: {cold_dir} must be a named volume of the file, not {mount}"
+        assert cold_dir in owned, f"server image: {cold_dir} is not created for its user ({sorted(owned)})"
+        sources.append(mount["source"])
+    assert len(sources) == len(set(sources)), f"servers share a cold-tier volume: {sources}"
+
+
 @pytest.mark.slow          # a process (check-jsonschema)
 def test_compose_files_match_the_compose_spec_schema():
     try:
@@ -397,3 +458,32 @@ def test_kubernetes_services_and_addresses_match_the_pods():
                 host = ns.advertise.rsplit(":", 1)[0]
                 pod, _, service = host.partition(".")
                 assert pod == ns.name and service in services, f"{proc.where}: advertises {ns.advertise}"
+
+
+@pytest.mark.slow          # processes (kubectl kustomize)
+def test_kubernetes_servers_keep_their_cold_tier_on_a_bounded_emptydir():
+    """Every server pod's --cold-dir (flag or SHARDPS_COLD_DIR) is where an emptyDir is
+    mounted: node-local scratch disk (not medium Memory: RAM is what the tier saves) with a
+    sizeLimit, in every overlay and component render."""
+    checked = 0
+    for label, docs in rendered_sets().items():
+        for owner, tmpl in pod_templates(docs):
+            volumes = {v["name"]: v for v in tmpl["spec"].get("volumes", [])}
+            for c in tmpl["spec"]["containers"]:
+                if not c["image"].startswith("shardps/") or c["args"][:1] != ["server"]:
+                    continue
+                where = f"{label}: {owner['kind']}/{owner['metadata']['name']}"
+                configmaps = {d["metadata"]["name"]: d.get("data", {}) for d in docs if d["kind"] == "ConfigMap"}
+                env = _k8s_env(c, f"{owner['metadata']['name']}-0", configmaps)
+                cold_dir = parse(list(c["args"]), env, where).cold_dir.rstrip("/")
+                assert cold_dir, f"{where}: no --cold-dir (the cold tier would go to /tmp)"
+                mounts = {m["mountPath"].rstrip("/"): m for m in c.get("volumeMounts", [])}
+                assert cold_dir in mounts, f"{where}: nothing is mounted at --cold-dir {cold_dir}"
+                mount = mounts[cold_dir]
+                assert not mount.get("readOnly") and not mount.get("subPath"), f"{where}: {mount}"
+                volume = volumes.get(mount["name"], {})
+                assert "emptyDir" in volume, f"{where}: {cold_dir} must be an emptyDir, not {volume}"
+                assert (volume["emptyDir"] or {}).get("medium", "") != "Memory", f"{where}: {volume}"
+                assert (volume["emptyDir"] or {}).get("sizeLimit"), f"{where}: {volume} has no sizeLimit"
+                checked += 1
+    assert checked == len(rendered_sets()), checked

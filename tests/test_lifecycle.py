@@ -279,3 +279,16 @@ def test_a_policy_set_at_creation_survives_an_optimizer_change(make_cluster, cli
     assert config.optimizer.lr == 0.5 and config.lifecycle == policy
     c.update_config("e", lifecycle=LifecyclePolicy())
     assert c.refresh_map().table("keep-policy", "e").config.lifecycle == LifecyclePolicy()
+
+
+def test_oldest_rows_compiled_and_numpy_choose_alike(monkeypatch):
+    """The eviction choice (oldest per block, ties by the order given) is the same compiled
+    and in the numpy fallback."""
+    from shardps.server.node import storage_kernels
+    rng = np.random.default_rng(7)
+    blocks, seen = rng.integers(0, 6, 5000), rng.integers(0, 30, 5000)
+    excess = rng.integers(0, 900, 6)
+    compiled = storage_kernels.oldest_rows(blocks, seen, excess)
+    monkeypatch.setattr(storage_kernels, "AVAILABLE", False)
+    np.testing.assert_array_equal(storage_kernels.oldest_rows(blocks, seen, excess), compiled)
+    assert compiled.sum() == sum(min(e, (blocks == k).sum()) for k, e in enumerate(excess))

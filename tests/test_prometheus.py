@@ -8,8 +8,10 @@ service discovery swapped for a file of the local targets, so both configs' rela
 is tested. During training the test provokes a stale-epoch refusal (a raw Push under the epoch
 before a server joined), a rejected bad request (a NaN gradient) and refusals of the workers'
 own requests (their dense table in blocks of 4,096, some of which move to the new server), so
-the error panels have data. Then every PromQL expression of every panel of every dashboard
-runs through each Prometheus's HTTP API and must parse and return a non-empty result.
+the error panels have data, and fills a sparse table's cold tier (rows written to disk, read
+by pulls, warmed by pushes), so the cold-tier panels have data. Then every PromQL expression
+of every panel of every dashboard runs through each Prometheus's HTTP API and must parse and
+return a non-empty result.
 """
 
 from __future__ import annotations
@@ -329,6 +331,27 @@ def provoke_stale_epoch_and_bad_request(cluster, on_new_server) -> dict:
     return seen
 
 
+def fill_a_cold_tier(cluster) -> None:
+    """A sparse table of job "probe" whose memory budget (15 rows a block) moves most of its
+    rows to the servers' cold tiers: pushes write them there, a pull reads some, a push brings
+    some back to RAM (shardps_table_cold_*, shardps_table_rows, shardps_table_hot_hit_ratio)."""
+    from shardps.budget import set_lifecycle
+    from shardps.tables import LifecyclePolicy, adagrad
+    from shardps.worker.client import PSClient
+
+    row_bytes = 4 * 4 * 2 + 4 + 12          # values, Adagrad's sum, tick, sorted index entry
+    rng = np.random.default_rng(7)
+    with PSClient(cluster.manager_address, "probe", timeout=30.0) as c:
+        c.create_sparse("cold", 4, optimizer=adagrad(0.1), num_blocks=8)
+        set_lifecycle(c, "cold", LifecyclePolicy(budget_bytes=8 * 15 * row_bytes, cold=True))
+        for tick in range(1, 11):
+            ids = np.unique(rng.integers(0, 3000, 300)).astype(np.int64)
+            c.push_rows("cold", ids, np.ones((ids.shape[0], 4), np.float32), clock=tick)
+        first = np.arange(0, 400, dtype=np.int64)
+        c.pull_rows("cold", first)                                          # read there
+        c.push_rows("cold", first[:50], np.ones((50, 4), np.float32), clock=11)     # warmed
+
+
 # ====================================================================== the test
 @pytest.mark.prometheus
 @pytest.mark.timeout(300, method="thread")     # a hang in C code would never see a signal
@@ -376,6 +399,7 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path):
 
         seen = provoke_stale_epoch_and_bad_request(cluster, write_targets)
         print(f"stale-epoch refusal: {seen['stale_epoch']}\nrejected bad request: {seen['bad_request']}")
+        fill_a_cold_tier(cluster)
         for p in proms:                  # the k8s file also lists one pod without the annotation
             wait_for(f"prometheus {p.name} scrapes all 6 processes", lambda p=p: all_targets_up(p, 6), timeout=30)
             dropped = p.targets()["droppedTargets"]
@@ -387,6 +411,11 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path):
                      and p.query('sum(grpc_server_handled_total{grpc_code="FAILED_PRECONDITION"}) >= 1'),
                      timeout=30)
             assert p.label_values("training_job", "shardps_worker_steps_total") == ["demo"]
+            wait_for(f"prometheus {p.name} has the cold tier's rows and moves",
+                     lambda p=p: p.query('sum(shardps_table_cold_rows{training_job="probe", table="cold"}) > 0')
+                     and {r["metric"]["event"] for r in p.query(
+                         'sum by (event) (shardps_table_cold_moves_total{training_job="probe", table="cold"}) > 0')}
+                     >= {"written", "read", "warmed"}, timeout=30)
             assert p.query('count(shardps_server_blocks{component="server", server="s2"})'), \
                 f"{p.name}: the server and component labels are missing"
 

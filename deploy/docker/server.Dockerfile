@@ -53,8 +53,9 @@ COPY worker /src/worker
 COPY tools /src/tools
 # shardps itself, without the worker extra (no torch). Then drop what only building needs
 # (the wheels, the sources, pip, setuptools, the packages' own test suites); documentation,
-# manual pages and translations are not needed at run time either. The state and checkpoint
-# folders belong to the non-root user: Docker copies that ownership into fresh named volumes.
+# manual pages and translations are not needed at run time either. The state, checkpoint and
+# cold-tier (--cold-dir) folders belong to the non-root user: Docker copies that ownership
+# into fresh named volumes.
 # The data path's numba kernels are compiled here, into NUMBA_CACHE_DIR (owned by the runtime
 # user, who must be able to write to it for numba to read it): a container loads them in well
 # under a second instead of compiling them (a few seconds of CPU) before its first request. A
@@ -69,7 +70,7 @@ RUN set -eu; \
     find /opt/shardps/lib -depth -type d -name tests -path '*/site-packages/*' -exec rm -rf {} +; \
     rm -rf /wheels /src /tmp/* /root/.cache /usr/share/doc/* /usr/share/man/* /usr/share/info/* \
         /usr/share/locale/* /var/cache/apt/* /var/lib/apt/lists/*; \
-    install -d -o shardps -g shardps /var/lib/shardps/state /checkpoints
+    install -d -o shardps -g shardps /var/lib/shardps/state /var/lib/shardps/cold /checkpoints
 
 # One flat layer: the files deleted above (the wheels among them) leave the image instead of
 # hiding in a lower layer (452 MB, of which numba and llvmlite are about 200 MB).

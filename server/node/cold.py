@@ -9,7 +9,7 @@ never left, and the budget decides again which rows stay hot.
 
 Storage: per array one file, memory-mapped and grown by doubling (numpy reads and writes
 rows in place: about 0.1 us a row with the data in the page cache). The id -> slot index
-stays in RAM (the hot tier's index kinds). The files are unlinked once opened, so the space
+stays in RAM (``HashIndex``: rows move in and out in small batches). The files are unlinked once opened, so the space
 goes back to the disk when the server process ends, even after kill -9, and a restarted
 server never finds stale rows: a server's cold tier lives as long as its process, like its
 hot tier (replicas and checkpoints carry both).
@@ -80,7 +80,7 @@ class ColdRows:
 
     def __init__(self, num_blocks: int, dim: int, directory: str, index):
         self.num_blocks, self.dim, self.directory = num_blocks, dim, directory
-        self.index = index                             # id -> slot (storage._DirectIndex / _SortedIndex)
+        self.index = index                             # id -> slot (hash_index.HashIndex)
         self.values = _FileRows(directory, (dim,), np.float32)
         self.state: dict[str, _FileRows] = {}
         self.row_steps: _FileRows | None = None
@@ -190,7 +190,7 @@ class ColdRows:
 
     def index_bytes(self) -> int:
         """RAM the index of the rows here takes."""
-        return self.count * (12 if hasattr(self.index, "ids") else 4)
+        return self.index.nbytes()
 
 
 # ---------------------------------------------------------------------- moves between tiers

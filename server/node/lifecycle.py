@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from shardps import kernels
-from shardps.server.node import cold
+from shardps.server.node import cold, storage_kernels
 from shardps.tables import LifecyclePolicy, TableConfig, splitmix64
 
 if TYPE_CHECKING:
@@ -304,13 +304,10 @@ def _choose_evictions(rows: "SparseRows", life: TableLifecycle, policy: Lifecycl
     cooled = _EMPTY
     if over is not None and over.any():
         left = np.flatnonzero(~ttl & over[b])
-        order = left[np.lexsort((ids[left], seen[left], b[left]))]   # per block: oldest, then id
-        ob = b[order]
-        counts = np.bincount(ob, minlength=life.num_blocks)
-        rank = np.arange(order.shape[0]) - (np.cumsum(counts) - counts)[ob]
-        target = int(limit * LOW_WATERMARK)
-        excess = np.maximum(counts - target, 0)
-        chosen = order[rank < excess[ob]]
+        counts = np.bincount(b[left], minlength=life.num_blocks)
+        excess = np.maximum(counts - int(limit * LOW_WATERMARK), 0)
+        # per block: the oldest, then the smaller id (``stored`` lists ids ascending)
+        chosen = left[storage_kernels.oldest_rows(b[left], seen[left], excess)]
         if policy.cold:
             cooled = np.sort(ids[chosen])
             life.counters["cooled"] += chosen.shape[0]

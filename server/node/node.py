@@ -46,7 +46,7 @@ from shardps.messages import GRADIENT, PullReply, PullRequest, PushAck, PushRequ
 from shardps.metrics import NodeMetrics
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
-from shardps.server.node import lifecycle, optimizer_kernels, storage_kernels
+from shardps.server.node import hash_index, lifecycle, optimizer_kernels, storage_kernels
 from shardps.server.node.apply import JobHolds, PushApplier, forget_departed_writers
 from shardps.server.node.backup import BackupApplier
 from shardps.server.node.blocks import BlockKey
@@ -65,7 +65,7 @@ log = logging.getLogger("shardps.server")
 def warm_up_kernels() -> tuple[float, int, int]:
     """The node's kernels compiled or loaded, and logged (``kernels.prepare``). The server
     image runs it at build time so that its containers load every kernel and compile none."""
-    return kernels.prepare(log, storage_kernels, optimizer_kernels)
+    return kernels.prepare(log, storage_kernels, optimizer_kernels, hash_index)
 
 
 def _table_attr(name: str, doc: str) -> property:

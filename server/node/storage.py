@@ -131,7 +131,13 @@ class _SortedIndex:
         self.ids, self.slots = merged_ids, merged_slots
 
     def remove(self, ids: np.ndarray) -> None:
-        keep = ~np.isin(self.ids, ids)
+        """Forget ``ids`` (those not here are ignored)."""
+        n = self.ids.shape[0]
+        if n == 0:
+            return
+        pos = np.minimum(np.searchsorted(self.ids, ids), n - 1)
+        keep = np.ones(n, dtype=bool)
+        keep[pos[self.ids[pos] == ids]] = False
         self.ids, self.slots = stored(self.ids[keep], np.int64), stored(self.slots[keep], np.int32)
 
     def stored(self) -> tuple[np.ndarray, np.ndarray]:
@@ -192,7 +198,8 @@ class SparseRows:
         self.spec = spec
         self.dim = spec.dim
         self.lock = threading.Lock()
-        self.index = self._new_index()
+        n = spec.num_rows
+        self.index = _DirectIndex(n) if 0 < n <= DIRECT_INDEX_MAX_ROWS else _SortedIndex()
         self.rows = _Rows((self.dim,), np.float32)
         self.state: dict[str, _Rows] = {}
         self.row_steps: _Rows | None = None
@@ -207,10 +214,6 @@ class SparseRows:
         cache = InitCache(spec) if spec.init.kind is InitKind.NORMAL else None
         self.cache = (cache.ids, cache.ok, cache.rows) if cache is not None else InitCache.none(spec.dim)
         self._state_for: TableConfig | None = None      # the config whose state is ensured
-
-    def _new_index(self) -> _DirectIndex | _SortedIndex:
-        n = self.spec.num_rows
-        return _DirectIndex(n) if 0 < n <= DIRECT_INDEX_MAX_ROWS else _SortedIndex()
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """Slot of each id, or -1 where the row is not stored."""
@@ -434,7 +437,8 @@ class SparseRows:
         directory when it cannot hold files)."""
         if self.cold is None:
             from shardps.server.node.cold import ColdRows, cold_root
-            self.cold = ColdRows(self.spec.num_blocks, self.dim, cold_root(self.cold_dir), self._new_index())
+            from shardps.server.node.hash_index import HashIndex
+            self.cold = ColdRows(self.spec.num_blocks, self.dim, cold_root(self.cold_dir), HashIndex())
         return self.cold
 
     def block_rows(self, block: int) -> tuple[np.ndarray, np.ndarray]:

@@ -266,6 +266,59 @@ def admit_rows(ids: np.ndarray, num_rows: int, owned: np.ndarray, epoch: int, bl
     return int(_admit_rows(ids, num_rows, owned, np.uint64(epoch), blocks if keep else counts, counts, keep, bits))
 
 
+@njit(**_JIT)
+def _oldest_rows(blocks, seen, excess, chosen):
+    n, nb = blocks.shape[0], excess.shape[0]
+    counts = np.zeros(nb, np.int64)
+    for i in range(n):
+        counts[blocks[i]] += 1
+    starts = np.zeros(nb + 1, np.int64)
+    for k in range(nb):
+        starts[k + 1] = starts[k] + counts[k]
+    fill = starts[:nb].copy()
+    grouped = np.empty(n, np.int64)
+    for i in range(n):                      # each block's rows, in the order given
+        k = blocks[i]
+        grouped[fill[k]] = i
+        fill[k] += 1
+    for k in range(nb):
+        m = min(excess[k], counts[k])
+        if m <= 0:
+            continue
+        rows = grouped[starts[k]:starts[k + 1]]
+        values = seen[rows]
+        cut = np.partition(values, m - 1)[m - 1]     # the m-th smallest: below it all go, at it the first
+        below = 0
+        for j in range(values.shape[0]):
+            if values[j] < cut:
+                below += 1
+        at_cut = m - below
+        for j in range(values.shape[0]):
+            if values[j] < cut:
+                chosen[rows[j]] = True
+            elif values[j] == cut and at_cut > 0:
+                chosen[rows[j]] = True
+                at_cut -= 1
+
+
+def oldest_rows(blocks: np.ndarray, seen: np.ndarray, excess: np.ndarray) -> np.ndarray:
+    """Which rows to evict: in each block ``b`` (``blocks``: int64 per row), the ``excess[b]``
+    with the smallest ``seen`` (int64), ties in the order given (callers list rows by
+    ascending id). Compiled: a selection per block (linear), where a sort of all the rows
+    by (block, seen) took most of an eviction pass."""
+    chosen = np.zeros(blocks.shape[0], dtype=np.bool_)
+    if not AVAILABLE:
+        order = np.lexsort((np.arange(blocks.shape[0]), seen, blocks))
+        ob = blocks[order]
+        counts = np.bincount(ob, minlength=excess.shape[0])
+        rank = np.arange(order.shape[0]) - (np.cumsum(counts) - counts)[ob]
+        chosen[order[rank < excess[ob]]] = True
+        return chosen
+    _oldest_rows(np.ascontiguousarray(blocks, dtype=np.int64), np.ascontiguousarray(seen, dtype=np.int64),
+                 np.ascontiguousarray(excess, dtype=np.int64), chosen)
+    return chosen
+
+
 def warm_up() -> None:
     """Compile (or load from the cache) with the argument types SparseRows uses: ids as
     arrays of their own and as read-only views of a received frame (numba types them apart)."""
@@ -283,6 +336,7 @@ def warm_up() -> None:
         init = (3, 0.0, 1.0, np.uint64(1), np.uint64(2))
         _gather_init(slot_of, rows, ids, np.empty((2, 2), np.float32), *init, *cache)
         _init_rows(ids, np.empty((2, 2), np.float32), *init, *cache, True)
+        oldest_rows(ids, ids, np.ones(2, np.int64))
         state = np.zeros((4, 2), np.float32)
         _assign_init(np.full(4, -1, dtype=np.int32), ids, np.empty(0, np.int64), 0, 2, np.zeros(2, np.int64),
                      np.empty(2, np.int64), rows, *init, *cache, state, 0.0, state, 0.0, np.zeros(4, np.int32))

@@ -43,6 +43,7 @@ PARTS = {
     "placement": "shardps.tools.bench.placement_sim",
     "control": "shardps.tools.bench.control_map",
     "lifecycle": "shardps.tools.bench.lifecycle",
+    "cold": "shardps.tools.bench.cold",
     "gpu": "shardps.tools.bench.gpu",
     "lines": "shardps.tools.bench.lines",
     "hybrid": "shardps.tools.bench.hybrid",

@@ -85,6 +85,9 @@ class BenchConfig:
     lifecycle_batch: int = 1024
     lifecycle_budget_mib: int = 64
     lifecycle_admit_after: int = 2
+    # cold: that model and data with a tenth of the rows in RAM, with and without the cold tier
+    # (tools/bench/cold.py)
+    cold_train_samples: int = 300_000
     # every part gives up after this long (processes are stopped)
     process_timeout_s: float = 900.0
     # gpu: the ctr model on CUDA, one process against GPU workers (tools/bench/gpu.py); skipped without CUDA
@@ -172,6 +175,7 @@ TINY = BenchConfig(
     lifecycle_test_samples=2_048,
     lifecycle_batch=512,
     lifecycle_budget_mib=1,
+    cold_train_samples=6_000,
     process_timeout_s=300.0,
     gpu_train_samples=8_192,
     gpu_batches=(512,),

@@ -33,8 +33,9 @@ ZIPF_A = 1.1
 FEATURES = 26
 
 
-def generate(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(ids int64 [n, 26], clicks float32 [n]) of the stream described above."""
+def generate(n: int, seed: int, salt: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(ids int64 [n, 26], clicks float32 [n]) of the stream described above (``salt``: the
+    same values hashed to other ids, as if the popular items changed)."""
     from shardps.tables import splitmix64
     from shardps.worker.models.ctr import BIAS, _true_weight
     rng = np.random.default_rng(seed)
@@ -43,7 +44,7 @@ def generate(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     prob = 1.0 / (1.0 + np.exp(-(BIAS + _true_weight(features, values).sum(axis=1))))
     clicks = (rng.random(n) < prob).astype(np.float32)
     keys = (features.astype(np.uint64) << np.uint64(32)) | values.astype(np.uint64)
-    return (splitmix64(keys) % np.uint64(IDS)).astype(np.int64), clicks
+    return (splitmix64(keys ^ np.uint64(salt)) % np.uint64(IDS)).astype(np.int64), clicks
 
 
 def train(cfg: BenchConfig, data, test, policy, progress) -> dict:
@@ -87,9 +88,14 @@ def train(cfg: BenchConfig, data, test, policy, progress) -> dict:
             peak = max(peak, rows.memory_bytes())
             counters = dict(rows.life.counters) if rows.life is not None else {}
             stored = int(rows.block_counts.sum())
+            if rows.cold is not None:
+                counters.update({f"cold_{k}": v for k, v in rows.cold.counters.items()},
+                                cold_rows=rows.cold.count, cold_disk_bytes=rows.cold.disk_bytes())
         out = {"peak": peak, "auc": auc(scores, test[1]), "stored": stored, "seconds": took, **counters}
-        progress(f"{'budget' if policy else 'unbounded'}: {x.shape[0] / took:,.0f} samples/s, peak "
-                 f"{peak / 2**20:.1f} MiB, {stored:,} rows stored, AUC {out['auc']:.4f}")
+        label = "unbounded" if policy is None else "cold tier" if policy.cold else "budget"
+        on_disk = f", {counters['cold_rows']:,} on disk" if "cold_rows" in counters else ""
+        progress(f"{label}: {x.shape[0] / took:,.0f} samples/s, peak {peak / 2**20:.1f} MiB, {stored:,} rows "
+                 f"in RAM{on_disk}, AUC {out['auc']:.4f}")
         return out
     finally:
         client.close()

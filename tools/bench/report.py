@@ -24,6 +24,10 @@ REQUIRED_KEYS = (
     "cache_hit_rate_ceiling", "cache_row_pull_bytes_floor", "cache_staleness_for_quarter_bytes",
     "lines_worker_train_per_step", "lines_worker_other_per_step", "lines_server_per_request",
     "lines_many_tables_worker_per_step",
+    "cold_on_samples_per_s", "cold_off_samples_per_s", "cold_unbounded_samples_per_s", "cold_on_auc",
+    "cold_off_auc", "cold_unbounded_auc", "cold_on_peak_table_bytes", "cold_off_peak_table_bytes",
+    "cold_unbounded_peak_table_bytes", "cold_budget_bytes", "cold_on_hit_rate", "cold_on_disk_bytes",
+    "cold_recur_on_auc", "cold_recur_off_auc",
 )
 
 
@@ -126,6 +130,14 @@ TARGETS = (
            "cache_on_samples_per_s >= 1.25 x cache_off_samples_per_s"),
     Target("cache_auc", "cache_auc_abs_gap_on_off", "<=", 0.003,
            "|cache_on_auc - cache_off_auc| <= 0.003"),
+    # cold: a tenth of the rows in RAM, the rest in the cold tier on disk
+    Target("cold_auc", "cold_on_auc_abs_gap", "<=", 0.002, "cold tier: |AUC - unbounded's| <= 0.002"),
+    Target("cold_speed", "cold_on_over_unbounded_samples_per_s", ">=", 0.7,
+           "cold tier: samples/s >= 0.7 x unbounded"),
+    Target("cold_peak", "cold_on_peak_over_budget", "<=", 1.10,
+           "cold tier: peak table bytes in RAM <= 1.10 x the budget"),
+    Target("cold_recur", "cold_recur_gain", ">=", 0.0001,
+           "ids evicted then revisited: cold tier's AUC > evicting's (gain >= 0.0001)"),
     # on a CUDA machine only (the gpu and cache parts; elsewhere not measured)
     Target("gpu_w2_speed", "gpu_ps_w2_b4096_over_single", ">=", 0.7,
            "GPU: 2 workers x 2 servers, batch 4096 >= 0.7 x one GPU process", cuda=True),

@@ -198,7 +198,8 @@ def run_schedule(cfg: RunConfig, progress: Callable[[str], None] | None = None) 
     return verdict
 
 
-LIFECYCLE_FIGURES = ("rows", "rows_admitted", "rows_not_admitted", "rows_evicted_ttl", "rows_evicted_budget")
+LIFECYCLE_FIGURES = ("rows", "rows_admitted", "rows_not_admitted", "rows_evicted_ttl", "rows_evicted_budget",
+                     "rows_cooled", "cold_rows")
 
 
 def _read_replicas(cluster: VerifyCluster) -> tuple[dict, list[str]]:

@@ -7,8 +7,9 @@ exactly once on every block), refused and unknown (deadline or unavailable: each
 most once per block). Jobs:
 
 * ``async-sparse`` and ``async-dense`` (ASYNC): pushes applied as they arrive.
-* ``lifecycle`` (ASYNC, ``LifecycleJob``): a sparse table with a small memory budget,
-  admission and a TTL; its values are not counters, its replicas are compared bit for bit.
+* ``lifecycle`` (ASYNC, ``LifecycleJob``): two sparse tables with a small memory budget,
+  admission and a TTL, one of them with a cold tier (the rows its budget evicts go to the
+  servers' disk); their values are not counters, their replicas are compared bit for bit.
 * ``sync`` (SYNC, ``SYNC_WORKERS`` members): each step a worker pulls with the step's clock
   (waiting for the previous step), pushes ``-SYNC_WORKERS`` (the step applies the mean over
   the members: +1), then reports the step. Sometimes (seeded) it pushes again for the step
@@ -22,6 +23,7 @@ applied, and that values never go backwards.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import threading
@@ -329,7 +331,9 @@ class Job:
 
 class LifecycleJob(Job):
     """``lifecycle`` (ASYNC): a sparse table with a ``LifecyclePolicy`` small enough that, in a
-    few seconds, rows are not admitted (seen once), evicted by TTL and by the budget.
+    few seconds, rows are not admitted (seen once), evicted by TTL and by the budget, and
+    ``COLD_TABLE`` with the same policy and a cold tier (budget evictions move rows to disk
+    and back), pushed the same ids in the same push.
 
     Each push sends ``LIFECYCLE_HOT`` ids of a skewed hot set (recurring: admitted on their
     second push, then kept or evicted by recency) and ``LIFECYCLE_COLD`` ids seen about once
@@ -347,6 +351,8 @@ class LifecycleJob(Job):
             c.create_job(self.consistency)
             c.create_sparse(TABLE, LIFECYCLE_DIM, num_rows=LIFECYCLE_ROWS, optimizer=adagrad(0.05),
                             num_blocks=LIFECYCLE_BLOCKS, lifecycle=LIFECYCLE_POLICY)
+            c.create_sparse(COLD_TABLE, LIFECYCLE_DIM, num_rows=LIFECYCLE_ROWS, optimizer=adagrad(0.05),
+                            num_blocks=LIFECYCLE_BLOCKS, lifecycle=COLD_POLICY)
 
     def _ids(self, rec: WorkerRecord, gen: np.random.Generator, step: int) -> np.ndarray:
         hot = (LIFECYCLE_HOT_SET * gen.random(LIFECYCLE_HOT) ** 2).astype(np.int64)
@@ -363,7 +369,7 @@ class LifecycleJob(Job):
             grad = gen.standard_normal((ids.shape[0], LIFECYCLE_DIM)).astype(np.float32)
             self.history.begin(rec)
             try:
-                c.push_rows(TABLE, ids, grad, clock=step)
+                c.push_many([(TABLE, ids, grad), (COLD_TABLE, ids, grad)], clock=step)
             except Exception as exc:
                 self.history.outcome(rec, _classify(exc) if isinstance(exc, ShardpsError) else "unknown", exc)
                 self.stop.wait(0.05)
@@ -375,8 +381,8 @@ class LifecycleJob(Job):
         """Pull a sample of hot ids (stored, evicted or never admitted alike); their values
         must be finite. Returns no counters."""
         ids = np.unique(np.random.default_rng().integers(0, LIFECYCLE_HOT_SET, 64))
-        got = c.pull_rows(TABLE, ids, timeout=timeout)
-        if not np.all(np.isfinite(got)):
+        got = c.pull_many([(TABLE, ids), (COLD_TABLE, ids)], timeout=timeout)
+        if not all(np.all(np.isfinite(g)) for g in got.values):
             with self.history.lock:
                 self.history.over_reads.append(f"{self.name}: a pull answered non-finite values")
         return {}
@@ -390,6 +396,8 @@ LIFECYCLE_HOT, LIFECYCLE_COLD = 24, 24    # ids per push of each kind
 # per block: the 16 KiB sketch and about 150 rows of 40 bytes; 8 blocks
 LIFECYCLE_POLICY = LifecyclePolicy(budget_bytes=LIFECYCLE_BLOCKS * (16_384 + 150 * 40), admit_after=2,
                                    ttl_steps=40)
+COLD_TABLE = "cold"
+COLD_POLICY = dataclasses.replace(LIFECYCLE_POLICY, cold=True)
 
 JOBS = ("async-sparse", "async-dense", "sync", "lifecycle")
 
