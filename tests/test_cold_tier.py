@@ -207,3 +207,37 @@ def test_status_and_metrics_show_both_tiers(make_cluster, client_factory):
     hit = [s.node.metrics.registry.get_sample_value("shardps_table_hot_hit_ratio", labels)
            for s in cluster.servers.values()]
     assert all(h is not None and 0 < h < 1 for h in hit), hit
+
+
+def test_a_full_disk_keeps_the_rows_in_ram_and_loses_nothing(tmp_path, caplog):
+    """The file-size limit (RLIMIT_FSIZE) makes the cold tier's next allocation fail as a
+    full disk would (EFBIG; ENOSPC alike): the rows it could not take stay in RAM, above the
+    budget, logged; every value stays as an unbounded table has it, and the tier takes rows
+    again once there is room."""
+    import resource
+    import signal
+    rng = np.random.default_rng(9)
+    stream = []
+    for tick in range(1, 13):              # 500 new ids a step, and the first 100 again
+        ids = np.concatenate([np.arange(100), np.arange(tick * 500, tick * 500 + 500)]).astype(np.int64)
+        stream.append((tick, ids, rng.standard_normal((ids.shape[0], 4)).astype(np.float32)))
+    unbounded = _rows()
+    _train(unbounded, TableConfig(adagrad(0.1)), stream)
+    rows = SparseRows(sparse_table("e", 4, num_blocks=BLOCKS, init=INIT), str(tmp_path))
+    config = TableConfig(adagrad(0.1), lifecycle=LifecyclePolicy(budget_bytes=_budget(10), cold=True))
+    _train(rows, config, stream[:2])
+    assert rows.cold is not None and 0 < rows.cold.count
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (rows.cold.values.disk_bytes(), limit[1]))   # no room to grow
+    try:
+        _train(rows, config, stream[2:8])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, previous)
+    assert "stay in RAM above its memory budget" in caplog.text
+    assert (rows.block_counts > limit_rows(rows, config.lifecycle)).any()         # over the budget, loudly
+    every = np.arange(6600, dtype=np.int64)
+    _train(rows, config, stream[8:])                                               # room again
+    assert (rows.block_counts <= limit_rows(rows, config.lifecycle)).all()
+    np.testing.assert_array_equal(rows.read(every), unbounded.read(every))

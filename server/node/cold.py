@@ -19,6 +19,7 @@ Plain numpy; no grpc, no torch.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import tempfile
@@ -31,6 +32,8 @@ from shardps import kernels
 
 if TYPE_CHECKING:
     from shardps.server.node.storage import SparseRows
+
+log = logging.getLogger("shardps.server.cold")
 
 
 def cold_root(directory: str) -> str:
@@ -62,11 +65,14 @@ class _FileRows:
         self.data = np.empty((0,) + shape, dtype=self.dtype)
 
     def ensure(self, slots: int) -> None:
+        """Room for ``slots`` rows. The disk blocks are allocated here (OSError, ENOSPC, when
+        the disk is full, with nothing changed): a write into a mapped page with no block
+        behind it would kill the process (SIGBUS) instead."""
         capacity = self.data.shape[0]
         if slots <= capacity:
             return
         capacity = max(slots, 2 * capacity, 1024)
-        os.ftruncate(self.fd, capacity * self.row_bytes)
+        os.posix_fallocate(self.fd, 0, capacity * self.row_bytes)
         mapped = mmap.mmap(self.fd, capacity * self.row_bytes)
         self.data = np.frombuffer(mapped, dtype=self.dtype).reshape((capacity,) + self.shape)
 
@@ -106,20 +112,21 @@ class ColdRows:
     def put(self, ids: np.ndarray, values: np.ndarray, state: dict[str, np.ndarray], steps: np.ndarray | None,
             ticks: np.ndarray) -> None:
         """Store rows ``ids`` (unique, not here) with their values, optimizer state, step
-        counts (None: none kept) and ticks."""
+        counts (None: none kept) and ticks. OSError (a full disk) leaves everything as it was."""
         n = ids.shape[0]
         if n == 0:
             return
-        for name in state:
-            if name not in self.state:
-                self.state[name] = self._new(f"state.{name}", (self.dim,), np.float32)
-        if steps is not None and self.row_steps is None:
-            self.row_steps = self._new("row_steps", (), np.int32)
+        added = {name: self._new((self.dim,), np.float32) for name in state if name not in self.state}
+        steps_added = self._new((), np.int32) if steps is not None and self.row_steps is None else None
+        used = self.used + max(0, n - self.free.shape[0])
+        for pages in [*self._arrays(), *added.values(), *([steps_added] if steps_added else [])]:
+            pages.ensure(used)                  # may raise: nothing changed yet
+        self.state.update(added)
+        if steps_added is not None:
+            self.row_steps = steps_added
         reuse, self.free = self.free[:n], self.free[n:]
-        fresh = np.arange(self.used, self.used + n - reuse.shape[0], dtype=np.int64)
-        self.used += fresh.shape[0]
-        for pages in self._arrays():
-            pages.ensure(self.used)
+        fresh = np.arange(self.used, used, dtype=np.int64)
+        self.used = used
         slots = np.concatenate([reuse, fresh]) if reuse.shape[0] else fresh
         self.values.data[slots] = values
         self.ticks.data[slots] = ticks
@@ -131,13 +138,11 @@ class ColdRows:
         self.block_counts += np.bincount(kernels.sparse_block_of(ids, self.num_blocks), minlength=self.num_blocks)
         self.counters["written"] += n
 
-    def _new(self, name: str, shape: tuple, dtype) -> _FileRows:
-        """An array that existing slots lack (their optimizer state or step counts: zero,
-        as a row stored without them would start)."""
+    def _new(self, shape: tuple, dtype) -> _FileRows:
+        """An array that existing slots lack (their optimizer state or step counts: zero, as
+        a row stored without them would start, and as a file's new blocks read)."""
         pages = _FileRows(self.directory, shape, dtype)
         pages.ensure(self.used)
-        if self.used:
-            pages.data[:self.used] = 0
         return pages
 
     def rows(self, slots: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray | None, np.ndarray]:
@@ -211,15 +216,24 @@ def warm(rows: "SparseRows", ids: np.ndarray) -> np.ndarray:
     return found
 
 
-def cool(rows: "SparseRows", ids: np.ndarray) -> None:
-    """Move rows ``ids`` (unique, in RAM) to the cold tier with their state and ticks."""
+def cool(rows: "SparseRows", ids: np.ndarray) -> np.ndarray:
+    """Move rows ``ids`` (unique, in RAM) to the cold tier with their state and ticks;
+    returns the ids moved. When the tier cannot take them (its disk is full, its directory
+    gone) they stay in RAM, above the budget, and the error is logged: nothing is lost."""
     if ids.shape[0] == 0:
-        return
+        return ids
     slots = rows.lookup(ids)
-    rows.ensure_cold().put(ids, rows.rows.take(slots), {k: v.take(slots) for k, v in rows.state.items()},
-                           rows.row_steps.take(slots) if rows.row_steps is not None else None,
-                           rows.ensure_ticks().take(slots))
+    try:
+        rows.ensure_cold().put(ids, rows.rows.take(slots), {k: v.take(slots) for k, v in rows.state.items()},
+                               rows.row_steps.take(slots) if rows.row_steps is not None else None,
+                               rows.ensure_ticks().take(slots))
+    except (OSError, ValueError) as e:
+        log.error("table %r: %d rows stay in RAM above its memory budget: the cold tier in %s cannot take "
+                  "them (%s); free disk space there or give the server another --cold-dir",
+                  rows.spec.name, ids.shape[0], rows.cold_dir or tempfile.gettempdir(), e)
+        return ids[:0]
     rows.remove(ids)
+    return ids
 
 
 def forget(rows: "SparseRows", ids: np.ndarray) -> None:

@@ -224,7 +224,8 @@ def apply_push(rows: "SparseRows", config: TableConfig, ids: np.ndarray, grad: n
         due = pushed & (life.now // every < tick // every)
     _touch(rows, life, config, ids, grad, pushed, tick)
     cooled, gone = _choose_evictions(rows, life, policy, pushed, due, tick, wall)
-    cold.cool(rows, cooled)
+    chosen, cooled = cooled, cold.cool(rows, cooled)     # those the tier cannot take stay in RAM
+    life.counters["cooled"] -= chosen.shape[0] - cooled.shape[0]
     cold.forget(rows, gone)
     return Outcome(dropped, cooled, gone)
 
