@@ -190,6 +190,7 @@ def test_shardps_checkpoint_names_the_ranks_that_never_arrive_and_what_they_must
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow             # over a second: make test-fast stays under a minute
 def test_a_hybrid_models_dense_values_and_optimizer_state_come_back_with_a_restore(make_cluster, client_factory,
                                                                                      tmp_path):
     import torch.distributed as dist

@@ -21,6 +21,7 @@ MANAGER_SERVICE = "shardps.v1.ResourceManager"
 
 
 # ---------------------------------------------------------------- compose
+@pytest.mark.slow             # over a second: make test-fast stays under a minute
 def test_ha_compose_processes_speak_the_cli_and_follow_the_three_managers():
     procs = compose_processes(HA_FILES)
     managers = [n for n in procs if procs[n].argv[0] == "manager"]

@@ -53,6 +53,7 @@ def test_a_refused_call_is_sent_to_the_leader_named(replicas):
         assert refused_by_follower(err.value) == leader
 
 
+@pytest.mark.slow             # over a second: make test-fast stays under a minute
 def test_no_leader_yet_waits_then_an_unreachable_replica_moves_on(replicas):
     gate = LeaderGate(SERVICE, lambda: "")
     follower = replicas(gate)

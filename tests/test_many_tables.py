@@ -49,6 +49,7 @@ def test_a_schedule_sets_every_tables_learning_rate_in_one_map_change(make_clust
     assert c.refresh_map().epoch == epoch + 1 and c.table("branches.0.bias").config.optimizer.lr == 0.05
 
 
+@pytest.mark.slow             # over a second: make test-fast stays under a minute
 def test_a_dense_table_of_thousands_of_blocks_pulls_and_pushes_whole(make_cluster, client_factory):
     """6,250 blocks over two servers: each server gets its blocks as a thousand or more
     ranges of one request (once refused over a limit of 1,024 segments a request)."""
