@@ -16,7 +16,7 @@ def test_matches_a_dict_under_random_batches(seed):
         batch = np.unique(rng.choice(universe, rng.integers(1, 200)))
         if rng.random() < 0.55:
             new = batch[[int(x) not in model for x in batch]]
-            slots = rng.integers(0, 1 << 40, new.shape[0])
+            slots = rng.integers(0, 1 << 31, new.shape[0])
             index.add(new, slots)
             model.update(zip(new.tolist(), slots.tolist()))
         else:

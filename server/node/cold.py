@@ -23,6 +23,7 @@ import logging
 import mmap
 import os
 import tempfile
+import time
 import weakref
 from typing import TYPE_CHECKING
 
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
     from shardps.server.node.storage import SparseRows
 
 log = logging.getLogger("shardps.server.cold")
+ERROR_EVERY = 60.0                 # seconds between two logs of a table's tier that cannot take rows
+_last_error: dict[int, float] = {}
 
 
 def cold_root(directory: str) -> str:
@@ -228,9 +231,12 @@ def cool(rows: "SparseRows", ids: np.ndarray) -> np.ndarray:
                                rows.row_steps.take(slots) if rows.row_steps is not None else None,
                                rows.ensure_ticks().take(slots))
     except (OSError, ValueError) as e:
-        log.error("table %r: %d rows stay in RAM above its memory budget: the cold tier in %s cannot take "
-                  "them (%s); free disk space there or give the server another --cold-dir",
-                  rows.spec.name, ids.shape[0], rows.cold_dir or tempfile.gettempdir(), e)
+        now = time.monotonic()
+        if now - _last_error.get(id(rows), -ERROR_EVERY) >= ERROR_EVERY:     # not one line per push
+            _last_error[id(rows)] = now
+            log.error("table %r: %d rows stay in RAM above its memory budget: the cold tier in %s cannot take "
+                      "them (%s); free disk space there or give the server another --cold-dir",
+                      rows.spec.name, ids.shape[0], rows.cold_dir or tempfile.gettempdir(), e)
         return ids[:0]
     rows.remove(ids)
     return ids

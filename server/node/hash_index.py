@@ -1,5 +1,5 @@
 """``HashIndex``: id -> slot for any int64 ids, an open-addressing hash table (linear
-probing, deletion by backward shift, load at most one half), for indexes that change by
+probing, deletion by backward shift, load at most 0.7), for indexes that change by
 many small batches: a lookup, insert or removal costs O(ids given), where a sorted index
 re-merges all of its entries. The cold tier's index (``server/node/cold.py``): rows move in
 and out of it on most pushes, millions of them.
@@ -78,13 +78,16 @@ def _remove(keys, slots, used, bits, ids):
     return removed
 
 
+MAX_LOAD = 0.7              # grow past this, to a load of 1/2 at most
+
+
 class HashIndex:
-    """id -> slot (int64 ids, int64 slots); see the module docstring. 13 bytes per entry
-    at capacity, at least twice the entries."""
+    """id -> slot (int64 ids, slots below 2**31); see the module docstring. 13 bytes a
+    place, 0.25 to 0.7 of them taken: 19 to 52 bytes an entry."""
 
     def __init__(self, bits: int = MIN_BITS):
         self.bits = bits
-        self.keys, self.slots = _zeros(1 << bits, np.int64), _zeros(1 << bits, np.int64)
+        self.keys, self.slots = _zeros(1 << bits, np.int64), _zeros(1 << bits, np.int32)
         self.used = _zeros(1 << bits, np.bool_)
         self.count = 0
 
@@ -101,10 +104,10 @@ class HashIndex:
     def add(self, ids: np.ndarray, slots: np.ndarray) -> None:
         """Map ``ids`` (unique) to ``slots``."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
-        if 2 * (self.count + ids.shape[0]) > self.keys.shape[0]:
+        if self.count + ids.shape[0] > MAX_LOAD * self.keys.shape[0]:
             self._grow(self.count + ids.shape[0])
         self.count += _insert(
-            self.keys, self.slots, self.used, self.bits, ids, np.ascontiguousarray(slots, dtype=np.int64))
+            self.keys, self.slots, self.used, self.bits, ids, np.ascontiguousarray(slots, dtype=np.int32))
 
     def remove(self, ids: np.ndarray) -> None:
         """Forget ``ids`` (those not here are ignored)."""
@@ -116,14 +119,14 @@ class HashIndex:
         """(ids ascending, their slots)."""
         ids, slots = self.keys[self.used], self.slots[self.used]
         order = np.argsort(ids, kind="stable")
-        return ids[order], slots[order]
+        return ids[order], slots[order].astype(np.int64)
 
     def nbytes(self) -> int:
         return self.keys.nbytes + self.slots.nbytes + self.used.nbytes
 
     def _grow(self, entries: int) -> None:
         ids, slots = self.keys[self.used], self.slots[self.used]
-        bits = max(MIN_BITS, (2 * entries - 1).bit_length() + 1)      # load <= 1/4 right after
+        bits = max(MIN_BITS, (2 * entries - 1).bit_length())      # load <= 1/2 right after
         self.__init__(bits)  # type: ignore[misc]
         self.add(ids, slots)
 
@@ -139,6 +142,6 @@ def _zeros(n: int, dtype) -> np.ndarray:
 def warm_up() -> None:
     """Compile (or load from the cache) the kernels with the types ``HashIndex`` passes."""
     index = HashIndex()
-    index.add(np.arange(3, dtype=np.int64), np.arange(3, dtype=np.int64))
+    index.add(np.arange(3, dtype=np.int64), np.arange(3, dtype=np.int32))
     index.lookup(np.arange(4, dtype=np.int64))
     index.remove(np.arange(1, dtype=np.int64))
