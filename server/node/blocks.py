@@ -17,6 +17,7 @@ import json
 import operator
 import threading
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
@@ -351,32 +352,31 @@ class SparseBlock(Block):
 
     def load(self, meta: dict, arrays: dict[str, np.ndarray]) -> None:
         self._load_metadata(meta)
-        count = int(meta["count"])
-        ids = np.asarray(arrays["ids"], dtype=np.int64).reshape(count)
-        values = np.asarray(arrays["values"], dtype=np.float32).reshape(count, self.dim)
-        state = {k[len("state."):]: np.asarray(v, dtype=np.float32).reshape(count, self.dim)
-                 for k, v in arrays.items() if k.startswith("state.")}
-        steps = (np.asarray(arrays["row_steps"]).astype(np.int32) if "row_steps" in arrays else None)
-        ticks = (np.asarray(arrays["lifecycle.ticks"]).astype(np.int32).reshape(count)
-                 if "lifecycle.ticks" in arrays else None)
+        ids = np.asarray(arrays["ids"], dtype=np.int64).reshape(int(meta["count"]))
         with self.table_rows.lock:
             self.table_rows.remove_block(self.key[2])
-            self.table_rows.insert(ids, None, values, state, steps, ticks)
+            self.table_rows.insert(ids, None, *self._snapshot_rows(arrays, "", "lifecycle.ticks", ids.shape[0]))
             if "lifecycle" in meta:
                 self.table_rows.lifecycle().load_block(self.key[2], meta["lifecycle"], arrays)
-            if "cold.ids" in arrays:
+            if "cold.ids" in arrays:          # the cold tier's rows (``snapshot``)
                 cold_ids = np.asarray(arrays["cold.ids"], dtype=np.int64)
-                n = cold_ids.shape[0]
-                self.table_rows.ensure_cold().put(
-                    cold_ids, np.asarray(arrays["cold.values"], np.float32).reshape(n, self.dim),
-                    {k[len("cold.state."):]: np.asarray(v, np.float32).reshape(n, self.dim)
-                     for k, v in arrays.items() if k.startswith("cold.state.")},
-                    np.asarray(arrays["cold.row_steps"], np.int32) if "cold.row_steps" in arrays else None,
-                    np.asarray(arrays["cold.ticks"], np.int32).reshape(n))
+                values, state, steps, ticks = self._snapshot_rows(arrays, "cold.", "cold.ticks", cold_ids.shape[0])
+                self.table_rows.ensure_cold().put(cold_ids, values, state, steps, cast(np.ndarray, ticks))
         self.pending = {int(s): [(arrays[f"pending.{s}.{i}.ids"],
                                   arrays[f"pending.{s}.{i}.grad"].reshape(-1, self.dim))
                                  for i in range(n)]
                         for s, n in meta.get("pending", {}).items()}
+
+
+    def _snapshot_rows(self, arrays: dict[str, np.ndarray], prefix: str, ticks: str, n: int) -> tuple:
+        """(values, optimizer state by name, step counts or None, ticks or None) of ``n`` rows
+        in a snapshot's arrays named ``prefix`` + values, state.NAME, row_steps, and ``ticks``."""
+        state = {k[len(prefix) + len("state."):]: np.asarray(v, dtype=np.float32).reshape(n, self.dim)
+                 for k, v in arrays.items() if k.startswith(prefix + "state.")}
+        steps = arrays.get(prefix + "row_steps")
+        return (np.asarray(arrays[prefix + "values"], dtype=np.float32).reshape(n, self.dim), state,
+                None if steps is None else np.asarray(steps).astype(np.int32),
+                np.asarray(arrays[ticks]).astype(np.int32).reshape(n) if ticks in arrays else None)
 
 
 # What a block table holds: a block of either kind (``isinstance`` tells which).

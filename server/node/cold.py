@@ -30,13 +30,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from shardps import kernels
+from shardps.server.node.hash_index import HashIndex
 
 if TYPE_CHECKING:
     from shardps.server.node.storage import SparseRows
 
 log = logging.getLogger("shardps.server.cold")
 ERROR_EVERY = 60.0                 # seconds between two logs of a table's tier that cannot take rows
-_last_error: dict[int, float] = {}
 
 
 def cold_root(directory: str) -> str:
@@ -58,8 +58,8 @@ class _FileRows:
     """A growable ``[slots, *shape]`` array in a file of its own (unlinked: it lives while
     this object does), memory-mapped; capacity doubles."""
 
-    def __init__(self, directory: str, shape: tuple, dtype, fill=0):
-        self.shape, self.dtype, self.fill = shape, np.dtype(dtype), fill
+    def __init__(self, directory: str, shape: tuple, dtype):
+        self.shape, self.dtype = shape, np.dtype(dtype)
         self.row_bytes = int(np.prod(shape, dtype=np.int64)) * self.dtype.itemsize
         fd, path = tempfile.mkstemp(dir=directory, prefix="shardps-cold-")
         os.unlink(path)
@@ -87,9 +87,9 @@ class ColdRows:
     """The cold tier of one sparse table on one server (see the module docstring). Not
     thread-safe: the owning ``SparseRows.lock`` is held."""
 
-    def __init__(self, num_blocks: int, dim: int, directory: str, index):
+    def __init__(self, num_blocks: int, dim: int, directory: str):
         self.num_blocks, self.dim, self.directory = num_blocks, dim, directory
-        self.index = index                             # id -> slot (hash_index.HashIndex)
+        self.index = HashIndex()                       # id -> slot
         self.values = _FileRows(directory, (dim,), np.float32)
         self.state: dict[str, _FileRows] = {}
         self.row_steps: _FileRows | None = None
@@ -101,12 +101,10 @@ class ColdRows:
 
     @property
     def count(self) -> int:
-        return int(self.block_counts.sum())
+        return self.index.count
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """Slot of each id here, or -1."""
-        if self.used == len(self.free):
-            return np.full(ids.shape[0], -1, dtype=np.int64)
         return self.index.lookup(ids)
 
     def _arrays(self):
@@ -134,7 +132,7 @@ class ColdRows:
         self.values.data[slots] = values
         self.ticks.data[slots] = ticks
         for name, pages in self.state.items():
-            pages.data[slots] = state[name] if name in state else pages.fill
+            pages.data[slots] = state[name] if name in state else 0     # as a state array added later starts
         if self.row_steps is not None:
             self.row_steps.data[slots] = 0 if steps is None else steps
         self.index.add(ids, slots)
@@ -166,15 +164,16 @@ class ColdRows:
         self.free = np.concatenate([self.free, slots])
         self.block_counts -= np.bincount(kernels.sparse_block_of(ids, self.num_blocks), minlength=self.num_blocks)
 
-    def stored(self, blocks: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(ids, slots) of the rows here (of the blocks in mask ``blocks``), by id."""
-        if self.count == 0:
-            return np.empty(0, np.int64), np.empty(0, np.int64)
-        ids, slots = self.index.stored()
+    def stored(self, blocks: np.ndarray | None = None, ordered: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, slots) of the rows here (of the blocks in mask ``blocks``): by id, or in no
+        particular order (``ordered=False``: a TTL scan)."""
+        ids, slots = self.index.stored(ordered=False)
         if blocks is not None:
             mine = blocks[kernels.sparse_block_of(ids, self.num_blocks)]
             ids, slots = ids[mine], slots[mine]
-        order = np.argsort(ids, kind="stable")
+        if not ordered:
+            return ids, slots
+        order = np.argsort(ids)
         return ids[order], slots[order]
 
     def block_rows(self, block: int) -> tuple[np.ndarray, np.ndarray]:
@@ -195,10 +194,6 @@ class ColdRows:
     def disk_bytes(self) -> int:
         """Bytes of the rows stored here (the files' capacity is up to twice that)."""
         return self.count * self.row_bytes()
-
-    def index_bytes(self) -> int:
-        """RAM the index of the rows here takes."""
-        return self.index.nbytes()
 
 
 # ---------------------------------------------------------------------- moves between tiers
@@ -232,8 +227,8 @@ def cool(rows: "SparseRows", ids: np.ndarray) -> np.ndarray:
                                rows.ensure_ticks().take(slots))
     except (OSError, ValueError) as e:
         now = time.monotonic()
-        if now - _last_error.get(id(rows), -ERROR_EVERY) >= ERROR_EVERY:     # not one line per push
-            _last_error[id(rows)] = now
+        if now - rows.cold_error_at >= ERROR_EVERY:     # not one line per push
+            rows.cold_error_at = now
             log.error("table %r: %d rows stay in RAM above its memory budget: the cold tier in %s cannot take "
                       "them (%s); free disk space there or give the server another --cold-dir",
                       rows.spec.name, ids.shape[0], rows.cold_dir or tempfile.gettempdir(), e)

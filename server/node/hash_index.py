@@ -115,20 +115,20 @@ class HashIndex:
             self.count -= _remove(
                 self.keys, self.slots, self.used, self.bits, np.ascontiguousarray(ids, dtype=np.int64))
 
-    def stored(self) -> tuple[np.ndarray, np.ndarray]:
-        """(ids ascending, their slots)."""
-        ids, slots = self.keys[self.used], self.slots[self.used]
-        order = np.argsort(ids, kind="stable")
-        return ids[order], slots[order].astype(np.int64)
-
-    def nbytes(self) -> int:
-        return self.keys.nbytes + self.slots.nbytes + self.used.nbytes
+    def stored(self, ordered: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, their slots): ids ascending, or in the table's order (``ordered=False``)."""
+        ids, slots = self.keys[self.used], self.slots[self.used].astype(np.int64)
+        if not ordered:
+            return ids, slots
+        order = np.argsort(ids)              # unique ids: any sort gives the one order
+        return ids[order], slots[order]
 
     def _grow(self, entries: int) -> None:
         ids, slots = self.keys[self.used], self.slots[self.used]
-        bits = max(MIN_BITS, (2 * entries - 1).bit_length())      # load <= 1/2 right after
-        self.__init__(bits)  # type: ignore[misc]
-        self.add(ids, slots)
+        bigger = HashIndex(max(MIN_BITS, (2 * entries - 1).bit_length()))      # load <= 1/2 right after
+        bigger.add(ids, slots)
+        self.bits, self.keys, self.slots, self.used, self.count = (
+            bigger.bits, bigger.keys, bigger.slots, bigger.used, bigger.count)
 
 
 def _zeros(n: int, dtype) -> np.ndarray:

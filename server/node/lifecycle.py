@@ -224,8 +224,8 @@ def apply_push(rows: "SparseRows", config: TableConfig, ids: np.ndarray, grad: n
         due = pushed & (life.now // every < tick // every)
     _touch(rows, life, config, ids, grad, pushed, tick)
     cooled, gone = _choose_evictions(rows, life, policy, pushed, due, tick, wall)
-    chosen, cooled = cooled, cold.cool(rows, cooled)     # those the tier cannot take stay in RAM
-    life.counters["cooled"] -= chosen.shape[0] - cooled.shape[0]
+    cooled = cold.cool(rows, cooled)             # those the tier cannot take stay in RAM
+    life.counters["cooled"] += cooled.shape[0]
     cold.forget(rows, gone)
     return Outcome(dropped, cooled, gone)
 
@@ -311,7 +311,6 @@ def _choose_evictions(rows: "SparseRows", life: TableLifecycle, policy: Lifecycl
         chosen = left[storage_kernels.oldest_rows(b[left], seen[left], excess)]
         if policy.cold:
             cooled = np.sort(ids[chosen])
-            life.counters["cooled"] += chosen.shape[0]
         else:
             evict[chosen] = True
             life.counters["evicted_budget"] += chosen.shape[0]
@@ -323,7 +322,7 @@ def _choose_evictions(rows: "SparseRows", life: TableLifecycle, policy: Lifecycl
     if threshold is not None:
         ttl_blocks |= pushed
     if rows.cold is not None and rows.cold.count and ttl_blocks.any():
-        cold_ids, cold_slots = rows.cold.stored(ttl_blocks)    # TTL holds in the cold tier too
+        cold_ids, cold_slots = rows.cold.stored(ttl_blocks, ordered=False)    # TTL holds in the cold tier too
         cold_seen = rows.cold.ticks.data[cold_slots].astype(np.int64)
         cold_b = kernels.sparse_block_of(cold_ids, life.num_blocks)
         expired = cold_ids[_expired(cold_seen, cold_b, due_steps, threshold, policy, tick)]

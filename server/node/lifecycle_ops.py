@@ -32,7 +32,8 @@ class ByBlock:
         if self._split is None:
             o = self.outcome
             self._split = [self._group(o.dropped), self._group(o.cooled), self._group(o.gone)]
-        return tuple(part.get(block, _EMPTY) for part in self._split)   # type: ignore[return-value]
+        dropped, cooled, gone = (part.get(block, _EMPTY) for part in self._split)
+        return dropped, cooled, gone
 
     def _group(self, ids: np.ndarray) -> dict[int, np.ndarray]:
         if ids.shape[0] == 0:

@@ -207,6 +207,7 @@ class SparseRows:
         self.life: TableLifecycle | None = None         # lifecycle state (server/node/lifecycle.py)
         self.cold: ColdRows | None = None               # the cold tier (server/node/cold.py)
         self.cold_dir = cold_dir                        # where it goes ("": the system's temp directory)
+        self.cold_error_at = float("-inf")              # when it last could not take rows (logged)
         self.used = 0                                   # slots handed out so far
         self.free = np.empty(0, dtype=np.int64)         # slots of removed rows, reused first
         self.block_counts = np.zeros(spec.num_blocks, dtype=np.int64)
@@ -437,8 +438,7 @@ class SparseRows:
         directory when it cannot hold files)."""
         if self.cold is None:
             from shardps.server.node.cold import ColdRows, cold_root
-            from shardps.server.node.hash_index import HashIndex
-            self.cold = ColdRows(self.spec.num_blocks, self.dim, cold_root(self.cold_dir), HashIndex())
+            self.cold = ColdRows(self.spec.num_blocks, self.dim, cold_root(self.cold_dir))
         return self.cold
 
     def block_rows(self, block: int) -> tuple[np.ndarray, np.ndarray]:
