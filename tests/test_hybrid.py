@@ -152,6 +152,86 @@ def test_one_worker_trains_in_hybrid_mode_and_exports_plain_weights(cluster, cli
         dist.destroy_process_group()
 
 
+def _train_hybrid(client, steps: int, announce_before_backward: bool, watch_step: int = -1):
+    """``steps`` hybrid steps with ``overlap`` (lookahead 2) on one rank, the batch two steps
+    ahead announced before or after each backward pass. At ``watch_step``: whether the
+    servers held the step's push before ``push()`` was called. Returns (model, that)."""
+    torch.manual_seed(0)
+    module = _Small()
+    model = PSModel(module, client, dense="allreduce", overlap=True, lookahead=2,
+                    dense_optimizer=torch.optim.SGD(module.parameters(), lr=0.1))
+    model.create_tables()
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 100, (8, 2), generator=g) for _ in range(steps)]
+    pushed_in_backward = None
+    for i, ids in enumerate(batches):
+        model.pull()
+        if i == watch_step:
+            model.flush()                              # every earlier push has reached the servers
+            before = client.pull_rows("items", ids.unique().numpy())
+        loss = torch.nn.functional.mse_loss(model(ids), torch.ones(8))
+        ahead = batches[i + 2] if i + 2 < steps else None
+        if ahead is not None and announce_before_backward:
+            model.module.items.request_prefetch(ahead)
+        loss.backward()
+        if i == watch_step:
+            def changed(ids=ids, before=before) -> bool:
+                return not np.array_equal(client.pull_rows("items", ids.unique().numpy()), before)
+            if announce_before_backward:         # in flight from the backward pass: arrives
+                wait_for("the push sent from the backward pass", changed, timeout=10, interval=0.01)
+            pushed_in_backward = changed()       # without it, nothing was sent yet
+        if ahead is not None and not announce_before_backward:
+            model.module.items.request_prefetch(ahead)
+        model.push()
+    model.flush()
+    return model, pushed_in_backward
+
+
+@pytest.mark.slow          # two hybrid models against the cluster
+def test_a_hybrid_push_leaves_from_the_backward_pass_with_the_same_results(cluster, client_factory, tmp_path):
+    """With the next lookups announced before ``loss.backward()``, the step's push (with their
+    pull) reaches the servers from the backward pass, before ``push()``; announced after it,
+    ``push()`` sends the same exchange. Both give the same values, bit for bit."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        runs = {}
+        for early in (True, False):
+            client = client_factory(cluster.address, job=f"backward-{early}")
+            client.create_job()
+            model, in_backward = _train_hybrid(client, 8, announce_before_backward=early, watch_step=5)
+            assert in_backward is early
+            head = [p.detach() for p in model.module.head.parameters()]
+            runs[early] = (client.pull_rows("items", np.arange(100)), head)
+        assert np.array_equal(runs[True][0], runs[False][0])
+        assert all(torch.equal(a, b) for a, b in zip(runs[True][1], runs[False][1]))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow          # a hybrid model against the cluster
+def test_a_second_backward_after_the_push_left_is_pushed_too(cluster, client_factory, tmp_path):
+    """Gradient accumulation (two forward and backward passes per push): the first backward
+    sends the push; the second's rows are pushed by ``push()``, and later steps push there."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        client = client_factory(cluster.address, job="accumulate")
+        client.create_job()
+        model, _ = _train_hybrid(client, 3, announce_before_backward=True)
+        first, second = torch.tensor([[1, 2]]), torch.tensor([[90, 91]])
+        before = client.pull_rows("items", np.array([90, 91]))
+        model.module.items.request_prefetch(torch.tensor([[5, 6]]))
+        for ids in (first, second):
+            torch.nn.functional.mse_loss(model(ids), torch.ones(1)).backward()
+        model.push()
+        model.flush()
+        assert model._backward_push is None
+        assert not np.array_equal(client.pull_rows("items", np.array([90, 91])), before)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_ranks_sharing_a_gpu_all_reduce_by_gloo_and_one_gpu_each_by_nccl():
     from shardps.worker.hybrid import backend_for
     cuda = torch.device("cuda", 0)

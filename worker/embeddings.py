@@ -78,6 +78,8 @@ class PSRows(nn.Module):
         self.clock = 0                         # the worker's completed steps, sent with pulls (PSModel sets it)
         # PSModel's LookupPlanner.observe: sees each lookup's ids
         self._observer: Callable[[PSRows, torch.Tensor], None] | None = None
+        # PSModel's hybrid.BackwardPush.watch: sees each lookup's rows that collect gradients
+        self._on_rows: Callable[[torch.Tensor], None] | None = None
 
     # plain attributes written every step: set directly, past nn.Module.__setattr__'s checks
     # for parameters, buffers and submodules (a few microseconds each, dozens per step)
@@ -169,6 +171,8 @@ class PSRows(nn.Module):
         if self.training and torch.is_grad_enabled():
             rows.requires_grad_(True)
             self._pending.append((unique_np, rows))
+            if self._on_rows is not None:
+                self._on_rows(rows)
         return rows, inverse.reshape(ids.shape)
 
     def _take_plan(self, ids: torch.Tensor) -> "_Planned | None":

@@ -215,18 +215,19 @@ def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=Fals
             yb = y[torch.as_tensor(b)].to(device)
             loss = task.loss(ps_model(xb), yb)
             unique_rows += sum(emb.last_unique for emb in embeddings)
-            loss.backward()
-            synchronize(device)      # compute is the GPU's work (push copies the gradients anyway)
             ahead = ps_model.lookahead if ps_model.overlap else 1
             if embeddings and args.prefetch and i + ahead < len(batch_list):
                 # on the device already: the lookup then recognises the tensor it was
-                # announced as, without reading its ids back from the GPU
+                # announced as, without reading its ids back from the GPU. Announced before
+                # the backward pass, from which a hybrid step's push leaves with their pull
                 nxt = announced[i + ahead] = x[torch.as_tensor(batch_list[i + ahead])].to(device)
                 for emb in embeddings:
                     if ps_model.overlap:
                         emb.request_prefetch(nxt)      # fetched with the next dense values
                     else:
                         emb.prefetch(nxt)
+            loss.backward()
+            synchronize(device)      # compute is the GPU's work (push copies the gradients anyway)
             t2 = time.perf_counter()
             compute += t2 - t1
             ps_model.push()

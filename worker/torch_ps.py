@@ -144,9 +144,13 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         self._handled_checkpoint = ("", -1)                # (on-demand id, step) of the last one
         self.cache_bytes, self.cache_staleness = cache_bytes, cache_staleness
         client.before_leaving(self.flush)
+        # hybrid with overlap: a step's push leaves from its backward pass (hybrid.BackwardPush)
+        self._backward_push = hybrid.BackwardPush(lambda: _send_from_backward(self)) if (
+            self._ddp is not None and overlap) else None
         if self.embeddings:
             for emb in self.embeddings.values():
                 emb._observer = self.lookups.observe
+                emb._on_rows = None if self._backward_push is None else self._backward_push.watch
             module.register_forward_pre_hook(self._before_forward, with_kwargs=True)
             module.register_forward_hook(self._after_forward, with_kwargs=True)
 
@@ -273,28 +277,19 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         if self._deferred_pull:                    # pulled, then no forward: load the values
             self._pull_now()
         started = time.perf_counter()
+        future, prefetch = _sent_in_backward(self)     # (None, None) unless the backward pass sent it
         requests = _gradient_requests(self.buckets, self.embeddings.values(), self.copies)
+        if future is not None and requests:        # gradients of a backward after it: pushed here, now on
+            self._backward_push, self._pending_push, future = None, future, None
         self.flush()
         self._cache_arrived()
-        prefetch = None
-        future = None
-        if not self.overlap and self.lookups.learned:
+        if future is not None:
+            pass
+        elif not self.overlap and self.lookups.learned:
             self._held = (requests, self.step)     # sent with the next pull (see push's docstring)
         elif self.overlap:
-            # this push and the next step's dense values and requested embedding rows in one
-            # round trip per server (each server applies the push, then serves the pull)
-            use = self.step + self.lookahead           # the step that reads this pull
-            wanted = [(emb, emb._wanted, emb.cache_plan(emb._wanted, use), self.step + 1)
-                      for emb in self.embeddings.values() if emb._wanted is not None]
-            for emb, *_ in wanted:
-                emb._wanted = None
-            requests_next = [(b.table,) for b in self.buckets] + [(emb.table, wanted_ids(ids, plan))
-                                                          for emb, ids, plan, _ in wanted]
-            if requests_next:
-                self._set_clock(self.step + 1)
-                future = self.client.exchange_async(requests, requests_next, clock=self.step,
-                                                    report_step=self.report_steps)
-                prefetch = (self.step + self.lookahead, future, wanted)
+            future, sent_pull = _exchange(self, requests)
+            prefetch = prefetch or sent_pull
         if future is None and self._held is None:
             future = self.client.push_many_async(requests, clock=self.step, report_step=self.report_steps)
         stepped = _step_local(self.local_optimizer)     # compute: not counted as push_wait
@@ -385,6 +380,50 @@ def _step_local(optimizer: torch.optim.Optimizer | None) -> float:
 def _under(name: str, prefixes: Sequence[str]) -> bool:
     """Whether parameter ``name`` lies under one of the module paths ``prefixes``."""
     return any(name == p or name.startswith(p.rstrip(".") + ".") for p in prefixes)
+
+
+def _exchange(model: PSModel, requests: list[tuple]) -> tuple[futures.Future | None, tuple | None]:
+    """With ``overlap``: this push (``requests``) and the next step's dense values and
+    announced embedding rows in one round trip per server (each server applies the push, then
+    serves the pull). Returns (its future, the prefetch for step ``step + lookahead``), or
+    (None, None) when there is nothing to pull."""
+    use = model.step + model.lookahead           # the step that reads this pull
+    wanted = [(emb, emb._wanted, emb.cache_plan(emb._wanted, use), model.step + 1)
+              for emb in model.embeddings.values() if emb._wanted is not None]
+    for emb, *_ in wanted:
+        emb._wanted = None
+    requests_next = [(b.table,) for b in model.buckets] + [(emb.table, wanted_ids(ids, plan))
+                                                           for emb, ids, plan, _ in wanted]
+    if not requests_next:
+        return None, None
+    model._set_clock(model.step + 1)
+    future = model.client.exchange_async(requests, requests_next, clock=model.step, report_step=model.report_steps)
+    return future, (use, future, wanted)
+
+
+def _send_from_backward(model: PSModel) -> tuple | None:
+    """``hybrid.BackwardPush``'s send: in an ASYNC job whose next lookups were announced
+    before this backward pass, the step's push with their pull (``_exchange``); else None,
+    and ``push`` sends it as without the hook (SYNC and SSP steps report to the servers'
+    clocks once, at ``push``)."""
+    if model.report_steps or all(emb._wanted is None for emb in model.embeddings.values()):
+        return None
+    requests = _gradient_requests(model.buckets, model.embeddings.values(), model.copies)
+    model.flush()
+    model._cache_arrived()
+    return _exchange(model, requests)
+
+
+def _sent_in_backward(model: PSModel) -> tuple:
+    """(future, prefetch) of the exchange the backward pass sent, once; (None, None) when it
+    sent none. Raises its error."""
+    sent = None if model._backward_push is None else model._backward_push.take()
+    if sent is None:
+        return None, None
+    value, error = sent
+    if error is not None:
+        raise error
+    return value
 
 
 class _Completed(list):
