@@ -14,6 +14,7 @@ gRPC metrics use the names of the go-grpc-prometheus / py-grpc-prometheus conven
 
 from __future__ import annotations
 
+import collections
 import threading
 
 import numpy as np
@@ -70,30 +71,29 @@ def observe_all(child, values) -> None:
 
 
 class Batch:
-    """Events of a hot path (one tuple per request), kept in a list and handed to their
+    """Events of a hot path (one tuple per request), kept in a deque and handed to their
     metrics by ``record(events)`` in one go: every ``every`` events, and before the registry
-    is collected when it is a ``FlushingRegistry``. ``add`` is one list append (atomic);
-    thread-safe."""
+    is collected when it is a ``FlushingRegistry``. ``add`` is one deque append (atomic, no
+    lock); ``flush`` takes the events there are when it starts (those added meanwhile wait
+    for the next). Thread-safe."""
 
     def __init__(self, registry: CollectorRegistry, record, every: int = 512):
         self.record = record
         self.every = every
-        self.events: list = []
+        self.events: collections.deque = collections.deque()
         self._lock = threading.Lock()
         if isinstance(registry, FlushingRegistry):
             registry.before_collect.append(self.flush)
 
     def add(self, event: tuple) -> None:
-        with self._lock:
-            events = self.events
-            events.append(event)
-            full = len(events) >= self.every
-        if full:
+        self.events.append(event)
+        if len(self.events) >= self.every:
             self.flush()
 
     def flush(self) -> None:
-        with self._lock:
-            events, self.events = self.events, []
+        with self._lock:                 # one flush at a time: each event recorded once
+            take = self.events.popleft
+            events = [take() for _ in range(len(self.events))]
             if events:
                 self.record(events)
 

@@ -13,11 +13,9 @@ Plain numpy; no grpc, no torch.
 from __future__ import annotations
 
 import collections
-import itertools
 import json
 import operator
 import threading
-from dataclasses import dataclass, field
 from typing import cast
 
 import numpy as np
@@ -26,6 +24,7 @@ from shardps import kernels
 from shardps.errors import FailedPrecondition, InvalidArgument
 from shardps.server import optimizers
 from shardps.server.node import optimizer_kernels
+from shardps.server.node.records import Writer, WriterRecord, applied_any, remember_all
 from shardps.server.node.storage import DIRECT_INDEX_MAX_ROWS, MAPPED_MIN_BYTES, SparseRows, storage, stored
 from shardps.tables import InitKind, TableConfig, TableKind, TableSpec, dense_initial_values
 
@@ -35,62 +34,6 @@ __all__ = ["DIRECT_INDEX_MAX_ROWS", "MAPPED_MIN_BYTES", "VERSION_OF", "AnyBlock"
 
 BlockKey = tuple[str, str, int]   # (job, table, block index)
 _ROW0 = np.zeros(1, dtype=np.int64)
-
-
-@dataclass(eq=False)
-class WriterRecord:
-    """Exactly-once record of one writer (session, incarnation) on one block.
-
-    Every sequence below ``acked_below`` was acknowledged and is never retried; ``applied``
-    holds the sequences at or above it that this block applied.
-
-    The blocks of a push whose records agree share one record object (``holders``: the keys
-    of the blocks it was given to): a worker's pushes to a server touch the same blocks step
-    after step, and their record is then checked and updated once per push, not once per
-    block. A shared record is updated in place only by a push to exactly its holders (under
-    all their locks); any other push gives the blocks it touches records of their own
-    (``remember_all``).
-    """
-
-    acked_below: int = 0
-    applied: set[int] = field(default_factory=set)
-    holders: frozenset = frozenset()
-
-    # ``applied`` may also hold sequences below ``acked_below`` (they are seen either way);
-    # they are dropped when it grows past this, and never written (``live``). Checked and
-    # updated by ``applied_any`` / ``remember_all`` (and so ``Block.already_applied`` /
-    # ``Block.remember``), the one place that reads and writes these records.
-    PRUNE_AT = 16
-
-    def live(self) -> set[int]:
-        """The applied sequences a retry may still carry (at or above ``acked_below``)."""
-        return {s for s in self.applied if s >= self.acked_below}
-
-    def seen(self, sequence: int) -> bool:
-        return sequence < self.acked_below or sequence in self.applied
-
-    def note(self, sequence: int, acked_below: int) -> None:
-        """Record ``sequence`` as applied, everything below ``acked_below`` as acknowledged."""
-        if acked_below > self.acked_below:
-            self.acked_below = acked_below
-        if sequence >= self.acked_below:
-            self.applied.add(sequence)
-            if len(self.applied) > WriterRecord.PRUNE_AT:
-                self.applied = self.live()
-
-
-@dataclass(frozen=True)
-class Writer:
-    """Identity of one push: (session, incarnation, sequence). Empty session: no dedup."""
-
-    session: str = ""
-    incarnation: int = 0
-    sequence: int = 0
-    acked_below: int = 0
-
-    @property
-    def tracked(self) -> bool:
-        return bool(self.session) and self.sequence > 0
 
 
 class Block:
@@ -404,63 +347,6 @@ class SparseBlock(Block):
 AnyBlock = DenseBlock | SparseBlock
 
 
-def applied_any(blocks, writer: Writer) -> bool:
-    """Whether any of ``blocks`` already applied ``writer``'s push (locks held): a sequence
-    below the record's ``acked_below`` or in its ``applied``. ``Block.already_applied`` is this
-    for one block; a push checks every block of it at once (dozens of blocks): one check
-    when they share one record (``WriterRecord``), the records gathered without Python per
-    block."""
-    if not writer.tracked:
-        return False
-    seq = writer.sequence
-    records = list(map(dict.get, map(_WRITERS, blocks), itertools.repeat((writer.session, writer.incarnation))))
-    if not records:
-        return False
-    first = records[0]
-    if first is not None and records.count(first) == len(records):      # one shared record (identity)
-        return first.seen(seq)
-    return any(r is not None and r.seen(seq) for r in records)
-
-
-def remember_all(blocks, writer: Writer) -> None:
-    """Record ``writer``'s push as applied on every one of ``blocks`` (locks held).
-    ``Block.remember`` is this for one block. When the blocks share one record given to
-    exactly them, it is updated once; else ``_remember_apart``."""
-    if not writer.tracked:
-        return
-    key = (writer.session, writer.incarnation)
-    records = list(map(dict.get, map(_WRITERS, blocks), itertools.repeat(key)))
-    if not records:
-        return
-    first = records[0]
-    if (first is None or records.count(first) != len(records)
-            or first.holders != frozenset(map(_KEY_OF, blocks))):
-        _remember_apart(blocks, records, key, writer)
-        return
-    first.note(writer.sequence, writer.acked_below)
-
-
-def _remember_apart(blocks, records: list, key: tuple[str, int], writer: Writer) -> None:
-    """``remember_all`` where the blocks' records are not one given to exactly them: each
-    block's record is updated (a shared one on a copy of its own, never in place: blocks
-    outside this push hold it too), and when all then agree the blocks share one."""
-    updated = []
-    for blk, record in zip(blocks, records):
-        if record is None:
-            record = WriterRecord()
-        elif record.holders != frozenset((blk.key,)):
-            record = WriterRecord(record.acked_below, set(record.applied))
-        record.note(writer.sequence, writer.acked_below)
-        record.holders = frozenset((blk.key,))
-        updated.append(record)
-    first = updated[0]
-    if len(updated) > 1 and all(r.acked_below == first.acked_below and r.live() == first.live() for r in updated):
-        first.holders = frozenset(map(_KEY_OF, blocks))
-        updated = [first] * len(updated)
-    for blk, record in zip(blocks, updated):
-        blk.writers[key] = record
-
-
 class BlockLocks:
     """``with BlockLocks(blocks):`` holds every block's lock (the caller orders ``blocks`` by
     key), released in reverse order on exit: one context manager for the lot, where an
@@ -489,7 +375,6 @@ class BlockLocks:
 
 _LOCK_OF = operator.attrgetter("lock")
 VERSION_OF = operator.attrgetter("version")
-_WRITERS, _KEY_OF = operator.attrgetter("writers"), operator.attrgetter("key")
 _ACQUIRE, _RELEASE = operator.methodcaller("acquire"), operator.methodcaller("release")
 
 

@@ -85,6 +85,9 @@ class Liveness:
     def refusal(self, now: float, installed_epoch: int) -> str | None:
         """Why a data request must be refused at ``now`` with map ``installed_epoch``
         installed; None: serve it."""
+        last = self._last_tick      # read before ``stall``: a tick moves it past a stall only after setting ``stall``
+        if self.stall is None and (self.stall_seconds is None or now - last <= self.stall_seconds):
+            return None             # no stall, none to notice: the common case, without the lock
         with self._lock:
             self._notice(now)
             stall = self.stall

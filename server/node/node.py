@@ -200,19 +200,24 @@ class ServerNode:
         self._check_live()
         reply = StepReply()
         header = request.header
-        if request.push is not None:
-            with self.table.gate.shared():
-                ack = self.lane.push(header, request.kind, request.push)
-            if ack is None:
-                ack = self.pusher.push(push_request(request), deadline)
-            elif request.kind == GRADIENT:
-                clock = self.steps.clocks.get(header.job)
-                if clock is not None:
-                    clock.report(header.session, int(header.clock), int(header.sequence))
-            reply.ack = ack
-        if request.pull is not None:
-            with self.table.gate.shared():
-                got = self.lane.pull(header, request.pull, out_buffer)
+        push, pull = request.push, request.pull
+        ack = got = None
+        with self.table.gate.shared():          # the lane's parts under one entry of the gate
+            if push is not None:
+                ack = self.lane.push(header, request.kind, push)
+                if ack is not None and request.kind == GRADIENT:
+                    clock = self.steps.clocks.get(header.job)
+                    if clock is not None:
+                        clock.report(header.session, int(header.clock), int(header.sequence))
+            if pull is not None and (push is None or ack is not None):
+                got = self.lane.pull(header, pull, out_buffer)
+        if push is not None and ack is None:    # the general path's push, then the pull after it
+            ack = self.pusher.push(push_request(request), deadline)
+            if pull is not None:
+                with self.table.gate.shared():
+                    got = self.lane.pull(header, pull, out_buffer)
+        reply.ack = ack
+        if pull is not None:
             if got is None:
                 got = self.reader.pull(pull_request(request), deadline, out_buffer)
             reply.pull, reply.values = got

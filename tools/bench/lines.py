@@ -109,12 +109,12 @@ class LineCounter:
         return ("train" if ident == training else "server" if name.startswith(SERVER_THREADS)
                 else "cluster" if name.startswith(CLUSTER_THREADS) else "other")
 
-    def top(self, training: int, role: str, n: int) -> list[tuple[str, int]]:
-        """The ``n`` functions of ``role``'s threads that ran the most lines ("file:function", lines)."""
+    def top(self, training: int, roles: tuple[str, ...], n: int) -> list[tuple[str, int]]:
+        """The ``n`` functions of the threads of ``roles`` that ran the most lines ("file:function", lines)."""
         assert self.where is not None, "a LineCounter(detail=True)"
         by_function: collections.Counter[str] = collections.Counter()
         for (ident, filename, function), lines in self.where.items():
-            if self.role(ident, training) == role:
+            if self.role(ident, training) in roles:
                 by_function[f"{Path(filename).relative_to(ROOT)}:{function}"] += lines
         return by_function.most_common(n)
 
@@ -214,9 +214,8 @@ def count_ctr(warmup: int = WARMUP, steps: int = STEPS, top: int = 0) -> dict[st
     roles = counter.by_role(window.training)
     served = requests[1] - requests[0]
     for role, per in (("train", steps), ("other", steps), ("server", max(1.0, served))) if top else ():
-        print(f"ctr, the functions that ran the most lines: {role} (per {'request' if role == 'server' else 'step'})")
-        for function, lines in counter.top(window.training, role, top):
-            print(f"  {lines / per:8.1f}  {function}")
+        _print_top(f"ctr, {role} (per {'request' if role == 'server' else 'step'})",
+                   counter.top(window.training, (role,), top), per)
     return {"lines_worker_train_per_step": roles["train"][0] / steps,
             "lines_worker_other_per_step": roles["other"][0] / steps,
             "lines_server_per_request": roles["server"][0] / max(1.0, served),
@@ -226,8 +225,15 @@ def count_ctr(warmup: int = WARMUP, steps: int = STEPS, top: int = 0) -> dict[st
             "lines_server_requests_per_step": served / steps}
 
 
-def count_many_tables(warmup: int = WARMUP, steps: int = STEPS) -> dict[str, float]:
-    """The ``many tables`` counts: the worker's lines per step on every thread of its own."""
+def _print_top(what: str, functions: list[tuple[str, int]], per: float) -> None:
+    print(f"{what}, the functions that ran the most lines:")
+    for function, lines in functions:
+        print(f"  {lines / per:8.1f}  {function}")
+
+
+def count_many_tables(warmup: int = WARMUP, steps: int = STEPS, top: int = 0) -> dict[str, float]:
+    """The ``many tables`` counts: the worker's lines per step on every thread of its own;
+    ``top``: also print the functions that ran the most of them."""
     import torch
     import torch.nn.functional as F
 
@@ -239,7 +245,7 @@ def count_many_tables(warmup: int = WARMUP, steps: int = STEPS) -> dict[str, flo
 
     total = warmup + steps + 1
     ids, labels = _data(total, FIELDS, ROWS)
-    counter = LineCounter()
+    counter = LineCounter(detail=top > 0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     manager, servers = in_process_cluster(2)
@@ -273,6 +279,8 @@ def count_many_tables(warmup: int = WARMUP, steps: int = STEPS) -> dict[str, flo
         raise RuntimeError(f"the many-tables loop took {window.pushes} steps: fewer than {total}")
     roles = counter.by_role(window.training)
     assert BATCH and FIELDS         # the model's shape: bench/many_tables.py
+    if top:
+        _print_top("12 tables, the worker (per step)", counter.top(window.training, ("train", "other"), top), steps)
     return {"lines_many_tables_worker_per_step": (roles["train"][0] + roles["other"][0]) / steps,
             "calls_many_tables_worker_per_step": (roles["train"][1] + roles["other"][1]) / steps}
 
@@ -296,10 +304,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=WARMUP, help=f"steps before counting (default {WARMUP})")
     p.add_argument("--steps", type=int, default=STEPS, help=f"steps counted (default {STEPS})")
     p.add_argument("--top", type=int, default=0, metavar="N",
-                   help="also print the N functions that ran the most lines on each side of a ctr step")
+                   help="also print the N functions that ran the most lines on each side of a ctr step, "
+                   "and on the worker of a 12-table step")
     args = p.parse_args(argv)
     out = count_ctr(args.warmup, args.steps, args.top)
-    out.update(count_many_tables(args.warmup, args.steps))
+    out.update(count_many_tables(args.warmup, args.steps, args.top))
     for key in sorted(out):
         print(f"{key:<40}{out[key]:10.1f}")
     return 0

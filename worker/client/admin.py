@@ -276,6 +276,10 @@ class Admin:
     def table(self, name: str) -> TableView:
         """The table's spec, config and placement from the client's map (refreshed if
         unknown; NotFound if the manager does not know it either)."""
+        if type(name) is str:                # a table of the client's map: one lookup
+            t = self._map.tables.get((self.job, name))
+            if t is not None:
+                return t
         try:
             return self.view().table(self.job, check_name(name))
         except NotFound:
