@@ -34,6 +34,16 @@ from shardps.worker.row_cache import CachePlan, RowCache, wanted_ids
 log = logging.getLogger("shardps.worker")
 
 
+class StepClock:
+    """The worker's completed steps, which lookups send with their pulls: one object shared
+    by a ``PSModel``'s tables, so that a step sets it once, not once per table."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: int = 0):
+        self.value = value
+
+
 class PSRows(nn.Module):
     """The rows of one sparse table as a module uses them (the base of ``PSEmbedding`` and
     ``PSEmbeddingBag``).
@@ -75,7 +85,7 @@ class PSRows(nn.Module):
         # steps ahead)
         self._planned: collections.deque[_Planned] = collections.deque(maxlen=8)
         self.last_unique = 0                   # distinct ids of the last lookup
-        self.clock = 0                         # the worker's completed steps, sent with pulls (PSModel sets it)
+        self._clock = StepClock()              # PSModel gives its tables one, set once a step
         # PSModel's LookupPlanner.observe: sees each lookup's ids
         self._observer: Callable[[PSRows, torch.Tensor], None] | None = None
         # PSModel's hybrid.BackwardPush.watch: sees each lookup's rows that collect gradients
@@ -83,7 +93,7 @@ class PSRows(nn.Module):
 
     # plain attributes written every step: set directly, past nn.Module.__setattr__'s checks
     # for parameters, buffers and submodules (a few microseconds each, dozens per step)
-    _PLAIN = frozenset({"clock", "last_unique", "_wanted", "_prefetch", "_pending"})
+    _PLAIN = frozenset({"last_unique", "_wanted", "_prefetch", "_pending"})
 
     def __setattr__(self, name: str, value) -> None:
         if name in PSRows._PLAIN:
@@ -93,6 +103,15 @@ class PSRows(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, table={self.table!r}"
+
+    @property
+    def clock(self) -> int:
+        """The worker's completed steps, sent with this table's pulls."""
+        return self._clock.value
+
+    @clock.setter
+    def clock(self, value: int) -> None:
+        self._clock.value = value
 
     def _plan(self, ids: torch.Tensor) -> np.ndarray:
         """Deduplicate a coming batch once (its lookup reuses it); returns its distinct ids.

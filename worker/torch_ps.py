@@ -60,7 +60,7 @@ from shardps.worker.client import PSClient, PushResult
 from shardps.worker.dense_buckets import DenseBucket
 from shardps.worker.device_copies import DeviceCopies
 from shardps.worker.embedding_bag import KeyedJaggedTensor, PSEmbeddingBagCollection
-from shardps.worker.embeddings import PSEmbedding, PSEmbeddingBag, PSRows
+from shardps.worker.embeddings import PSEmbedding, PSEmbeddingBag, PSRows, StepClock
 from shardps.worker.lookups import LookupPlanner
 from shardps.worker.model_io import ModelIO
 from shardps.worker.row_cache import wanted_ids
@@ -107,10 +107,11 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         self.embeddings: dict[str, PSRows] = {}
         self.copies = DeviceCopies()           # rows and dense values to the device, gradients back
         self.collections: list[PSEmbeddingBagCollection] = []
+        self._clock = StepClock()              # every table's (see _set_clock)
         for name, mod in module.named_modules():
             if isinstance(mod, PSRows):
                 mod.table = mod.table or name
-                mod.client, mod.copies = client, self.copies
+                mod.client, mod.copies, mod._clock = client, self.copies, self._clock
                 self.embeddings[name] = mod
             elif isinstance(mod, PSEmbeddingBagCollection):
                 self.collections.append(mod)
@@ -346,9 +347,9 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         return self._report_steps
 
     def _set_clock(self, clock: int) -> None:
-        """The clock the embeddings' pulls carry from now on (the dense pulls name theirs)."""
-        for emb in self.embeddings.values():
-            emb.clock = clock
+        """The clock the embeddings' pulls carry from now on (the dense pulls name theirs):
+        their one ``StepClock``."""
+        self._clock.value = clock
 
     def flush(self) -> None:
         """Send the push held for the next pull, or wait for the push in flight

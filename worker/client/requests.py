@@ -36,7 +36,7 @@ from shardps.worker.routing import Piece
 Finish = Callable[[np.ndarray], np.ndarray]       # pulled values -> what the caller gets
 
 
-_F32 = np.dtype(np.float32)
+_F32, _I64 = np.dtype(np.float32), np.dtype(np.int64)
 
 
 def _dtype_name(values) -> str | None:
@@ -100,6 +100,18 @@ def as_ids(ids, t: TableView) -> np.ndarray:
     """``ids`` flattened to int64; InvalidArgument naming the table unless they are integers."""
     if t.spec.kind is not TableKind.SPARSE:
         raise InvalidArgument(f"table {t.name!r} is dense: use pull_dense / push_dense")
+    if type(ids) is np.ndarray and ids.dtype == _I64 and ids.ndim == 1 and ids.flags.c_contiguous:
+        flat = ids                            # the common case: already flat int64
+    else:
+        flat = _flat_ids(ids, t)
+    bad = kernels.first_outside(flat, t.spec.num_rows)
+    if bad >= 0:
+        raise InvalidArgument(f"row id {int(flat[bad])} (position {bad} of the ids) of table {t.name!r} "
+                              f"is out of bounds: ids must lie in [0, {t.spec.num_rows})")
+    return flat
+
+
+def _flat_ids(ids, t: TableView) -> np.ndarray:
     if hasattr(ids, "detach"):
         ids = ids.detach().cpu().numpy()
     try:
@@ -108,12 +120,7 @@ def as_ids(ids, t: TableView) -> np.ndarray:
         raise InvalidArgument(f"ids for table {t.name!r} are not an array ({exc})") from None
     if arr.dtype.kind not in "iu" or (arr.dtype.kind == "u" and arr.size and int(arr.max()) >= 1 << 63):
         raise InvalidArgument(f"ids for table {t.name!r} must be int64 values, got dtype {arr.dtype}")
-    flat = np.ascontiguousarray(arr.reshape(-1), dtype=np.int64)
-    bad = kernels.first_outside(flat, t.spec.num_rows)
-    if bad >= 0:
-        raise InvalidArgument(f"row id {int(flat[bad])} (position {bad} of the ids) of table {t.name!r} "
-                              f"is out of bounds: ids must lie in [0, {t.spec.num_rows})")
-    return flat
+    return np.ascontiguousarray(arr.reshape(-1), dtype=np.int64)
 
 
 def as_index(value, what: str, t: TableView) -> int:
