@@ -15,6 +15,7 @@ Validation raises ``InvalidArgument`` naming the bad value.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from dataclasses import dataclass, field
@@ -230,21 +231,22 @@ class TableSpec:
             object.__setattr__(self, "num_blocks", default_sparse_blocks(*self.shape) if len(self.shape) == 2
                                else DEFAULT_SPARSE_BLOCKS)
 
-    # --- derived layout ---
-    @property
+    # --- derived layout: computed on first use, then read as plain attributes (the data
+    # path reads them per request and table) ---
+    @functools.cached_property
     def numel(self) -> int:
         """Dense: number of elements. Sparse: row width (dim)."""
         return math.prod(self.shape) if self.kind is TableKind.DENSE else self.dim
 
-    @property
+    @functools.cached_property
     def dim(self) -> int:
         return self.shape[1] if self.kind is TableKind.SPARSE else 1
 
-    @property
+    @functools.cached_property
     def num_rows(self) -> int:
         return self.shape[0] if self.kind is TableKind.SPARSE else 0
 
-    @property
+    @functools.cached_property
     def block_count(self) -> int:
         if self.kind is TableKind.DENSE:
             return -(-self.numel // self.block_size)
