@@ -92,7 +92,8 @@ def applied_any(blocks, writer: Writer) -> bool:
 
 
 def remember_all(blocks, writer: Writer) -> None:
-    """Record ``writer``'s push as applied on every one of ``blocks`` (locks held).
+    """Record ``writer``'s push as applied on every one of ``blocks`` (a sequence: read more
+    than once; locks held).
     ``Block.remember`` is this for one block. When the blocks share one record given to
     exactly them, it is updated once; else ``_remember_apart``."""
     if not writer.tracked:
