@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -228,6 +229,19 @@ def test_a_second_backward_after_the_push_left_is_pushed_too(cluster, client_fac
         model.flush()
         assert model._backward_push is None
         assert not np.array_equal(client.pull_rows("items", np.array([90, 91])), before)
+        # the next step, announced before its backward pass, still pushes at push() only
+        ids = torch.tensor([[40, 41]])
+        before = client.pull_rows("items", np.array([40, 41]))
+        loss = torch.nn.functional.mse_loss(model(ids), torch.ones(1))
+        model.module.items.request_prefetch(torch.tensor([[7, 8]]))
+        loss.backward()
+        deadline = time.monotonic() + 1.0            # a push from the hook would arrive in milliseconds
+        while time.monotonic() < deadline:
+            assert np.array_equal(client.pull_rows("items", np.array([40, 41])), before)
+            time.sleep(0.02)
+        model.push()
+        model.flush()
+        assert not np.array_equal(client.pull_rows("items", np.array([40, 41])), before)
     finally:
         dist.destroy_process_group()
 

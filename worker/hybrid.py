@@ -207,18 +207,19 @@ class BackwardPush:
     each lookup's rows (the leaves that collect a table's gradient rows) are ``watch``ed, and
     when the last of them has its gradient, ``send`` (the step's push with the next step's
     announced pull, one exchange per server) is called from the gradient hook, while DDP's
-    buckets still all-reduce the dense gradients. ``push`` then ``take``s what was sent
-    (``(sent, None)`` or ``(None, error)``; None when nothing was: a row without a gradient,
-    or ``send`` declined). ``send`` runs on the thread that computes the backward pass (on a
+    buckets still all-reduce the dense gradients. ``push`` then ``take``s what was sent (None
+    when nothing was: a row without a gradient, or ``send`` declined), raising its error there,
+    on the training thread. ``send`` runs on the thread that computes the backward pass (on a
     GPU, torch's autograd thread of that device) while the training thread waits in
     ``backward``, so it sees the step as the training thread left it."""
 
-    __slots__ = ("send", "waiting", "sent")
+    __slots__ = ("send", "waiting", "sent", "error")
 
     def __init__(self, send):
         self.send = send               # () -> what push takes, or None to leave the push to push()
         self.waiting = 0               # watched rows without their gradient yet
         self.sent: tuple | None = None
+        self.error: Exception | None = None
 
     def watch(self, rows: torch.Tensor) -> None:
         self.waiting += 1
@@ -226,15 +227,16 @@ class BackwardPush:
 
     def _arrived(self, _rows: torch.Tensor) -> None:
         self.waiting -= 1
-        if self.waiting == 0 and self.sent is None:
+        if self.waiting == 0 and self.sent is None and self.error is None:
             try:
-                sent = self.send()
-            except Exception as exc:   # raised by push, on the training thread
-                self.sent = (None, exc)
-            else:
-                self.sent = None if sent is None else (sent, None)
+                self.sent = self.send()
+            except Exception as exc:   # raised by take, on the training thread
+                self.error = exc
 
     def take(self) -> tuple | None:
-        """What the backward pass sent, once; forgets the rows still watched."""
-        sent, self.sent, self.waiting = self.sent, None, 0
+        """What the backward pass sent, once (raising its error); forgets the rows still watched."""
+        sent, error = self.sent, self.error
+        self.sent, self.error, self.waiting = None, None, 0
+        if error is not None:
+            raise error
         return sent

@@ -278,17 +278,13 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         if self._deferred_pull:                    # pulled, then no forward: load the values
             self._pull_now()
         started = time.perf_counter()
-        future, prefetch = _sent_in_backward(self)     # (None, None) unless the backward pass sent it
         requests = _gradient_requests(self.buckets, self.embeddings.values(), self.copies)
-        if future is not None and requests:        # gradients of a backward after it: pushed here, now on
-            self._backward_push, self._pending_push, future = None, future, None
+        future, prefetch = _sent_in_backward(self, requests)     # (None, None) unless the backward pass sent it
         self.flush()
         self._cache_arrived()
-        if future is not None:
-            pass
-        elif not self.overlap and self.lookups.learned:
+        if future is None and not self.overlap and self.lookups.learned:
             self._held = (requests, self.step)     # sent with the next pull (see push's docstring)
-        elif self.overlap:
+        elif future is None and self.overlap:
             future, sent_pull = _exchange(self, requests)
             prefetch = prefetch or sent_pull
         if future is None and self._held is None:
@@ -415,16 +411,19 @@ def _send_from_backward(model: PSModel) -> tuple | None:
     return _exchange(model, requests)
 
 
-def _sent_in_backward(model: PSModel) -> tuple:
-    """(future, prefetch) of the exchange the backward pass sent, once; (None, None) when it
-    sent none. Raises its error."""
+def _sent_in_backward(model: PSModel, requests: list[tuple]) -> tuple:
+    """(future, prefetch) of the exchange the backward pass sent, once (raising its error);
+    (None, None) when it sent none. ``requests``: gradients of a backward pass after it
+    (gradient accumulation): ``push`` sends them once that exchange is done (its prefetch
+    kept), and the model pushes at ``push`` from then on."""
     sent = None if model._backward_push is None else model._backward_push.take()
-    if sent is None:
-        return None, None
-    value, error = sent
-    if error is not None:
-        raise error
-    return value
+    if sent is None or not requests:
+        return sent or (None, None)
+    model._backward_push = None
+    for emb in model.embeddings.values():
+        emb._on_rows = None
+    model._pending_push = sent[0]                # flush waits for it before the rest is sent
+    return None, sent[1]
 
 
 class _Completed(list):

@@ -116,15 +116,16 @@ def _remember_apart(blocks, records: list, key: tuple[str, int], writer: Writer)
     outside this push hold it too), and when all then agree the blocks share one."""
     updated = []
     for blk, record in zip(blocks, records):
+        own = frozenset((blk.key,))
         if record is None:
-            record = WriterRecord()
-        elif record.holders != frozenset((blk.key,)):
-            record = WriterRecord(record.acked_below, set(record.applied))
+            record = WriterRecord(holders=own)
+        elif record.holders != own:
+            record = WriterRecord(record.acked_below, set(record.applied), own)
         record.note(writer.sequence, writer.acked_below)
-        record.holders = frozenset((blk.key,))
         updated.append(record)
     first = updated[0]
-    if len(updated) > 1 and all(r.acked_below == first.acked_below and r.live() == first.live() for r in updated):
+    low, live = first.acked_below, first.live()
+    if len(updated) > 1 and all(r.acked_below == low and r.live() == live for r in updated[1:]):
         first.holders = frozenset(map(_KEY_OF, blocks))
         updated = [first] * len(updated)
     for blk, record in zip(blocks, updated):
