@@ -37,8 +37,8 @@ from shardps.server.manager.service import SERVICE as MANAGER_SERVICE
 from shardps.server.manager.service import ResourceManagerService
 from shardps.server.node import NodeLimits, ServerNode
 from shardps.server.node.cold import cold_root
-from shardps.server.node.service import SERVICE as NODE_SERVICE
-from shardps.server.node.service import ParameterServerService
+from shardps.server.node_service import SERVICE as NODE_SERVICE
+from shardps.server.node_service import ParameterServerService
 from shardps.settings import ManagerProcessSettings, ServerProcessSettings, Serving
 
 if TYPE_CHECKING:

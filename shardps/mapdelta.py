@@ -85,6 +85,12 @@ def diff(old: pb.ShardMap, new: pb.ShardMap) -> pb.ShardMap:
     return out
 
 
+def whole(base: pb.ShardMap, msg: pb.ShardMap) -> pb.ShardMap:
+    """The whole map ``msg`` installs over ``base``: ``msg`` itself, or (a map carrying
+    ``changes``) ``apply(base, msg)``."""
+    return apply(base, msg) if msg.HasField("changes") else msg
+
+
 def apply(base: pb.ShardMap, msg: pb.ShardMap) -> pb.ShardMap:
     """The whole map that ``msg`` (a map carrying ``changes``) describes, built on ``base``.
     Raises ``StaleBase`` when ``base`` is not the map of ``changes.from_epoch``, and

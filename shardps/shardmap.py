@@ -15,6 +15,8 @@ from shardps.errors import InvalidArgument, NotFound
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.tables import Consistency, TableConfig, TableSpec
 
+ShardMap = pb.ShardMap      # the map itself stays a message: servers and clients install it as sent
+
 
 @dataclass(frozen=True)
 class TableView:
@@ -94,6 +96,7 @@ class ShardMapView:
         self.servers = list(self.msg.servers)
         self.server_names = [s.name for s in self.servers]
         self.server_by_name = {s.name: s for s in self.servers}
+        self.dead = {s.name for s in self.servers if s.state == pb.DEAD}   # servers declared dead
         index = {s.name: i for i, s in enumerate(self.servers)}
         self.tables: dict[tuple[str, str], TableView] = {}
         losses: dict[tuple[str, str, int], pb.DataLoss] = {}

@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from shardps.blockops import APPLY_ROWS, BlockOp
 from shardps.errors import InvalidArgument
-from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.server.node import fast, snapshot_block
 from shardps.server.node.digest import block_digest
 from shardps.tables import Consistency, TableConfig, adagrad, adam, normal, sparse_block_of, sparse_table
@@ -246,14 +246,14 @@ def test_only_blocks_with_backups_are_forwarded_and_their_backups_follow():
     (_, _, _, ops), = peers.sent("replicate")
     assert sorted((op.table, b) for op in ops for b in _op_blocks(op)) == [
         ("e", 0), ("e", 2), ("e", 4), ("e", 6), ("w", 0)]
-    assert [op.kind for op in ops if op.table == "e"] == [ps.APPLY_ROWS]     # one op for the table's rows
+    assert [op.kind for op in ops if op.table == "e"] == [APPLY_ROWS]     # one op for the table's rows
     assert sorted(backup.table.blocks) == [("j", "e", b) for b in (0, 2, 4, 6)] + [("j", "w", 0)]
     for key, blk in backup.table.blocks.items():
         assert block_digest(blk) == block_digest(primary.table.blocks[key]), key
 
 
 def _op_blocks(op) -> list[int]:
-    return list(op.blocks) if op.kind == ps.APPLY_ROWS else [op.block]
+    return list(op.blocks) if op.kind == APPLY_ROWS else [op.block]
 
 
 def _sparse_cluster(replicas: list, backups=("s1",)):
@@ -292,7 +292,7 @@ def test_a_tables_rows_go_to_each_set_of_backups_in_one_op():
     for _, node, _, ops in calls:
         (op,) = ops
         mine = [b for b in range(8) if node in replicas[b]]
-        assert op.kind == ps.APPLY_ROWS and sorted(op.blocks) == mine
+        assert op.kind == APPLY_ROWS and sorted(op.blocks) == mine
         assert op.id_count == np.isin(blocks_of, mine).sum()
     for node in nodes.values():
         _same_blocks(primary, node)
@@ -347,9 +347,9 @@ def test_a_malformed_apply_rows_op_is_refused_and_changes_nothing(ids, blocks, e
     backup = nodes["s1"]
     ids = np.asarray(ids if ids is not None else np.arange(0, 40), np.int64)
     listed = blocks if blocks is not None else list(range(8))
-    op = ps.BlockOp(job="j", table="e", block=listed[0], kind=ps.APPLY_ROWS, blocks=listed,
-                    versions=[1] * len(listed), id_count=ids.shape[0], element_count=ids.shape[0] * DIM,
-                    config_version=backup.table.view.tables[("j", "e")].config.version)
+    op = BlockOp("j", "e", listed[0], APPLY_ROWS, blocks=listed, versions=[1] * len(listed),
+                 id_count=ids.shape[0], element_count=ids.shape[0] * DIM,
+                 config_version=backup.table.view.tables[("j", "e")].config.version)
     before = _state(backup)
     payload = ids.tobytes() + np.ones((ids.shape[0], DIM), np.float32).tobytes()
     with pytest.raises(InvalidArgument, match=error):

@@ -33,27 +33,29 @@ def test_no_module_over_500_lines_and_no_class_over_300():
 # calls inside ``shardps.rpc.status.translated`` and catches ShardpsError. The exceptions, each
 # with its reason:
 GRPC_ALLOWED = {
-    "server/node/service.py": "the ParameterServer servicer: the gRPC adapter of ServerNode",
+    "server/node_service.py": "the ParameterServer servicer: the gRPC adapter of ServerNode",
     "server/manager/service.py": "the ResourceManager servicer: the gRPC adapter of the manager",
     "tools/bench/transport.py": "measures grpcio itself: a bare handler, without the binder's layers",
 }
 
 
-def _grpc_uses(tree: ast.AST) -> list[str]:
-    """``import grpc`` / ``grpc_health`` / ... anywhere in the module, and handlers of RpcError."""
+def _imports(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, name) of every import anywhere in the module: ``import a.b`` names ``a.b``,
+    ``from a.b import c`` names ``a.b.c``."""
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
+            found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            names = [node.module or ""]
-        elif isinstance(node, ast.ExceptHandler) and node.type is not None and "RpcError" in ast.unparse(node.type):
-            found.append(f"line {node.lineno}: except {ast.unparse(node.type)}")
-            continue
-        else:
-            continue
-        found += [f"line {node.lineno}: imports {n}" for n in names if n.split(".")[0].startswith("grpc")]
+            found += [(node.lineno, f"{node.module or ''}.{alias.name}") for alias in node.names]
     return found
+
+
+def _grpc_uses(tree: ast.AST) -> list[str]:
+    """``import grpc`` / ``grpc_health`` / ... anywhere in the module, and handlers of RpcError."""
+    found = [f"line {node.lineno}: except {ast.unparse(node.type)}" for node in ast.walk(tree)
+             if isinstance(node, ast.ExceptHandler) and node.type is not None and "RpcError" in ast.unparse(node.type)]
+    return found + [f"line {line}: imports {n}" for line, n in _imports(tree) if n.split(".")[0].startswith("grpc")]
 
 
 def test_only_the_transport_room_knows_grpc():
@@ -73,7 +75,7 @@ def test_the_grpc_check_sees_imports_and_handlers():
     source = ("import grpc\nfrom grpc_health.v1 import health_pb2\nimport grpcx.y, json\n"
               "def f():\n    try:\n        pass\n    except (grpc.RpcError, OSError):\n        pass\n")
     assert sorted(_grpc_uses(ast.parse(source))) == [
-        "line 1: imports grpc", "line 2: imports grpc_health.v1", "line 3: imports grpcx.y",
+        "line 1: imports grpc", "line 2: imports grpc_health.v1.health_pb2", "line 3: imports grpcx.y",
         "line 7: except (grpc.RpcError, OSError)"]
 
 
@@ -87,3 +89,27 @@ def test_the_server_nodes_layers_read_no_environment():
                     isinstance(node.value, ast.Name) and node.value.id == "os":
                 readers.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not readers, "read the environment in the entry point and pass it in: " + ", ".join(readers)
+
+
+def _protobuf_imports(tree: ast.AST) -> list[str]:
+    """Imports of generated protobuf modules (``*_pb2``, ``*_pb2_grpc``), anywhere in the module."""
+    return [f"line {line}: imports {n}" for line, n in _imports(tree) if "_pb2" in n]
+
+
+def test_the_protobuf_check_sees_every_form_of_import():
+    source = ("from shardps.protos.v1 import common_pb2 as pb\nimport shardps.protos.v1.manager_pb2\n"
+              "import json\nfrom shardps.protos.v1.parameter_server_pb2 import BlockOp\n"
+              "def f():\n    from shardps.protos.v1 import x_pb2_grpc\n")
+    assert [u.split(":")[0] for u in _protobuf_imports(ast.parse(source))] == [
+        "line 1", "line 2", "line 4", "line 6"]
+
+
+def test_no_module_of_the_server_node_imports_generated_protobuf():
+    """A server node's layers take plain values (``shardps.messages``, ``shardps.blockops``;
+    the shard map stays a message behind ``shardps.shardmap``): ``shardps/rpc`` turns the
+    wire's messages into them, and the servicer (``server/node_service.py``) calls the node."""
+    offenders = []
+    for path in sorted((ROOT / "server" / "node").rglob("*.py")):
+        offenders += [f"{path.relative_to(ROOT)} {use}" for use in _protobuf_imports(ast.parse(path.read_text()))]
+    assert not offenders, ("generated protobuf in server/node (take the plain values of shardps.messages / "
+                           "shardps.blockops, and convert in shardps/rpc): " + "; ".join(offenders))

@@ -16,7 +16,10 @@ from shardps.messages import PullRequest, PushRequest
 from shardps.metrics import NodeMetrics
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
-from shardps.rpc import messages
+from shardps.rpc import messages, replication
+from shardps.rpc.chunks import decode_snapshots
+from shardps.rpc.codec import decode_chunk
+from shardps.rpc.stubs import encode_snapshots
 from shardps.server.node import NodeLimits, ServerNode, snapshot_block
 from shardps.server.node.apply import JobHolds, PushApplier
 from shardps.server.node.backup import BackupApplier
@@ -62,7 +65,10 @@ class FakePeers:
             raise Unavailable(f"{node} is down")
         if node in self.nodes:
             payload = b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)
-            stale = self.nodes[node].backup.apply_replicated(epoch, self.source, ops, payload)[1]
+            # the ops as a backup reads them: encoded and decoded as the wire carries them
+            epoch, source, ops = replication.replicate_request(
+                ps.ReplicateHeader.FromString(replication.replicate_header(epoch, self.source, ops, len(payload))))
+            stale = self.nodes[node].backup.apply_replicated(epoch, source, ops, payload)[1]
         else:
             stale = list(self.out_of_sync.get(node, []))
         return lambda: stale
@@ -71,7 +77,8 @@ class FakePeers:
         self.calls.append(("load_blocks", node, epoch, list(snapshots)))
         if node in self.fail:
             raise Unavailable(f"{node} is down")
-        if node in self.nodes:
+        if node in self.nodes:      # the blocks as a node reads them: through the chunk stream
+            epoch, snapshots = decode_snapshots(map(decode_chunk, encode_snapshots(snapshots, epoch)))
             self.nodes[node].backup.load_blocks(epoch, self.source, snapshots)
 
     def abandon(self, node):

@@ -31,10 +31,9 @@ from google.protobuf.json_format import MessageToDict, ParseDict
 from safetensors.numpy import load_file, save_file
 
 from shardps import names
+from shardps.blockops import ArrayInfo, BlockRef, BlockSnapshot, BlockState
 from shardps.errors import FailedPrecondition, InvalidArgument, NotFound
 from shardps.protos.v1 import common_pb2 as pb
-from shardps.protos.v1 import parameter_server_pb2 as ps
-from shardps.server.node import BlockSnapshot
 
 FORMAT = 1
 
@@ -140,15 +139,14 @@ def read_checkpoint(path: str | Path, verify: bool = True) -> Checkpoint:
         arrays = load_file(str(path / t["file"]))
         snaps = []
         for bm in t["blocks"]:
-            header = ps.BlockStateHeader(ref=ps.BlockRef(job=manifest["job"], table=name, block=bm["block"]),
-                                         version=int(bm["version"]), initialized=bm["initialized"],
-                                         metadata=bm["metadata"].encode())
+            header = BlockState(BlockRef(manifest["job"], name, int(bm["block"])), int(bm["version"]),
+                                bool(bm["initialized"]), metadata=bm["metadata"].encode())
             arrs = []
             for a in bm["arrays"]:
                 arr = arrays[f"{bm['block']}/{a}"]
-                header.arrays.add(name=a, dtype=pb.INT64 if arr.dtype.kind in "iu" else pb.FLOAT32,
-                                  shape=list(arr.shape))
-                arrs.append(arr.astype("<i8") if arr.dtype.kind in "iu" else arr.astype("<f4"))
+                dtype = "<i8" if arr.dtype.kind in "iu" else "<f4"
+                header.arrays.append(ArrayInfo(a, dtype, tuple(arr.shape)))
+                arrs.append(arr.astype(dtype))
             snaps.append(BlockSnapshot(header, arrs))
         blocks[name] = snaps
     workers = {int(r): (path / rel).read_bytes() for r, rel in manifest["workers"].items()}

@@ -158,7 +158,7 @@ class CheckpointCoordinator:
 
     def _snapshot(self, msg: pb.ShardMap, plan: CutPlan) -> dict[str, list]:
         """Every block of the plan (made from ``msg``), from its primary: table -> snapshots."""
-        from shardps.server.node.chunks import decode_snapshots
+        from shardps.rpc.chunks import decode_snapshots
         snapshots: dict[str, list] = {t.spec.name: [] for t in plan.tables}
         for index, refs in plan.snapshots.items():
             server = msg.servers[index]

@@ -5,10 +5,11 @@
 package's public API; import them from ``shardps.server.node``.
 """
 
+from shardps.blockops import BlockSnapshot
 from shardps.server.node.apply import GRADIENT, INITIALIZE, logical_bytes
 from shardps.server.node.decode import MAX_CLOCK, NodeLimits
 from shardps.server.node.node import ServerNode
-from shardps.server.node.replication import BlockSnapshot, NoPeers, Peers, snapshot_block
+from shardps.server.node.replication import NoPeers, Peers, snapshot_block
 from shardps.server.node.table import EpochGate
 
 __all__ = ["BlockSnapshot", "EpochGate", "GRADIENT", "INITIALIZE", "MAX_CLOCK", "NoPeers",

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
+from shardps.blockops import ACCUMULATE, APPLY, ASSIGN_VALUES, INITIAL, BlockOp
 from shardps.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from shardps.messages import (
     ASSIGN,
@@ -37,7 +38,6 @@ from shardps.messages import (
     versions_by_table,
 )
 from shardps.metrics import NodeMetrics, labelled
-from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc.codec import byte_view
 from shardps.server import optimizers
 from shardps.server.node import fast, lifecycle_ops
@@ -61,11 +61,11 @@ def logical_bytes(blk: AnyBlock, t: TableView) -> int:
     return blk.count * (blk.dim * per + 12)
 
 
-def apply_gradient(blk: AnyBlock, t: TableView, arrays, op: ps.BlockOp) -> None:
+def apply_gradient(blk: AnyBlock, t: TableView, arrays, op: BlockOp) -> None:
     """Apply a gradient op's arrays to ``blk`` with the table's optimizer (lock held). A
     sparse table's lifecycle decisions ride on the op (see BlockOp.dropped_count)."""
     if isinstance(blk, DenseBlock):
-        blk.apply_gradient(t.config, op.range.start, op.range.stop, arrays[0], same_step=op.same_step)
+        blk.apply_gradient(t.config, op.start, op.stop, arrays[0], same_step=op.same_step)
     elif op.dropped_count or op.evicted_count or t.config.lifecycle.enabled or blk.table_rows.life is not None:
         ids = arrays[0]
         n = ids.shape[0] - int(op.dropped_count) - int(op.evicted_count)
@@ -310,7 +310,7 @@ class PushApplier:
                 if self.table.needs_resync.get(blk.key):
                     self.forwarder.resync_locked(blk)
             # pass 2: apply, in block order
-            ops: list[tuple[BlockKey, ps.BlockOp, list[np.ndarray]]] = []
+            ops: list[tuple[BlockKey, BlockOp, list[np.ndarray]]] = []
             duplicates = 0
             todo: list[tuple[Part, AnyBlock]] = []
             for part, blk in zip(parts, blocks):
@@ -363,8 +363,6 @@ class PushApplier:
                                  clock, wall)
         decided = None if outcome is None else lifecycle_ops.by_block(outcome, t.spec.num_blocks)
         out = []
-        wid = ps.WriterId(session=writer.session, incarnation=writer.incarnation,
-                          sequence=writer.sequence, acked_below=writer.acked_below)
         for part, blk in group:
             blk.version += 1
             if not self.table.has_backups(blk.key):
@@ -372,28 +370,24 @@ class PushApplier:
             assert part.ids is not None and part.values is not None   # a sparse push part
             if decided is not None:
                 op, arrays = lifecycle_ops.block_op(blk.key, part.ids, part.values, decided, clock)
-                op.writer.CopyFrom(wid)
+                op.writer = writer
                 op.config_version, op.version = t.config.version, blk.version
                 out.append((blk.key, op, arrays))
                 continue
-            op = ps.BlockOp(job=blk.key[0], table=blk.key[1], block=blk.key[2], kind=ps.APPLY, writer=wid,
-                            config_version=t.config.version, id_count=part.ids.shape[0],
-                            element_count=part.values.size, version=blk.version)
+            op = BlockOp(blk.key[0], blk.key[1], blk.key[2], APPLY, writer, blk.version, t.config.version,
+                         id_count=part.ids.shape[0], element_count=part.values.size)
             out.append((blk.key, op, [np.ascontiguousarray(part.ids, dtype=np.int64),
                                       np.ascontiguousarray(part.values, dtype=np.float32)]))
         return out
 
     def apply_one(self, blk: AnyBlock, part: Part, kind: int, writer: Writer, sync: bool,
-                  step: int, same_step: bool = False) -> tuple[ps.BlockOp, list[np.ndarray]]:
+                  step: int, same_step: bool = False) -> tuple[BlockOp, list[np.ndarray]]:
         """Apply one part to its block (lock held); returns the op to forward to backups.
         ``same_step``: the push reached this dense block in an earlier part too."""
         t = part.table
-        op = ps.BlockOp(job=blk.key[0], table=blk.key[1], block=blk.key[2],
-                        writer=ps.WriterId(session=writer.session, incarnation=writer.incarnation,
-                                           sequence=writer.sequence, acked_below=writer.acked_below),
-                        config_version=t.config.version)
+        op = BlockOp(blk.key[0], blk.key[1], blk.key[2], writer=writer, config_version=t.config.version)
         if isinstance(blk, DenseBlock):
-            op.range.start, op.range.stop = part.lo, part.hi
+            op.start, op.stop = part.lo, part.hi
             op.element_count = part.hi - part.lo
             arrays = [np.ascontiguousarray(part.values, dtype=np.float32)]
         else:
@@ -403,17 +397,17 @@ class PushApplier:
             arrays = [np.ascontiguousarray(part.ids, dtype=np.int64),
                       np.ascontiguousarray(part.values, dtype=np.float32)]
         if kind == INITIALIZE:
-            op.kind = ps.INITIAL
+            op.kind = INITIAL
             cast(DenseBlock, blk).initialize(part.lo, part.hi, arrays[0])   # INITIALIZE: dense only
         elif kind == ASSIGN:                      # applied at once, in SYNC groups too
-            op.kind = ps.ASSIGN_VALUES
+            op.kind = ASSIGN_VALUES
             assign_values(blk, t, arrays, op)
         elif sync:
-            op.kind = ps.ACCUMULATE
+            op.kind = ACCUMULATE
             op.step = step
             self.steps.accumulate(blk, step, arrays, part.lo, part.hi)
         else:
-            op.kind = ps.APPLY
+            op.kind = APPLY
             op.same_step = same_step and isinstance(blk, DenseBlock)
             apply_gradient(blk, t, arrays, op)
         op.version = blk.version
@@ -438,11 +432,11 @@ def check_assign(part: Part, blk: AnyBlock) -> None:
             f"from a checkpoint instead")
 
 
-def assign_values(blk: AnyBlock, t: TableView, arrays: list[np.ndarray], op: ps.BlockOp) -> None:
+def assign_values(blk: AnyBlock, t: TableView, arrays: list[np.ndarray], op: BlockOp) -> None:
     """Apply an ASSIGN op's arrays to ``blk`` (lock held): a primary's push or a backup's
     forwarded op, the same bytes."""
     if isinstance(blk, DenseBlock):
-        blk.assign(t.config, int(op.range.start), int(op.range.stop), arrays[0])
+        blk.assign(t.config, int(op.start), int(op.stop), arrays[0])
     else:
         blk.assign(t.config, arrays[0], arrays[1])
 

@@ -7,8 +7,19 @@ from typing import TYPE_CHECKING, Sequence, cast
 
 import numpy as np
 
+from shardps.blockops import (
+    ACCUMULATE,
+    APPLY,
+    APPLY_ROWS,
+    APPLY_STEP,
+    ASSIGN_VALUES,
+    INITIAL,
+    WITH_ARRAYS,
+    BlockOp,
+    BlockSnapshot,
+    Writer,
+)
 from shardps.errors import InvalidArgument, StaleEpoch, Unavailable
-from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc.codec import byte_view
 from shardps.server.node import storage_kernels
 from shardps.server.node.apply import apply_gradient, assign_values
@@ -18,11 +29,10 @@ from shardps.server.node.blocks import (
     BlockLocks,
     DenseBlock,
     SparseRows,
-    Writer,
     decode_metadata,
     remember_all,
 )
-from shardps.server.node.replication import BlockSnapshot, Op, op_keys
+from shardps.server.node.replication import Op, op_keys
 from shardps.server.node.table import BlockTable
 from shardps.shardmap import ShardMapView, TableView
 
@@ -30,7 +40,7 @@ if TYPE_CHECKING:
     from shardps.server.node.steps import SyncSteps
 
 
-def _decode_ops(ops: Sequence[ps.BlockOp], payload) -> list[Op]:
+def _decode_ops(ops: Sequence[BlockOp], payload) -> list[Op]:
     """Each op with its key and arrays (views of ``payload``: ids int64, values float32).
     InvalidArgument if the payload does not match the ops."""
     buf = byte_view(payload) if payload is not None else memoryview(b"")
@@ -38,7 +48,7 @@ def _decode_ops(ops: Sequence[ps.BlockOp], payload) -> list[Op]:
     out: list[Op] = []
     for op in ops:
         arrays = []
-        if op.kind in (ps.APPLY, ps.APPLY_ROWS, ps.ACCUMULATE, ps.INITIAL, ps.ASSIGN_VALUES):
+        if op.kind in WITH_ARRAYS:
             for count, dtype, size in ((op.id_count, "<i8", 8), (op.element_count, "<f4", 4)):
                 if dtype == "<i8" and not count:
                     continue
@@ -72,7 +82,7 @@ class BackupApplier:
         # replica check can show it catches replicas that diverge
         self.defect = defect
 
-    def apply_replicated(self, epoch: int, source: str, ops: Sequence[ps.BlockOp],
+    def apply_replicated(self, epoch: int, source: str, ops: Sequence[BlockOp],
                          payload) -> tuple[int, list[BlockKey]]:
         """Apply a primary's forwarded ops (in order). Returns (applied, out-of-sync keys).
 
@@ -86,7 +96,7 @@ class BackupApplier:
         view = self.table.view
         i = 0
         while i < len(items):
-            if items[i][1].kind == ps.APPLY_ROWS:
+            if items[i][1].kind == APPLY_ROWS:
                 applied += self._apply_rows(view, source, epoch, items[i], stale)
                 i += 1
                 continue
@@ -102,36 +112,33 @@ class BackupApplier:
                 if op.version != blk.version + 1:
                     stale.append(key)
                     continue
-                writer = Writer(op.writer.session, op.writer.incarnation, op.writer.sequence,
-                                op.writer.acked_below)
                 t = view.tables.get((op.job, op.table))
-                if op.kind == ps.APPLY:
+                if op.kind == APPLY:
                     if t is None or t.config.version != op.config_version:
                         # our config is behind the primary's: take the whole block instead
                         stale.append(key)
                         continue
                     if self.defect == "3" and (op.dropped_count or op.evicted_count):
                         arrays[0] = arrays[0][:int(op.id_count - op.dropped_count - op.evicted_count)]
-                        op = ps.BlockOp(job=op.job, table=op.table, block=op.block, kind=op.kind,
-                                        step=op.step, version=op.version)
+                        op = BlockOp(op.job, op.table, op.block, op.kind, op.writer, op.version, step=op.step)
                     apply_gradient(blk, t, arrays, op)
-                elif op.kind == ps.INITIAL:                 # dense blocks only
-                    cast(DenseBlock, blk).initialize(op.range.start, op.range.stop, arrays[0])
-                elif op.kind == ps.ASSIGN_VALUES:
+                elif op.kind == INITIAL:                 # dense blocks only
+                    cast(DenseBlock, blk).initialize(op.start, op.stop, arrays[0])
+                elif op.kind == ASSIGN_VALUES:
                     if t is None or t.config.version != op.config_version:
                         stale.append(key)
                         continue
                     assign_values(blk, t, arrays, op)
-                elif op.kind == ps.ACCUMULATE:
-                    self.steps.accumulate(blk, int(op.step), arrays, op.range.start, op.range.stop)
-                elif op.kind == ps.APPLY_STEP:
+                elif op.kind == ACCUMULATE:
+                    self.steps.accumulate(blk, int(op.step), arrays, op.start, op.stop)
+                elif op.kind == APPLY_STEP:
                     if t is None:
                         stale.append(key)
                         continue
                     self.steps.apply_step_locked([blk], t, int(op.step), int(op.divisor))
                 else:
                     raise InvalidArgument(f"unknown block op kind {op.kind}")
-                blk.remember(writer)
+                blk.remember(op.writer)
                 applied += 1
         return applied, stale
 
@@ -152,18 +159,14 @@ class BackupApplier:
         by one writer (``_plain_rows``): they are applied as one (``_apply_sparse_run``).
         0 or 1: apply ``items[i]`` alone."""
         key, op, _ = items[i]
-        if (op.kind != ps.APPLY or op.dropped_count or op.evicted_count
+        if (op.kind != APPLY or op.dropped_count or op.evicted_count
                 or self._plain_rows(view, key[0], key[1], op.config_version) is None):
             return 0
-        w = op.writer
         n = 1
         seen = {key}
         for k2, op2, _ in items[i + 1:]:
-            w2 = op2.writer
-            if (k2 in seen or k2[:2] != key[:2] or op2.kind != ps.APPLY or op2.dropped_count or op2.evicted_count
-                    or op2.config_version != op.config_version or w2.session != w.session
-                    or w2.incarnation != w.incarnation or w2.sequence != w.sequence
-                    or w2.acked_below != w.acked_below):
+            if (k2 in seen or k2[:2] != key[:2] or op2.kind != APPLY or op2.dropped_count or op2.evicted_count
+                    or op2.config_version != op.config_version or op2.writer != op.writer):
                 break
             seen.add(k2)
             n += 1
@@ -210,7 +213,7 @@ class BackupApplier:
 
     @staticmethod
     def _apply_to_blocks(t: TableView, rows: SparseRows, keys: list[BlockKey], blocks: list[AnyBlock],
-                         versions, ids: np.ndarray, grad: np.ndarray, blocks_of: np.ndarray, w: ps.WriterId,
+                         versions, ids: np.ndarray, grad: np.ndarray, blocks_of: np.ndarray, w: Writer,
                          stale: list[BlockKey]) -> int:
         """One compiled update of the rows (``ids``, each in block ``blocks_of``) of the blocks
         whose version (``versions``: each block's after the op) follows on from theirs; the
@@ -229,7 +232,7 @@ class BackupApplier:
                 rows.apply_rows(t.config, ids, grad)
             for blk in done:
                 blk.version += 1
-            remember_all(done, Writer(w.session, w.incarnation, w.sequence, w.acked_below))
+            remember_all(done, w)
         return len(done)
 
     def backup_block(self, view: ShardMapView, key: BlockKey, source: str, epoch: int) -> AnyBlock:

@@ -37,10 +37,9 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
+from shardps.blockops import ACCUMULATE, APPLY, APPLY_ROWS, BlockOp
 from shardps.dtypes import WireDType
-from shardps.messages import Layout, PullReply, PushAck, Versions
-from shardps.protos.v1 import common_pb2 as pb
-from shardps.protos.v1 import parameter_server_pb2 as ps
+from shardps.messages import GRADIENT, Layout, PullReply, PushAck, Versions
 from shardps.server.node import storage_kernels
 from shardps.server.node.blocks import AnyBlock, BlockLocks, DenseBlock, SparseRows, Writer, applied_any, remember_all
 from shardps.server.node.decode import Segment, serves
@@ -87,7 +86,7 @@ def admit_push(table: BlockTable, job: str, epoch: int, kind: int, parsed: list[
     view = table.view
     group = view.groups.get(job)
     mode = Consistency.SYNC if sync else Consistency.ASYNC
-    if kind != ps.GRADIENT or (group is not None and (group.consistency is not mode or group.quota_bytes)):
+    if kind != GRADIENT or (group is not None and (group.consistency is not mode or group.quota_bytes)):
         return None
     units: list[Unit] = []
     for s in parsed:
@@ -159,9 +158,8 @@ def apply_push(plan: FastPush, writer: Writer, forwarder: "Forwarder", updates_b
             if u.ids is None:
                 for (blk, lo, hi, values), has in zip(_dense_parts(u), backed):
                     if has:
-                        ops.append(_op(blk, u.table, writer, ps.BlockOp(range=pb.Range(start=lo, stop=hi),
-                                                                        element_count=hi - lo),
-                                       [np.ascontiguousarray(values, dtype=np.float32)]))
+                        ops.append(_op(blk, u.table, writer, [np.ascontiguousarray(values, dtype=np.float32)],
+                                       start=lo, stop=hi, element_count=hi - lo))
             elif any(backed):
                 ops.extend(_rows_ops(u, u.values.reshape(-1, u.table.spec.dim), writer, backed))
         _set_versions(ops, 1)               # each block's version once this push is applied
@@ -222,8 +220,7 @@ def accumulate_push(plan: FastPush, job: str, writer: Writer, step: int, steps: 
                     values = np.array(u.values[lo - u.lo:hi - u.lo], dtype=np.float32)
                     blk.accumulate(step, (lo, hi, values))
                     if has:
-                        ops.append(_op(blk, t, writer, ps.BlockOp(range=pb.Range(start=lo, stop=hi),
-                                                                  element_count=hi - lo), [values], step))
+                        ops.append(_op(blk, t, writer, [values], step, start=lo, stop=hi, element_count=hi - lo))
                 continue
             assert u.blocks_of is not None     # a sparse unit
             values = u.values.reshape(-1, t.spec.dim)
@@ -231,8 +228,7 @@ def accumulate_push(plan: FastPush, job: str, writer: Writer, step: int, steps: 
                 ids, rows = u.ids[pos], np.ascontiguousarray(values[pos], dtype=np.float32)
                 blk.accumulate(step, (ids, rows))
                 if has:
-                    ops.append(_op(blk, t, writer, ps.BlockOp(id_count=ids.shape[0], element_count=rows.size),
-                                   [ids, rows], step))
+                    ops.append(_op(blk, t, writer, [ids, rows], step, id_count=ids.shape[0], element_count=rows.size))
         for blk in plan.blocks:         # tracked as pending by check_step_open
             blk.version += 1
         return _commit(plan, writer, ops, forward)
@@ -262,7 +258,7 @@ def _commit(plan: FastPush, writer: Writer, ops: list, forward) -> PushAck:
 def _set_versions(ops: list, ahead: int) -> None:
     """Each op's version(s): its blocks' versions now, plus ``ahead``."""
     for _, op, _, changed in ops:
-        if op.kind == ps.APPLY_ROWS:
+        if op.kind == APPLY_ROWS:
             op.versions.extend(blk.version + ahead for blk in changed)
         else:
             op.version = changed[0].version + ahead
@@ -285,17 +281,13 @@ def _by_block(u: Unit) -> list[np.ndarray]:
     return [order[a:z] for a, z in zip(starts, ends)]
 
 
-def _op(blk: AnyBlock, t: TableView, writer: Writer, op: ps.BlockOp, arrays: list, step: int | None = None) -> tuple:
+def _op(blk: AnyBlock, t: TableView, writer: Writer, arrays: list, step: int | None = None, kind: int = 0,
+        **fields) -> tuple:
     """(key, op, arrays, [block]) of an APPLY of ``blk`` (its version is set once
-    committed), or, with ``step``, an ACCUMULATE into that SYNC step; an ``op`` of another
-    kind (APPLY_ROWS, of ``blk`` and more blocks) keeps it."""
-    op.job, op.table, op.block = blk.key[0], blk.key[1], blk.key[2]
-    op.kind = op.kind or (ps.APPLY if step is None else ps.ACCUMULATE)
-    if step is not None:
-        op.step = step
-    op.writer.CopyFrom(ps.WriterId(session=writer.session, incarnation=writer.incarnation,
-                                   sequence=writer.sequence, acked_below=writer.acked_below))
-    op.config_version = t.config.version
+    committed), or, with ``step``, an ACCUMULATE into that SYNC step; an op of another
+    ``kind`` (APPLY_ROWS, of ``blk`` and more blocks) keeps it. ``fields``: the op's others."""
+    op = BlockOp(blk.key[0], blk.key[1], blk.key[2], kind or (APPLY if step is None else ACCUMULATE), writer,
+                 config_version=t.config.version, step=step or 0, **fields)
     return blk.key, op, arrays, [blk]
 
 
@@ -317,9 +309,8 @@ def _rows_ops(u: Unit, values: np.ndarray, writer: Writer, backed: list[bool]) -
             ids, rows = ids[keep], rows[keep]
         ids, rows = np.ascontiguousarray(ids, dtype="<i8"), np.ascontiguousarray(rows, dtype="<f4")
         changed = [u.objects[i] for i in positions]
-        key, op, arrays, _ = _op(changed[0], t, writer, ps.BlockOp(
-            kind=ps.APPLY_ROWS, id_count=ids.shape[0], element_count=rows.size,
-            blocks=[blk.key[2] for blk in changed]), [ids, rows])
+        key, op, arrays, _ = _op(changed[0], t, writer, [ids, rows], kind=APPLY_ROWS, id_count=ids.shape[0],
+                                 element_count=rows.size, blocks=[blk.key[2] for blk in changed])
         out.append((key, op, arrays, changed))
     return out
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from shardps import kernels
-from shardps.protos.v1 import parameter_server_pb2 as ps
+from shardps.blockops import APPLY, BlockOp
 from shardps.server.node.lifecycle import Outcome
 
 _EMPTY = np.empty(0, dtype=np.int64)
@@ -47,7 +47,7 @@ def by_block(outcome: Outcome, num_blocks: int) -> ByBlock:
 
 
 def block_op(key: tuple[str, str, int], ids: np.ndarray, values: np.ndarray, decided: ByBlock,
-             clock: int) -> tuple[ps.BlockOp, list[np.ndarray]]:
+             clock: int) -> tuple[BlockOp, list[np.ndarray]]:
     """The APPLY op of block ``key`` for its pushed ``ids`` / ``values`` and the primary's
     decisions; the caller sets writer, config_version and version."""
     dropped, cooled, gone = decided.of(key[2])
@@ -57,7 +57,7 @@ def block_op(key: tuple[str, str, int], ids: np.ndarray, values: np.ndarray, dec
         keep = ~np.isin(ids, dropped)
         ids, values = ids[keep], values[keep]
     evicted = cooled.shape[0] + gone.shape[0]
-    op = ps.BlockOp(job=key[0], table=key[1], block=key[2], kind=ps.APPLY, step=clock,
-                    id_count=ids.shape[0] + dropped.shape[0] + evicted, element_count=values.size,
-                    dropped_count=dropped.shape[0], evicted_count=evicted, cooled_count=cooled.shape[0])
+    op = BlockOp(key[0], key[1], key[2], APPLY, step=clock, id_count=ids.shape[0] + dropped.shape[0] + evicted,
+                 element_count=values.size, dropped_count=dropped.shape[0], evicted_count=evicted,
+                 cooled_count=cooled.shape[0])
     return op, [np.concatenate([ids, dropped, cooled, gone]), np.ascontiguousarray(values, dtype=np.float32)]

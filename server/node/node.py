@@ -1,6 +1,6 @@
 """``ServerNode``: one server node's logic, a facade over its layers.
 
-``shardps.server.node.service`` is the thin gRPC layer in front of it, and ``Peers`` (passed
+``shardps.server.node_service`` is the thin gRPC layer in front of it, and ``Peers`` (passed
 in, or set later as ``node.peers``) carries its calls to other servers. The layers, each a
 plain class with its contract in its docstring:
 
@@ -41,11 +41,10 @@ from typing import Callable, Sequence
 import numpy as np
 
 from shardps import kernels, mapdelta
+from shardps.blockops import BlockOp, BlockSnapshot
 from shardps.errors import Unavailable
 from shardps.messages import GRADIENT, PullReply, PullRequest, PushAck, PushRequest, StepReply, StepRequest
 from shardps.metrics import NodeMetrics
-from shardps.protos.v1 import common_pb2 as pb
-from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.server.node import hash_index, lifecycle, optimizer_kernels, storage_kernels
 from shardps.server.node.apply import JobHolds, PushApplier, forget_departed_writers
 from shardps.server.node.backup import BackupApplier
@@ -54,10 +53,10 @@ from shardps.server.node.decode import NodeLimits
 from shardps.server.node.lane import Lane, pull_request, push_request
 from shardps.server.node.liveness import Liveness
 from shardps.server.node.pull import PullReader
-from shardps.server.node.replication import BlockSnapshot, Forwarder, NoPeers, Peers
+from shardps.server.node.replication import Forwarder, NoPeers, Peers
 from shardps.server.node.steps import SyncSteps
 from shardps.server.node.table import BlockTable
-from shardps.shardmap import ShardMapView
+from shardps.shardmap import ShardMap, ShardMapView
 
 log = logging.getLogger("shardps.server")
 
@@ -147,7 +146,7 @@ class ServerNode:
         """Address of server ``name`` under the installed map (KeyError if unknown)."""
         return self.table.view.address(name)
 
-    def install_map(self, msg: pb.ShardMap) -> int:
+    def install_map(self, msg: ShardMap) -> int:
         """Install a newer shard map, whole or as its changes (``ShardMap.changes``, since
         the installed epoch: else ``mapdelta.StaleBase``, a FailedPrecondition); older or
         equal epochs are ignored. Waits for in-flight data requests under the old map to
@@ -155,12 +154,10 @@ class ServerNode:
         base = self.table.view
         if msg.epoch <= base.epoch:
             return base.epoch
-        if msg.HasField("changes"):
-            msg = mapdelta.apply(base.msg, msg)
-        view = ShardMapView(msg)
+        view = ShardMapView(mapdelta.whole(base.msg, msg))
         # forwards to a node this map declares dead (paused, cut off) would hold the data
         # requests the gate waits for until their timeout: they fail now instead
-        alive = {s.name for s in view.servers if s.state != pb.DEAD}
+        alive = set(view.server_names) - view.dead
         self.forwarder.declare_dead(view.epoch, {s.name for s in (*base.servers, *view.servers)} - alive)
         with self.table.gate.exclusive():
             if view.epoch <= self.table.view.epoch:
@@ -229,7 +226,7 @@ class ServerNode:
         if reason is not None:
             raise Unavailable(f"server {self.name}: {reason}")
 
-    def apply_replicated(self, epoch: int, source: str, ops: Sequence[ps.BlockOp],
+    def apply_replicated(self, epoch: int, source: str, ops: Sequence[BlockOp],
                          payload) -> tuple[int, list[BlockKey]]:
         """See ``BackupApplier.apply_replicated``."""
         return self.backup.apply_replicated(epoch, source, ops, payload)

@@ -14,6 +14,8 @@ import itertools
 import operator
 from dataclasses import dataclass, field
 
+from shardps.blockops import Writer
+
 __all__ = ["Writer", "WriterRecord", "applied_any", "remember_all"]
 
 
@@ -57,20 +59,6 @@ class WriterRecord:
             self.applied.add(sequence)
             if len(self.applied) > WriterRecord.PRUNE_AT:
                 self.applied = self.live()
-
-
-@dataclass(frozen=True)
-class Writer:
-    """Identity of one push: (session, incarnation, sequence). Empty session: no dedup."""
-
-    session: str = ""
-    incarnation: int = 0
-    sequence: int = 0
-    acked_below: int = 0
-
-    @property
-    def tracked(self) -> bool:
-        return bool(self.session) and self.sequence > 0
 
 
 def applied_any(blocks, writer: Writer) -> bool:

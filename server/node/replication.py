@@ -27,39 +27,28 @@ from typing import Callable, Protocol, Sequence, cast
 
 import numpy as np
 
+from shardps.blockops import APPLY_ROWS, ArrayInfo, BlockOp, BlockRef, BlockSnapshot, BlockState
 from shardps.errors import ShardpsError, StaleEpoch, Unavailable
 from shardps.metrics import NodeMetrics
-from shardps.protos.v1 import common_pb2 as pb
-from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.server.node.blocks import AnyBlock, BlockKey, encode_metadata
 from shardps.server.node.table import BlockTable
 
 log = logging.getLogger("shardps.server")
 
-Op = tuple[BlockKey, ps.BlockOp, list[np.ndarray]]   # a block's op and its arrays, to forward
-
-
-@dataclass
-class BlockSnapshot:
-    """A block's full state: header (ref, version, array layout, JSON metadata) and arrays."""
-
-    header: ps.BlockStateHeader
-    arrays: list[np.ndarray]
+Op = tuple[BlockKey, BlockOp, list[np.ndarray]]   # a block's op and its arrays, to forward
 
 
 def snapshot_block(blk: AnyBlock) -> BlockSnapshot:
     """``blk``'s whole state, every array as float32 or int64. Hold ``blk.lock``."""
     meta, arrays = blk.snapshot()
-    header = ps.BlockStateHeader(
-        ref=ps.BlockRef(job=blk.key[0], table=blk.key[1], block=blk.key[2]),
-        version=blk.version, metadata=encode_metadata(meta),
-        initialized=bool(meta.get("initialized", True)))
+    header = BlockState(BlockRef(*blk.key), blk.version, bool(meta.get("initialized", True)),
+                        metadata=encode_metadata(meta))
     out = []
     for name, arr in arrays.items():
         # every array travels as float32 or int64, whatever its storage type
-        arr = np.ascontiguousarray(arr, dtype="<i8" if arr.dtype.kind in "iu" else "<f4")
-        header.arrays.add(name=name, dtype=pb.INT64 if arr.dtype.kind == "i" else pb.FLOAT32,
-                          shape=list(arr.shape))
+        dtype = "<i8" if arr.dtype.kind in "iu" else "<f4"
+        arr = np.ascontiguousarray(arr, dtype=dtype)
+        header.arrays.append(ArrayInfo(name, dtype, tuple(arr.shape)))
         out.append(arr)
     return BlockSnapshot(header, out)
 
@@ -79,7 +68,7 @@ class Forwarding:
 class Peers(Protocol):
     """How a node reaches other nodes (``shardps.rpc.peers.NodePeers``: the data plane, else gRPC)."""
 
-    def replicate(self, node: str, epoch: int, ops: list[ps.BlockOp],
+    def replicate(self, node: str, epoch: int, ops: list[BlockOp],
                   arrays: list[np.ndarray]) -> Callable[[], list[BlockKey]]:
         """Send ops to ``node``; returns the call's answer: a function that waits for the
         backup to apply them and returns the blocks it reports out of sync. Either raises on
@@ -276,8 +265,8 @@ class Forwarder:
         return key, blk
 
 
-def op_keys(key: BlockKey, op: ps.BlockOp) -> list[BlockKey]:
+def op_keys(key: BlockKey, op: BlockOp) -> list[BlockKey]:
     """The blocks ``op`` changes: its own (``key``), or an APPLY_ROWS's ``blocks``."""
-    if op.kind == ps.APPLY_ROWS:
+    if op.kind == APPLY_ROWS:
         return [(key[0], key[1], int(b)) for b in op.blocks]
     return [key]

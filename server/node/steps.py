@@ -24,8 +24,8 @@ import time
 
 import numpy as np
 
+from shardps.blockops import APPLY_STEP, BlockOp
 from shardps.errors import FailedPrecondition, Unavailable
-from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.server.node import storage_kernels
 from shardps.server.node.blocks import AnyBlock, BlockKey, DenseBlock, SparseBlock
 from shardps.server.node.clocks import JobClock
@@ -192,10 +192,9 @@ class SyncSteps:
                     ops: list[Op] = []
                     for t, blocks in self._by_table(due):
                         self.apply_step_locked(blocks, t, step, divisor)
-                        ops.extend((blk.key, ps.BlockOp(job=blk.key[0], table=blk.key[1], block=blk.key[2],
-                                                        kind=ps.APPLY_STEP, step=step, divisor=divisor,
-                                                        version=blk.version,
-                                                        config_version=t.config.version), [])
+                        ops.extend((blk.key, BlockOp(blk.key[0], blk.key[1], blk.key[2], APPLY_STEP,
+                                                     version=blk.version, config_version=t.config.version,
+                                                     step=step, divisor=divisor), [])
                                    for blk in blocks)
                     try:
                         self.forwarder.forward_locked(ops, touched)

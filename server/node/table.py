@@ -39,7 +39,6 @@ import threading
 
 from shardps.errors import Unavailable
 from shardps.messages import Header
-from shardps.protos.v1 import common_pb2 as pb
 from shardps.server.node.blocks import AnyBlock, BlockKey, DenseBlock, SparseBlock, SparseRows, new_block
 from shardps.shardmap import ShardMapView, TableView
 from shardps.tables import TableKind
@@ -192,7 +191,7 @@ class BlockTable:
         """Forget copy destinations the map now lists as replicas (the copy is done: they are
         backups like any other) and any node the map declares dead, so that neither is sent
         ops or resyncs any more. Call with ``lock`` held."""
-        dead = {s.name for s in view.servers if s.state == pb.DEAD}
+        dead = view.dead
         live = set(view.server_names) - dead
         for key in list(self.extra):
             t = view.tables[(key[0], key[1])]

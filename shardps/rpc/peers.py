@@ -23,6 +23,7 @@ import grpc
 from shardps.errors import Unavailable
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc.dataplane import DataPlanePool
+from shardps.rpc.replication import out_of_sync, replicate_header
 from shardps.rpc.status import from_rpc_error
 from shardps.rpc.stubs import GrpcPeers
 
@@ -48,8 +49,7 @@ class NodePeers:
         if not plane:
             return self.grpc.replicate(node, epoch, ops, arrays)
         nbytes = sum(a.nbytes for a in arrays)
-        header = ps.ReplicateHeader(epoch=epoch, source=self.grpc.node_name, ops=ops,
-                                    payload_bytes=nbytes).SerializeToString()
+        header = replicate_header(epoch, self.grpc.node_name, ops, nbytes)
         with self._lock:
             self._used[node] = plane
         try:
@@ -62,8 +62,7 @@ class NodePeers:
                 raw, _ = self.pool.finish(sent)
             except Unavailable as exc:
                 raise self._lost(node, address, exc) from None
-            ack = ps.ReplicateAck.FromString(raw)
-            return [(r.job, r.table, r.block) for r in ack.out_of_sync]
+            return out_of_sync(raw)
         return answer
 
     def _lost(self, node: str, address: str, exc: Unavailable) -> Unavailable:

@@ -17,15 +17,18 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from typing import Iterable
 
 import grpc
 
+from shardps.blockops import BlockSnapshot
 from shardps.errors import Unavailable
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import manager_pb2 as mg
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc import channels
 from shardps.rpc.codec import CHUNK_BYTES, decode_chunk, encode_chunk, split_payload
+from shardps.rpc.replication import replicate_header, state_message
 from shardps.rpc.status import from_rpc_error
 
 SERVICE = "shardps.v1.ParameterServer"
@@ -129,20 +132,20 @@ class StubPool:
             self._stubs.clear()
 
 
-def encode_snapshots(snapshots, epoch: int, chunk_bytes: int = CHUNK_BYTES):
-    """BlockChunk messages for ``snapshots`` (objects with ``header``, a
-    ``BlockStateHeader``, and ``arrays``): each block starts with a header chunk."""
+def encode_snapshots(snapshots: Iterable[BlockSnapshot], epoch: int, chunk_bytes: int = CHUNK_BYTES):
+    """BlockChunk messages for ``snapshots``: each block starts with a header chunk."""
     for snap in snapshots:
         first = True
+        header = state_message(snap.header)
         for piece in split_payload(snap.arrays, chunk_bytes):
             if first:
-                msg = ps.BlockChunk(header=snap.header, epoch=epoch).SerializeToString()
+                msg = ps.BlockChunk(header=header, epoch=epoch).SerializeToString()
                 yield msg + encode_chunk(None, piece)
                 first = False
             else:
                 yield encode_chunk(None, piece)
         if first:
-            yield ps.BlockChunk(header=snap.header, epoch=epoch).SerializeToString()
+            yield ps.BlockChunk(header=header, epoch=epoch).SerializeToString()
 
 
 class InFlight:
@@ -225,8 +228,7 @@ class GrpcPeers:
         return self.in_flight.wait(node, call, f"OpenDataPlane on {node} ({address})")
 
     def replicate(self, node, epoch, ops, arrays):
-        header = ps.ReplicateHeader(epoch=epoch, source=self.node_name, ops=ops,
-                                    payload_bytes=sum(a.nbytes for a in arrays)).SerializeToString()
+        header = replicate_header(epoch, self.node_name, ops, sum(a.nbytes for a in arrays))
 
         def chunks():
             head = header

@@ -15,14 +15,14 @@ from shardps.errors import InvalidArgument, ResourceExhausted, ShardpsError
 from shardps.messages import PullReply, PullRequest, PushAck, PushRequest
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
-from shardps.rpc import messages, packed
+from shardps.rpc import messages, packed, replication
+from shardps.rpc.chunks import collect_chunks, decode_snapshots
 from shardps.rpc.codec import CHUNK_BYTES, decode_chunk, encode_chunk, split_payload, write_into
 from shardps.rpc.frames import FLAG_PACKED, FLAG_SHARED
 from shardps.rpc.status import Method, bind, grpc_code, proto_method
 from shardps.rpc.stubs import encode_snapshots
 from shardps.server.auth import JOB, check_job
 from shardps.server.node import ServerNode, digest, lifecycle
-from shardps.server.node.chunks import collect_chunks, decode_snapshots
 from shardps.server.node.step_service import StepService
 
 SERVICE = "shardps.v1.ParameterServer"
@@ -329,11 +329,8 @@ class ParameterServerService:
         if header.payload_bytes and header.payload_bytes != len(payload):
             raise InvalidArgument(f"Replicate: the header declares {header.payload_bytes} payload "
                                   f"bytes; the request carries {len(payload)}")
-        applied, stale = self.node.apply_replicated(header.epoch, header.source, header.ops, payload)
-        ack = ps.ReplicateAck(applied=applied)
-        for job, table, block in stale:
-            ack.out_of_sync.add(job=job, table=table, block=block)
-        return ack
+        epoch, source, ops = replication.replicate_request(header)
+        return replication.replicate_ack(*self.node.apply_replicated(epoch, source, ops, payload))
 
     def install_shard_map(self, request, call) -> ps.InstallShardMapResponse:
         return ps.InstallShardMapResponse(epoch=self.node.install_map(request.map))

@@ -5,20 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from shardps.blockops import BlockSnapshot, BlockState
 from shardps.errors import InvalidArgument, ResourceExhausted
-from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc.codec import assemble
-from shardps.server.node import BlockSnapshot
-
-
-def _np_dtype(code: int) -> str:
-    try:
-        # (protobuf's stubs key this dict by pb.DType.ValueType; code is the same number)
-        return {pb.FLOAT32: "<f4", pb.INT64: "<i8", pb.FLOAT64: "<f8"}[code]  # type: ignore[index]
-    except KeyError:
-        raise InvalidArgument(f"block array dtype {code}: block state travels as FLOAT32, "
-                              f"FLOAT64 or INT64") from None
+from shardps.rpc.replication import state_plain
 
 
 def collect_chunks(chunks, header_cls, limit: int, what: str, empty: str = ""):
@@ -60,7 +51,7 @@ def decode_snapshots(chunks) -> tuple[int, list[BlockSnapshot]]:
     """Inverse of ``encode_snapshots``: (sender's epoch, snapshots)."""
     snapshots: list[BlockSnapshot] = []
     epoch = 0
-    current = None
+    current: BlockState | None = None
     pieces: list = []
 
     def close():
@@ -69,23 +60,23 @@ def decode_snapshots(chunks) -> tuple[int, list[BlockSnapshot]]:
         data = assemble(pieces) if pieces else memoryview(b"")
         arrays, pos = [], 0
         for info in current.arrays:
-            dt = np.dtype(_np_dtype(info.dtype))
+            dt = np.dtype(info.dtype)
             if any(d < 0 for d in info.shape):
-                raise InvalidArgument(f"block {current.ref}: array {info.name!r} shape {list(info.shape)}")
+                raise InvalidArgument(f"block {tuple(current.ref)}: array {info.name!r} shape {list(info.shape)}")
             count = int(np.prod(info.shape, dtype=object)) if len(info.shape) else 1
             n = count * dt.itemsize
             if pos + n > len(data):
-                raise InvalidArgument(f"block {current.ref}: array {info.name!r} is truncated")
+                raise InvalidArgument(f"block {tuple(current.ref)}: array {info.name!r} is truncated")
             arrays.append(np.frombuffer(data[pos:pos + n], dtype=dt).reshape(tuple(info.shape)).copy())
             pos += n
         if pos != len(data):
-            raise InvalidArgument(f"block {current.ref}: {len(data) - pos} unexpected bytes")
+            raise InvalidArgument(f"block {tuple(current.ref)}: {len(data) - pos} unexpected bytes")
         snapshots.append(BlockSnapshot(current, arrays))
 
     for chunk in chunks:
         if chunk.header is not None:
             close()
-            current = ps.BlockStateHeader.FromString(chunk.header)
+            current = state_plain(ps.BlockStateHeader.FromString(chunk.header))
             pieces = []
             epoch = max(epoch, int(chunk.extra.get(3, 0)))
         elif current is None:
