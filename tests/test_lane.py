@@ -217,6 +217,24 @@ def test_a_malformed_step_header_is_refused_naming_what(damage, message):
         step.read_request(damage(encoded.header()))
 
 
+@pytest.mark.parametrize("field, value, message", [
+    (2, 1 << 61, "ids at byte 0 do not fit"),          # rows whose bytes would overflow int64
+    (4, (1 << 63) - 8, "do not fit"),                   # ids far past the payload
+    (7, 1 << 60, "base versions"),                      # base versions past the header
+])
+def test_hostile_counts_and_offsets_are_refused_not_wrapped(field, value, message):
+    """A segment's counts and offsets are compared with the buffer without multiplying
+    them: a count whose bytes overflow int64 is refused, not wrapped into a small one."""
+    header = Header(JOB, epoch=1, session="w0", incarnation=1, sequence=1)
+    encoded = step.encode(StepRequest(header, GRADIENT, [Slice("e", ROWS, ids=np.arange(2, dtype=np.int64),
+                                                               values=np.ones((2, 4), np.float32))], None))
+    raw = bytearray(encoded.header())
+    raw[96 + 8 * field:104 + 8 * field] = value.to_bytes(8, "little")
+    with pytest.raises(InvalidArgument, match=message):
+        got, _, fields = step.read_request(bytes(raw))
+        step.bind(got, fields, memoryview(bytes(encoded.payload_bytes)))
+
+
 def test_a_payload_too_short_for_its_segments_is_refused():
     header = Header(JOB, epoch=1, session="w0", incarnation=1, sequence=1)
     request = StepRequest(header, 0, None, [Slice("e", ROWS, ids=np.arange(8, dtype=np.int64))])
