@@ -323,3 +323,27 @@ def test_close_completes_when_a_held_push_fails_and_raises_it_after(cluster, cli
     assert broken.calls == 2 and unavailable.calls == 1        # every flush ran while closing
     assert c._closed.is_set() and c._calls._shutdown and c._rpcs._shutdown
     c._before_leaving.clear()                                   # the fixture's close() runs none
+
+
+def test_a_pull_reply_counts_staleness_only_where_the_group_has_a_clock():
+    """Both ways of pulling (Step frames, and the general path) take a server's answer with
+    ``take_pull_reply``: staleness counts where a server reported the group's clock or the
+    pull came from the group (a session); a sessionless pull of a job without a group clock
+    has none, whatever clock it carries. Dense tables' versions are kept for the next push."""
+    from shardps.messages import Versions
+    from shardps.worker.client.results import BlockVersions, PullResult, take_pull_reply
+
+    def taken(min_clock, in_group, clock=5):
+        result, seen = PullResult([], BlockVersions(), clock=clock), {}
+        take_pull_reply(result, min_clock, 0.25, [Versions("w", [0, 1], [3, 4]), Versions("e", [2], [9])],
+                        in_group, {"w"}, seen)
+        return result, seen
+
+    assert taken(0, in_group=False)[0].staleness == 0          # no group clock anywhere
+    assert taken(0, in_group=True)[0].staleness == 5           # the group completed no step yet
+    assert taken(3, in_group=False)[0].staleness == 2
+    assert taken(7, in_group=True)[0].staleness == 0           # ahead of this worker: not stale
+    result, seen = taken(3, in_group=True)
+    assert (result.min_clock, result.waited_seconds) == (3, 0.25)
+    assert seen == {("w", 0): 3, ("w", 1): 4}                  # the dense table's only
+    assert len(result.versions) == 3

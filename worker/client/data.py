@@ -43,7 +43,7 @@ from shardps.rpc.codec import CHUNK_BYTES, byte_view
 from shardps.shardmap import ShardMapView
 from shardps.worker.client.fanout import RETRYABLE, Fanout, MapSource, Send, attempt_timeout, split_phase
 from shardps.worker.client.membership import Session
-from shardps.worker.client.results import BlockVersions, PullResult, PushResult, version_pairs
+from shardps.worker.client.results import BlockVersions, PullResult, PushResult, take_pull_reply
 from shardps.worker.client.steps import StepCalls, base_versions, contiguous_start
 from shardps.worker.client.transport import Payload, Transport
 from shardps.worker.routing import Piece, live_servers, route
@@ -174,15 +174,8 @@ class DataPath:
         if sparse_bytes:
             labelled(self.metrics.sparse_bytes, "pulled").inc(sparse_bytes)     # part of bytes "pulled"
         with lock:
-            if head.min_clock or header.session:
-                result.staleness = max(result.staleness, max(0, result.clock - int(head.min_clock)))
-            result.waited_seconds = max(result.waited_seconds, head.waited_seconds)
-            dense = {p.table for p in ps_ if p.dense}
-            for v in head.versions:
-                result.versions.add(v)
-                if v.table in dense:                # what base_versions reads
-                    self._versions.update(version_pairs(v))
-            result.min_clock = max(result.min_clock, int(head.min_clock))
+            take_pull_reply(result, head.min_clock, head.waited_seconds, head.versions, bool(header.session),
+                            {p.table for p in ps_ if p.dense}, self._versions)
 
     def server_clock(self, timeout: float | None = None) -> int:
         """The group's step as the servers see it: the largest ``min_clock`` of an empty pull

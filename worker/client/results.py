@@ -66,6 +66,24 @@ class PullResult:
     staleness: int = 0                 # clock - a server's min_clock, worst server (SYNC/SSP)
 
 
+def take_pull_reply(result: PullResult, min_clock: int, waited_seconds: float, versions: list[Versions],
+                    in_group: bool, dense: set[str], seen: dict[tuple[str, int], int]) -> None:
+    """One server's answer to a pull, into ``result`` (both ways of pulling call this): the
+    group's clock, the wait, the staleness and the versions; the versions of ``dense``
+    tables also into ``seen`` (the versions a dense push sends back as its base). The
+    staleness counts where the group has a clock: the server reported one, or the pull came
+    from a member or client of the group (``in_group``: its header had a session), whose
+    group has then completed no step yet."""
+    result.min_clock = max(result.min_clock, int(min_clock))
+    result.waited_seconds = max(result.waited_seconds, waited_seconds)
+    if min_clock or in_group:
+        result.staleness = max(result.staleness, max(0, result.clock - int(min_clock)))
+    for v in versions:
+        result.versions.add(v)
+        if v.table in dense:
+            seen.update(version_pairs(v))
+
+
 def version_pairs(v: Versions) -> dict[tuple[str, int], int]:
     """(table, block) -> version of one reply's ``Versions``."""
     blocks = v.blocks.tolist() if hasattr(v.blocks, "tolist") else v.blocks

@@ -22,7 +22,7 @@ from shardps.messages import RANGE, ROWS, PullReply, PushAck, Slice, StepRequest
 from shardps.metrics import WorkerMetrics
 from shardps.shardmap import ShardMapView
 from shardps.worker.client.fanout import RETRYABLE, MapSource, attempt_timeout
-from shardps.worker.client.results import BlockVersions, PullResult, PushResult, version_pairs
+from shardps.worker.client.results import BlockVersions, PullResult, PushResult, take_pull_reply
 from shardps.worker.routing import Piece, route_parts
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ class StepCalls:
         failed: BaseException | None = None
         for server, sent, lp in begun:
             try:
-                self.transport.step_finish(sent, _Reply(self, server, lp, presult, lresult))
+                self.transport.step_finish(sent, _Reply(self, server, lp, presult, lresult, bool(header.session)))
             except RETRYABLE + (DeadlineExceeded,):
                 declined = True
             except BaseException as exc:             # read the other replies first
@@ -119,8 +119,10 @@ class StepCalls:
         moved[k + 2] += sparse
         return Slice(p.table, ROWS, ids=p.ids, values=p.values if pushing else None, positions=positions)
 
-    def place(self, server: str, ack: PushAck, reply: PullReply, values: list, lp, presult, lresult) -> None:
-        """Take one server's Step reply: the ack's versions, the pull's values into place."""
+    def place(self, server: str, ack: PushAck, reply: PullReply, values: list, lp, presult, lresult,
+              in_group: bool) -> None:
+        """Take one server's Step reply: the ack's versions, the pull's values into place
+        (``in_group``: the request's header had a session, see ``take_pull_reply``)."""
         if presult is not None:
             for v in ack.versions:
                 presult.versions.add(v)
@@ -143,27 +145,21 @@ class StepCalls:
                 kernels.scatter_rows(out, where, got.reshape(n, out.shape[1]))
             elif len(lp) > 1 or got.__array_interface__["data"][0] != span.__array_interface__["data"][0]:
                 span[...] = got.reshape(span.shape)     # unless received in place (``destination``)
-        lresult.min_clock = max(lresult.min_clock, int(reply.min_clock))
-        lresult.waited_seconds = max(lresult.waited_seconds, reply.waited_seconds)
-        if reply.min_clock or lresult.clock:
-            lresult.staleness = max(lresult.staleness, max(0, lresult.clock - int(reply.min_clock)))
-        dense = {p.table for p, _, _, _ in lp if p.dense}
-        for v in reply.versions:
-            lresult.versions.add(v)
-            if v.table in dense:
-                self.versions.update(version_pairs(v))
+        take_pull_reply(lresult, reply.min_clock, reply.waited_seconds, reply.versions, in_group,
+                        {p.table for p, _, _, _ in lp if p.dense}, self.versions)
 
 
 class _Reply:
     """``step_finish``'s consumer of one server's reply (``StepCalls.place``)."""
 
-    __slots__ = ("calls", "server", "lp", "presult", "lresult")
+    __slots__ = ("calls", "server", "lp", "presult", "lresult", "in_group")
 
-    def __init__(self, calls: StepCalls, server: str, lp, presult, lresult):
+    def __init__(self, calls: StepCalls, server: str, lp, presult, lresult, in_group: bool):
         self.calls, self.server, self.lp, self.presult, self.lresult = calls, server, lp, presult, lresult
+        self.in_group = in_group
 
     def __call__(self, ack: PushAck, reply: PullReply, values: list) -> None:
-        self.calls.place(self.server, ack, reply, values, self.lp, self.presult, self.lresult)
+        self.calls.place(self.server, ack, reply, values, self.lp, self.presult, self.lresult, self.in_group)
 
 
 def base_versions(p: Piece, view: ShardMapView, job: str, versions: dict[tuple[str, int], int],
