@@ -16,6 +16,8 @@ from shardps.protos.v1 import common_pb2 as pb
 from shardps.tables import Consistency, TableConfig, TableSpec
 
 ShardMap = pb.ShardMap      # the map itself stays a message: servers and clients install it as sent
+# how a job's lost blocks stand (``DataLoss.recovery`` of the map's groups)
+LOSS_PENDING, LOSS_RESTORED, LOSS_RESET = pb.DataLoss.PENDING, pb.DataLoss.RESTORED, pb.DataLoss.RESET
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,6 @@ import numpy as np
 
 from shardps import kernels
 from shardps.errors import Unavailable
-from shardps.protos.v1 import common_pb2 as pb
 from shardps.shardmap import ShardMapView, TableView
 
 
@@ -160,4 +159,4 @@ def _rows_by_server(t: TableView, ids: np.ndarray) -> list[tuple[int, np.ndarray
 def live_servers(view: ShardMapView) -> list[str]:
     """Servers a step report must reach (SYNC / SSP): every server not declared dead, so
     that each keeps the group's clocks even before it holds any of the job's blocks."""
-    return [s.name for s in view.servers if s.state != pb.DEAD]
+    return [name for name in view.server_names if name not in view.dead]

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from shardps.protos.v1 import common_pb2 as pb
-from shardps.shardmap import ShardMapView
+from shardps.shardmap import LOSS_PENDING, LOSS_RESET, LOSS_RESTORED, ShardMapView
 from shardps.status import restored_text
 
 Notice = tuple[int, str]          # (logging level, message)
@@ -39,15 +38,15 @@ def losses(job: str, old: ShardMapView, new: ShardMapView) -> list[Notice]:
     group = new.groups.get(job)
     out: list[Notice] = []
     for d in group.data_loss if group is not None else ():
-        if (d.epoch, d.table, d.recovery) in before or d.recovery == pb.DataLoss.PENDING:
+        if (d.epoch, d.table, d.recovery) in before or d.recovery == LOSS_PENDING:
             continue
         what = (f"job {job!r}: {len(d.blocks)} block(s) of table {d.table!r} lost every replica "
                 f"with server {d.server} at epoch {d.epoch} (step {d.lost_at_step})")
-        if d.recovery == pb.DataLoss.RESTORED:
+        if d.recovery == LOSS_RESTORED:
             t = new.tables.get((job, d.table))
             out.append((logging.WARNING, f"{what}; " + restored_text(d, t.spec.block_count if t is not None else 0)
                         .replace("JOB", job)))
-        elif d.recovery == pb.DataLoss.RESET:
+        elif d.recovery == LOSS_RESET:
             out.append((logging.WARNING, f"{what}; reset: they start again from their initial values"))
         else:
             out.append((logging.ERROR, f"{what}: their values are gone ({d.detail or 'no checkpoint'}); calls "
