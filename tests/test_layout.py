@@ -125,8 +125,6 @@ PROTOBUF_ALLOWED = {
     "server/manager/checkpoint_plan.py": "the shard map's placements, planned into a checkpoint",
     "server/manager/checkpoint_files.py": "table specs and configs in a checkpoint's manifest",
     "worker/client/admin.py": "the client's control-plane calls to the manager",
-    "worker/client/membership.py": "the client's group membership calls to the manager",
-    "worker/client/client.py": "PSClient.heartbeat returns the manager's answer",
 }
 
 

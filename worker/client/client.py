@@ -46,9 +46,9 @@ import numpy as np
 
 from shardps.dtypes import WireDType
 from shardps.errors import InvalidArgument, ShardpsError
+from shardps.group import Heartbeat
 from shardps.messages import GRADIENT, INITIALIZE
 from shardps.metrics import WorkerMetrics
-from shardps.protos.v1 import manager_pb2 as mg
 from shardps.rpc import channels
 from shardps.rpc.codec import CHUNK_BYTES
 from shardps.rpc.dataplane_transport import DataPlaneTransport
@@ -193,7 +193,7 @@ class PSClient(ManagerCalls, TableTransfer):
         self._send_held()
         self._member.leave(timeout)
 
-    def heartbeat(self, timeout: float | None = None) -> mg.WorkerHeartbeatResponse:
+    def heartbeat(self, timeout: float | None = None) -> Heartbeat:
         return self._member.heartbeat(timeout)
 
     def checkpoint_barrier(self, step: int, worker_state: bytes, checkpoint_id: str = "",

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from shardps.errors import FailedPrecondition, NotFound, ShardpsError
+from shardps.group import Heartbeat
 from shardps.messages import Header
-from shardps.protos.v1 import manager_pb2 as mg
+from shardps.rpc import group
 from shardps.worker.client.admin import Admin
 
 log = logging.getLogger("shardps.client")
@@ -105,7 +106,7 @@ class Session:
         return Header(job, epoch, m.session, m.incarnation, sequence, acked_below, clock, wire_dtype)
 
 
-def after_heartbeat(m: Membership, resp: mg.WorkerHeartbeatResponse) -> Membership:
+def after_heartbeat(m: Membership, resp: Heartbeat) -> Membership:
     """The membership a heartbeat reply leaves (rank and world size may change)."""
     if m.client:
         return m
@@ -144,10 +145,9 @@ class GroupMember:
         ``launched``: the processes the launcher started (``Membership.launched``)."""
         self.close_client()                  # a client's own session gives way to the member's
         a = self.admin
-        resp = a.call("JoinWorkerGroup", a.stub.JoinWorkerGroup, mg.JoinWorkerGroupRequest(
-            job=self.job, name=name, rank_hint=rank_hint, previous_session=previous_session), timeout)
-        m = Membership(resp.rank, resp.session, resp.incarnation, max(len(resp.group.members), launched),
-                       resp.restored, previous_step=int(resp.step), launched=launched)
+        resp = group.join(a, self.job, name, rank_hint, previous_session, timeout=timeout)
+        m = Membership(resp.rank, resp.session, resp.incarnation, max(resp.members, launched),
+                       resp.restored, previous_step=resp.step, launched=launched)
         self.session.start(m)
         a.refresh_map(min_epoch=resp.epoch)
         if heartbeat:
@@ -158,10 +158,8 @@ class GroupMember:
         """A session for this client outside the worker group (its pushes are deduplicated
         like a member's), kept by the heartbeat thread; ``Session.begin_push`` calls this at
         the first push of a client that did not join."""
-        a = self.admin
-        resp = a.call("JoinWorkerGroup", a.stub.JoinWorkerGroup, mg.JoinWorkerGroupRequest(
-            job=self.job, client=True), timeout)
-        m = Membership(-1, resp.session, resp.incarnation, len(resp.group.members), client=True)
+        resp = group.join(self.admin, self.job, client=True, timeout=timeout)
+        m = Membership(-1, resp.session, resp.incarnation, resp.members, client=True)
         self.session.start(m)
         # no map refresh: the servers installed the map naming the session before this
         # returned, and a push routed with an older map is refused and re-routed as always
@@ -183,9 +181,7 @@ class GroupMember:
             return
         self.session.update(None)
         try:
-            a = self.admin
-            a.call("LeaveWorkerGroup", a.stub.LeaveWorkerGroup,
-                   mg.LeaveWorkerGroupRequest(job=self.job, session=m.session), timeout)
+            group.leave(self.admin, self.job, m.session, timeout=timeout)
         except ShardpsError as exc:
             log.debug("ending client session %s failed (it expires by itself): %s", m.session, exc.message)
 
@@ -196,27 +192,23 @@ class GroupMember:
         m = self.membership
         self._stop.set()
         if m is not None:
-            a = self.admin
-            a.call("LeaveWorkerGroup", a.stub.LeaveWorkerGroup,
-                   mg.LeaveWorkerGroupRequest(job=self.job, session=m.session, step=self.steps()), timeout,
-                   idempotent=True)
+            group.leave(self.admin, self.job, m.session, self.steps(), timeout, idempotent=True)
             self.session.update(None)
 
     def steps(self) -> int:
         """The steps this worker completed: its reported progress, or the clock of its pushes."""
         return max(int(self.progress["step"]), self.completed())
 
-    def heartbeat(self, timeout: float | None = None) -> mg.WorkerHeartbeatResponse:
+    def heartbeat(self, timeout: float | None = None) -> Heartbeat:
         """One heartbeat now (the thread sends them by itself). FailedPrecondition when not a
         member; NotFound when the manager no longer knows this session (lease expired)."""
         m = self.membership
         if m is None:
             raise FailedPrecondition("not a member of a worker group: call join() first")
         a = self.admin
-        resp = a.call("WorkerHeartbeat", a.stub.WorkerHeartbeat, mg.WorkerHeartbeatRequest(
-            job=self.job, session=m.session, incarnation=m.incarnation,
-            step=self.steps(), samples_per_second=float(self.progress["samples_per_second"]),
-            loss=float(self.progress["loss"])), timeout or 5.0, idempotent=True)
+        resp = group.heartbeat(a, self.job, m.session, m.incarnation, self.steps(),
+                               float(self.progress["samples_per_second"]), float(self.progress["loss"]),
+                               timeout or 5.0)
         self.checkpoint_request = resp.checkpoint_id
         updated = after_heartbeat(m, resp)
         if updated is not m:
@@ -252,13 +244,11 @@ class GroupMember:
         m = self.membership
         if m is None:
             raise FailedPrecondition("checkpoint_barrier needs a group member: call join() first")
-        a = self.admin
-        resp = a.call("CheckpointBarrier", a.stub.CheckpointBarrier, mg.CheckpointBarrierRequest(
-            job=self.job, session=m.session, step=step, worker_state=worker_state,
-            checkpoint_id=checkpoint_id or f"step-{step}"), timeout)
+        path = group.checkpoint_barrier(self.admin, self.job, m.session, step, worker_state,
+                                        checkpoint_id or f"step-{step}", timeout)
         if checkpoint_id and checkpoint_id == self.checkpoint_request:
             self.checkpoint_request = ""
-        return resp.path
+        return path
 
     def worker_state(self, timeout: float | None = None, latest: bool = False,
                      rank: int | None = None) -> tuple[bytes, int]:
@@ -267,11 +257,7 @@ class GroupMember:
         m = self.membership
         if m is None:
             raise FailedPrecondition("worker_state needs a group member: call join() first")
-        a = self.admin
-        resp = a.call("GetWorkerState", a.stub.GetWorkerState,
-                      mg.GetWorkerStateRequest(job=self.job, rank=m.rank if rank is None else rank, latest=latest),
-                      timeout, idempotent=True)
-        return resp.worker_state, resp.step
+        return group.worker_state(self.admin, self.job, m.rank if rank is None else rank, latest, timeout)
 
     def close(self) -> None:
         """Stop the heartbeat thread (waits up to 5 s for it) and end a client's own session.
