@@ -182,9 +182,9 @@ def _data_requests(servers) -> float:
     return total
 
 
-def count_ctr(warmup: int = WARMUP, steps: int = STEPS, top: int = 0) -> dict[str, float]:
+def count_ctr(warmup: int = WARMUP, steps: int = STEPS, top: int = 0, mode: str = "async") -> dict[str, float]:
     """The ``ctr`` counts (see the module docstring); ``top``: also print the functions that
-    ran the most lines, per role."""
+    ran the most lines, per role; ``mode``: the job's consistency (``shardps worker --mode``)."""
     from shardps.tools.bench.common import in_process_cluster
     from shardps.tools.cli import build_parser
     from shardps.worker import runtime
@@ -197,7 +197,7 @@ def count_ctr(warmup: int = WARMUP, steps: int = STEPS, top: int = 0) -> dict[st
                             at_end=lambda: requests.append(_data_requests(servers)))
         args = build_parser().parse_args([
             "worker", "--manager", manager.address, "--name", "w0", "--job", "lines-ctr", "--model", "ctr",
-            "--mode", "async", "--train-samples", str(512 * (warmup + steps + 4)), "--torch-threads", "1",
+            "--mode", mode, "--train-samples", str(512 * (warmup + steps + 4)), "--torch-threads", "1",
             "--device", "cpu", "--log-level", "warning"])
         counter.install()
         try:
@@ -306,8 +306,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=0, metavar="N",
                    help="also print the N functions that ran the most lines on each side of a ctr step, "
                    "and on the worker of a 12-table step")
+    p.add_argument("--mode", choices=("async", "sync", "ssp"), default="async",
+                   help="the ctr job's consistency (default async, as the bench part counts it; sync: every "
+                   "step a SYNC step, which the servers' general path serves)")
     args = p.parse_args(argv)
-    out = count_ctr(args.warmup, args.steps, args.top)
+    out = count_ctr(args.warmup, args.steps, args.top, args.mode)
     out.update(count_many_tables(args.warmup, args.steps, args.top))
     for key in sorted(out):
         print(f"{key:<40}{out[key]:10.1f}")
