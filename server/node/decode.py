@@ -146,7 +146,7 @@ def parse_segments(view: ShardMapView, server: str, limits: NodeLimits, header: 
     if wire not in dtypes.VALUE_DTYPES:
         raise InvalidArgument(f"header.wire_dtype {wire.name} cannot carry values: use "
                               f"FLOAT32, FLOAT16 or BFLOAT16")
-    source = _Pieces(payload) if isinstance(payload, list) else _Buffer(payload)
+    source = _Payload(payload)
     rows = 0
     parsed = []
     for i, seg in enumerate(segments):
@@ -163,8 +163,8 @@ def parse_segments(view: ShardMapView, server: str, limits: NodeLimits, header: 
             count = s.hi - s.lo
             if with_values:
                 nbytes = count * wire.itemsize
-                raw = source.take(nbytes, "segment {} ({!r} [{}, {})) needs {} bytes of {} values",
-                                  i, spec.name, s.lo, s.hi, nbytes, wire.name)
+                raw = source.take(nbytes, f"segment {i} ({spec.name!r} [{s.lo}, {s.hi})) needs {nbytes} bytes "
+                                          f"of {wire.name} values")
                 s.values = dtypes.decode(raw, wire, count)
         else:
             if which != ROWS:
@@ -184,14 +184,14 @@ def parse_segments(view: ShardMapView, server: str, limits: NodeLimits, header: 
                     f"request has more than {limits.max_rows} rows (limit max_rows): "
                     f"split the request")
             nbytes = count * 8
-            s.ids = np.frombuffer(source.take(nbytes, "segment {} ({!r}) declares {} ids ({} bytes)",
-                                              i, spec.name, count, nbytes), dtype="<i8")
+            s.ids = np.frombuffer(source.take(nbytes, f"segment {i} ({spec.name!r}) declares {count} ids "
+                                                      f"({nbytes} bytes)"), dtype="<i8")
             storage_kernels.check_ids(spec, s.ids)
             if with_values:
                 n_values = count * spec.dim
                 vbytes = n_values * wire.itemsize
-                raw = source.take(vbytes, "segment {} ({!r}) needs {} bytes for {} rows x {} {} values",
-                                  i, spec.name, vbytes, count, spec.dim, wire.name)
+                raw = source.take(vbytes, f"segment {i} ({spec.name!r}) needs {vbytes} bytes for {count} rows x "
+                                          f"{spec.dim} {wire.name} values")
                 s.values = dtypes.decode(raw, wire, n_values).reshape(count, spec.dim)
         if with_values and not t.config.allow_non_finite and s.values is not None:
             _check_finite(i, s)
@@ -201,59 +201,49 @@ def parse_segments(view: ShardMapView, server: str, limits: NodeLimits, header: 
 
 
 def payload_bytes(payload) -> int:
-    """The bytes of a request's payload (a buffer, or a list of arrays: see ``_Pieces``)."""
+    """The bytes of a request's payload (a buffer, or a list of arrays: see ``_Payload``)."""
     if isinstance(payload, list):
-        return sum(a.nbytes for a in payload)
+        return sum(len(byte_view(p)) for p in payload)
     return len(byte_view(payload)) if payload is not None else 0
 
 
-class _Buffer:
-    """A request's payload as one buffer, cut in segment order; each ``take`` checks that
-    the bytes a segment declares are there."""
+class _Payload:
+    """A request's payload, read in segment order: one buffer, cut piece by piece, or a list
+    of arrays, one per piece (a Step's slices handed on as they arrived: nothing is copied
+    into a buffer to be cut again). Each ``take`` checks the size the segments declare."""
 
     def __init__(self, payload):
-        self.view = byte_view(payload) if payload is not None else memoryview(b"")
-        self.offset = 0
+        self.pieces = payload if isinstance(payload, list) else None
+        self.view = byte_view(payload) if payload is not None and self.pieces is None else memoryview(b"")
+        self.offset = 0                 # bytes taken
+        self.taken = 0                  # pieces taken
 
-    def take(self, nbytes: int, what: str, *args) -> memoryview:
-        """The next ``nbytes`` bytes; InvalidArgument (``what.format(*args)`` needs them) when
-        they are not there (the message is formatted only then)."""
-        piece = self.view[self.offset:self.offset + nbytes]
-        if len(piece) != nbytes:
-            raise InvalidArgument(f"{what.format(*args)}, but the payload has {len(self.view) - self.offset} "
-                                  f"bytes left")
+    def take(self, nbytes: int, what: str) -> memoryview:
+        """The next ``nbytes`` bytes; InvalidArgument (``what`` needs them) when they are not there."""
+        if self.pieces is not None:
+            piece = byte_view(self.pieces[self.taken]) if self.taken < len(self.pieces) else memoryview(b"")
+            if len(piece) != nbytes:
+                raise InvalidArgument(f"{what}, but its array has {len(piece)} bytes")
+            self.taken += 1
+        else:
+            piece = self.view[self.offset:self.offset + nbytes]
+            if len(piece) != nbytes:
+                raise InvalidArgument(f"{what}, but the payload has {len(self.view) - self.offset} bytes left")
         self.offset += nbytes
         return piece
 
     def finish(self) -> None:
         """InvalidArgument when the payload holds more than the segments took."""
-        if self.offset != len(self.view):
-            raise InvalidArgument(f"payload has {len(self.view)} bytes but the segments describe {self.offset}: "
-                                  f"check the segment counts and header.wire_dtype")
-
-
-class _Pieces:
-    """A request's payload as a list of contiguous arrays, one per piece (a Step's slices,
-    handed on as they arrived: nothing is copied into a buffer to be cut again); each
-    ``take`` checks that the next one has the bytes its segment declares."""
-
-    def __init__(self, pieces: list):
-        self.pieces = pieces
-        self.taken = 0
-
-    def take(self, nbytes: int, what: str, *args) -> np.ndarray:
-        piece = self.pieces[self.taken] if self.taken < len(self.pieces) else _NO_BYTES
-        if piece.nbytes != nbytes:
-            raise InvalidArgument(f"{what.format(*args)}, but its array has {piece.nbytes} bytes")
-        self.taken += 1
-        return piece
-
-    def finish(self) -> None:
-        if self.taken != len(self.pieces):
-            raise InvalidArgument(f"payload has {len(self.pieces)} arrays but the segments describe {self.taken}")
-
-
-_NO_BYTES = np.empty(0, np.uint8)
+        if self.pieces is not None:
+            if self.taken == len(self.pieces):
+                return
+            total = payload_bytes(self.pieces)
+        else:
+            total = len(self.view)
+            if self.offset == total:
+                return
+        raise InvalidArgument(f"payload has {total} bytes but the segments describe {self.offset}: check the "
+                              f"segment counts and header.wire_dtype")
 
 
 def _check_finite(i: int, s: Segment) -> None:
