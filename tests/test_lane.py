@@ -174,25 +174,6 @@ def test_sync_jobs_take_the_general_path(monkeypatch):
     assert served == [] and got.ack.versions            # applied as the step of its one member
 
 
-def test_a_step_the_lane_declines_reaches_the_general_path_as_its_own_arrays():
-    """A declined Step is not encoded into a buffer again: the general path reads the
-    slices' arrays as they arrived, one piece each, and checks each against its segment."""
-    from shardps.server.node.lane import pull_request, push_request
-    request = _frame(next(_steps(seed=6)))
-    push, pull = push_request(request), pull_request(request)
-    arrays = [a for s in request.push for a in ((s.ids, s.values) if s.selector is ROWS else (s.values,))]
-    assert len(push.payload) == len(arrays) and all(a is b for a, b in zip(push.payload, arrays))
-    pulled = [s.ids for s in request.pull if s.selector is ROWS]
-    assert len(pull.ids) == len(pulled) and all(a is b for a, b in zip(pull.ids, pulled))
-    node, backup = _nodes(general=True)
-    before, backup_before = _state(node), _state(backup)
-    short = next(s for s in request.push if s.selector is ROWS)
-    short.values = short.values[:-1]                        # one value short of its rows
-    with pytest.raises(InvalidArgument, match=f"segment .* \\({short.table!r}\\) needs .* but its array has"):
-        node.step(request)
-    assert _state(node) == before and _state(backup) == backup_before
-
-
 # ---------------------------------------------------------------------- the frame
 def test_a_step_frame_reads_back_what_the_client_wrote():
     request = next(_steps(seed=5))

@@ -38,19 +38,11 @@ from shardps.messages import (
     versions_by_table,
 )
 from shardps.metrics import NodeMetrics, labelled
+from shardps.rpc.codec import byte_view
 from shardps.server import optimizers
 from shardps.server.node import fast, lifecycle_ops
 from shardps.server.node.blocks import AnyBlock, BlockKey, BlockLocks, DenseBlock, SparseBlock, Writer, remember_all
-from shardps.server.node.decode import (
-    NodeLimits,
-    Part,
-    Segment,
-    check_assign_ids,
-    check_header,
-    parse_segments,
-    payload_bytes,
-    split,
-)
+from shardps.server.node.decode import NodeLimits, Part, Segment, check_assign_ids, check_header, parse_segments, split
 from shardps.server.node.table import BlockTable, EpochGate
 from shardps.shardmap import ShardMapView, TableView
 from shardps.tables import Consistency
@@ -204,7 +196,7 @@ class PushApplier:
                 self._observe(started, plan.units[0].table.config.optimizer.kind.name, t0, t1)
             else:
                 ack = self._push_parts(header, kind, writer, parsed, sync, started, t0)
-        nbytes = payload_bytes(payload)
+        nbytes = len(byte_view(payload)) if payload is not None else 0
         labelled(self.metrics.request_bytes, "Push").observe(nbytes)
         labelled(self.metrics.bytes, "in").inc(nbytes)
         labelled(self.metrics.request_rows, "Push").observe(

@@ -146,7 +146,9 @@ def parse_segments(view: ShardMapView, server: str, limits: NodeLimits, header: 
     if wire not in dtypes.VALUE_DTYPES:
         raise InvalidArgument(f"header.wire_dtype {wire.name} cannot carry values: use "
                               f"FLOAT32, FLOAT16 or BFLOAT16")
-    source = _Payload(payload)
+    view_payload = byte_view(payload) if payload is not None else memoryview(b"")
+    total = len(view_payload)
+    offset = 0
     rows = 0
     parsed = []
     for i, seg in enumerate(segments):
@@ -163,9 +165,12 @@ def parse_segments(view: ShardMapView, server: str, limits: NodeLimits, header: 
             count = s.hi - s.lo
             if with_values:
                 nbytes = count * wire.itemsize
-                raw = source.take(nbytes, f"segment {i} ({spec.name!r} [{s.lo}, {s.hi})) needs {nbytes} bytes "
-                                          f"of {wire.name} values")
-                s.values = dtypes.decode(raw, wire, count)
+                if offset + nbytes > total:
+                    raise InvalidArgument(
+                        f"segment {i} ({spec.name!r} [{s.lo}, {s.hi})) needs {nbytes} bytes of "
+                        f"{wire.name} values, but the payload has {total - offset} left")
+                s.values = dtypes.decode(view_payload[offset:offset + nbytes], wire, count)
+                offset += nbytes
         else:
             if which != ROWS:
                 raise InvalidArgument(
@@ -184,66 +189,31 @@ def parse_segments(view: ShardMapView, server: str, limits: NodeLimits, header: 
                     f"request has more than {limits.max_rows} rows (limit max_rows): "
                     f"split the request")
             nbytes = count * 8
-            s.ids = np.frombuffer(source.take(nbytes, f"segment {i} ({spec.name!r}) declares {count} ids "
-                                                      f"({nbytes} bytes)"), dtype="<i8")
+            if offset + nbytes > total:
+                raise InvalidArgument(
+                    f"segment {i} ({spec.name!r}) declares {count} ids ({nbytes} bytes) but the "
+                    f"payload has {total - offset} bytes left")
+            s.ids = np.frombuffer(view_payload[offset:offset + nbytes], dtype="<i8")
+            offset += nbytes
             storage_kernels.check_ids(spec, s.ids)
             if with_values:
                 n_values = count * spec.dim
                 vbytes = n_values * wire.itemsize
-                raw = source.take(vbytes, f"segment {i} ({spec.name!r}) needs {vbytes} bytes for {count} rows x "
-                                          f"{spec.dim} {wire.name} values")
-                s.values = dtypes.decode(raw, wire, n_values).reshape(count, spec.dim)
+                if offset + vbytes > total:
+                    raise InvalidArgument(
+                        f"segment {i} ({spec.name!r}) needs {vbytes} bytes for {count} rows x "
+                        f"{spec.dim} {wire.name} values, but the payload has {total - offset} left")
+                s.values = dtypes.decode(view_payload[offset:offset + vbytes], wire,
+                                         n_values).reshape(count, spec.dim)
+                offset += vbytes
         if with_values and not t.config.allow_non_finite and s.values is not None:
             _check_finite(i, s)
         parsed.append(s)
-    source.finish()
+    if offset != total:
+        raise InvalidArgument(
+            f"payload has {total} bytes but the segments describe {offset}: check the "
+            f"segment counts and header.wire_dtype")
     return parsed
-
-
-def payload_bytes(payload) -> int:
-    """The bytes of a request's payload (a buffer, or a list of arrays: see ``_Payload``)."""
-    if isinstance(payload, list):
-        return sum(len(byte_view(p)) for p in payload)
-    return len(byte_view(payload)) if payload is not None else 0
-
-
-class _Payload:
-    """A request's payload, read in segment order: one buffer, cut piece by piece, or a list
-    of arrays, one per piece (a Step's slices handed on as they arrived: nothing is copied
-    into a buffer to be cut again). Each ``take`` checks the size the segments declare."""
-
-    def __init__(self, payload):
-        self.pieces = payload if isinstance(payload, list) else None
-        self.view = byte_view(payload) if payload is not None and self.pieces is None else memoryview(b"")
-        self.offset = 0                 # bytes taken
-        self.taken = 0                  # pieces taken
-
-    def take(self, nbytes: int, what: str) -> memoryview:
-        """The next ``nbytes`` bytes; InvalidArgument (``what`` needs them) when they are not there."""
-        if self.pieces is not None:
-            piece = byte_view(self.pieces[self.taken]) if self.taken < len(self.pieces) else memoryview(b"")
-            if len(piece) != nbytes:
-                raise InvalidArgument(f"{what}, but its array has {len(piece)} bytes")
-            self.taken += 1
-        else:
-            piece = self.view[self.offset:self.offset + nbytes]
-            if len(piece) != nbytes:
-                raise InvalidArgument(f"{what}, but the payload has {len(self.view) - self.offset} bytes left")
-        self.offset += nbytes
-        return piece
-
-    def finish(self) -> None:
-        """InvalidArgument when the payload holds more than the segments took."""
-        if self.pieces is not None:
-            if self.taken == len(self.pieces):
-                return
-            total = payload_bytes(self.pieces)
-        else:
-            total = len(self.view)
-            if self.offset == total:
-                return
-        raise InvalidArgument(f"payload has {total} bytes but the segments describe {self.offset}: check the "
-                              f"segment counts and header.wire_dtype")
 
 
 def _check_finite(i: int, s: Segment) -> None:

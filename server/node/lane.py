@@ -365,18 +365,17 @@ class Lane:
 
 
 def push_request(step: StepRequest) -> PushRequest:
-    """A step's push as the general path takes it: its payload the slices' arrays as they
-    arrived, in the order a buffer would hold them (each segment's ids, then its values),
-    nothing copied (``decode.parse_segments`` reads such a list piece by piece)."""
+    """A step's push as the general path takes it (its payload: each segment's ids, then its
+    values, one segment after another)."""
     segments, payload = [], []
     for s in step.push or ():
         if s.selector is ROWS:
             segments.append(Selection(s.table, ROWS, count=s.ids.shape[0]))
-            payload.append(s.ids)
+            payload.append(s.ids.tobytes())
         else:
             segments.append(Selection(s.table, RANGE, s.start, s.stop, base_versions=s.base_versions or {}))
-        payload.append(s.values)
-    return PushRequest(step.header, step.kind, segments, payload)
+        payload.append(s.values.tobytes())
+    return PushRequest(step.header, step.kind, segments, b"".join(payload))
 
 
 def pull_request(step: StepRequest) -> PullRequest:
@@ -386,7 +385,7 @@ def pull_request(step: StepRequest) -> PullRequest:
                     h.wire_dtype)
     segments = [Selection(s.table, ROWS, count=s.ids.shape[0]) if s.selector is ROWS
                 else Selection(s.table, RANGE, s.start, s.stop) for s in step.pull or ()]
-    return PullRequest(header, segments, [s.ids for s in step.pull or () if s.selector is ROWS])
+    return PullRequest(header, segments, b"".join(s.ids.tobytes() for s in step.pull or () if s.selector is ROWS))
 
 
 def _unit_order(unit) -> tuple[str, int]:
