@@ -39,7 +39,8 @@ def test_every_field_of_a_block_op_survives_the_wire():
 
 def test_the_out_of_sync_blocks_survive_the_wire():
     ack = replication.replicate_ack(2, [("j", "t", 1), ("j", "u", 0)])
-    assert replication.out_of_sync(ack.SerializeToString()) == [("j", "t", 1), ("j", "u", 0)]
+    read = ps.ReplicateAck.FromString(ack.SerializeToString())
+    assert replication.out_of_sync(read) == [("j", "t", 1), ("j", "u", 0)]
     assert ack.applied == 2
 
 

@@ -366,26 +366,31 @@ class Lane:
 
 def push_request(step: StepRequest) -> PushRequest:
     """A step's push as the general path takes it (its payload: each segment's ids, then its
-    values, one segment after another)."""
+    values, one segment after another), in bytes of its own, copied once: the general path
+    may wait (a hold, a SYNC step) while the frame's or the client's shared-memory region's
+    bytes are reused (read in place, ``python -m shardps.tools.verify --jobs sync
+    --sync-faults-all --seed 7`` saw pushes refused for steps already applied, and a stall
+    past its 5 s limit)."""
     segments, payload = [], []
     for s in step.push or ():
         if s.selector is ROWS:
             segments.append(Selection(s.table, ROWS, count=s.ids.shape[0]))
-            payload.append(s.ids.tobytes())
+            payload.append(s.ids)
         else:
             segments.append(Selection(s.table, RANGE, s.start, s.stop, base_versions=s.base_versions or {}))
-        payload.append(s.values.tobytes())
-    return PushRequest(step.header, step.kind, segments, b"".join(payload))
+        payload.append(s.values)
+    return PushRequest(step.header, step.kind, segments, b"".join(payload))     # arrays are bytes-like
 
 
 def pull_request(step: StepRequest) -> PullRequest:
-    """A step's pull as the general path takes it (the header with the pull's clock)."""
+    """A step's pull as the general path takes it (the header with the pull's clock; the ids
+    in bytes of its own, as ``push_request``'s)."""
     h = step.header
     header = Header(h.job, h.epoch, h.session, h.incarnation, h.sequence, h.acked_below, step.pull_clock,
                     h.wire_dtype)
     segments = [Selection(s.table, ROWS, count=s.ids.shape[0]) if s.selector is ROWS
                 else Selection(s.table, RANGE, s.start, s.stop) for s in step.pull or ()]
-    return PullRequest(header, segments, b"".join(s.ids.tobytes() for s in step.pull or () if s.selector is ROWS))
+    return PullRequest(header, segments, b"".join(s.ids for s in step.pull or () if s.selector is ROWS))
 
 
 def _unit_order(unit) -> tuple[str, int]:

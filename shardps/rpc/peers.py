@@ -62,7 +62,7 @@ class NodePeers:
                 raw, _ = self.pool.finish(sent)
             except Unavailable as exc:
                 raise self._lost(node, address, exc) from None
-            return out_of_sync(raw)
+            return out_of_sync(ps.ReplicateAck.FromString(raw))
         return answer
 
     def _lost(self, node: str, address: str, exc: Unavailable) -> Unavailable:

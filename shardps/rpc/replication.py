@@ -55,9 +55,9 @@ def replicate_ack(applied: int, out_of_sync: Sequence[tuple[str, str, int]]) -> 
     return ack
 
 
-def out_of_sync(raw: bytes) -> list[tuple[str, str, int]]:
-    """The blocks an encoded ``ReplicateAck`` reports out of sync."""
-    return [(r.job, r.table, r.block) for r in ps.ReplicateAck.FromString(raw).out_of_sync]
+def out_of_sync(ack: ps.ReplicateAck) -> list[tuple[str, str, int]]:
+    """The blocks a backup's ``ReplicateAck`` reports out of sync."""
+    return [(r.job, r.table, r.block) for r in ack.out_of_sync]
 
 
 def state_message(state: BlockState) -> ps.BlockStateHeader:

@@ -28,7 +28,7 @@ from shardps.protos.v1 import manager_pb2 as mg
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc import channels
 from shardps.rpc.codec import CHUNK_BYTES, decode_chunk, encode_chunk, split_payload
-from shardps.rpc.replication import replicate_header, state_message
+from shardps.rpc.replication import out_of_sync, replicate_header, state_message
 from shardps.rpc.status import from_rpc_error
 
 SERVICE = "shardps.v1.ParameterServer"
@@ -241,7 +241,7 @@ class GrpcPeers:
         nbytes = sum(a.nbytes for a in arrays)
         ack = self._call(node, self._stub(node).Replicate, chunks(), self.timeout + nbytes / 20e6,
                          self.pool.metadata, f"replicate to {node}")
-        stale = [(r.job, r.table, r.block) for r in ack.out_of_sync]
+        stale = out_of_sync(ack)
         return lambda: stale            # ``Peers.replicate``'s answer: here, already had
 
     def load_blocks(self, node, epoch, snapshots, resync=False):

@@ -159,7 +159,7 @@ class GroupMember:
         like a member's), kept by the heartbeat thread; ``Session.begin_push`` calls this at
         the first push of a client that did not join."""
         resp = group.join(self.admin, self.job, client=True, timeout=timeout)
-        m = Membership(-1, resp.session, resp.incarnation, resp.members, client=True)
+        m = Membership(resp.rank, resp.session, resp.incarnation, resp.members, client=True)
         self.session.start(m)
         # no map refresh: the servers installed the map naming the session before this
         # returned, and a push routed with an older map is refused and re-routed as always
