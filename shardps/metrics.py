@@ -245,20 +245,20 @@ class NodeMetrics:
             "read (by pulls), warmed (back to RAM by a push), expired (TTL).", tl + ("event",), registry=r)
         self._cold_seen: dict[tuple, int] = {}
 
-        self._lane = Batch(r, self._record_lane)
+        self._compiled = Batch(r, self._record_compiled)
         self._calls = Batch(r, self._record_calls)
 
-    def observe_lane(self, kind: str, seconds: float, rows: int, nbytes: int, optimizer: str = "") -> None:
-        """One request part the compiled path served (``kind`` "push" or "pull"): its time,
-        sparse rows and payload bytes, counted as the general path counts them (batched)."""
-        self._lane.add((kind, seconds, rows, nbytes, optimizer))
+    def observe_compiled(self, kind: str, seconds: float, rows: int, nbytes: int, optimizer: str = "") -> None:
+        """One request part a plan served (``plan``, ``execute``) (``kind`` "push" or "pull"): its time,
+        sparse rows and payload bytes, counted as the per-block engine counts them (batched)."""
+        self._compiled.add((kind, seconds, rows, nbytes, optimizer))
 
     def observe_call(self, service: str, method: str, code: str, seconds: float) -> None:
         """One data-plane call in the ``grpc_server_*`` metrics (``grpc_type="dataplane"``),
         batched."""
         self._calls.add((service, method, code, seconds))
 
-    def _record_lane(self, events: list) -> None:
+    def _record_compiled(self, events: list) -> None:
         for kind in ("push", "pull"):
             mine = [e for e in events if e[0] == kind]
             if not mine:

@@ -24,6 +24,7 @@ from shardps.server.node import NodeLimits, ServerNode, snapshot_block
 from shardps.server.node.apply import JobHolds, PushApplier
 from shardps.server.node.backup import BackupApplier
 from shardps.server.node.decode import check_header, parse_segments, split
+from shardps.server.node.plan import Planner
 from shardps.server.node.pull import PullReader
 from shardps.server.node.replication import Forwarder
 from shardps.server.node.steps import SyncSteps
@@ -102,9 +103,10 @@ class Layers:
         self.steps = SyncSteps(self.table, self.forwarder, self.clock)
         self.backup = BackupApplier(self.table, self.steps)
         self.holds = JobHolds(self.table.gate, self.clock)
-        self.pusher = PushApplier(self.table, self.steps, self.forwarder, self.holds, limits,
+        self.planner = Planner(self.table, self.holds, limits.max_rows, limits.max_response_bytes)
+        self.pusher = PushApplier(self.table, self.planner, self.steps, self.forwarder, self.holds, limits,
                                   self.metrics, self.clock)
-        self.reader = PullReader(self.table, self.steps, limits, self.metrics, self.clock)
+        self.reader = PullReader(self.table, self.planner, self.steps, limits, self.metrics, self.clock)
 
     def install(self, msg: pb.ShardMap) -> None:
         """As ``ServerNode.install`` does it."""

@@ -40,9 +40,10 @@ from shardps.messages import (
 from shardps.metrics import NodeMetrics, labelled
 from shardps.rpc.codec import byte_view
 from shardps.server import optimizers
-from shardps.server.node import fast, lifecycle_ops
+from shardps.server.node import execute, lifecycle_ops
 from shardps.server.node.blocks import AnyBlock, BlockKey, BlockLocks, DenseBlock, SparseBlock, Writer, remember_all
 from shardps.server.node.decode import NodeLimits, Part, Segment, check_assign_ids, check_header, parse_segments, split
+from shardps.server.node.plan import Planner, slices_of
 from shardps.server.node.table import BlockTable, EpochGate
 from shardps.shardmap import ShardMapView, TableView
 from shardps.tables import Consistency
@@ -135,9 +136,10 @@ class PushApplier:
     """Applies pushes to this node's blocks and, through the forwarder, to their backups.
     Thread-safe: a push holds the gate shared and its blocks' locks (sorted by key)."""
 
-    def __init__(self, table: BlockTable, steps: "SyncSteps", forwarder: "Forwarder",
+    def __init__(self, table: BlockTable, planner: Planner, steps: "SyncSteps", forwarder: "Forwarder",
                  holds: JobHolds, limits: NodeLimits, metrics: NodeMetrics, clock=time.monotonic):
         self.table = table
+        self.planner = planner
         self.steps = steps
         self.forwarder = forwarder
         self.holds = holds
@@ -182,18 +184,18 @@ class PushApplier:
             group = table.view.groups.get(header.job)
             sync = group is not None and group.consistency is Consistency.SYNC and kind == GRADIENT
             member = sync and table.member(header)
-            plan = fast.admit_push(table, header.job, header.epoch, kind, parsed, member) if parsed else None
+            plan = self._plan(header, kind, parsed, group, member)
             t1 = time.perf_counter()
             if plan is None:
                 ack = None
             elif member:
                 self._adopt(header)
-                ack = fast.accumulate_push(plan, header.job, writer, int(header.clock), self.steps,
-                                           self.forwarder.forward_locked)
+                ack = execute.accumulate(table, plan, header.job, writer, int(header.clock), self.steps,
+                                         self.forwarder.forward_locked)
             else:
-                ack = fast.apply_push(plan, writer, self.forwarder, self.updates_between)
+                ack = execute.apply(table, plan, writer, self.forwarder, self.updates_between)
             if plan is not None and ack is not None:
-                self._observe(started, plan.units[0].table.config.optimizer.kind.name, t0, t1)
+                self._observe(started, plan.units[0].entry.optimizer, t0, t1)
             else:
                 ack = self._push_parts(header, kind, writer, parsed, sync, started, t0)
         nbytes = len(byte_view(payload)) if payload is not None else 0
@@ -208,6 +210,18 @@ class PushApplier:
                 if sync:
                     self.steps.apply_ready(header.job)
         return ack
+
+    def _plan(self, header: Header, kind: int, parsed: list[Segment], group, member: bool):
+        """The plan of a push's gradients (gate held shared; the request checked), or None for
+        the per-block engine: another kind, a quota, an SSP job's push, a SYNC job's push
+        that is not a member's (refused there), or a part no plan covers."""
+        if kind != GRADIENT or not parsed:
+            return None
+        mode = Consistency.SYNC if member else Consistency.ASYNC
+        if group is not None and (group.quota_bytes or group.consistency is not mode):
+            return None
+        slices = slices_of(parsed, pull=False)
+        return None if slices is None else self.planner.push(header.job, header.epoch, slices)
 
     def _observe(self, started: float, optimizer: str, t0: float, t1: float) -> None:
         labelled(self.metrics.phase_seconds, "decode").inc(t1 - t0)

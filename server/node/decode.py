@@ -33,7 +33,7 @@ from shardps.errors import (
     Unavailable,
     non_finite,
 )
-from shardps.messages import RANGE, ROWS, Header, Selection
+from shardps.messages import RANGE, ROWS, Header, PullRequest, PushRequest, Selection, StepRequest
 from shardps.rpc.codec import byte_view
 from shardps.server.node import storage_kernels
 from shardps.server.node.blocks import BlockKey
@@ -381,3 +381,32 @@ def lost_blocks_error(t: TableView, blocks: list[int]) -> DataLost | Unavailable
     return DataLost(f"{what}: their values are gone{why}. Restore the job from a checkpoint "
                     f"(shardps restore {t.job}), or accept the loss (shardps reset-lost {t.job} {t.name}, "
                     f"or PSClient.reset_lost({t.name!r})): the blocks then start from their initial values")
+
+
+def push_request(step: StepRequest) -> PushRequest:
+    """A step's push as the per-block engine takes it (its payload: each segment's ids, then its
+    values, one segment after another), in bytes of its own, copied once: the engine
+    may wait (a hold, a SYNC step) while the frame's or the client's shared-memory region's
+    bytes are reused (read in place, ``python -m shardps.tools.verify --jobs sync
+    --sync-faults-all --seed 7`` saw pushes refused for steps already applied, and a stall
+    past its 5 s limit)."""
+    segments, payload = [], []
+    for s in step.push or ():
+        if s.selector is ROWS:
+            segments.append(Selection(s.table, ROWS, count=s.ids.shape[0]))
+            payload.append(s.ids)
+        else:
+            segments.append(Selection(s.table, RANGE, s.start, s.stop, base_versions=s.base_versions or {}))
+        payload.append(s.values)
+    return PushRequest(step.header, step.kind, segments, b"".join(payload))     # arrays are bytes-like
+
+
+def pull_request(step: StepRequest) -> PullRequest:
+    """A step's pull as the per-block engine takes it (the header with the pull's clock; the ids
+    in bytes of its own, as ``push_request``'s)."""
+    h = step.header
+    header = Header(h.job, h.epoch, h.session, h.incarnation, h.sequence, h.acked_below, step.pull_clock,
+                    h.wire_dtype)
+    segments = [Selection(s.table, ROWS, count=s.ids.shape[0]) if s.selector is ROWS
+                else Selection(s.table, RANGE, s.start, s.stop) for s in step.pull or ()]
+    return PullRequest(header, segments, b"".join(s.ids for s in step.pull or () if s.selector is ROWS))

@@ -43,15 +43,15 @@ import numpy as np
 from shardps import kernels, mapdelta
 from shardps.blockops import BlockOp, BlockSnapshot
 from shardps.errors import Unavailable
-from shardps.messages import GRADIENT, PullReply, PullRequest, PushAck, PushRequest, StepReply, StepRequest
+from shardps.messages import PullReply, PullRequest, PushAck, PushRequest, StepReply, StepRequest
 from shardps.metrics import NodeMetrics
-from shardps.server.node import hash_index, lifecycle, optimizer_kernels, storage_kernels
+from shardps.server.node import execute, hash_index, lifecycle, optimizer_kernels, storage_kernels
 from shardps.server.node.apply import JobHolds, PushApplier, forget_departed_writers
 from shardps.server.node.backup import BackupApplier
-from shardps.server.node.blocks import BlockKey
-from shardps.server.node.decode import NodeLimits
-from shardps.server.node.lane import Lane, pull_request, push_request
+from shardps.server.node.blocks import BlockKey, Writer
+from shardps.server.node.decode import NodeLimits, pull_request, push_request
 from shardps.server.node.liveness import Liveness
+from shardps.server.node.plan import Planner
 from shardps.server.node.pull import PullReader
 from shardps.server.node.replication import Forwarder, NoPeers, Peers
 from shardps.server.node.steps import SyncSteps
@@ -91,11 +91,10 @@ class ServerNode:
         self.steps = SyncSteps(self.table, self.forwarder, clock, defect)
         self.backup = BackupApplier(self.table, self.steps, defect)
         self.holds = JobHolds(self.table.gate, clock)
-        self.pusher = PushApplier(self.table, self.steps, self.forwarder, self.holds, limits,
+        self.planner = Planner(self.table, self.holds, limits.max_rows, limits.max_response_bytes)
+        self.pusher = PushApplier(self.table, self.planner, self.steps, self.forwarder, self.holds, limits,
                                   self.metrics, clock)
-        self.reader = PullReader(self.table, self.steps, limits, self.metrics, clock)
-        self.lane = Lane(self.table, self.steps, self.forwarder, self.holds, limits.max_rows,
-                         limits.max_response_bytes, self.metrics.observe_lane, self.pusher.updates_between)
+        self.reader = PullReader(self.table, self.planner, self.steps, limits, self.metrics, clock)
         self.liveness = Liveness()          # ServerProcess configures it (the manager's lease)
 
     # ================================================================== state, read-only
@@ -191,28 +190,25 @@ class ServerNode:
 
     def step(self, request: StepRequest, deadline: float | None = None, out_buffer=None) -> StepReply:
         """A worker's step against this node (the data plane's Step): its push, if any, as
-        ``push``, then its pull, if any, as ``pull`` (``out_buffer`` as there). The common
-        parts take the compiled path (``lane.Lane``), the others the general one; both leave
-        the same state. Raises as ``push`` and ``pull`` (a refused push: nothing pulled)."""
+        ``push``, then its pull, if any, as ``pull`` (``out_buffer`` as there). Each part is
+        admitted (``plan.Planner``) and executed (``execute``) under one entry of the gate;
+        a part no plan covers goes to ``push`` or ``pull``, which leave the same state.
+        Raises as ``push`` and ``pull`` (a refused push: nothing pulled)."""
         self._check_live()
         reply = StepReply()
         header = request.header
         push, pull = request.push, request.pull
         ack = got = None
-        with self.table.gate.shared():          # the lane's parts under one entry of the gate
+        with self.table.gate.shared():
             if push is not None:
-                ack = self.lane.push(header, request.kind, push)
-                if ack is not None and request.kind == GRADIENT:
-                    clock = self.steps.clocks.get(header.job)
-                    if clock is not None:
-                        clock.report(header.session, int(header.clock), int(header.sequence))
+                ack = self._step_push(header, request.kind, push)
             if pull is not None and (push is None or ack is not None):
-                got = self.lane.pull(header, pull, out_buffer)
-        if push is not None and ack is None:    # the general path's push, then the pull after it
+                got = self._step_pull(header, pull, out_buffer)
+        if push is not None and ack is None:    # the per-block engine's push, then the pull after it
             ack = self.pusher.push(push_request(request), deadline)
             if pull is not None:
                 with self.table.gate.shared():
-                    got = self.lane.pull(header, pull, out_buffer)
+                    got = self._step_pull(header, pull, out_buffer)
         reply.ack = ack
         if pull is not None:
             if got is None:
@@ -220,6 +216,43 @@ class ServerNode:
             reply.pull, reply.values = got
             self._check_live()
         return reply
+
+    def _step_push(self, header, kind: int, slices: list) -> PushAck | None:
+        """A Step's push when a plan serves it (gate held shared); None: nothing changed."""
+        started = time.perf_counter()
+        plan = self.planner.step_push(header, kind, slices)
+        if plan is None:
+            return None
+        writer = Writer(header.session, header.incarnation, header.sequence, header.acked_below)
+        ack = execute.apply(self.table, plan, writer, self.forwarder, self.pusher.updates_between)
+        if ack is not None:
+            clock = self.steps.clocks.get(header.job)
+            if clock is not None:
+                clock.report(header.session, int(header.clock), int(header.sequence))
+            self.metrics.observe_compiled("push", time.perf_counter() - started, plan.rows, plan.nbytes,
+                                          plan.units[0].entry.optimizer)
+        return ack
+
+    def _step_pull(self, header, slices: list, out) -> tuple[PullReply, list] | None:
+        """A Step's pull when a plan serves it (gate held shared): its values written into
+        ``out`` (a writable byte buffer: ``PullReply.in_shared_memory`` is then set and no
+        arrays are returned) when they fit, else into new arrays; None: nothing read."""
+        started = time.perf_counter()
+        plan = self.planner.step_pull(header, slices)
+        if plan is None:
+            return None
+        in_place = out is not None and plan.nbytes <= len(out)
+        reply = PullReply()
+        arrays = execute.read(self.table, plan, reply, out if in_place else None)
+        if arrays is None:
+            return None
+        clock = self.steps.clocks.get(header.job)
+        if clock is not None:
+            reply.min_clock = clock.min_completed()
+        reply.payload_bytes = plan.nbytes
+        reply.in_shared_memory = in_place
+        self.metrics.observe_compiled("pull", time.perf_counter() - started, plan.rows, plan.nbytes)
+        return reply, [] if in_place else arrays
 
     def _check_live(self) -> None:
         reason = self.liveness.refusal(self._now(), self.epoch)

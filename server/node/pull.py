@@ -19,9 +19,10 @@ from shardps.dtypes import WireDType
 from shardps.errors import ResourceExhausted
 from shardps.messages import Header, Layout, PullReply, PullRequest, Versions, versions_by_table
 from shardps.metrics import NodeMetrics, labelled
-from shardps.server.node import fast
+from shardps.server.node import execute
 from shardps.server.node.blocks import BlockKey, BlockLocks, DenseBlock, SparseBlock
 from shardps.server.node.decode import NodeLimits, Segment, check_header, parse_segments, sparse_blocks, split
+from shardps.server.node.plan import Planner, slices_of
 from shardps.server.node.table import BlockTable
 from shardps.tables import Consistency
 
@@ -33,9 +34,10 @@ class PullReader:
     """Serves pulls. Thread-safe: a pull holds the gate shared and its blocks' locks (a
     sparse segment's blocks at once, sorted by key); nothing held on entry."""
 
-    def __init__(self, table: BlockTable, steps: "SyncSteps", limits: NodeLimits,
+    def __init__(self, table: BlockTable, planner: Planner, steps: "SyncSteps", limits: NodeLimits,
                  metrics: NodeMetrics, clock=time.monotonic):
         self.table = table
+        self.planner = planner
         self.steps = steps
         self.limits = limits
         self.metrics = metrics
@@ -94,13 +96,13 @@ class PullReader:
                     f"{self.limits.max_response_bytes}: pull smaller ranges")
             t1 = time.perf_counter()
             in_place = out_buffer is not None and out_bytes <= len(out_buffer)
-            fast_values = fast.read_pull(table, header.epoch, parsed, header_out, out_buffer if in_place else None)
+            planned = self._read_planned(header, parsed, header_out, out_buffer if in_place else None)
             t2 = time.perf_counter()
-            if fast_values is not None and in_place:       # written straight into the buffer
+            if planned is not None and in_place:       # written straight into the buffer
                 header_out.in_shared_memory = True
                 header_out.payload_bytes = out_bytes
-            elif fast_values is not None:
-                outputs = fast_values
+            elif planned is not None:
+                outputs = planned
             else:
                 t1, t2 = self._read_parts(header, parsed, header_out, outputs, out_buffer, out_bytes)
             t3 = time.perf_counter()
@@ -115,6 +117,13 @@ class PullReader:
         labelled(self.metrics.request_rows, "Pull").observe(
             sum(s.ids.shape[0] for s in parsed if s.ids is not None))
         return header_out, outputs
+
+    def _read_planned(self, header: Header, parsed: list[Segment], reply: PullReply, out) -> list | None:
+        """The values of a pull a plan covers (gate held shared, consistency wait done), or
+        None (nothing read; ``reply`` unchanged): ``execute.read``."""
+        slices = slices_of(parsed, pull=True)
+        plan = None if slices is None else self.planner.pull(header.job, header.epoch, slices)
+        return None if plan is None else execute.read(self.table, plan, reply, out)
 
     def _read_parts(self, header: Header, parsed: list[Segment], header_out: PullReply, outputs: list,
                     out_buffer, out_bytes: int) -> tuple[float, float]:

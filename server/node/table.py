@@ -122,7 +122,7 @@ class BlockTable:
         self.extra: dict[BlockKey, set[str]] = {}              # copy destinations to forward to
         self.needs_resync: dict[BlockKey, set[str]] = {}
         # one up (under ``lock``) whenever ``view``, ``blocks`` or ``missing`` change: what the
-        # compiled request path (``lane.Lane``) derived from them is then derived again
+        # request plans (``plan.Planner``) derived from them is then derived again
         self.generation = 0
 
     def clear_locked(self) -> None:

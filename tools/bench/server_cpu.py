@@ -8,12 +8,12 @@ next batch, as a worker's step does; most rows are new (random ids), so their in
 are computed. Printed: CPU milliseconds per round (``time.thread_time``), median of
 ``--repeats`` runs, for
 
-* ``compiled``: the server as it is: each round one Step (push, then pull) served by the
-  node's compiled request path (``server/node/lane.py``);
+* ``compiled``: the server as it is: each round one Step (push, then pull), admitted
+  (``server/node/plan.py``) and executed (``server/node/execute.py``) as one plan per part;
 * ``no-cache``: the same without the cache of initial values a read computed, for the push
   that stores those rows (``storage.InitCache``);
-* ``general``: the round as a pull and a push through the node's general path (what a
-  request the compiled path declines costs).
+* ``general``: the round as a Push and a Pull request, each decoded into segments with
+  every check raising its error before it is planned (what a Push or Pull frame costs).
 
     python -m shardps.tools.bench.server_cpu                     # 3,300 rows per round, 32 blocks
     python -m shardps.tools.bench.server_cpu --rows 6500 --blocks 64

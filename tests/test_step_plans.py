@@ -1,9 +1,9 @@
-"""The compiled request path (``server/node/lane.py``) leaves exactly what the general path
-leaves: the same values, optimizer state, versions and exactly-once records on the primary and
-on its backup, and the same replies, for the same Step requests written by the client's
-encoder and read by the server's decoder (``shardps/rpc/step.py``). What the lane does not
-serve (a retry, a NaN, a block moved away, a SYNC job) goes to the general path, which
-answers as it always did."""
+"""A Step's parts admitted as plans and executed (``server/node/plan.py``, ``execute.py``)
+leave exactly what the per-block engine leaves: the same values, optimizer state, versions
+and exactly-once records on the primary and on its backup, and the same replies, for the same
+Step requests written by the client's encoder and read by the server's decoder
+(``shardps/rpc/step.py``). What no plan covers (a retry, a NaN, a block moved away, a SYNC
+job's wait) goes to the engine, which answers as it always did."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def _tables(moved: bool = False) -> list[T]:
 
 def _nodes(general: bool, mode: Consistency = Consistency.ASYNC) -> tuple[ServerNode, ServerNode]:
     """A primary s0 and its backup s1 (forwarded operations delivered in memory); with
-    ``general``, the primary's lane serves nothing."""
+    ``general``, the primary admits no plan: the per-block engine serves every request."""
     peers = FakePeers()
     primary, backup = ServerNode("s0", peers), ServerNode("s1")
     peers.nodes["s1"] = backup
@@ -55,8 +55,7 @@ def _nodes(general: bool, mode: Consistency = Consistency.ASYNC) -> tuple[Server
     primary.install_map(msg)
     backup.install_map(msg)
     if general:
-        primary.lane.push = lambda *a: None                # type: ignore[method-assign]
-        primary.lane.pull = lambda *a: None                # type: ignore[method-assign]
+        _without_plans(primary)
     return primary, backup
 
 
@@ -106,35 +105,39 @@ def _run(node: ServerNode, seed: int) -> list:
     return replies
 
 
+def _without_plans(node: ServerNode) -> None:
+    node.planner.push = lambda *a: None                     # type: ignore[method-assign]
+    node.planner.pull = lambda *a: None                     # type: ignore[method-assign]
+
+
 def _served(monkeypatch, node: ServerNode) -> list[str]:
-    """Record which parts the lane served (``"push"``, ``"pull"``)."""
+    """Record which of a Step's parts a plan served at once (``"push"``, ``"pull"``)."""
     served: list[str] = []
-    lane = node.lane
     for name in ("push", "pull"):
-        original = getattr(lane, name)
+        original = getattr(node, f"_step_{name}")
 
         def watch(*a, _original=original, _name=name):
             out = _original(*a)
             if out is not None:
                 served.append(_name)
             return out
-        monkeypatch.setattr(lane, name, watch)
+        monkeypatch.setattr(node, f"_step_{name}", watch)
     return served
 
 
-def test_the_lane_and_the_general_path_leave_the_same_blocks_and_replies(monkeypatch):
-    fast, fast_backup = _nodes(general=False)
-    served = _served(monkeypatch, fast)
+def test_plans_and_the_per_block_engine_leave_the_same_blocks_and_replies(monkeypatch):
+    planned, planned_backup = _nodes(general=False)
+    served = _served(monkeypatch, planned)
     general, general_backup = _nodes(general=True)
-    replies = _run(fast, seed=1)
-    assert served == ["push", "pull"] * 10, served              # the lane took every part
+    replies = _run(planned, seed=1)
+    assert served == ["push", "pull"] * 10, served              # a plan took every part
     assert replies == _run(general, seed=1)
-    assert _state(fast) == _state(general)
-    assert _state(fast_backup) == _state(general_backup)
-    assert _state(fast_backup) == _state(fast)                  # the backup equals its primary
+    assert _state(planned) == _state(general)
+    assert _state(planned_backup) == _state(general_backup)
+    assert _state(planned_backup) == _state(planned)            # the backup equals its primary
 
 
-def test_a_retried_push_is_counted_once_by_the_general_path():
+def test_a_retried_push_is_counted_once_by_the_per_block_engine():
     node, _ = _nodes(general=False)
     first = next(_steps(seed=2))
     node.step(_frame(first))
@@ -166,7 +169,7 @@ def test_a_block_moved_away_is_refused_and_the_others_are_served(monkeypatch):
     assert served == ["pull"] and got.pull.versions[0].blocks == [5]
 
 
-def test_sync_jobs_take_the_general_path(monkeypatch):
+def test_sync_jobs_wait_for_their_group_outside_the_steps_plans(monkeypatch):
     node, _ = _nodes(general=False, mode=Consistency.SYNC)
     served = _served(monkeypatch, node)
     request = next(_steps(seed=4))
@@ -246,13 +249,13 @@ def test_a_payload_too_short_for_its_segments_is_refused():
 
 def test_a_dense_table_in_several_runs_of_blocks_is_served_in_one_step(monkeypatch):
     """A dense table whose blocks alternate between servers reaches a server as several
-    ranges of one table (``routing.route_parts``): the lane serves them together, in key
-    order; two ranges that share a block go to the general path, which adds them."""
+    ranges of one table (``routing.route_parts``): one plan serves them together, in key
+    order; two ranges that share a block go to the per-block engine, which adds them."""
     v = T(dense_table("v", (24,), block_size=8), [["s0"], ["s1"], ["s0"]], TableConfig(optimizer=sgd(1.0)))
     node, general = ServerNode("s0"), ServerNode("s0")
     for n in (node, general):
         n.install_map(shard_map(1, [v], [G(["w0"])]))
-    general.lane.push = lambda *a: None                    # type: ignore[method-assign]
+    _without_plans(general)
     served = _served(monkeypatch, node)
     header = Header(JOB, epoch=1, session="w0", incarnation=1, sequence=1, acked_below=1)
     ranges = [Slice("v", RANGE, 16, 24, values=np.full(8, 2.0, np.float32)),

@@ -1,8 +1,8 @@
-"""The common push (``server/node/fast.py``) leaves exactly what the general path leaves:
-the same values, optimizer state, versions and exactly-once records, on the primary and on
-its backups. The same pushes go through both: the general path takes them with one id
-repeated (a second row of zeros: the fast path admits only unique ids, the general path sums
-repeated ones), the fast path the same ids unique, ascending or not."""
+"""A push's plan executed (``server/node/plan.py``, ``execute.py``) leaves exactly what the
+per-block engine leaves: the same values, optimizer state, versions and exactly-once records,
+on the primary and on its backups. The same pushes go through both: the engine takes them
+with one id repeated (a second row of zeros: a plan admits only unique ids, the engine sums
+repeated ones), a plan the same ids unique, ascending or not."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import pytest
 
 from shardps.blockops import APPLY_ROWS, BlockOp
 from shardps.errors import InvalidArgument
-from shardps.server.node import fast, snapshot_block
+from shardps.server.node import execute, snapshot_block
 from shardps.server.node.digest import block_digest
+from shardps.server.node.plan import Planner
 from shardps.tables import Consistency, TableConfig, adagrad, adam, normal, sparse_block_of, sparse_table
 from tests.test_node_layers import FakePeers, G, Layers, T, dense_seg, dense_w, header, rows_seg, shard_map
 
@@ -42,31 +43,37 @@ def _pushes(seed: int, n: int = 12):
         yield seq, ids, grads, rng.standard_normal(16).astype(np.float32)
 
 
+# what ``_watch`` wraps: admission (``Planner.push``), execution (``execute.*``)
+_WATCHED = {"admit": (Planner, "push"), "apply": (execute, "apply"), "accumulate": (execute, "accumulate"),
+            "read": (execute, "read")}
+
+
 def _watch(monkeypatch, name: str) -> list[bool]:
-    """Wrap ``fast.<name>``; the list records, per call, whether it answered (the fast path
-    took the push) rather than returned None (the general path)."""
+    """Wrap ``_WATCHED[name]``; the list records, per call, whether it answered (a plan
+    served the request) rather than returned None (the per-block engine)."""
     took: list[bool] = []
-    original = getattr(fast, name)
+    owner, attribute = _WATCHED[name]
+    original = getattr(owner, attribute)
 
     def watch(*a, **kw):
         out = original(*a, **kw)
         took.append(out is not None)
         return out
-    monkeypatch.setattr(fast, name, watch)
+    monkeypatch.setattr(owner, attribute, watch)
     return took
 
 
 def _run(node: Layers, order: str, seed: int, monkeypatch) -> int:
     """Apply the pushes of ``seed`` to ``node``, their ids in ``order`` ("ascending",
     "descending", or "repeated": descending with the first id again, its gradient row zeros);
-    returns how many took the fast path."""
-    admit = fast.admit_push
-    admitted = _watch(monkeypatch, "admit_push")
+    returns how many a plan served."""
+    admit = Planner.push
+    admitted = _watch(monkeypatch, "admit")
     for seq, ids, grads, dense in _pushes(seed):
         request_header = header(session="w0", sequence=seq)
         request_header.acked_below = seq
         node.push(request_header, *_segments(ids, grads, dense, order))
-    monkeypatch.setattr(fast, "admit_push", admit)
+    monkeypatch.setattr(Planner, "push", admit)
     return sum(admitted)
 
 
@@ -94,20 +101,20 @@ def _state(node: Layers) -> dict:
 
 @pytest.mark.parametrize("optimizer", [adagrad(0.1), adam(0.01)], ids=["adagrad", "adam"])
 @pytest.mark.parametrize("replicas", [("s0",), ("s0", "s1")], ids=["R=1", "R=2"])
-def test_the_fast_path_leaves_what_the_general_path_leaves(replicas, optimizer, monkeypatch):
-    fast_primary, fast_backup = _cluster(replicas, optimizer)
+def test_a_plan_leaves_what_the_per_block_engine_leaves(replicas, optimizer, monkeypatch):
+    planned_primary, planned_backup = _cluster(replicas, optimizer)
     slow_primary, slow_backup = _cluster(replicas, optimizer)
-    assert _run(fast_primary, "ascending", 5, monkeypatch) == 12
+    assert _run(planned_primary, "ascending", 5, monkeypatch) == 12
     assert _run(slow_primary, "repeated", 5, monkeypatch) == 0
-    assert _state(fast_primary) == _state(slow_primary)
+    assert _state(planned_primary) == _state(slow_primary)
     if len(replicas) > 1:
-        assert _state(fast_backup) == _state(slow_backup) == _state(fast_primary)
-        assert fast_primary.peers.sent("replicate") and not fast_primary.peers.sent("load_blocks")
+        assert _state(planned_backup) == _state(slow_backup) == _state(planned_primary)
+        assert planned_primary.peers.sent("replicate") and not planned_primary.peers.sent("load_blocks")
 
 
 @pytest.mark.parametrize("replicas", [("s0",), ("s0", "s1")], ids=["R=1", "R=2"])
-def test_unique_ids_in_any_order_take_the_fast_path_and_leave_the_same_state(replicas, monkeypatch):
-    """A client sends a push's ids as they come when none repeats (no sort): the fast path
+def test_unique_ids_in_any_order_take_a_plan_and_leave_the_same_state(replicas, monkeypatch):
+    """A client sends a push's ids as they come when none repeats (no sort): a plan
     takes them, and the rows, state and replicas are those of the same ids sorted."""
     sorted_primary, sorted_backup = _cluster(replicas, adagrad(0.1))
     unsorted_primary, unsorted_backup = _cluster(replicas, adagrad(0.1))
@@ -118,7 +125,7 @@ def test_unique_ids_in_any_order_take_the_fast_path_and_leave_the_same_state(rep
         assert _state(unsorted_backup) == _state(sorted_backup) == _state(sorted_primary)
 
 
-def test_a_retried_push_takes_the_general_path_and_is_counted_a_duplicate():
+def test_a_retried_push_takes_the_per_block_engine_and_is_counted_a_duplicate():
     primary, _ = _cluster(("s0",), adagrad(0.1))
     segments, payload = rows_seg([1, 2, 3], np.ones((3, DIM), np.float32))
     first = primary.push(header(session="w0", sequence=1), segments, payload)
@@ -153,19 +160,19 @@ def test_a_push_with_a_block_not_initialized_is_refused_whole():
     assert all(blk.count == 0 for key, blk in primary.table.blocks.items() if key[1] == "e")
 
 
-def test_a_pull_of_several_tables_takes_the_fast_path(monkeypatch):
+def test_a_pull_of_several_tables_takes_a_plan(monkeypatch):
     primary, _ = _cluster(("s0",), adagrad(0.1))
-    took = _watch(monkeypatch, "read_pull")
+    took = _watch(monkeypatch, "read")
     e, ids = rows_seg([1, 2, 3, 40, 41])
     w, _ = dense_seg(0, 16)
     _, values = primary.pull(header(), w + e, ids)
-    assert took == [True], "every segment after the first is read by the fast path too"
+    assert took == [True], "every segment after the first is read by a plan too"
     assert [v.shape for v in values] == [(16,), (5, DIM)]
 
 
 def test_a_pull_naming_a_table_twice_locks_each_block_once(monkeypatch):
     primary, _ = _cluster(("s0",), adagrad(0.1))
-    took = _watch(monkeypatch, "read_pull")
+    took = _watch(monkeypatch, "read")
     e1, i1 = rows_seg([1, 2, 3])
     e2, i2 = rows_seg([3, 4])
     w1, _ = dense_seg(0, 8)
@@ -176,7 +183,7 @@ def test_a_pull_naming_a_table_twice_locks_each_block_once(monkeypatch):
 
 
 def test_a_pull_with_a_segment_of_no_rows_answers_an_empty_array():
-    # the data-path fuzzer found the fast read indexing the blocks of a segment that has none
+    # the data-path fuzzer found the planned read indexing the blocks of a segment that has none
     primary, _ = _cluster(("s0",), adagrad(0.1))
     e1, i1 = rows_seg([5, 23, 48])
     e2, i2 = rows_seg([])
@@ -185,20 +192,20 @@ def test_a_pull_with_a_segment_of_no_rows_answers_an_empty_array():
 
 
 def _racing_admission(monkeypatch, during):
-    """``fast.admit_push`` that runs ``during()`` between admitting a push and applying it
+    """``Planner.push`` that runs ``during()`` between admitting a push and applying it
     (what another thread may do then: ``copy_blocks`` takes only the blocks' locks)."""
-    admit = fast.admit_push
+    admit = Planner.push
 
     def racing(*a, **kw):
         plan = admit(*a, **kw)
         assert plan is not None
         during()
         return plan
-    monkeypatch.setattr(fast, "admit_push", racing)
+    monkeypatch.setattr(Planner, "push", racing)
 
 
 def test_a_copy_started_between_admission_and_apply_gets_the_push(monkeypatch):
-    """The lost update found in review: ``admit_push`` decided "no backups" before the block
+    """The lost update found in review: admission decided "no backups" before the block
     locks were taken, ``copy_blocks`` added a copy destination in between, and the push was
     acknowledged without reaching it."""
     primary, dest = _cluster(("s0",), adagrad(0.1))
@@ -216,9 +223,9 @@ def test_a_copy_started_between_admission_and_apply_gets_the_push(monkeypatch):
         assert copy.version == blk.version and block_digest(copy) == block_digest(blk), key
 
 
-def test_only_the_pushs_own_unsettled_blocks_send_it_to_the_general_path(monkeypatch):
+def test_only_the_pushs_own_unsettled_blocks_send_it_to_the_per_block_engine(monkeypatch):
     primary, _ = _cluster(("s0",), adagrad(0.1))
-    served = _watch(monkeypatch, "apply_push")
+    served = _watch(monkeypatch, "apply")
     segments, payload = dense_seg(0, 8, np.ones(8))              # block 0 of "w" only
     primary.table.extra[("j", "w", 1)] = {"s2"}                  # another block being copied
     primary.table.needs_resync[("j", "e", 0)] = {"s2"}           # another block owed a resync
@@ -226,7 +233,7 @@ def test_only_the_pushs_own_unsettled_blocks_send_it_to_the_general_path(monkeyp
     assert served == [True]
     primary.table.extra[("j", "w", 0)] = {"s2"}                  # this push's block
     primary.push(header(session="w0", sequence=2), segments, payload)
-    assert served == [True, False]                               # the general path forwarded it
+    assert served == [True, False]                               # the per-block engine forwarded it
     assert [c[1] for c in primary.peers.sent("replicate")] == ["s2"]
 
 
@@ -300,7 +307,7 @@ def test_a_tables_rows_go_to_each_set_of_backups_in_one_op():
 
 
 def test_the_backups_are_sent_a_push_before_the_primary_applies_it_and_answer_after():
-    """The fast path sends the operations first, so that the backups apply them while the
+    """A plan sends the operations first, so that the backups apply them while the
     primary does, and waits for their answers once it has: at the send the primary's blocks
     are still at their old versions; at the answer at their new ones."""
     primary, nodes, peers = _sparse_cluster([["s0", "s1"]] * 8)
@@ -360,8 +367,8 @@ def test_a_malformed_apply_rows_op_is_refused_and_changes_nothing(ids, blocks, e
 def _sync_run(node: Layers, order: str, seed: int, monkeypatch) -> int:
     """Steps of a SYNC group of two workers: each pushes its rows (``order`` as in ``_run``)
     and a dense gradient, then the step applies; returns how many pushes were accumulated
-    by the fast path."""
-    accumulated = _watch(monkeypatch, "accumulate_push")
+    by a plan."""
+    accumulated = _watch(monkeypatch, "accumulate")
     pushes = list(_pushes(seed))
     for step in range(len(pushes) // 2):
         for rank in range(2):
@@ -374,9 +381,9 @@ def _sync_run(node: Layers, order: str, seed: int, monkeypatch) -> int:
 
 
 @pytest.mark.parametrize("replicas", [("s0",), ("s0", "s1")], ids=["R=1", "R=2"])
-def test_a_sync_push_accumulated_by_the_fast_path_leaves_what_the_general_path_leaves(replicas, monkeypatch):
-    """SYNC members' pushes with unique ids are accumulated by ``fast.accumulate_push``;
-    with a repeated id (a zero row) by the general path. Once every step is applied the
+def test_a_sync_push_accumulated_by_a_plan_leaves_what_the_per_block_engine_leaves(replicas, monkeypatch):
+    """SYNC members' pushes with unique ids are accumulated by ``execute.accumulate``;
+    with a repeated id (a zero row) by the per-block engine. Once every step is applied the
     rows, optimizer state, versions and exactly-once records are the same, on the primary
     and its backup (which accumulates the forwarded parts and applies each block's step)."""
     def cluster():
@@ -391,18 +398,18 @@ def test_a_sync_push_accumulated_by_the_fast_path_leaves_what_the_general_path_l
         backup.install(msg)
         return primary, backup
 
-    fast_primary, fast_backup = cluster()
+    planned_primary, planned_backup = cluster()
     slow_primary, slow_backup = cluster()
-    assert _sync_run(fast_primary, "descending", 8, monkeypatch) == 12
+    assert _sync_run(planned_primary, "descending", 8, monkeypatch) == 12
     assert _sync_run(slow_primary, "repeated", 8, monkeypatch) == 0
-    assert _state(fast_primary) == _state(slow_primary)
+    assert _state(planned_primary) == _state(slow_primary)
     if len(replicas) > 1:
-        assert _state(fast_backup) == _state(slow_backup) == _state(fast_primary)
-        assert not fast_primary.peers.sent("load_blocks")
+        assert _state(planned_backup) == _state(slow_backup) == _state(planned_primary)
+        assert not planned_primary.peers.sent("load_blocks")
 
 
-def test_a_sync_push_for_an_applied_step_is_refused_by_the_fast_path_and_changes_nothing(monkeypatch):
-    """The fast path decides the step (``SyncSteps.check_step_open``) before anything
+def test_a_sync_push_for_an_applied_step_is_refused_by_a_plan_and_changes_nothing(monkeypatch):
+    """A plan decides the step (``SyncSteps.check_step_open``) before anything
     changes: a member's push for a step already applied is refused, and no block keeps a
     part of it."""
     from shardps.errors import FailedPrecondition
@@ -411,7 +418,7 @@ def test_a_sync_push_for_an_applied_step_is_refused_by_the_fast_path_and_changes
     node.install(shard_map(2, [T(sparse_table("e", DIM, num_rows=ROWS, num_blocks=8, init=normal(0.0, 0.1, seed=3)),
                                  [["s0"]] * 8, TableConfig(optimizer=adagrad(0.1)))],
                            [G(["w0", "w1"], mode=Consistency.SYNC)]))
-    accumulated = _watch(monkeypatch, "accumulate_push")
+    accumulated = _watch(monkeypatch, "accumulate")
     ids = np.arange(0, 40, dtype=np.int64)
     for rank in range(2):
         seg, payload = rows_seg(ids, np.ones((40, DIM), np.float32))
