@@ -1,10 +1,13 @@
 """PSClient against real gRPC servers on loopback (manager and servers in this process)."""
 
+import threading
+
 import numpy as np
 import pytest
 
-from shardps.errors import AlreadyExists, InvalidArgument, NotFound
+from shardps.errors import AlreadyExists, DeadlineExceeded, InvalidArgument, NotFound
 from shardps.tables import normal, sgd, uniform
+from tests.waiting import wait_for
 
 
 def test_dense_push_pull_round_trip(cluster, client_factory):
@@ -101,6 +104,57 @@ def test_a_server_that_forgot_a_clients_regions_gets_the_bytes_another_way(clust
     np.testing.assert_array_equal(c.pull_rows("big", ids), before - grads)
     assert all(server.service.regions._owner for server in cluster.servers.values()
                if server.node.usage()["tables"])       # proved again
+
+
+@pytest.mark.slow
+def test_a_region_whose_call_timed_out_is_never_written_again(cluster, client_factory):
+    """A server stalled past the client's deadline (a pause, a long wait for its gate) may
+    still read a request from its shared-memory region: the client must not write that
+    region again. Here server A stalls on a push of table "a", the client gives up and pulls
+    table "b" from server B through a region; once A resumes, the push it held is applied
+    with its own rows and values, not the bytes of the later call (the data plane: its server
+    serves a request whose deadline passed; the same rule holds over gRPC)."""
+    c = client_factory(cluster.address)
+    c.create_job()
+    c.create_sparse("a", 16, num_rows=100_000, num_blocks=1, optimizer=sgd(1.0), init=normal(0, 0.1, seed=6))
+    owner = {name: s for name, s in cluster.servers.items() if any(k[1] == "a" for k in s.node.blocks)}
+    k = 0
+    while True:                         # a table "b<k>" on the other server
+        c.create_sparse(f"b{k}", 16, num_rows=100_000, num_blocks=1, optimizer=sgd(1.0), init=normal(0, 0.1, seed=7))
+        if not any(key[1] == f"b{k}" for s in owner.values() for key in s.node.blocks):
+            break
+        k += 1
+    stalled = next(iter(owner.values())).node.table.gate
+    rng = np.random.default_rng(2)
+    ids = rng.choice(100_000, 8_000, replace=False)
+    other = rng.choice(100_000, 8_000, replace=False)
+    grads = rng.standard_normal((8_000, 16)).astype(np.float32)
+    before = c.pull_rows("a", ids)
+    c.pull_rows(f"b{k}", other)                         # regions proved to both servers
+    entered, resume = threading.Event(), threading.Event()
+
+    def stall():
+        with stalled.exclusive():
+            entered.set()
+            resume.wait(30)
+    holder = threading.Thread(target=stall)
+    holder.start()
+    try:
+        assert entered.wait(10)
+        with pytest.raises(DeadlineExceeded):
+            c.push_rows("a", ids, grads, timeout=1.0)
+        c.pull_rows(f"b{k}", other)                     # 8,000 ids and 512 KB of rows through a region
+    finally:
+        resume.set()
+        holder.join()
+    (got,) = wait_for("the stalled push", lambda: _changed(c, ids, before), timeout=10)
+    np.testing.assert_array_equal(got, before - grads)
+
+
+def _changed(c, ids, before):
+    """The rows of table "a" (in a tuple) once the stalled push was applied (None before)."""
+    got = c.pull_rows("a", ids)
+    return None if np.array_equal(got, before) else (got,)
 
 
 def test_several_tables_in_one_request_and_state_dict(cluster, client_factory):

@@ -272,7 +272,8 @@ class Planner:
                 blocks = e.dense_blocks(s.start, s.stop, epoch)
                 if blocks is None:
                     return None
-                units.append(Unit(e, blocks, list(map(e.objects.__getitem__, blocks)), None, None, s.start, s.stop, None))
+                units.append(Unit(e, blocks, list(map(e.objects.__getitem__, blocks)), None, None, s.start, s.stop,
+                                  None))
                 out_bytes += 4 * (s.stop - s.start)
                 continue
             ids = s.ids

@@ -48,9 +48,19 @@ class _Failure:
 
 
 def _error(frame: "frames.Frame", what: str) -> ShardpsError:
+    """The error a server answered with. Its ``answered`` attribute is set: the server is
+    done with the request (``answered``), unlike a timeout or a broken connection."""
     code = _STATUS_BY_NUMBER.get(frame.prefix.status, grpc.StatusCode.UNKNOWN)
-    return from_rpc_error(_Failure(code, bytes(frame.message).decode("utf-8", "replace"),
-                                   bytes(frame.header).decode("ascii", "replace")), what)
+    error = from_rpc_error(_Failure(code, bytes(frame.message).decode("utf-8", "replace"),
+                                    bytes(frame.header).decode("ascii", "replace")), what)
+    error.answered = True           # type: ignore[attr-defined]
+    return error
+
+
+def answered(exc: BaseException) -> bool:
+    """Whether a failed call's error is the server's answer (``_error``): the server is done
+    with the request and whatever it named (a shared-memory region) may be used again."""
+    return getattr(exc, "answered", False)
 
 
 class Sent(NamedTuple):

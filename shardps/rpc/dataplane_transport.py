@@ -35,6 +35,7 @@ from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc import messages, packed, step
 from shardps.rpc.codec import byte_view, write_into
 from shardps.rpc.dataplane import DataPlanePool
+from shardps.rpc.dataplane_client import answered as server_answered
 from shardps.rpc.frames import FLAG_PACKED, FLAG_SHARED
 from shardps.rpc.grpc_transport import SERVICE, GrpcTransport
 from shardps.rpc.payload import Payload
@@ -104,15 +105,22 @@ class DataPlaneTransport:
         nbytes = _nbytes(payload)
         region = self._region(plane, address, nbytes)
         if region is not None:
+            answered = False
             try:
                 write_into(region.view(0, nbytes), payload)
-                return self._call(plane, address, "Push", packed.shared_region(region.name, 0, nbytes)
-                                  + packed.push(request, nbytes), [], timeout,
-                                  lambda raw, _: _decoded(server, packed.read_push_ack, raw), FLAG_SHARED)
+                ack = self._call(plane, address, "Push", packed.shared_region(region.name, 0, nbytes)
+                                 + packed.push(request, nbytes), [], timeout,
+                                 lambda raw, _: _decoded(server, packed.read_push_ack, raw), FLAG_SHARED)
+                answered = True
+                return ack
             except UnknownRegion:
+                answered = True
                 self.fallback.forget_regions(address)     # see _region; then through the socket
+            except BaseException as exc:
+                answered = server_answered(exc)
+                raise
             finally:
-                self.fallback.release_region(region)
+                self.fallback.release_region(region, answered)
         if not plane.address or (nbytes >= SHM_PREFERRED_BYTES and self.fallback.shares_memory_with(address)):
             return self.fallback.push(server, address, request, timeout)
         if plane.packed:
@@ -135,13 +143,20 @@ class DataPlaneTransport:
                     raise Unavailable(f"malformed reply from {server}: {reply.payload_bytes} bytes in a "
                                       f"shared-memory region of {region.size}")
                 return consume(reply, Payload([region.view(0, reply.payload_bytes)]))
+            answered = False
             try:
-                return self._call(plane, address, "Pull", packed.shared_region(region.name, 0, region.size)
-                                  + packed.pull(request), ids, timeout, placed, FLAG_SHARED)
+                got = self._call(plane, address, "Pull", packed.shared_region(region.name, 0, region.size)
+                                 + packed.pull(request), ids, timeout, placed, FLAG_SHARED)
+                answered = True
+                return got
             except UnknownRegion:
+                answered = True
                 self.fallback.forget_regions(address)     # see _region; then through the socket
+            except BaseException as exc:
+                answered = server_answered(exc)
+                raise
             finally:
-                self.fallback.release_region(region)
+                self.fallback.release_region(region, answered)
         big = (reply_bytes or 0) >= SHM_PREFERRED_BYTES
         if not plane.address or (big and self.fallback.shares_memory_with(address)):
             return self.fallback.pull(server, address, request, reply_bytes, timeout, consume)
@@ -224,8 +239,8 @@ class DataPlaneTransport:
                                    reply_into=reply_into)
         except BaseException as exc:
             self._step_failed(address, exc, started)
-            if region is not None:
-                self.fallback.release_region(region)
+            if region is not None:          # the frame may have gone out: the server may use it
+                self.fallback.release_region(region, False)
             raise
         return server, address, started, sent, encoded, region
 
@@ -257,20 +272,24 @@ class DataPlaneTransport:
                 values.append(source[at:at + 4 * count].view(np.float32))
                 at += 4 * count
             return consume(ack, reply, values)
+        answered = False
         try:
             got = self.pool.finish(sent, use)
+            answered = True
         except UnknownRegion:
+            answered = True
             self.fallback.forget_regions(address)
             exc = Unavailable(f"Step to {server}: the server no longer knows this client's shared memory "
                               f"(restarted): retry")
             self._step_failed(address, exc, began)
             raise exc from None
         except BaseException as exc:
+            answered = server_answered(exc)
             self._step_failed(address, exc, began)
             raise
         finally:
-            if region is not None:
-                self.fallback.release_region(region)
+            if region is not None:          # retired unless answered: see ClientRegions.retire
+                self.fallback.release_region(region, answered)
         self.fallback.metrics.observe_call(SERVICE, "Step", "OK", time.perf_counter() - began)
         return got
 

@@ -31,6 +31,11 @@ class _Unproved(Exception):
     """A call through a shared-memory region the server does not know (``GrpcTransport.push``)."""
 
 
+# the codes of a call the server may still be serving (a deadline, a broken connection, a
+# cancel): its shared-memory region is not used again (``release_region``)
+UNANSWERED = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+
+
 class GrpcTransport:
     """``Transport`` over gRPC (``StubPool``) with the shared-memory fast path: a payload of
     ``SHM_MIN_BYTES`` or more to a server that proved it maps this process's memory goes
@@ -80,15 +85,19 @@ class GrpcTransport:
 
         started = time.perf_counter()
         code = "OK"
+        answered = False
         try:
             call = self.pool.get(address).Push.future(chunks(), timeout=timeout, metadata=self.metadata)
-            return messages.push_ack_plain(self.in_flight.wait(address, call, f"push to {server}"))
+            ack = messages.push_ack_plain(self.in_flight.wait(address, call, f"push to {server}"))
+            answered = True
+            return ack
         except grpc.RpcError as err:
             code = err.code().name
+            answered = err.code() not in UNANSWERED
             raise self._failure(region, address, from_rpc_error(err, f"push to {server}")) from None
         finally:
             if region is not None:
-                self._release(region)
+                self.release_region(region, answered)
             self.observe("Push", "client_stream", code, started)
 
     def pull(self, server, address, request: PullRequest, reply_bytes, timeout, consume):
@@ -108,10 +117,12 @@ class GrpcTransport:
         started = time.perf_counter()
         code = "OK"
         payload = None
+        answered = False
         try:
             stream = self.pool.get(address).Pull(message, timeout=timeout, metadata=self.metadata)
             with self.in_flight.tracking(address, stream):
                 head, payload = collect(stream, server)
+            answered = True
             if head.in_shared_memory:
                 if region is None:              # the server writes only where we asked
                     raise Unavailable(f"malformed reply from {server}: its payload is in shared memory, "
@@ -123,11 +134,12 @@ class GrpcTransport:
             return consume(messages.pull_reply_plain(head), payload)
         except grpc.RpcError as err:
             code = err.code().name
+            answered = err.code() not in UNANSWERED
             raise self._failure(region, address, from_rpc_error(err, f"pull from {server}")) from None
         finally:
             payload = None                  # drop views of the region before releasing it
             if region is not None:
-                self._release(region)
+                self.release_region(region, answered)
             self.observe("Pull", "server_stream", code, started)
 
     def _failure(self, region, address: str, exc: ShardpsError) -> Exception:
@@ -137,10 +149,6 @@ class GrpcTransport:
             self.forget_regions(address)
             return _Unproved()
         return exc
-
-    def _release(self, region) -> None:
-        assert self._shm is not None        # regions come from it
-        self._shm.release(region)
 
     def exchange_start(self, server, address, push, pull, timeout):
         """gRPC has no exchange: None (the data path sends a push, then a pull)."""
@@ -189,8 +197,15 @@ class GrpcTransport:
         is under ``SHM_MIN_BYTES`` or the server cannot map this process's memory."""
         return self._shared_memory_for(address, nbytes)
 
-    def release_region(self, region) -> None:
-        self._release(region)
+    def release_region(self, region, answered: bool = True) -> None:
+        """Give back a region of ``shared_region`` once its call ended: for the next call where
+        the server answered it, else dropped (``ClientRegions.retire``: the server may still
+        read or write it)."""
+        assert self._shm is not None        # regions come from it
+        if answered:
+            self._shm.release(region)
+        else:
+            self._shm.retire(region)
 
     def forget_regions(self, address: str) -> None:
         """Prove regions to the server at ``address`` again before their next use (it no

@@ -177,8 +177,24 @@ class ClientRegions:
             return region
 
     def release(self, region: Region) -> None:
+        """Give back a region whose call was answered: the next call may reuse it."""
         with self._lock:
             self._free.append(region)
+
+    def retire(self, region: Region) -> None:
+        """Drop a region whose call failed without an answer (a timeout, a broken
+        connection): the server may still read the request from it, or write a reply into
+        it, so no later call writes it again. Its file is unlinked; a server that mapped it
+        keeps its pages until it lets go, and one that had not finds it gone (the request is
+        then refused, not misread)."""
+        with self._lock:
+            if region in self._all:
+                self._all.remove(region)
+        if not region.close() and region.owner:      # views still alive: unmapped when they go
+            try:
+                os.unlink(region.path)
+            except FileNotFoundError:
+                pass
 
     def close(self) -> None:
         with self._lock:
