@@ -53,21 +53,25 @@ class Selection:
 
 @dataclass(slots=True)
 class PushRequest:
-    """A push: ``segments`` describe ``payload`` (concatenated in segment order)."""
+    """A push: ``segments`` describe ``payload`` (concatenated in segment order); or, on a
+    server, ``slices``: its tables' parts with their arrays bound (a Step frame's push)."""
 
     header: Header
     kind: int
     segments: list[Selection]
     payload: Any = b""               # a bytes-like object (or, on a client, a list of arrays)
+    slices: list[Slice] | None = None
 
 
 @dataclass(slots=True)
 class PullRequest:
-    """A pull: the sparse segments' ids, concatenated in segment order, are ``ids``."""
+    """A pull: the sparse segments' ids, concatenated in segment order, are ``ids``; or, on
+    a server, ``slices``: its tables' parts with their ids bound (a Step frame's pull)."""
 
     header: Header
     segments: list[Selection]
     ids: Any = b""                   # a bytes-like object (or, on a client, a list of arrays)
+    slices: list[Slice] | None = None
 
 
 @dataclass(slots=True)

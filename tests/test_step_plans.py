@@ -156,6 +156,22 @@ def test_a_nan_is_refused_before_anything_changes():
     assert _state(node) == before and _state(backup) == backup_before
 
 
+def test_a_declined_step_is_checked_as_it_was_bound_and_refused_by_name():
+    """What no plan covers goes to the per-block engine as the Step's own slices (no bytes
+    re-encoded): its checks are the Push's, with errors naming the segment and table."""
+    node, backup = _nodes(general=False, mode=Consistency.SYNC)     # SYNC: the engine's
+    before, backup_before = _state(node), _state(backup)
+    header = Header(JOB, epoch=1, session="w0", incarnation=1, sequence=1, acked_below=1)
+    short = StepRequest(header, GRADIENT, [Slice("w", RANGE, 0, 8, values=np.ones(4, np.float32))], None)
+    with pytest.raises(InvalidArgument, match=r"segment 0 \('w'\) carries 4 values; it needs 8"):
+        node.step(_frame(short))
+    header.wire_dtype = 2                                              # FLOAT16 values
+    halves = StepRequest(header, GRADIENT, [Slice("w", RANGE, 0, 8, values=np.ones(8, np.float32))], None)
+    with pytest.raises(InvalidArgument, match="Step frames carry FLOAT32 values"):
+        node.step(_frame(halves))
+    assert _state(node) == before and _state(backup) == backup_before
+
+
 def test_a_block_moved_away_is_refused_and_the_others_are_served(monkeypatch):
     node, _ = _nodes(general=False)
     node.install_map(shard_map(2, _tables(moved=True), [G(["w0"])]))

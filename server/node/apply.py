@@ -38,11 +38,19 @@ from shardps.messages import (
     versions_by_table,
 )
 from shardps.metrics import NodeMetrics, labelled
-from shardps.rpc.codec import byte_view
 from shardps.server import optimizers
 from shardps.server.node import execute, lifecycle_ops
 from shardps.server.node.blocks import AnyBlock, BlockKey, BlockLocks, DenseBlock, SparseBlock, Writer, remember_all
-from shardps.server.node.decode import NodeLimits, Part, Segment, check_assign_ids, check_header, parse_segments, split
+from shardps.server.node.decode import (
+    NodeLimits,
+    Part,
+    Segment,
+    check_assign_ids,
+    check_header,
+    decode_request,
+    payload_bytes,
+    split,
+)
 from shardps.server.node.plan import Planner, slices_of
 from shardps.server.node.table import BlockTable, EpochGate
 from shardps.shardmap import ShardMapView, TableView
@@ -155,7 +163,7 @@ class PushApplier:
         ResourceExhausted / FailedPrecondition; a raised error means nothing was
         acknowledged (a retry is safe). Nothing held on entry.
         """
-        header, kind, segments, payload = request.header, request.kind, request.segments, request.payload
+        header, kind = request.header, request.kind
         if kind not in (GRADIENT, INITIALIZE, ASSIGN, PUSH_KIND_UNSPECIFIED):
             raise InvalidArgument(f"push kind {kind}: unknown (use GRADIENT, INITIALIZE or ASSIGN)")
         kind = kind or GRADIENT
@@ -171,8 +179,7 @@ class PushApplier:
             t0 = time.perf_counter()        # phases: shardps_server_phase_seconds
             table.check_epoch(header)
             self.check_writer(header)
-            parsed = parse_segments(table.view, table.name, self.limits, header, segments, payload,
-                                    with_values=True)
+            parsed = decode_request(table.view, table.name, self.limits, request, with_values=True)
             if kind == ASSIGN:
                 check_assign_ids(parsed)        # before anything changes
             if kind == GRADIENT and not (header.session and header.sequence):
@@ -198,7 +205,7 @@ class PushApplier:
                 self._observe(started, plan.units[0].entry.optimizer, t0, t1)
             else:
                 ack = self._push_parts(header, kind, writer, parsed, sync, started, t0)
-        nbytes = len(byte_view(payload)) if payload is not None else 0
+        nbytes = payload_bytes(request, parsed)
         labelled(self.metrics.request_bytes, "Push").observe(nbytes)
         labelled(self.metrics.bytes, "in").inc(nbytes)
         labelled(self.metrics.request_rows, "Push").observe(

@@ -33,7 +33,7 @@ from shardps.errors import (
     Unavailable,
     non_finite,
 )
-from shardps.messages import RANGE, ROWS, Header, PullRequest, PushRequest, Selection, StepRequest
+from shardps.messages import RANGE, ROWS, Header, PullRequest, PushRequest, Selection, Slice
 from shardps.rpc.codec import byte_view
 from shardps.server.node import storage_kernels
 from shardps.server.node.blocks import BlockKey
@@ -41,6 +41,7 @@ from shardps.shardmap import ShardMapView, TableView
 from shardps.tables import (
     MAX_CLOCK,
     TableKind,
+    TableSpec,
     check_range,
     dense_blocks_of_range,
 )
@@ -136,13 +137,7 @@ def table_of(view: ShardMapView, server: str, job: str, name: str) -> TableView:
 def parse_segments(view: ShardMapView, server: str, limits: NodeLimits, header: Header,
                    segments: Sequence[Selection], payload, with_values: bool) -> list[Segment]:
     """Decode and validate every segment against the payload. Nothing is stored."""
-    if not header.job:
-        raise InvalidArgument("request header has no job: set header.job")
-    if len(segments) > limits.max_segments:
-        raise ResourceExhausted(
-            f"request has {len(segments)} segments; the limit max_segments is "
-            f"{limits.max_segments}: split the request")
-    wire = dtypes.WireDType.parse(int(header.wire_dtype))
+    wire = _check_request(limits, header, len(segments))
     if wire not in dtypes.VALUE_DTYPES:
         raise InvalidArgument(f"header.wire_dtype {wire.name} cannot carry values: use "
                               f"FLOAT32, FLOAT16 or BFLOAT16")
@@ -154,12 +149,9 @@ def parse_segments(view: ShardMapView, server: str, limits: NodeLimits, header: 
     for i, seg in enumerate(segments):
         t = table_of(view, server, header.job, seg.table)
         spec = t.spec
-        which = seg.selector
         s = Segment(t, wire, base_versions=seg.base_versions)
+        _check_selector(i, spec, seg.selector)
         if spec.kind is TableKind.DENSE:
-            if which != RANGE:
-                raise InvalidArgument(
-                    f"segment {i} for dense table {spec.name!r} must select a range, got {which}")
             s.lo, s.hi = int(seg.start), int(seg.stop)
             check_range(spec, s.lo, s.hi)
             count = s.hi - s.lo
@@ -172,9 +164,6 @@ def parse_segments(view: ShardMapView, server: str, limits: NodeLimits, header: 
                 s.values = dtypes.decode(view_payload[offset:offset + nbytes], wire, count)
                 offset += nbytes
         else:
-            if which != ROWS:
-                raise InvalidArgument(
-                    f"segment {i} for sparse table {spec.name!r} must select rows, got {which}")
             if seg.all_stored:
                 if with_values or seg.count:
                     raise InvalidArgument(
@@ -183,11 +172,7 @@ def parse_segments(view: ShardMapView, server: str, limits: NodeLimits, header: 
                 parsed.append(s)
                 continue
             count = int(seg.count)
-            rows += count
-            if rows > limits.max_rows:
-                raise ResourceExhausted(
-                    f"request has more than {limits.max_rows} rows (limit max_rows): "
-                    f"split the request")
+            rows = _count_rows(rows + count, limits)
             nbytes = count * 8
             if offset + nbytes > total:
                 raise InvalidArgument(
@@ -214,6 +199,83 @@ def parse_segments(view: ShardMapView, server: str, limits: NodeLimits, header: 
             f"payload has {total} bytes but the segments describe {offset}: check the "
             f"segment counts and header.wire_dtype")
     return parsed
+
+
+def check_slices(view: ShardMapView, server: str, limits: NodeLimits, header: Header,
+                 slices: Sequence[Slice], with_values: bool) -> list[Segment]:
+    """Validate a Step's slices, their arrays already bound to the frame's payload (float32
+    values, int64 ids: ``shardps.rpc.step.bind``), with ``parse_segments``' rules and
+    errors; the segments are views of the same arrays. Nothing is stored."""
+    wire = _check_request(limits, header, len(slices))
+    if wire is not WireDType.FLOAT32:
+        raise InvalidArgument(f"header.wire_dtype {wire.name}: Step frames carry FLOAT32 values; send other "
+                              f"dtypes as Push frames")
+    rows = 0
+    parsed = []
+    for i, sl in enumerate(slices):
+        t = table_of(view, server, header.job, sl.table)
+        spec = t.spec
+        s = Segment(t, wire, base_versions=sl.base_versions or {})
+        _check_selector(i, spec, sl.selector)
+        values = sl.values
+        if spec.kind is TableKind.DENSE:
+            s.lo, s.hi = int(sl.start), int(sl.stop)
+            check_range(spec, s.lo, s.hi)
+            expected = s.hi - s.lo
+        else:
+            s.ids = sl.ids
+            count = s.ids.shape[0]
+            rows = _count_rows(rows + count, limits)
+            storage_kernels.check_ids(spec, s.ids)
+            expected = count * spec.dim
+            if values is not None and values.shape[0] == expected:
+                values = values.reshape(count, spec.dim)
+        if with_values:
+            if values is None or values.size != expected:
+                raise InvalidArgument(f"segment {i} ({spec.name!r}) carries "
+                                      f"{0 if values is None else values.size} values; it needs {expected}")
+            s.values = values
+            if not t.config.allow_non_finite:
+                _check_finite(i, s)
+        parsed.append(s)
+    return parsed
+
+
+def _check_request(limits: NodeLimits, header: Header, segments: int) -> WireDType:
+    """The checks of a request as a whole; its wire dtype."""
+    if not header.job:
+        raise InvalidArgument("request header has no job: set header.job")
+    if segments > limits.max_segments:
+        raise ResourceExhausted(
+            f"request has {segments} segments; the limit max_segments is "
+            f"{limits.max_segments}: split the request")
+    return dtypes.WireDType.parse(int(header.wire_dtype))
+
+
+def _check_selector(i: int, spec: TableSpec, which) -> None:
+    """A dense table's segment selects a range, a sparse one's rows."""
+    dense = spec.kind is TableKind.DENSE
+    if which != (RANGE if dense else ROWS):
+        raise InvalidArgument(f"segment {i} for {'dense' if dense else 'sparse'} table {spec.name!r} must "
+                              f"select {'a range' if dense else 'rows'}, got {which}")
+
+
+def _count_rows(rows: int, limits: NodeLimits) -> int:
+    """``rows`` (a request's rows so far); ResourceExhausted past ``max_rows``."""
+    if rows > limits.max_rows:
+        raise ResourceExhausted(f"request has more than {limits.max_rows} rows (limit max_rows): "
+                                f"split the request")
+    return rows
+
+
+def decode_request(view: ShardMapView, server: str, limits: NodeLimits, request: "PushRequest | PullRequest",
+                   with_values: bool) -> list[Segment]:
+    """A push's or a pull's segments: its bound slices checked (``check_slices``: a Step's),
+    or its segments read from its payload (``parse_segments``)."""
+    if request.slices is not None:
+        return check_slices(view, server, limits, request.header, request.slices, with_values)
+    payload = request.payload if isinstance(request, PushRequest) else request.ids
+    return parse_segments(view, server, limits, request.header, request.segments, payload, with_values)
 
 
 def _check_finite(i: int, s: Segment) -> None:
@@ -383,30 +445,10 @@ def lost_blocks_error(t: TableView, blocks: list[int]) -> DataLost | Unavailable
                     f"or PSClient.reset_lost({t.name!r})): the blocks then start from their initial values")
 
 
-def push_request(step: StepRequest) -> PushRequest:
-    """A step's push as the per-block engine takes it (its payload: each segment's ids, then its
-    values, one segment after another), in bytes of its own, copied once: the engine
-    may wait (a hold, a SYNC step) while the frame's or the client's shared-memory region's
-    bytes are reused (read in place, ``python -m shardps.tools.verify --jobs sync
-    --sync-faults-all --seed 7`` saw pushes refused for steps already applied, and a stall
-    past its 5 s limit)."""
-    segments, payload = [], []
-    for s in step.push or ():
-        if s.selector is ROWS:
-            segments.append(Selection(s.table, ROWS, count=s.ids.shape[0]))
-            payload.append(s.ids)
-        else:
-            segments.append(Selection(s.table, RANGE, s.start, s.stop, base_versions=s.base_versions or {}))
-        payload.append(s.values)
-    return PushRequest(step.header, step.kind, segments, b"".join(payload))     # arrays are bytes-like
-
-
-def pull_request(step: StepRequest) -> PullRequest:
-    """A step's pull as the per-block engine takes it (the header with the pull's clock; the ids
-    in bytes of its own, as ``push_request``'s)."""
-    h = step.header
-    header = Header(h.job, h.epoch, h.session, h.incarnation, h.sequence, h.acked_below, step.pull_clock,
-                    h.wire_dtype)
-    segments = [Selection(s.table, ROWS, count=s.ids.shape[0]) if s.selector is ROWS
-                else Selection(s.table, RANGE, s.start, s.stop) for s in step.pull or ()]
-    return PullRequest(header, segments, b"".join(s.ids for s in step.pull or () if s.selector is ROWS))
+def payload_bytes(request: "PushRequest | PullRequest", parsed: list[Segment]) -> int:
+    """The bytes a push's payload (a pull's ids) took on the wire: the metrics' figure."""
+    if request.slices is not None:
+        return sum((0 if s.ids is None else s.ids.nbytes) + (0 if s.values is None else s.values.nbytes)
+                   for s in parsed)
+    payload = request.payload if isinstance(request, PushRequest) else request.ids
+    return len(byte_view(payload)) if payload is not None else 0

@@ -43,13 +43,13 @@ import numpy as np
 from shardps import kernels, mapdelta
 from shardps.blockops import BlockOp, BlockSnapshot
 from shardps.errors import Unavailable
-from shardps.messages import PullReply, PullRequest, PushAck, PushRequest, StepReply, StepRequest
+from shardps.messages import Header, PullReply, PullRequest, PushAck, PushRequest, StepReply, StepRequest
 from shardps.metrics import NodeMetrics
 from shardps.server.node import execute, hash_index, lifecycle, optimizer_kernels, storage_kernels
 from shardps.server.node.apply import JobHolds, PushApplier, forget_departed_writers
 from shardps.server.node.backup import BackupApplier
 from shardps.server.node.blocks import BlockKey, Writer
-from shardps.server.node.decode import NodeLimits, pull_request, push_request
+from shardps.server.node.decode import NodeLimits
 from shardps.server.node.liveness import Liveness
 from shardps.server.node.plan import Planner
 from shardps.server.node.pull import PullReader
@@ -205,14 +205,14 @@ class ServerNode:
             if pull is not None and (push is None or ack is not None):
                 got = self._step_pull(header, pull, out_buffer)
         if push is not None and ack is None:    # the per-block engine's push, then the pull after it
-            ack = self.pusher.push(push_request(request), deadline)
+            ack = self.pusher.push(PushRequest(header, request.kind, [], None, push), deadline)
             if pull is not None:
                 with self.table.gate.shared():
                     got = self._step_pull(header, pull, out_buffer)
         reply.ack = ack
         if pull is not None:
             if got is None:
-                got = self.reader.pull(pull_request(request), deadline, out_buffer)
+                got = self.reader.pull(PullRequest(_pull_header(request), [], None, pull), deadline, out_buffer)
             reply.pull, reply.values = got
             self._check_live()
         return reply
@@ -309,3 +309,10 @@ class ServerNode:
             self.metrics.table_parameters.labels(job, table).set(params)
             self.metrics.table_bytes.labels(job, table).set(b)
         lifecycle.publish(self.metrics, self.table.sparse_rows, u["tables"])   # budgets (issue 18)
+
+
+def _pull_header(step: StepRequest) -> Header:
+    """A Step's header as its pull's: the pull's clock."""
+    h = step.header
+    return Header(h.job, h.epoch, h.session, h.incarnation, h.sequence, h.acked_below, step.pull_clock,
+                  h.wire_dtype)

@@ -21,7 +21,7 @@ from shardps.messages import Header, Layout, PullReply, PullRequest, Versions, v
 from shardps.metrics import NodeMetrics, labelled
 from shardps.server.node import execute
 from shardps.server.node.blocks import BlockKey, BlockLocks, DenseBlock, SparseBlock
-from shardps.server.node.decode import NodeLimits, Segment, check_header, parse_segments, sparse_blocks, split
+from shardps.server.node.decode import NodeLimits, Segment, check_header, decode_request, sparse_blocks, split
 from shardps.server.node.plan import Planner, slices_of
 from shardps.server.node.table import BlockTable
 from shardps.tables import Consistency
@@ -56,14 +56,13 @@ class PullReader:
         DeadlineExceeded if the wait outlasts ``deadline``. Nothing held on entry.
         """
         started = time.perf_counter()       # phases: shardps_server_phase_seconds
-        header, segments, ids_payload = request.header, request.segments, request.ids
+        header = request.header
         header_out = PullReply()
         table = self.table
         check_header(header)
         with table.gate.shared():          # a malformed pull is refused before it waits
             table.check_epoch(header)
-            parsed = parse_segments(table.view, table.name, self.limits, header, segments,
-                                    ids_payload, with_values=False)
+            parsed = decode_request(table.view, table.name, self.limits, request, with_values=False)
             parsed_under = table.view
         decoding = time.perf_counter() - started
         clock = self.steps.clocks.get(header.job)
@@ -85,8 +84,7 @@ class PullReader:
             t0 = time.perf_counter()
             table.check_epoch(header)
             if table.view is not parsed_under:      # a new map came in while the pull waited
-                parsed = parse_segments(table.view, table.name, self.limits, header, segments,
-                                        ids_payload, with_values=False)
+                parsed = decode_request(table.view, table.name, self.limits, request, with_values=False)
             # (cast: a sparse segment carries its ids)
             out_bytes = sum(((s.hi - s.lo) if s.dense else cast(np.ndarray, s.ids).shape[0] * s.table.spec.dim)
                             * s.dtype.itemsize for s in parsed if not s.all_stored)
