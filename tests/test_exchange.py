@@ -106,6 +106,29 @@ def test_sync_steps_through_exchanges_equal_one_large_batch(make_cluster, client
         np.testing.assert_allclose(rb.values[0], expected, rtol=1e-6)
 
 
+def test_a_sync_step_reaching_every_server_is_one_step_frame_to_each(make_cluster, client_factory):
+    """A SYNC step reports itself to every live server. When its push reaches each of them,
+    it travels as one Step frame per server (push, report, then the pull that waits for the
+    step); when one gets no data, the general way sends the others theirs and reports to
+    that one once the pieces landed."""
+    cluster = make_cluster(2)
+    c = client_factory(cluster.address, job="bsp")
+    c.create_job("sync")
+    c.create_dense("w", (800,), optimizer=sgd(0.5), block_size=50)
+    c.join(heartbeat=False)
+    primaries = set(c.refresh_map().table("bsp", "w").primary.tolist())
+    assert len(primaries) == len(cluster.servers), "the 16 blocks of w should span both servers"
+    before = {m: _calls(c, m) for m in ("Step", "Exchange", "Push", "Pull")}
+    _, pulled = c.exchange([("w", np.ones(800, np.float32))], [("w",)], clock=0, report_step=True)
+    np.testing.assert_array_equal(pulled.values[0], np.full(800, -0.5, np.float32))
+    got = {m: _calls(c, m) - before[m] for m in before}
+    assert got == {"Step": 2, "Exchange": 0, "Push": 0, "Pull": 0}, got
+    _, pulled = c.exchange([("w", np.ones(50, np.float32), 0)], [("w",)], clock=1, report_step=True)
+    assert pulled.values[0][0] == -1.0 and pulled.values[0][50] == -0.5
+    got = {m: _calls(c, m) - before[m] for m in before}
+    assert got["Step"] == 2 and got["Push"] >= 1, got      # the report to the server without data
+
+
 def test_a_newer_map_abandons_the_calls_to_servers_it_declares_dead():
     """``fanout.abandon_dead`` (the client's map listener): only servers alive in the old map
     and dead or gone in the new one are abandoned, at the address the old map gave."""

@@ -199,14 +199,14 @@ class DataPath:
         clock = self.step if clock is None else int(clock)
         seq = self.session.begin_push()
         try:
-            got = (self.steps.run(pieces, kind, None, None, deadline, seq, clock)
-                   if not report_step and pieces and self.steps.take(pieces) else None)
+            got = (self.steps.run(pieces, kind, None, None, deadline, seq, clock, report=report_step)
+                   if pieces and self.steps.take(pieces) else None)
             result = got[0] if got is not None and got[0] is not None else PushResult(clock=clock)
             view = self.maps.view()
             send = self._push_sender(seq, kind, result, deadline)
             if got is None:
                 self.fanout.run(pieces, deadline, send)
-            if report_step:
+            if report_step and got is None:     # (Step frames reached every live server)
                 # only after every piece landed: a server that got none reports the step now;
                 # reporting it earlier would close the step there before a retried piece
                 # re-routed to that server arrives (the servers refuse pushes of closed steps)
@@ -273,9 +273,9 @@ class DataPath:
         stored: dict[int, list] = {}
         seq = self.session.begin_push()
         try:
-            if not report_step and self.steps.take(push_pieces) and self.steps.take(pull_pieces):
+            if self.steps.take(push_pieces) and self.steps.take(pull_pieces):
                 got = self.steps.run(push_pieces, GRADIENT, pull_pieces, outputs, deadline, seq, int(clock),
-                                     int(clock) + 1)
+                                     int(clock) + 1, report=report_step)
                 if got is not None and got[0] is not None and got[1] is not None:
                     self._completed(presult.clock)
                     return got[0], self._finish_pull(got[1], stored)

@@ -23,7 +23,7 @@ from shardps.metrics import WorkerMetrics
 from shardps.shardmap import ShardMapView
 from shardps.worker.client.fanout import RETRYABLE, MapSource, attempt_timeout
 from shardps.worker.client.results import BlockVersions, PullResult, PushResult, take_pull_reply
-from shardps.worker.routing import Piece, route_parts
+from shardps.worker.routing import Piece, live_servers, route_parts
 
 if TYPE_CHECKING:
     from shardps.worker.client.transport import Transport
@@ -52,15 +52,20 @@ class StepCalls:
         return self.enabled and not any(p.all_stored for p in pieces)
 
     def run(self, push: list[Piece] | None, kind: int, pull: list[Piece] | None, outputs: list | None,
-            deadline: float, seq: int = 0, clock: int = 0, pull_clock: int = 0
+            deadline: float, seq: int = 0, clock: int = 0, pull_clock: int = 0, report: bool = False
             ) -> tuple[PushResult | None, PullResult | None] | None:
         """One attempt of a push (``push``: its pieces, of ``kind``, sequence ``seq``, step
         ``clock``) and/or a pull (``pull``, into ``outputs``, step ``pull_clock``): their
         results, or None when the caller must send it the general way (see the module
-        docstring). Other errors are raised, once every reply was read."""
+        docstring). ``report``: the push also reports step ``clock`` to every live server
+        (SYNC / SSP), which it does when it reaches every one of them; else None before
+        anything is sent (the general way reports to the others once the pieces landed).
+        Other errors are raised, once every reply was read."""
         view = self.maps.view()
         job = self.job
         pushes = route_parts(view, job, push) if push is not None else {}
+        if report and any(server not in pushes for server in live_servers(view)):
+            return None
         pulls = route_parts(view, job, pull) if pull is not None else {}
         header = self.header(view, seq, clock)
         presult = PushResult(clock=clock) if push is not None else None
