@@ -245,36 +245,39 @@ class NodeMetrics:
             "read (by pulls), warmed (back to RAM by a push), expired (TTL).", tl + ("event",), registry=r)
         self._cold_seen: dict[tuple, int] = {}
 
-        self._compiled = Batch(r, self._record_compiled)
+        self._parts = Batch(r, self._record_parts)
         self._calls = Batch(r, self._record_calls)
 
-    def observe_compiled(self, kind: str, seconds: float, rows: int, nbytes: int, optimizer: str = "") -> None:
-        """One request part a plan served (``plan``, ``execute``) (``kind`` "push" or "pull"): its time,
-        sparse rows and payload bytes, counted as the per-block engine counts them (batched)."""
-        self._compiled.add((kind, seconds, rows, nbytes, optimizer))
+    def observe_part(self, kind: str, rows: int, nbytes: int, phases: tuple = (), optimizer: str = "",
+                     update: float | None = None) -> None:
+        """One push or pull a node served (``kind`` "push" or "pull"): its sparse rows, its
+        payload bytes, its seconds per phase (``(phase, seconds)`` pairs), and a push's
+        optimizer and update seconds (None: not observed). Batched."""
+        self._parts.add((kind, rows, nbytes, phases, optimizer, update))
 
     def observe_call(self, service: str, method: str, code: str, seconds: float) -> None:
         """One data-plane call in the ``grpc_server_*`` metrics (``grpc_type="dataplane"``),
         batched."""
         self._calls.add((service, method, code, seconds))
 
-    def _record_compiled(self, events: list) -> None:
-        for kind in ("push", "pull"):
+    def _record_parts(self, events: list) -> None:
+        for kind, method, direction in (("push", "Push", "in"), ("pull", "Pull", "out")):
             mine = [e for e in events if e[0] == kind]
-            if not mine:
-                continue
-            method = "Push" if kind == "push" else "Pull"
-            _, seconds, rows, nbytes, _ = zip(*mine)
-            labelled(self.phase_seconds, "optimizer" if kind == "push" else "lookup").inc(sum(seconds))
-            observe_all(labelled(self.request_bytes, method), nbytes)
-            observe_all(labelled(self.request_rows, method), rows)
-            labelled(self.bytes, "in" if kind == "push" else "out").inc(sum(nbytes))
-            if kind == "push":
-                by_optimizer: dict[str, list[float]] = {}
-                for e in mine:
-                    by_optimizer.setdefault(e[4], []).append(e[1])
-                for name, times in by_optimizer.items():
-                    observe_all(self.update_seconds.labels(name), times)
+            if mine:
+                observe_all(labelled(self.request_bytes, method), [e[2] for e in mine])
+                observe_all(labelled(self.request_rows, method), [e[1] for e in mine])
+                labelled(self.bytes, direction).inc(sum(e[2] for e in mine))
+        seconds: dict[str, float] = {}
+        by_optimizer: dict[str, list[float]] = {}
+        for e in events:
+            for phase, spent in e[3]:
+                seconds[phase] = seconds.get(phase, 0.0) + spent
+            if e[5] is not None:
+                by_optimizer.setdefault(e[4], []).append(e[5])
+        for phase, spent in seconds.items():
+            labelled(self.phase_seconds, phase).inc(spent)
+        for name, times in by_optimizer.items():
+            observe_all(self.update_seconds.labels(name), times)
 
     def _record_calls(self, events: list) -> None:
         _record_grpc_calls(self.grpc, events)

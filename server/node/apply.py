@@ -202,14 +202,11 @@ class PushApplier:
             else:
                 ack = execute.apply(table, plan, writer, self.forwarder, self.updates_between)
             if plan is not None and ack is not None:
-                self._observe(started, plan.units[0].entry.optimizer, t0, t1)
+                timing = self._timing(started, plan.units[0].entry.optimizer, t0, t1)
             else:
-                ack = self._push_parts(header, kind, writer, parsed, sync, started, t0)
-        nbytes = payload_bytes(request, parsed)
-        labelled(self.metrics.request_bytes, "Push").observe(nbytes)
-        labelled(self.metrics.bytes, "in").inc(nbytes)
-        labelled(self.metrics.request_rows, "Push").observe(
-            sum(s.ids.shape[0] for s in parsed if s.ids is not None))
+                ack, timing = self._push_parts(header, kind, writer, parsed, sync, started, t0)
+        self.metrics.observe_part("push", sum(s.ids.shape[0] for s in parsed if s.ids is not None),
+                                  payload_bytes(request, parsed), *timing)
         if header.session and kind == GRADIENT:
             clock = self.steps.clocks.get(header.job)
             if clock is not None:
@@ -230,18 +227,18 @@ class PushApplier:
         slices = slices_of(parsed, pull=False)
         return None if slices is None else self.planner.push(header.job, header.epoch, slices)
 
-    def _observe(self, started: float, optimizer: str, t0: float, t1: float) -> None:
-        labelled(self.metrics.phase_seconds, "decode").inc(t1 - t0)
-        labelled(self.metrics.phase_seconds, "optimizer").inc(time.perf_counter() - t1)
-        self.metrics.update_seconds.labels(optimizer).observe(self._now() - started)
+    def _timing(self, started: float, optimizer: str, t0: float, t1: float) -> tuple:
+        """A push's phases, optimizer and update seconds (``NodeMetrics.observe_part``)."""
+        return (("decode", t1 - t0), ("optimizer", time.perf_counter() - t1)), optimizer, self._now() - started
 
     def updates_between(self, key: BlockKey, updates: int) -> None:
         labelled(self.metrics.updates_between, key[0]).observe(max(0, updates))
 
     def _push_parts(self, header: Header, kind: int, writer: Writer, parsed: list[Segment],
-                    sync: bool, started: float, t0: float) -> PushAck:
+                    sync: bool, started: float, t0: float) -> tuple[PushAck, tuple]:
         """The general path of ``push`` (gate held shared): split into per-block parts,
-        SYNC admission (``sync``: a GRADIENT push of a SYNC job), ``apply_parts``."""
+        SYNC admission (``sync``: a GRADIENT push of a SYNC job), ``apply_parts``; the ack
+        and its timing (``_timing``; none for a push of no parts)."""
         table = self.table
         parts = split(table.name, table.view.epoch, header, parsed, True, table.loaded)
         t1 = time.perf_counter()
@@ -254,8 +251,8 @@ class PushApplier:
             self._adopt(header)
         ack = self.apply_parts(parts, kind, writer, sync, int(header.clock), parsed)
         if parts:
-            self._observe(started, parts[0].table.config.optimizer.kind.name, t0, t1)
-        return ack
+            return ack, self._timing(started, parts[0].table.config.optimizer.kind.name, t0, t1)
+        return ack, ()
 
     def _adopt(self, header: Header) -> None:
         """A SYNC member's push of step ``header.clock``: the clock learns the group's step

@@ -229,8 +229,9 @@ class ServerNode:
             clock = self.steps.clocks.get(header.job)
             if clock is not None:
                 clock.report(header.session, int(header.clock), int(header.sequence))
-            self.metrics.observe_compiled("push", time.perf_counter() - started, plan.rows, plan.nbytes,
-                                          plan.units[0].entry.optimizer)
+            spent = time.perf_counter() - started
+            self.metrics.observe_part("push", plan.rows, plan.nbytes, (("optimizer", spent),),
+                                      plan.units[0].entry.optimizer, spent)
         return ack
 
     def _step_pull(self, header, slices: list, out) -> tuple[PullReply, list] | None:
@@ -251,7 +252,7 @@ class ServerNode:
             reply.min_clock = clock.min_completed()
         reply.payload_bytes = plan.nbytes
         reply.in_shared_memory = in_place
-        self.metrics.observe_compiled("pull", time.perf_counter() - started, plan.rows, plan.nbytes)
+        self.metrics.observe_part("pull", plan.rows, plan.nbytes, (("lookup", time.perf_counter() - started),))
         return reply, [] if in_place else arrays
 
     def _check_live(self) -> None:

@@ -18,7 +18,7 @@ from shardps import dtypes
 from shardps.dtypes import WireDType
 from shardps.errors import ResourceExhausted
 from shardps.messages import Header, Layout, PullReply, PullRequest, Versions, versions_by_table
-from shardps.metrics import NodeMetrics, labelled
+from shardps.metrics import NodeMetrics
 from shardps.server.node import execute
 from shardps.server.node.blocks import BlockKey, BlockLocks, DenseBlock, SparseBlock
 from shardps.server.node.decode import NodeLimits, Segment, check_header, decode_request, sparse_blocks, split
@@ -104,16 +104,10 @@ class PullReader:
             else:
                 t1, t2 = self._read_parts(header, parsed, header_out, outputs, out_buffer, out_bytes)
             t3 = time.perf_counter()
-        phases = self.metrics.phase_seconds
-        labelled(phases, "decode").inc(decoding + t1 - t0)
-        labelled(phases, "lookup").inc(t2 - t1)
-        labelled(phases, "encode").inc(t3 - t2)
         nbytes = sum(a.nbytes for a in outputs) if outputs else int(header_out.payload_bytes)
         header_out.payload_bytes = nbytes
-        labelled(self.metrics.request_bytes, "Pull").observe(nbytes)
-        labelled(self.metrics.bytes, "out").inc(nbytes)
-        labelled(self.metrics.request_rows, "Pull").observe(
-            sum(s.ids.shape[0] for s in parsed if s.ids is not None))
+        self.metrics.observe_part("pull", sum(s.ids.shape[0] for s in parsed if s.ids is not None), nbytes,
+                                  (("decode", decoding + t1 - t0), ("lookup", t2 - t1), ("encode", t3 - t2)))
         return header_out, outputs
 
     def _read_planned(self, header: Header, parsed: list[Segment], reply: PullReply, out) -> list | None:

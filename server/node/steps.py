@@ -51,10 +51,13 @@ class SyncSteps:
         self.clocks: dict[str, JobClock] = {}
         self.apply_locks: dict[str, threading.Lock] = {}
         self.pending: dict[str, set[BlockKey]] = {}           # blocks with pending steps
+        # job -> (closed steps, block table generation) when apply_ready last looked at every
+        # pending block: until either changes, no primary block can hold a closed step
+        self._looked: dict[str, tuple[int, int]] = {}
 
     def clear_locked(self) -> None:
         """Forget every clock (a new incarnation). ``table.lock`` held."""
-        for d in (self.clocks, self.pending, self.apply_locks):
+        for d in (self.clocks, self.pending, self.apply_locks, self._looked):
             d.clear()
 
     def set_groups_locked(self, view: ShardMapView) -> None:
@@ -155,25 +158,32 @@ class SyncSteps:
             ready = clock.steps_to_apply()
             clock.close(ready.stop)      # before collecting: see check_step_open
             closed = clock.closed_below
+            looked = (closed, self.table.generation)
+            if not len(ready) and self._looked.get(job) == looked:
+                return                   # no step closed, no block loaded or moved since
             with self.table.lock:
                 keys = list(self.pending.get(job, set()))
             with_data: set[int] = set()
+            held, is_primary, applying = self.table.blocks, self.table.is_primary, self.defect != "2"
             for k in keys:
-                blk = self.table.blocks.get(k)
-                if blk is not None:
-                    with blk.lock:
+                blk = held.get(k)
+                if blk is None:
+                    continue
+                with blk.lock:
+                    pending = blk.pending
+                    if not pending:
+                        with self.table.lock:
+                            self.pending.get(job, set()).discard(k)
+                    elif is_primary(k):
                         # every closed step a primary block holds: the ready ones, and any
                         # it holds from when this node was its backup or a move's destination
                         # (it closed the step when every worker reported it and left the
                         # applying to the primary, whose APPLY_STEP never arrived: it died, or
                         # the block changed hands as it applied), or from before a fresh clock
                         # learnt a later step (JobClock.adopt)
-                        if self.table.is_primary(k):
-                            with_data.update(st for st in blk.pending
-                                             if st < closed and (self.defect != "2" or st in ready))
-                        if not blk.pending:
-                            with self.table.lock:
-                                self.pending.get(job, set()).discard(k)
+                        for st in pending:
+                            if st < closed and (applying or st in ready):
+                                with_data.add(st)
             for step in sorted(with_data):      # steps nobody pushed data for need no work here
                 divisor = max(1, clock.workers_of(step))
                 with self.table.gate.shared(), contextlib.ExitStack() as stack:
@@ -190,12 +200,14 @@ class SyncSteps:
                         if step in blk.pending:
                             due.append(blk)
                     ops: list[Op] = []
+                    has_backups = self.table.has_backups
                     for t, blocks in self._by_table(due):
                         self.apply_step_locked(blocks, t, step, divisor)
-                        ops.extend((blk.key, BlockOp(blk.key[0], blk.key[1], blk.key[2], APPLY_STEP,
-                                                     version=blk.version, config_version=t.config.version,
-                                                     step=step, divisor=divisor), [])
-                                   for blk in blocks)
+                        for blk in blocks:          # an APPLY_STEP for each block with backups
+                            if has_backups(blk.key):
+                                ops.append((blk.key, BlockOp(blk.key[0], blk.key[1], blk.key[2], APPLY_STEP,
+                                                             version=blk.version, config_version=t.config.version,
+                                                             step=step, divisor=divisor), []))
                     try:
                         self.forwarder.forward_locked(ops, touched)
                     except Unavailable as exc:
@@ -204,6 +216,7 @@ class SyncSteps:
                 clock.mark_applied(step)
             if len(ready):
                 clock.skip_to(ready.stop)
+            self._looked[job] = looked
 
     def _by_table(self, blocks: list[AnyBlock]) -> list[tuple[TableView, list[AnyBlock]]]:
         """``blocks`` (in key order) by table, each table's in one list where one call applies
