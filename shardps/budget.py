@@ -81,15 +81,10 @@ def set_lifecycle(client, table: str, policy: LifecyclePolicy, optimizer: Optimi
     """Install ``policy`` (and ``optimizer`` if given) on ``table`` of the client's job;
     returns the new config. InvalidArgument naming a bad value; NotFound for an unknown
     table."""
-    from shardps.convert import config_from_proto, config_to_proto
-    from shardps.protos.v1 import manager_pb2 as mg
     policy.validate()
     admin = client._admin                   # PSClient's manager calls (worker/client/admin.py)
     current = admin.refresh_map().table(admin.job, table).config
     config = dataclasses.replace(current, lifecycle=policy, version=0,
                                  optimizer=optimizer if optimizer is not None else current.optimizer)
     config.validate()
-    resp = admin.call("UpdateTableConfig", admin.stub.UpdateTableConfig, mg.UpdateTableConfigRequest(
-        job=admin.job, table=table, config=config_to_proto(config)), timeout)
-    admin.refresh_map()
-    return config_from_proto(resp)
+    return admin.set_config(table, config, timeout)

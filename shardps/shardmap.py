@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shardps.convert import config_from_proto, consistency_from_proto, spec_from_proto
 from shardps.errors import InvalidArgument, NotFound
 from shardps.protos.v1 import common_pb2 as pb
+from shardps.rpc.convert import config_from_proto, consistency_from_proto, spec_from_proto
 from shardps.tables import Consistency, TableConfig, TableSpec
 
 ShardMap = pb.ShardMap      # the map itself stays a message: servers and clients install it as sent

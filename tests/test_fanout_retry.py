@@ -10,10 +10,10 @@ from concurrent import futures
 import pytest
 from prometheus_client import CollectorRegistry
 
-from shardps.convert import config_to_proto, spec_to_proto
 from shardps.errors import Unavailable
 from shardps.metrics import WorkerMetrics
 from shardps.protos.v1 import common_pb2 as pb
+from shardps.rpc.convert import config_to_proto, spec_to_proto
 from shardps.shardmap import ShardMapView
 from shardps.tables import TableConfig, dense_table
 from shardps.worker.client import fanout

@@ -110,10 +110,8 @@ def test_the_protobuf_check_sees_every_form_of_import():
 PROTOBUF_ALLOWED = {
     "shardps/shardmap.py": "the shard map stays a message: its read-only view indexes it",
     "shardps/mapdelta.py": "the shard map stays a message: maps as changes",
-    "shardps/convert.py": "the shard map's table specs and configs, message <-> plain",
     "shardps/authz.py": "the authorization table names each request message's job fields",
     "shardps/status.py": "the cluster status text, written from the ClusterStatus message",
-    "shardps/budget.py": "set_lifecycle sends the manager an UpdateTableConfig itself",
     "server/node_service.py": "the ParameterServer servicer: the gRPC adapter of ServerNode",
     "server/processes.py": "a server's registration and heartbeats to the manager",
     "server/manager/service.py": "the ResourceManager servicer",

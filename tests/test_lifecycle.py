@@ -155,8 +155,8 @@ def _server_rows(cluster, job: str = "lc"):
 def test_policy_is_refused_by_the_manager_and_changed_while_training(make_cluster, client_factory):
     cluster = make_cluster(2)
     c = _setup(cluster, client_factory, LifecyclePolicy(admit_after=2))
-    from shardps.convert import config_to_proto
     from shardps.protos.v1 import manager_pb2 as mg
+    from shardps.rpc.convert import config_to_proto
     bad = config_to_proto(TableConfig(adagrad(0.1)))
     bad.lifecycle.admit_after = 999
     with pytest.raises(InvalidArgument, match="admit_after=999"):

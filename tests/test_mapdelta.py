@@ -76,7 +76,7 @@ def _mutate(rng: random.Random, m: dict) -> dict:
 
 def _message(m: dict) -> pb.ShardMap:
     """``m`` as the manager publishes it (ManagerState.shard_map's order)."""
-    from shardps.convert import config_to_proto, consistency_to_proto, spec_to_proto
+    from shardps.rpc.convert import config_to_proto, consistency_to_proto, spec_to_proto
     msg = pb.ShardMap(epoch=m["epoch"], replication=2)
     names = sorted(m["servers"])
     index = {n: i for i, n in enumerate(names)}

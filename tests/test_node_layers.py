@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from shardps.convert import config_to_proto, consistency_to_proto, spec_to_proto
 from shardps.errors import InvalidArgument, NotFound, ResourceExhausted, StaleEpoch, Unavailable
 from shardps.messages import PullRequest, PushRequest
 from shardps.metrics import NodeMetrics
@@ -19,6 +18,7 @@ from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc import messages, replication
 from shardps.rpc.chunks import decode_snapshots
 from shardps.rpc.codec import decode_chunk
+from shardps.rpc.convert import config_to_proto, consistency_to_proto, spec_to_proto
 from shardps.rpc.stubs import encode_snapshots
 from shardps.server.node import NodeLimits, ServerNode, snapshot_block
 from shardps.server.node.apply import JobHolds, PushApplier

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shardps.convert import config_to_proto, spec_to_proto
 from shardps.errors import Unavailable
 from shardps.protos.v1 import common_pb2 as pb
+from shardps.rpc.convert import config_to_proto, spec_to_proto
 from shardps.shardmap import ShardMapView
 from shardps.tables import TableConfig, sparse_block_of, sparse_table
 from shardps.worker.routing import Piece, route

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 from google.protobuf.json_format import ParseDict
 
-from shardps.convert import config_from_proto, consistency_from_proto, spec_from_proto
 from shardps.errors import InvalidArgument, ShardpsError
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
+from shardps.rpc.convert import config_from_proto, consistency_from_proto, spec_from_proto
 from shardps.tables import Consistency, TableConfig, TableSpec
 
 

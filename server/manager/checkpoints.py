@@ -9,10 +9,10 @@ import threading
 import time
 
 from shardps import names
-from shardps.convert import spec_from_proto
 from shardps.errors import DeadlineExceeded, FailedPrecondition, NotFound, ShardpsError, Unavailable
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import parameter_server_pb2 as ps
+from shardps.rpc.convert import spec_from_proto
 from shardps.rpc.status import translated
 from shardps.server.manager.checkpoint_files import latest, read_checkpoint, write_checkpoint
 from shardps.server.manager.checkpoint_plan import (

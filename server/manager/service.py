@@ -12,10 +12,10 @@ from pathlib import Path
 import grpc
 
 from shardps import authz, mapdelta, names
-from shardps.convert import config_from_proto, config_to_proto, consistency_from_proto, spec_from_proto
 from shardps.errors import NotFound, PermissionDenied
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import manager_pb2 as mg
+from shardps.rpc.convert import config_from_proto, config_to_proto, consistency_from_proto, spec_from_proto
 from shardps.rpc.status import Method, bind, proto_method
 from shardps.server import tokens
 from shardps.server.manager.checkpoint_files import read_checkpoint

@@ -19,9 +19,9 @@ import logging
 from collections import Counter
 from typing import Sequence
 
-from shardps.convert import config_to_proto, consistency_to_proto, spec_to_proto
 from shardps.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from shardps.protos.v1 import common_pb2 as pb
+from shardps.rpc.convert import config_to_proto, consistency_to_proto, spec_to_proto
 from shardps.server.manager import groups, losses, moves, servers, table_ops
 from shardps.server.manager.records import (
     BlockRecord,

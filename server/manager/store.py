@@ -17,8 +17,8 @@ import tempfile
 from pathlib import Path
 from typing import Protocol
 
-from shardps.convert import config_from_proto, config_to_proto, spec_from_proto, spec_to_proto
 from shardps.protos.v1 import common_pb2 as pb
+from shardps.rpc.convert import config_from_proto, config_to_proto, spec_from_proto, spec_to_proto
 from shardps.server.manager.records import (
     BlockRecord,
     DataLossRecord,

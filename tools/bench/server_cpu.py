@@ -40,9 +40,9 @@ import numpy as np
 
 from shardps import kernels
 from shardps import tables as tables_
-from shardps.convert import config_to_proto, spec_to_proto
 from shardps.messages import GRADIENT, ROWS, Header, PullRequest, PushRequest, Selection, Slice, StepRequest
 from shardps.protos.v1 import common_pb2 as pb
+from shardps.rpc.convert import config_to_proto, spec_to_proto
 from shardps.server.node import ServerNode, storage
 
 JOB, TABLE = "bench", "e"

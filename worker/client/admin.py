@@ -15,12 +15,12 @@ import time
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from shardps import mapdelta
-from shardps.convert import config_from_proto, config_to_proto, consistency_to_proto, spec_to_proto
 from shardps.errors import DeadlineExceeded, InvalidArgument, NotFound, ShardpsError
 from shardps.metrics import WorkerMetrics
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.protos.v1 import manager_pb2 as mg
 from shardps.rpc import channels
+from shardps.rpc.convert import config_from_proto, config_to_proto, consistency_to_proto, spec_to_proto
 from shardps.rpc.status import translated
 from shardps.rpc.stubs import MANAGER, ManagerStub
 from shardps.shardmap import GroupView, ShardMapView, TableView
@@ -311,6 +311,14 @@ class Admin:
                          mg.UpdateTableConfigsRequest(job=self.job, changes=items), timeout)
         self.refresh_map()
         return {c.table: config_from_proto(new) for c, new in zip(items, resp.configs)}
+
+    def set_config(self, name: str, config: TableConfig, timeout: float | None = None) -> TableConfig:
+        """Install ``config`` (checked by the caller) on table ``name``; returns it as the
+        manager stored it (its version set)."""
+        resp = self.call("UpdateTableConfig", self.stub.UpdateTableConfig, mg.UpdateTableConfigRequest(
+            job=self.job, table=name, config=config_to_proto(config)), timeout)
+        self.refresh_map()
+        return config_from_proto(resp)
 
     def delete_table(self, name: str, timeout: float | None = None) -> None:
         self.call("DeleteTable", self.stub.DeleteTable,
