@@ -6,8 +6,9 @@ package's public API; import them from ``shardps.server.node``.
 """
 
 from shardps.blockops import BlockSnapshot
-from shardps.server.node.apply import GRADIENT, INITIALIZE, logical_bytes
+from shardps.server.node.apply import GRADIENT, INITIALIZE
 from shardps.server.node.decode import MAX_CLOCK, NodeLimits
+from shardps.server.node.engine import logical_bytes
 from shardps.server.node.node import ServerNode
 from shardps.server.node.replication import NoPeers, Peers, snapshot_block
 from shardps.server.node.table import EpochGate

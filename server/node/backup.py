@@ -22,7 +22,6 @@ from shardps.blockops import (
 from shardps.errors import InvalidArgument, StaleEpoch, Unavailable
 from shardps.rpc.codec import byte_view
 from shardps.server.node import storage_kernels
-from shardps.server.node.apply import apply_gradient, assign_values
 from shardps.server.node.blocks import (
     AnyBlock,
     BlockKey,
@@ -32,6 +31,7 @@ from shardps.server.node.blocks import (
     decode_metadata,
     remember_all,
 )
+from shardps.server.node.engine import apply_gradient, assign_values
 from shardps.server.node.replication import Op, op_keys
 from shardps.server.node.table import BlockTable
 from shardps.shardmap import ShardMapView, TableView

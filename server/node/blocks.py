@@ -170,7 +170,7 @@ class DenseBlock(Block):
     def assign(self, config: TableConfig, lo: int, hi: int, values: np.ndarray) -> None:
         """Overwrite the flat range [lo, hi) (a push of kind ASSIGN); its optimizer state
         starts afresh, and a block written whole also restarts its step count and counts as
-        initialized. The caller checked the precondition (``apply.check_assign``: a block
+        initialized. The caller checked the precondition (``engine.check_assign``: a block
         without initial values is written whole); a backup applies what its primary did."""
         if (lo, hi) == (self.start, self.stop):   # whole: nothing of the old state is kept
             if self.values is None:

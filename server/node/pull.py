@@ -94,7 +94,7 @@ class PullReader:
                     f"{self.limits.max_response_bytes}: pull smaller ranges")
             t1 = time.perf_counter()
             in_place = out_buffer is not None and out_bytes <= len(out_buffer)
-            planned = self._read_planned(header, parsed, header_out, out_buffer if in_place else None)
+            planned = self._read_planned(header, parsed, request.slices, header_out, out_buffer if in_place else None)
             t2 = time.perf_counter()
             if planned is not None and in_place:       # written straight into the buffer
                 header_out.in_shared_memory = True
@@ -110,10 +110,12 @@ class PullReader:
                                   (("decode", decoding + t1 - t0), ("lookup", t2 - t1), ("encode", t3 - t2)))
         return header_out, outputs
 
-    def _read_planned(self, header: Header, parsed: list[Segment], reply: PullReply, out) -> list | None:
+    def _read_planned(self, header: Header, parsed: list[Segment], request_slices, reply: PullReply,
+                      out) -> list | None:
         """The values of a pull a plan covers (gate held shared, consistency wait done), or
-        None (nothing read; ``reply`` unchanged): ``execute.read``."""
-        slices = slices_of(parsed, pull=True)
+        None (nothing read; ``reply`` unchanged): ``execute.read``. ``request_slices``: a
+        Step's (checked as ``parsed``), planned as they are."""
+        slices = request_slices if request_slices is not None else slices_of(parsed, pull=True)
         plan = None if slices is None else self.planner.pull(header.job, header.epoch, slices)
         return None if plan is None else execute.read(self.table, plan, reply, out)
 
