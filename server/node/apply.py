@@ -197,10 +197,9 @@ class PushApplier:
 
     def _unchecked(self, request: PushRequest, kind: int) -> bool:
         """Whether a push may be planned before its checks run: a Step's gradients (its
-        slices bound) within the request limits a plan does not check itself (segments,
-        rows: ``_plan``) in float32. A plan admits nothing the checks refuse (tables, ranges,
-        ids' bounds, values' counts, finiteness), so the checks are left to a push no plan
-        serves."""
+        slices bound) within the limit a plan does not check itself (segments), in float32.
+        A plan admits nothing the checks refuse (tables, ranges, ids' bounds and rows,
+        values' counts, finiteness), so the checks are left to a push no plan serves."""
         slices = request.slices
         return (slices is not None and kind == GRADIENT and request.header.wire_dtype <= 1
                 and len(slices) <= self.limits.max_segments)
@@ -215,14 +214,13 @@ class PushApplier:
     def _plan(self, header: Header, kind: int, slices: list | None, group, member: bool):
         """The plan of a push's gradients (gate held shared), or None for the per-block
         engine: another kind, a quota, an SSP job's push, a SYNC job's push that is not a
-        member's (refused there), more rows than ``max_rows``, or a part no plan covers."""
+        member's (refused there), or a part no plan covers (``Planner.push``)."""
         if kind != GRADIENT or not slices:
             return None
         mode = Consistency.SYNC if member else Consistency.ASYNC
         if group is not None and (group.quota_bytes or group.consistency is not mode):
             return None
-        plan = self.planner.push(header.job, header.epoch, slices)
-        return plan if plan is not None and plan.rows <= self.limits.max_rows else None
+        return self.planner.push(header.job, header.epoch, slices)
 
     def _timing(self, started: float, optimizer: str, t0: float, t1: float) -> tuple:
         """A push's phases, optimizer and update seconds (``NodeMetrics.observe_part``)."""

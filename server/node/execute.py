@@ -49,7 +49,7 @@ def apply(table: BlockTable, plan: Plan, writer: Writer, forwarder: "Forwarder",
             return _ack(plan)
         ops: list = []
         for u in plan.units:
-            backed = (u.entry.t.replica_counts[u.blocks] > 1).tolist()     # the map's, under the gate
+            backed = list(map(u.entry.backed.__getitem__, u.blocks))     # the map's, under the gate
             if u.ids is None:
                 for (blk, lo, hi, values), has in zip(_dense_parts(u), backed):
                     if has:
@@ -79,7 +79,7 @@ def accumulate(table: BlockTable, plan: Plan, job: str, writer: Writer, step: in
         step = steps.check_step_open(job, step, plan.blocks, writer)
         ops: list = []
         for u in plan.units:
-            backed = (u.entry.t.replica_counts[u.blocks] > 1).tolist()
+            backed = list(map(u.entry.backed.__getitem__, u.blocks))
             if u.ids is None:
                 for (blk, lo, hi, values), has in zip(_dense_parts(u), backed):
                     values = np.array(values, dtype=np.float32)

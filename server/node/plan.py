@@ -193,23 +193,19 @@ class Planner:
         group = self.table.view.groups.get(job)
         if (group is not None and not _writer_current(group, header)) or self.holds.holding(job):
             return None
-        plan = self.push(job, header.epoch, slices)
-        return plan if plan is None or plan.rows <= self.max_rows else None
+        return self.push(job, header.epoch, slices)
 
     def step_pull(self, header: Header, slices: list[Slice]) -> Plan | None:
-        """A Step's pull when a plan serves it (gate held shared), within the node's limits."""
+        """A Step's pull when a plan serves it (gate held shared)."""
         if not self.admits_step(header):
             return None
-        plan = self.pull(header.job, header.epoch, slices)
-        if plan is None or plan.nbytes > self.max_response_bytes or plan.rows > self.max_rows:
-            return None
-        return plan
+        return self.pull(header.job, header.epoch, slices)
 
     # ------------------------------------------------------------------ admission
     def push(self, job: str, epoch: int, slices: list[Slice]) -> Plan | None:
         """The plan of a push's gradients routed with map ``epoch`` (gate held shared), or None:
-        a part no plan covers (nothing was changed). ``slices``' values are float32 (a sparse
-        slice's flat, ``len(ids) * dim``)."""
+        a part no plan covers, or more rows than ``max_rows`` (nothing was changed).
+        ``slices``' values are float32 (a sparse slice's flat, ``len(ids) * dim``)."""
         generation, tables = self._tables_now()
         units = []
         rows_total = nbytes = 0
@@ -254,11 +250,13 @@ class Planner:
             every = list(itertools.chain.from_iterable(u.objects for u in units))
         else:
             every = units[0].objects if units else []
+        if rows_total > self.max_rows:
+            return None
         return Plan(units, every, generation, rows_total, nbytes + 8 * rows_total, backed)
 
     def pull(self, job: str, epoch: int, slices: list[Slice]) -> Plan | None:
         """The plan of a pull of float32 values routed with map ``epoch`` (gate held shared),
-        or None: a part no plan covers."""
+        or None: a part no plan covers, or one over ``max_rows`` or ``max_response_bytes``."""
         generation, tables = self._tables_now()
         units = []
         out_bytes = rows_total = 0
@@ -292,6 +290,8 @@ class Planner:
                 every = sorted({id(blk): blk for blk in every}.values(), key=_block_key)
         else:
             every = units[0].objects if units else []
+        if out_bytes > self.max_response_bytes or rows_total > self.max_rows:
+            return None
         return Plan(units, every, generation, rows_total, out_bytes, False)
 
 
