@@ -458,6 +458,7 @@ def warm_up() -> None:
         first_unique(ids)
     for kind in (InitKind.UNIFORM, InitKind.NORMAL):
         initial_values(Initializer(kind), np.arange(2, dtype=np.int64), 2)
+    _init_units(np.zeros(1, np.uint64), _stream_key(0, 1), np.empty((1, 1), np.float32))   # many normal rows
     group_by_key(sparse_block_of(np.arange(4, dtype=np.int64), 4), 4)
     group_by_key(np.zeros(4, np.int32), 4)          # clients group by server index (int32)
     route_rows(np.arange(4, dtype=np.int64), 4, np.zeros(4, np.int32), 1)

@@ -13,6 +13,7 @@ from shardps import kernels
 from shardps.server import optimizers
 from shardps.server.node import optimizer_kernels
 from shardps.tables import adagrad, adam, constant, initial_values, normal, sgd, uniform, zeros
+from shardps.worker import lookup_kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -178,7 +179,8 @@ def test_the_first_non_finite_value_and_the_first_id_outside_are_numpys(n):
 def test_warm_up_compiles_every_kernel_for_the_data_paths_types():
     kernels.warm_up()
     optimizer_kernels.warm_up()
-    for fn in (optimizer_kernels._sgd, optimizer_kernels._adagrad, optimizer_kernels._adam,
+    lookup_kernels.warm_up()
+    for fn in (lookup_kernels._sum_rows, optimizer_kernels._sgd, optimizer_kernels._adagrad, optimizer_kernels._adam,
                kernels._hash_unique, kernels._block_of,
                kernels._group, kernels._init_uniform, kernels._init_units, kernels._distinct,
                kernels._finite, kernels._first_non_finite, kernels._first_outside):
@@ -186,7 +188,9 @@ def test_warm_up_compiles_every_kernel_for_the_data_paths_types():
     kernels.warm_up()                   # idempotent
 
 
-_BUILD = "from shardps.server.node.node import warm_up_kernels; warm_up_kernels()"
+# what the server's and the worker's image builds run
+_BUILD = ("from shardps.server.node.node import warm_up_kernels; warm_up_kernels(); "
+          "from shardps.worker import lookup_kernels; lookup_kernels.warm_up()")
 # a server's and a worker's first requests in one process: every optimizer, sparse and dense,
 # over the data plane, and a PSModel step; then the signatures compiled so far, by kernel
 _SERVE = """
@@ -194,7 +198,7 @@ import json, numpy as np, torch
 from shardps import kernels
 from shardps.server.node import optimizer_kernels, storage_kernels
 from shardps.server.node.node import warm_up_kernels
-from shardps.worker import PSClient, adagrad, adam, sgd
+from shardps.worker import PSClient, adagrad, adam, sgd, lookup_kernels
 from shardps.worker.torch_ps import PSEmbedding, PSModel
 from tests.conftest import InProcessCluster
 warm_up_kernels()
@@ -220,7 +224,8 @@ try:
         model.settle()
 finally:
     cluster.stop()
-print(json.dumps({name: len(fn.stats.cache_misses) for module in (kernels, storage_kernels, optimizer_kernels)
+print(json.dumps({name: len(fn.stats.cache_misses)
+                  for module in (kernels, storage_kernels, optimizer_kernels, lookup_kernels)
                   for name, fn in vars(module).items() if getattr(fn, "stats", None) is not None
                   and fn.stats.cache_misses}))
 """

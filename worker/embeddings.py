@@ -29,6 +29,7 @@ from shardps.errors import InvalidArgument
 from shardps.tables import Initializer, OptimizerConfig, normal
 from shardps.worker.client import PSClient
 from shardps.worker.device_copies import DeviceCopies
+from shardps.worker.lookup_kernels import lookup
 from shardps.worker.row_cache import CachePlan, RowCache, wanted_ids
 
 log = logging.getLogger("shardps.worker")
@@ -273,7 +274,7 @@ class PSEmbedding(PSRows):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows, inverse = self._lookup(ids)
-        return F.embedding(inverse, rows)
+        return lookup(rows, inverse)
 
 
 class PSEmbeddingBag(PSRows):

@@ -144,7 +144,7 @@ def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=Fals
     import torch
 
     from shardps.tables import Consistency
-    from shardps.worker.data import batches, position, shard_indices
+    from shardps.worker.data import batches, position, shard_indices, take_batch
     from shardps.worker.device import module_device, synchronize
     from shardps.worker.torch_ps import PSEmbedding
 
@@ -211,8 +211,8 @@ def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=Fals
             t1 = time.perf_counter()
             xb = announced.pop(i, None)
             if xb is None:
-                xb = x[torch.as_tensor(b)].to(device)
-            yb = y[torch.as_tensor(b)].to(device)
+                xb = take_batch(x, b).to(device)
+            yb = take_batch(y, b).to(device)
             loss = task.loss(ps_model(xb), yb)
             unique_rows += sum(emb.last_unique for emb in embeddings)
             ahead = ps_model.lookahead if ps_model.overlap else 1
@@ -220,7 +220,7 @@ def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=Fals
                 # on the device already: the lookup then recognises the tensor it was
                 # announced as, without reading its ids back from the GPU. Announced before
                 # the backward pass, from which a hybrid step's push leaves with their pull
-                nxt = announced[i + ahead] = x[torch.as_tensor(batch_list[i + ahead])].to(device)
+                nxt = announced[i + ahead] = take_batch(x, batch_list[i + ahead]).to(device)
                 for emb in embeddings:
                     if ps_model.overlap:
                         emb.request_prefetch(nxt)      # fetched with the next dense values
@@ -286,7 +286,7 @@ def train_single_process(args, task=None) -> TrainResult:
     import torch
     from torch import nn
 
-    from shardps.worker.data import batches, shard_indices
+    from shardps.worker.data import batches, shard_indices, take_batch
     from shardps.worker.device import cuda_device_count, no_cuda_reason, resolve_device, use_device
     from shardps.worker.torch_ps import PSEmbedding
     torch.set_num_threads(args.torch_threads)
@@ -321,7 +321,7 @@ def train_single_process(args, task=None) -> TrainResult:
         for b in batches(shard_indices(x.shape[0], epoch, args.seed, 0, 1), bs):
             if args.steps and steps >= args.steps:
                 break
-            loss = task.loss(model(x[torch.as_tensor(b)].to(device)), y[torch.as_tensor(b)].to(device))
+            loss = task.loss(model(take_batch(x, b).to(device)), take_batch(y, b).to(device))
             for o in optimizers:
                 o.zero_grad()
             loss.backward()
@@ -415,7 +415,8 @@ def run_worker(args) -> int:
         task = build_task(args)
         task.model.to(device)      # before PSModel: its tables start from these values
         from shardps import kernels
-        kernels.prepare(log)       # before the first step, not inside it
+        from shardps.worker import lookup_kernels
+        kernels.prepare(log, lookup_kernels)       # before the first step, not inside it
         world = max(1, membership.world_size, _wait_for_workers(client, args.wait_workers))
         opt, per_table = _lr_scaled(task, args, world)
         lookahead = args.lookahead or _default_lookahead(task.model)

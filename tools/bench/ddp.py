@@ -42,7 +42,7 @@ def _train(rank: int, world: int, port: int, opts: dict) -> dict:
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from shardps.worker.data import batches, shard_indices
+    from shardps.worker.data import batches, shard_indices, take_batch
     from shardps.worker.models.ctr import DIM, build_ctr
     from shardps.worker.runtime import torch_optimizer
 
@@ -82,8 +82,7 @@ def _train(rank: int, world: int, port: int, opts: dict) -> dict:
                 for group, lr in zip(o.param_groups, base):
                     group["lr"] = lr * factor
             for b in batches(shard_indices(x.shape[0], epoch, seed, rank, world)[:steps * bs], bs):
-                b = torch.as_tensor(b)
-                loss = task.loss(model(x[b]), y[b])
+                loss = task.loss(model(take_batch(x, b)), take_batch(y, b))
                 for o in optimizers:
                     o.zero_grad()
                 loss.backward()

@@ -1,0 +1,71 @@
+"""The lookups' compiled backward (``worker/lookup_kernels.py``) gives torch's gradients,
+bit for bit, for every shape of ids and both index dtypes; other dtypes keep torch's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardps import kernels
+from shardps.worker import lookup_kernels
+from shardps.worker.lookup_kernels import lookup
+
+
+def _grads(rows: torch.Tensor, inverse: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    ours = rows.clone().requires_grad_(True)
+    lookup(ours, inverse).backward(grad)
+    theirs = rows.clone().requires_grad_(True)
+    F.embedding(inverse, theirs).backward(grad)
+    return ours.grad, theirs.grad
+
+
+@pytest.mark.parametrize("shape", [(7,), (64, 26), (3, 5, 4)])
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_the_backward_sums_each_rows_gradients_as_torch_does(shape, index_dtype):
+    g = torch.Generator().manual_seed(sum(shape))
+    num_rows = 11
+    inverse = torch.randint(0, num_rows - 1, shape, generator=g).to(index_dtype)    # the last row gets none
+    rows = torch.randn(num_rows, 16, generator=g)
+    grad = torch.randn(*shape, 16, generator=g)
+    ours, theirs = _grads(rows, inverse, grad)
+    assert torch.equal(ours, theirs)
+    assert not ours[-1].any()               # a row no id names gets a zero gradient
+
+
+def test_a_gradient_that_is_not_contiguous_is_summed_alike():
+    g = torch.Generator().manual_seed(3)
+    inverse = torch.randint(0, 20, (40, 6), generator=g)
+    rows = torch.randn(20, 8, generator=g)
+    grad = torch.randn(6, 40, 8, generator=g).transpose(0, 1)      # a view with other strides
+    assert not grad.is_contiguous()
+    ours, theirs = _grads(rows, inverse, grad)
+    assert torch.equal(ours, theirs)
+
+
+def test_the_compiled_backward_is_the_one_that_runs(monkeypatch):
+    """On the CPU with float32 rows the gradient comes from the compiled pass (a fault in it
+    would show), other dtypes from torch's own backward."""
+    if not kernels.AVAILABLE:
+        pytest.skip("numba is not installed: torch's backward runs everywhere")
+    calls = []
+    real = lookup_kernels._sum_rows
+    monkeypatch.setattr(lookup_kernels, "_sum_rows", lambda *a: (calls.append(1), real(*a)))
+    inverse = torch.tensor([[0, 1], [1, 2]])
+    rows32 = torch.randn(3, 4).requires_grad_(True)
+    lookup(rows32, inverse).sum().backward()
+    assert calls == [1]
+    assert torch.equal(rows32.grad, torch.tensor([[1.0] * 4, [2.0] * 4, [1.0] * 4]))
+    rows64 = torch.randn(3, 4, dtype=torch.float64).requires_grad_(True)
+    lookup(rows64, inverse).sum().backward()
+    assert calls == [1]
+    assert torch.equal(rows64.grad, torch.tensor([[1.0] * 4, [2.0] * 4, [1.0] * 4], dtype=torch.float64))
+
+
+def test_without_gradients_it_is_a_plain_lookup():
+    rows = torch.randn(5, 3)
+    inverse = torch.tensor([4, 0, 4])
+    out = lookup(rows, inverse)
+    assert torch.equal(out, rows[inverse]) and out.grad_fn is None
+    with torch.no_grad():
+        assert lookup(rows.requires_grad_(True), inverse).grad_fn is None
