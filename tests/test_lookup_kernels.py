@@ -20,7 +20,7 @@ def _grads(rows: torch.Tensor, inverse: torch.Tensor, grad: torch.Tensor) -> tup
     return ours.grad, theirs.grad
 
 
-@pytest.mark.parametrize("shape", [(7,), (64, 26), (3, 5, 4)])
+@pytest.mark.parametrize("shape", [(7,), (64, 26), (3, 5, 40), (1024,)])
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
 def test_the_backward_sums_each_rows_gradients_as_torch_does(shape, index_dtype):
     g = torch.Generator().manual_seed(sum(shape))
@@ -51,15 +51,18 @@ def test_the_compiled_backward_is_the_one_that_runs(monkeypatch):
     calls = []
     real = lookup_kernels._sum_rows
     monkeypatch.setattr(lookup_kernels, "_sum_rows", lambda *a: (calls.append(1), real(*a)))
-    inverse = torch.tensor([[0, 1], [1, 2]])
+    inverse = torch.tensor([[0, 1], [1, 2]]).repeat(lookup_kernels.MIN_IDS // 4, 1)
     rows32 = torch.randn(3, 4).requires_grad_(True)
     lookup(rows32, inverse).sum().backward()
     assert calls == [1]
-    assert torch.equal(rows32.grad, torch.tensor([[1.0] * 4, [2.0] * 4, [1.0] * 4]))
+    counts = torch.tensor([[1.0], [2.0], [1.0]]) * (lookup_kernels.MIN_IDS // 4)
+    assert torch.equal(rows32.grad, counts.expand(3, 4))
     rows64 = torch.randn(3, 4, dtype=torch.float64).requires_grad_(True)
     lookup(rows64, inverse).sum().backward()
     assert calls == [1]
-    assert torch.equal(rows64.grad, torch.tensor([[1.0] * 4, [2.0] * 4, [1.0] * 4], dtype=torch.float64))
+    assert torch.equal(rows64.grad, counts.expand(3, 4).double())
+    lookup(torch.randn(3, 4).requires_grad_(True), inverse[:1]).sum().backward()    # a few ids: torch's
+    assert calls == [1]
 
 
 def test_without_gradients_it_is_a_plain_lookup():
