@@ -22,7 +22,6 @@ from torch.autograd.function import once_differentiable
 
 from shardps.kernels import _JIT, AVAILABLE, _read_only, njit
 
-
 MIN_IDS = 512
 
 
