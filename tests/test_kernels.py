@@ -180,7 +180,8 @@ def test_warm_up_compiles_every_kernel_for_the_data_paths_types():
     kernels.warm_up()
     optimizer_kernels.warm_up()
     lookup_kernels.warm_up()
-    for fn in (lookup_kernels._sum_rows, optimizer_kernels._sgd, optimizer_kernels._adagrad, optimizer_kernels._adam,
+    for fn in (lookup_kernels._sum_rows, lookup_kernels._sum_bags,
+               optimizer_kernels._sgd, optimizer_kernels._adagrad, optimizer_kernels._adam,
                kernels._hash_unique, kernels._block_of,
                kernels._group, kernels._init_uniform, kernels._init_units, kernels._distinct,
                kernels._finite, kernels._first_non_finite, kernels._first_outside):

@@ -72,3 +72,59 @@ def test_without_gradients_it_is_a_plain_lookup():
     assert torch.equal(out, rows[inverse]) and out.grad_fn is None
     with torch.no_grad():
         assert lookup(rows.requires_grad_(True), inverse).grad_fn is None
+
+
+def _bag_grads(rows, inverse, offsets, mode, weights, last, padding, grad=None):
+    ours = rows.clone().requires_grad_(True)
+    out = lookup_kernels.bag_lookup(ours, inverse, offsets, mode, weights, last, padding)
+    theirs = rows.clone().requires_grad_(True)
+    expected = F.embedding_bag(inverse, theirs, offsets, mode=mode, per_sample_weights=weights,
+                               include_last_offset=last, padding_idx=padding)
+    assert torch.equal(out, expected)            # torch's forward
+    grad = torch.randn_like(expected) if grad is None else grad
+    out.backward(grad)
+    expected.backward(grad)
+    return ours.grad, theirs.grad
+
+
+@pytest.mark.parametrize("mode,weighted", [("sum", False), ("sum", True), ("mean", False)])
+@pytest.mark.parametrize("layout", ["2d", "offsets", "offsets+last"])
+@pytest.mark.parametrize("padding", [None, 3])
+def test_the_bags_backward_sums_each_rows_gradients_as_torch_does(mode, weighted, layout, padding):
+    """Torch sums in the order of its (unstable) sort of the ids, this in the order of the
+    ids: equal to float32 rounding; every row, padding, weights, empty bags and the mean's
+    divisor alike."""
+    g = torch.Generator().manual_seed(len(layout) + (padding or 0))
+    num_rows = 40
+    if layout == "2d":
+        inverse, offsets = torch.randint(0, num_rows, (64, 12), generator=g), None
+    else:
+        inverse = torch.randint(0, num_rows, (900,), generator=g)
+        cuts = torch.sort(torch.randint(0, 900, (99,), generator=g)).values     # empty bags among them
+        offsets = torch.cat([torch.tensor([0]), cuts] + ([torch.tensor([900])] if layout == "offsets+last" else []))
+    weights = torch.rand(inverse.shape, generator=g) if weighted else None
+    rows = torch.randn(num_rows, 8, generator=g)
+    ours, theirs = _bag_grads(rows, inverse, offsets, mode, weights, layout == "offsets+last", padding)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    if padding is not None:
+        assert not ours[padding].any()
+
+
+def test_the_bags_compiled_backward_runs_and_sums_exactly_where_the_order_cannot_matter(monkeypatch):
+    """Gradients of whole numbers: any order of the sums gives the same bits, so the compiled
+    pass (counted) must give torch's exactly. Max bags and weights that take a gradient keep
+    torch's backward."""
+    if not kernels.AVAILABLE:
+        pytest.skip("numba is not installed: torch's backward runs everywhere")
+    calls = []
+    real = lookup_kernels._sum_bags
+    monkeypatch.setattr(lookup_kernels, "_sum_bags", lambda *a: (calls.append(1), real(*a)))
+    inverse = torch.arange(1024).remainder(7).reshape(128, 8)
+    rows = torch.randn(7, 4)
+    grad = torch.randint(-3, 4, (128, 4)).float()
+    ours, theirs = _bag_grads(rows, inverse, None, "sum", None, False, None, grad)
+    assert calls == [1] and torch.equal(ours, theirs)
+    _bag_grads(rows, inverse, None, "max", None, False, None, grad)
+    weights = torch.ones(128, 8).requires_grad_(True)
+    _bag_grads(rows, inverse, None, "sum", weights, False, None, grad)
+    assert calls == [1]

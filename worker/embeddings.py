@@ -5,9 +5,10 @@
   with ``offsets``, ``per_sample_weights``, ``include_last_offset`` and ``padding_idx``).
 
 Both share ``PSRows``: a forward pulls each distinct id of the batch once (or takes the rows
-``PSModel.pull`` fetched for it together with every other table), computes with torch's own
-functional (``F.embedding`` / ``F.embedding_bag``) over the pulled rows, and keeps those rows
-as leaf tensors: their gradients, one row per distinct id, are what ``PSModel.push`` sends.
+``PSModel.pull`` fetched for it together with every other table), computes ``F.embedding`` /
+``F.embedding_bag`` over the pulled rows (their backward summed in one compiled pass:
+``lookup_kernels``), and keeps those rows as leaf tensors: their gradients, one row per
+distinct id, are what ``PSModel.push`` sends.
 A pooled lookup's gradient therefore travels as its touched rows only. Not usable until a
 ``PSModel`` binds the module to a client.
 """
@@ -21,7 +22,6 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shardps import kernels
@@ -29,7 +29,7 @@ from shardps.errors import InvalidArgument
 from shardps.tables import Initializer, OptimizerConfig, normal
 from shardps.worker.client import PSClient
 from shardps.worker.device_copies import DeviceCopies
-from shardps.worker.lookup_kernels import lookup
+from shardps.worker.lookup_kernels import bag_lookup, lookup
 from shardps.worker.row_cache import CachePlan, RowCache, wanted_ids
 
 log = logging.getLogger("shardps.worker")
@@ -330,8 +330,7 @@ class PSEmbeddingBag(PSRows):
         if offsets is not None:
             offsets = offsets.to(device=inverse.device, dtype=inverse.dtype)
         last = self.include_last_offset if include_last_offset is None else include_last_offset
-        return F.embedding_bag(inverse, rows, offsets, mode=self.mode, per_sample_weights=per_sample_weights,
-                               include_last_offset=last, padding_idx=padding)
+        return bag_lookup(rows, inverse, offsets, self.mode, per_sample_weights, last, padding)
 
 
 class _Planned(NamedTuple):

@@ -1,16 +1,23 @@
-"""A lookup's forward and backward over the rows a step pulled: ``lookup(rows, inverse)`` is
-``F.embedding(inverse, rows)`` (each id's row, out of the ``[U, dim]`` rows of the step's
-distinct ids) whose backward sums the output gradients into one row per distinct id in
-one compiled pass.
+"""The lookups' backward over the rows a step pulled, in one compiled pass.
 
-Why: torch's CPU backward of ``F.embedding`` (``embedding_dense_backward``) takes 0.54 ms
-for the ctr batch (13,312 ids, 1,778 distinct, dim 16) where one pass that adds each
-gradient row into its id's row takes 0.045 ms; the ctr step's forward and backward is about
-0.85 ms in all. The sum is taken in the order of the ids, as torch's is, so the gradients
-are the same bits. On other devices and dtypes (and without numba) the backward is
-torch's own, and for fewer than ``MIN_IDS`` ids too: there the autograd function's own
-overhead costs more than it saves (fwd + bwd, one thread: 256 ids 41 us against torch's
-36 us, 1,024 ids 51 us against 75 us, the ctr batch 252 us against 859 us).
+* ``lookup(rows, inverse)`` is ``F.embedding(inverse, rows)``: each id's row, out of the
+  ``[U, dim]`` rows of the step's distinct ids. Its backward adds each output gradient row
+  into its id's row, in the order of the ids, as torch's does: the same bits.
+* ``bag_lookup(rows, inverse, offsets, ...)`` is ``F.embedding_bag`` (torch's forward and
+  checks) whose backward, for bags pooled by sum or mean, adds each bag's gradient (times
+  the id's weight, or over the bag's size) into the rows of its ids, in the order of the
+  ids. Torch adds them in the order its sort of the ids leaves (an unstable sort): the two
+  agree to float32 rounding (a few units in the last place), not bit for bit.
+
+Why: torch's CPU backward passes sort or scan what one pass does. On one thread, the
+ctr batch (13,312 ids, 1,778 distinct, dim 16): ``F.embedding``'s 0.54 ms, this 0.045 ms,
+where the ctr step's whole forward and backward is about 0.85 ms; 512 bags of 20 ids (dim
+16): ``F.embedding_bag``'s backward 0.81 ms, this 0.085 ms.
+
+Torch's own backward runs on other devices and dtypes, without numba, for ``max`` bags,
+weights that take a gradient, and for fewer than ``MIN_IDS`` ids: there the autograd
+function's own overhead costs more than it saves (forward and backward: 256 ids 41 us
+against torch's 36 us, 1,024 ids 51 us against 75 us, the ctr batch 252 us against 859 us).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from shardps.kernels import _JIT, AVAILABLE, _read_only, njit
+from shardps.kernels import _JIT, AVAILABLE, njit
 
 MIN_IDS = 512
 
@@ -71,11 +78,97 @@ def lookup(rows: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     return _Lookup.apply(rows, inverse)
 
 
+@njit(**_JIT)
+def _sum_bags(grad, inverse, starts, ends, weights, padding, mean, out):
+    """The rows' gradient of bags pooled by sum (``mean``: by mean) from ``out``'s rows: bag
+    ``b`` is ``inverse[starts[b]:ends[b]]``; each row gets ``grad[b]``, times the id's weight
+    (``weights``; size 0: none) or the bag's ``1 / ids`` (mean), for each of its ids in the
+    bag; ids equal to ``padding`` are left out (and not counted)."""
+    out[:] = 0.0
+    d = grad.shape[1]
+    n = inverse.shape[0]
+    weighted = weights.shape[0] > 0
+    for b in range(starts.shape[0]):
+        lo = min(max(starts[b], 0), n)
+        hi = min(max(ends[b], lo), n)
+        scale = np.float32(1.0)
+        if mean:
+            count = 0
+            for i in range(lo, hi):
+                if inverse[i] != padding:
+                    count += 1
+            if count == 0:
+                continue
+            scale = np.float32(1.0) / np.float32(count)
+        for i in range(lo, hi):
+            r = inverse[i]
+            if r == padding:
+                continue
+            s = weights[i] if weighted else scale
+            for j in range(d):
+                out[r, j] += grad[b, j] * s
+
+
+def _bags(inverse: torch.Tensor, offsets: torch.Tensor | None, include_last_offset: bool
+          ) -> tuple[np.ndarray, np.ndarray]:
+    """(start, end) of each bag in the flat ids, as ``F.embedding_bag`` reads ``offsets``."""
+    if inverse.dim() == 2:
+        b, n = inverse.shape
+        starts = np.arange(b, dtype=np.int64) * n
+        return starts, starts + n
+    assert offsets is not None
+    at = offsets.detach().cpu().numpy().astype(np.int64, copy=False)
+    if include_last_offset:
+        return at[:-1], at[1:]
+    return at, np.append(at[1:], inverse.shape[0])
+
+
+class _BagLookup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, inverse, offsets, weights, mode, include_last_offset, padding):
+        ctx.save_for_backward(inverse, offsets, weights)
+        ctx.num_rows, ctx.mode, ctx.last, ctx.padding = rows.shape[0], mode, include_last_offset, padding
+        return F.embedding_bag(inverse, rows, offsets, mode=mode, per_sample_weights=weights,
+                               include_last_offset=include_last_offset, padding_idx=padding)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        inverse, offsets, weights = ctx.saved_tensors
+        starts, ends = _bags(inverse, offsets, ctx.last)
+        out = np.empty((ctx.num_rows, grad.shape[1]), np.float32)
+        _sum_bags(grad.detach().contiguous().numpy(), inverse.reshape(-1).long().contiguous().numpy(), starts, ends,
+                  _NO_WEIGHTS if weights is None else weights.detach().reshape(-1).contiguous().numpy(),
+                  -1 if ctx.padding is None else ctx.padding, ctx.mode == "mean", out)
+        return torch.from_numpy(out), None, None, None, None, None, None
+
+
+_NO_WEIGHTS = np.empty(0, np.float32)
+
+
+def bag_lookup(rows: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor | None, mode: str,
+               per_sample_weights: torch.Tensor | None, include_last_offset: bool,
+               padding: int | None) -> torch.Tensor:
+    """``F.embedding_bag(inverse, rows, offsets, mode=mode, per_sample_weights=...,
+    include_last_offset=..., padding_idx=padding)`` with the compiled backward of the module
+    docstring where ``rows`` collects gradients (float32, on the CPU), the bags pool by sum
+    or mean, ``per_sample_weights`` takes none and there are ``MIN_IDS`` ids or more."""
+    if (not rows.requires_grad or not torch.is_grad_enabled() or mode not in ("sum", "mean")
+            or not AVAILABLE or rows.device.type != "cpu" or rows.dtype != torch.float32
+            or inverse.numel() < MIN_IDS
+            or (per_sample_weights is not None and (per_sample_weights.requires_grad
+                                                    or per_sample_weights.dtype != torch.float32))):
+        return F.embedding_bag(inverse, rows, offsets, mode=mode, per_sample_weights=per_sample_weights,
+                               include_last_offset=include_last_offset, padding_idx=padding)
+    return _BagLookup.apply(rows, inverse, offsets, per_sample_weights, mode, include_last_offset, padding)
+
+
 def warm_up() -> None:
-    """Compile (or load from numba's cache) the backward for the arrays it is given: a
-    gradient torch made (writable) and one that is a read-only view."""
+    """Compile (or load from numba's cache) the backward passes for the arrays torch gives
+    them (writable: a gradient, the ids' indices, the bags' bounds and weights)."""
     if not AVAILABLE:
         return
-    inverse = np.zeros(2, np.int64)
-    for grad in (np.zeros((2, 2), np.float32), _read_only(np.zeros((2, 2), np.float32))):
-        _sum_rows(grad, inverse, np.empty((1, 2), np.float32))
+    inverse, bounds, grad = np.zeros(2, np.int64), np.zeros(1, np.int64), np.zeros((2, 2), np.float32)
+    _sum_rows(grad, inverse, np.empty((1, 2), np.float32))
+    for weights in (_NO_WEIGHTS, np.zeros(2, np.float32)):
+        _sum_bags(grad, inverse, bounds, bounds, weights, -1, False, np.empty((1, 2), np.float32))
