@@ -6,7 +6,7 @@ One worker, in this process, trains ctr as ``shardps worker --model ctr`` does
 server processes (``LocalCluster``, replication 1), one epoch of ``--train-samples``. Per
 step, over its training loop:
 
-* wall time;
+* wall time (the test set's evaluation after the loop left out, here and below);
 * CPU of the training thread (the batch's ids, ``PSModel.pull`` and ``push``, the model's
   forward and backward, the loop's own work);
 * CPU of the process's other threads (each push and the next step's pull, sent and read
@@ -24,6 +24,7 @@ least their sum less what runs without the lock (torch's kernels, the socket cal
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import threading
 import time
@@ -58,16 +59,28 @@ def one_round(train_samples: int, job: str) -> dict[str, float]:
 
     def measured(task, ps_model, *args, **kwargs):
         me = threading.get_ident()
+        evaluating = [0.0, 0.0]                  # the test set's evaluation after the loop: wall, CPU
+        evaluate = task.evaluate
+
+        def timed_evaluate(*a, **kw):
+            wall0, cpu0 = time.perf_counter(), time.thread_time()
+            try:
+                return evaluate(*a, **kw)
+            finally:
+                evaluating[0] += time.perf_counter() - wall0
+                evaluating[1] += time.thread_time() - cpu0
+
+        task = dataclasses.replace(task, evaluate=timed_evaluate)
         threads0, wall0 = _threads_cpu(), time.perf_counter()
         servers0 = sum(proc_cpu_seconds(p) for p in pids)
         try:
             return train(task, ps_model, *args, **kwargs)
         finally:
-            wall = time.perf_counter() - wall0
+            wall = time.perf_counter() - wall0 - evaluating[0]
             servers = sum(proc_cpu_seconds(p) for p in pids) - servers0
             spent = {t: c - threads0.get(t, 0.0) for t, c in _threads_cpu().items()}
             steps = max(1, ps_model.step)
-            mine = spent.pop(me, 0.0)
+            mine = spent.pop(me, 0.0) - evaluating[1]
             for part, seconds in zip(PARTS, (wall, mine, sum(spent.values()), servers)):
                 got[part] = seconds / steps * 1e3
             got["steps"] = float(ps_model.step)
