@@ -74,7 +74,7 @@ def test_without_gradients_it_is_a_plain_lookup():
         assert lookup(rows.requires_grad_(True), inverse).grad_fn is None
 
 
-def _bag_grads(rows, inverse, offsets, mode, weights, last, padding, grad=None):
+def _bag_grads(rows, inverse, offsets, mode, weights, last, padding, grad=None, create_graph=False):
     ours = rows.clone().requires_grad_(True)
     out = lookup_kernels.bag_lookup(ours, inverse, offsets, mode, weights, last, padding)
     theirs = rows.clone().requires_grad_(True)
@@ -82,18 +82,19 @@ def _bag_grads(rows, inverse, offsets, mode, weights, last, padding, grad=None):
                                include_last_offset=last, padding_idx=padding)
     assert torch.equal(out, expected)            # torch's forward
     grad = torch.randn_like(expected) if grad is None else grad
-    out.backward(grad)
+    (got,) = torch.autograd.grad(out, ours, grad, create_graph=create_graph)
     expected.backward(grad)
-    return ours.grad, theirs.grad
+    return got.detach(), theirs.grad
 
 
 @pytest.mark.parametrize("mode,weighted", [("sum", False), ("sum", True), ("mean", False)])
 @pytest.mark.parametrize("layout", ["2d", "offsets", "offsets+last"])
 @pytest.mark.parametrize("padding", [None, 3])
-def test_the_bags_backward_sums_each_rows_gradients_as_torch_does(mode, weighted, layout, padding):
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_the_bags_backward_sums_each_rows_gradients_as_torch_does(mode, weighted, layout, padding, create_graph):
     """Torch sums in the order of its (unstable) sort of the ids, this in the order of the
     ids: equal to float32 rounding; every row, padding, weights, empty bags and the mean's
-    divisor alike."""
+    divisor alike (``create_graph``: the same sums as differentiable torch operations)."""
     g = torch.Generator().manual_seed(len(layout) + (padding or 0))
     num_rows = 40
     if layout == "2d":
@@ -104,7 +105,8 @@ def test_the_bags_backward_sums_each_rows_gradients_as_torch_does(mode, weighted
         offsets = torch.cat([torch.tensor([0]), cuts] + ([torch.tensor([900])] if layout == "offsets+last" else []))
     weights = torch.rand(inverse.shape, generator=g) if weighted else None
     rows = torch.randn(num_rows, 8, generator=g)
-    ours, theirs = _bag_grads(rows, inverse, offsets, mode, weights, layout == "offsets+last", padding)
+    ours, theirs = _bag_grads(rows, inverse, offsets, mode, weights, layout == "offsets+last", padding,
+                              create_graph=create_graph)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
     if padding is not None:
         assert not ours[padding].any()
@@ -128,3 +130,28 @@ def test_the_bags_compiled_backward_runs_and_sums_exactly_where_the_order_cannot
     weights = torch.ones(128, 8).requires_grad_(True)
     _bag_grads(rows, inverse, None, "sum", weights, False, None, grad)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("bags", [None, "sum", "mean"])
+def test_a_second_derivative_through_a_lookup_is_torchs(bags):
+    """``create_graph=True`` (a gradient penalty): the backward is then taken by torch's
+    differentiable operations, and the second derivative equals torch's own (for bags,
+    whose backward torch cannot differentiate, that of the same sums written with
+    ``F.embedding``)."""
+    g = torch.Generator().manual_seed(5)
+    inverse = torch.randint(0, 30, (64, 12), generator=g)
+    rows = torch.randn(30, 4, generator=g)
+    results = []
+    for fn in ("ours", "torch"):
+        r = rows.clone().requires_grad_(True)
+        if bags is None:
+            out = lookup(r, inverse) if fn == "ours" else F.embedding(inverse, r)
+        else:
+            pooled = F.embedding(inverse, r)
+            out = (lookup_kernels.bag_lookup(r, inverse, None, bags, None, False, None) if fn == "ours"
+                   else pooled.sum(1) if bags == "sum" else pooled.mean(1))
+        (first,) = torch.autograd.grad((out ** 3).sum(), r, create_graph=True)
+        (second,) = torch.autograd.grad((first ** 2).sum(), r)
+        results.append((first.detach(), second))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-4, atol=1e-4)
