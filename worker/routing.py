@@ -22,7 +22,8 @@ class Piece:
     """Part of request item ``item`` for table ``table``.
 
     Dense: the flat range [start, stop) whose output begins at ``offset`` in the item's output.
-    Sparse: ``ids`` (unique), whose rows go to ``positions`` of the item's output.
+    Sparse: ``ids`` (unique), whose rows go to ``positions`` of the item's output
+    (``ordered``: they are ``0, 1, ..., n - 1``, which a reply then fills as one span).
     ``values`` (push): float32, dense 1-d or sparse [n, dim]. ``all_stored``: export pulls.
     """
 
@@ -36,6 +37,7 @@ class Piece:
     positions: np.ndarray | None = None
     values: np.ndarray | None = None
     all_stored: bool = False
+    ordered: bool = False
 
     @property
     def rows(self) -> int:

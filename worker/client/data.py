@@ -374,7 +374,7 @@ def _place_values(server: str, p: Piece, output: np.ndarray, payload: Payload, c
             return
         out[:] = dtypes.decode(payload.read(count * wire.itemsize), wire, count)
         return
-    run = contiguous_start(p.positions) if wire is WireDType.FLOAT32 else None
+    run = None if wire is not WireDType.FLOAT32 else 0 if p.ordered else contiguous_start(p.positions)
     rows = None if run is None else output[run:run + p.rows]
     if rows is not None and rows.flags.c_contiguous:
         if rows.size != count:
