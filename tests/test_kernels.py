@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from shardps import kernels
+from shardps.rpc import step
 from shardps.server import optimizers
 from shardps.server.node import optimizer_kernels
 from shardps.tables import adagrad, adam, constant, initial_values, normal, sgd, uniform, zeros
@@ -180,7 +181,8 @@ def test_warm_up_compiles_every_kernel_for_the_data_paths_types():
     kernels.warm_up()
     optimizer_kernels.warm_up()
     lookup_kernels.warm_up()
-    for fn in (lookup_kernels._sum_rows, lookup_kernels._sum_bags,
+    step.warm_up()
+    for fn in (lookup_kernels._sum_rows, lookup_kernels._sum_bags, step._walk_entries,
                optimizer_kernels._sgd, optimizer_kernels._adagrad, optimizer_kernels._adam,
                kernels._hash_unique, kernels._block_of,
                kernels._group, kernels._init_uniform, kernels._init_units, kernels._distinct,
@@ -190,8 +192,8 @@ def test_warm_up_compiles_every_kernel_for_the_data_paths_types():
 
 
 # what the server's and the worker's image builds run
-_BUILD = ("from shardps.server.node.node import warm_up_kernels; warm_up_kernels(); "
-          "from shardps.worker import lookup_kernels; lookup_kernels.warm_up()")
+_BUILD = ("import logging; from shardps.server.node.node import warm_up_kernels; warm_up_kernels(); "
+          "from shardps.worker.runtime import prepare_kernels; prepare_kernels(logging)")
 # a server's and a worker's first requests in one process: every optimizer, sparse and dense,
 # over the data plane, and a PSModel step; then the signatures compiled so far, by kernel
 _SERVE = """
@@ -199,6 +201,7 @@ import json, numpy as np, torch
 from shardps import kernels
 from shardps.server.node import optimizer_kernels, storage_kernels
 from shardps.server.node.node import warm_up_kernels
+from shardps.rpc import step
 from shardps.worker import PSClient, adagrad, adam, sgd, lookup_kernels
 from shardps.worker.torch_ps import PSEmbedding, PSModel
 from tests.conftest import InProcessCluster
@@ -226,7 +229,7 @@ try:
 finally:
     cluster.stop()
 print(json.dumps({name: len(fn.stats.cache_misses)
-                  for module in (kernels, storage_kernels, optimizer_kernels, lookup_kernels)
+                  for module in (kernels, storage_kernels, optimizer_kernels, lookup_kernels, step)
                   for name, fn in vars(module).items() if getattr(fn, "stats", None) is not None
                   and fn.stats.cache_misses}))
 """

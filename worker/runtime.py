@@ -414,9 +414,7 @@ def run_worker(args) -> int:
             log.warning("--device auto: %s; training on the CPU", no_cuda)
         task = build_task(args)
         task.model.to(device)      # before PSModel: its tables start from these values
-        from shardps import kernels
-        from shardps.worker import lookup_kernels
-        kernels.prepare(log, lookup_kernels)       # before the first step, not inside it
+        prepare_kernels(log)       # before the first step, not inside it
         world = max(1, membership.world_size, _wait_for_workers(client, args.wait_workers))
         opt, per_table = _lr_scaled(task, args, world)
         lookahead = args.lookahead or _default_lookahead(task.model)
@@ -450,6 +448,16 @@ def run_worker(args) -> int:
         client.close()
         if metrics_server is not None:
             metrics_server.shutdown()
+
+
+def prepare_kernels(log) -> tuple[float, int, int]:
+    """A worker's compiled kernels loaded (or compiled), and logged: deduplication and
+    routing (``shardps.kernels``), the Step reply's walk (``shardps.rpc.step``), the lookups'
+    backward (``lookup_kernels``). ``kernels.prepare``'s (seconds, loaded, compiled)."""
+    from shardps import kernels
+    from shardps.rpc import step
+    from shardps.worker import lookup_kernels
+    return kernels.prepare(log, step, lookup_kernels)
 
 
 def _wait_for_workers(client, wanted: int) -> int:

@@ -65,12 +65,12 @@ FROM base
 # pip stays in the venv so that derived images can add their own packages.
 COPY --from=deps /opt/shardps /opt/shardps
 COPY --from=build /dist /tmp/dist
-# The workers' numba kernels (deduplication, routing, the lookups' backward) compiled into NUMBA_CACHE_DIR, owned by
+# The workers' numba kernels (deduplication, routing, the Step reply, the lookups' backward) compiled into NUMBA_CACHE_DIR, owned by
 # the runtime user (see server.Dockerfile): a container loads them instead of compiling them.
 RUN /opt/shardps/bin/pip install --no-cache-dir --disable-pip-version-check --no-index --no-deps /tmp/dist/*.whl \
  && rm -rf /tmp/dist \
  && NUMBA_CACHE_DIR=/opt/shardps/numba-cache /opt/shardps/bin/python -c \
-        'import logging; from shardps import kernels; from shardps.worker import lookup_kernels; assert kernels.prepare(logging, lookup_kernels)[2] > 0' \
+        'import logging; from shardps.worker.runtime import prepare_kernels; assert prepare_kernels(logging)[2] > 0' \
  && chown -R shardps:shardps /opt/shardps/numba-cache
 ENV PATH=/opt/shardps/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     PYTHONUNBUFFERED=1 \

@@ -247,8 +247,7 @@ class DataPath:
 
         def acknowledged(ack: PushAck) -> None:
             with lock:
-                for v in ack.versions:
-                    result.versions.add(v)
+                result.versions.extend(ack.versions)
                 result.duplicate_blocks += ack.duplicate_blocks
 
         def send(server: str, address: str, ps_: list[Piece], view: ShardMapView) -> None:

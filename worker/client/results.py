@@ -25,6 +25,12 @@ class BlockVersions(Mapping):
         self._replies.append(v)
         self._dict = None
 
+    def extend(self, versions: list[Versions]) -> None:
+        """``add`` each of ``versions``."""
+        if versions:
+            self._replies += versions
+            self._dict = None
+
     def _pairs(self) -> dict[tuple[str, int], int]:
         if self._dict is None:
             self._dict = {}
@@ -78,10 +84,11 @@ def take_pull_reply(result: PullResult, min_clock: int, waited_seconds: float, v
     result.waited_seconds = max(result.waited_seconds, waited_seconds)
     if min_clock or in_group:
         result.staleness = max(result.staleness, max(0, result.clock - int(min_clock)))
-    for v in versions:
-        result.versions.add(v)
-        if v.table in dense:
-            seen.update(version_pairs(v))
+    result.versions.extend(versions)
+    if dense:
+        for v in versions:
+            if v.table in dense:
+                seen.update(version_pairs(v))
 
 
 def version_pairs(v: Versions) -> dict[tuple[str, int], int]:

@@ -129,8 +129,7 @@ class StepCalls:
         """Take one server's Step reply: the ack's versions, the pull's values into place
         (``in_group``: the request's header had a session, see ``take_pull_reply``)."""
         if presult is not None:
-            for v in ack.versions:
-                presult.versions.add(v)
+            presult.versions.extend(ack.versions)
             presult.duplicate_blocks += ack.duplicate_blocks
         if lresult is None or lp is None:
             return
