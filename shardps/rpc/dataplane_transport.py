@@ -30,7 +30,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from shardps.errors import InvalidArgument, Unavailable, UnknownRegion
-from shardps.messages import PullRequest, PushAck, PushRequest, StepRequest
+from shardps.messages import PullRequest, PushAck, PushRequest
 from shardps.protos.v1 import parameter_server_pb2 as ps
 from shardps.rpc import messages, packed, step
 from shardps.rpc.codec import byte_view, write_into
@@ -208,9 +208,9 @@ class DataPlaneTransport:
         with self._observed(address, "Exchange", began):
             return self.pool.finish(sent, use)
 
-    def step_start(self, server, address, request: StepRequest, reply_bytes: int, timeout,
+    def step_start(self, server, address, encoded: step.Encoded, reply_bytes: int, timeout,
                    into: np.ndarray | None = None) -> object | None:
-        """Send ``request`` (a client's: see ``step.encode``) as a Step frame and return at
+        """Send ``encoded`` (a client's request, laid out) as a Step frame and return at
         once with what ``step_finish`` (which must follow, on any thread) needs; None where
         the server takes no Step frames (nothing was sent). The payload and the reply's
         values (``reply_bytes``) travel in a shared-memory region where the server maps this
@@ -221,7 +221,6 @@ class DataPlaneTransport:
         plane = self._plane(address, timeout)
         if not plane.step:
             return None
-        encoded = step.encode(request)
         nbytes = encoded.payload_bytes
         reply_at = step.pad8(nbytes)
         region = self._region(plane, address, reply_at + reply_bytes, STEP_SHARED_BYTES)
@@ -249,9 +248,8 @@ class DataPlaneTransport:
         values)``: ``values`` one flat float32 array per pull slice, valid while ``consume``
         runs."""
         server, address, began, sent, encoded, region = started
-        request = encoded.request
-        n_push = len(request.push or ())
-        n_pull = len(request.pull or ())
+        n_push = len(encoded.push_tables)
+        n_pull = len(encoded.pull_tables)
 
         def use(raw: bytes, view: memoryview):
             ack, reply, elements, shared = _decoded(

@@ -209,30 +209,83 @@ def bind(request: StepRequest, layout: list[tuple[int, int, int]], payload) -> N
 
 
 class Encoded:
-    """A Step request laid out for sending: ``segments`` (the header's flat fields),
-    ``names`` (job, session, region, the tables), the payload's size and where each array
-    goes in it (``writes``: (offset, array, positions or None): ``array[positions]`` there),
-    and each pull slice's reply values (``pull_elements``)."""
+    """A Step request laid out for sending, built a segment at a time by a client
+    (``push_rows``, ``push_range``, ``pull_rows``, ``pull_range``: the push's segments go
+    first in the header whatever the order they come in): the header's flat fields per
+    segment, the tables' names, the payload's size (``payload_bytes``) and where each array
+    goes in it (``writes``: (offset, array, positions or None): ``array[positions]`` there).
+    A segment's arrays are the caller's whole
+    arrays (sparse values ``[n, dim]``, a dense range's values flat); ``positions`` (None:
+    all) picks the rows it carries. ``push``: a push part even without segments (a clock
+    report)."""
 
-    __slots__ = ("request", "segments", "names", "payload_bytes", "writes", "segment_tables", "bases")
+    __slots__ = ("head", "kind", "pull_clock", "push", "pull", "push_fields", "pull_fields", "push_tables",
+                 "pull_tables", "tables", "payload_bytes", "writes", "bases")
 
-    def __init__(self, request: StepRequest, segments: list, names: tuple, payload_bytes: int, writes: list,
-                 segment_tables: list, bases: list):
-        self.request, self.segments, self.names = request, segments, names
-        self.payload_bytes, self.writes, self.segment_tables = payload_bytes, writes, segment_tables
-        self.bases = bases
+    def __init__(self, header: Header, kind: int, pull_clock: int = 0, push: bool = False, pull: bool = False):
+        self.head, self.kind, self.pull_clock, self.push, self.pull = header, kind, pull_clock, push, pull
+        self.push_fields: list[int] = []
+        self.pull_fields: list[int] = []
+        self.push_tables: list[str] = []
+        self.pull_tables: list[str] = []
+        self.tables: dict[str, int] = {}
+        self.payload_bytes = 0
+        self.writes: list = []
+        self.bases: list[int] = []
+
+    def push_rows(self, table: str, ids: np.ndarray, positions: np.ndarray | None, values: np.ndarray) -> None:
+        n = ids.shape[0] if positions is None else positions.shape[0]
+        ids_at = (self.payload_bytes + 7) & ~7
+        values_at = ids_at + 8 * n
+        count = n * values.shape[1]
+        self.writes += ((ids_at, ids, positions), (values_at, values, positions))
+        self.payload_bytes = values_at + 4 * count
+        self.push = True
+        self.push_tables.append(table)
+        self.push_fields += (self.tables.setdefault(table, 3 + len(self.tables)), 2, n, 0, ids_at, values_at, count, 0)
+
+    def push_range(self, table: str, start: int, stop: int, values: np.ndarray, bases: dict | None = None) -> None:
+        values_at = self.payload_bytes
+        self.writes.append((values_at, values, None))
+        self.payload_bytes = values_at + 4 * values.shape[0]
+        self.push = True
+        self.push_tables.append(table)
+        self.push_fields += (self.tables.setdefault(table, 3 + len(self.tables)), 1, start, stop, NONE, values_at,
+                             values.shape[0], len(bases) if bases else 0)
+        if bases:
+            for pair in bases.items():
+                self.bases += pair
+
+    def pull_rows(self, table: str, ids: np.ndarray, positions: np.ndarray | None) -> None:
+        n = ids.shape[0] if positions is None else positions.shape[0]
+        ids_at = (self.payload_bytes + 7) & ~7
+        self.writes.append((ids_at, ids, positions))
+        self.payload_bytes = ids_at + 8 * n
+        self.pull = True
+        self.pull_tables.append(table)
+        self.pull_fields += (self.tables.setdefault(table, 3 + len(self.tables)), 2, n, 0, ids_at, NONE, NONE, 0)
+
+    def pull_range(self, table: str, start: int, stop: int) -> None:
+        self.pull = True
+        self.pull_tables.append(table)
+        self.pull_fields += (self.tables.setdefault(table, 3 + len(self.tables)), 1, start, stop, NONE, NONE, NONE, 0)
+
+    @property
+    def segment_tables(self) -> list[str]:
+        """Each segment's table, in the header's order."""
+        return self.push_tables + self.pull_tables
 
     def header(self, region: str = "", payload_offset: int = 0, reply_offset: int = 0, reply_bytes: int = 0) -> bytes:
-        r = self.request
-        flags = (PUSH if r.push is not None else 0) | (PULL if r.pull is not None else 0) | (SHARED if region else 0)
-        names = self.names if not region else (self.names[0], self.names[1], region, *self.names[3:])
-        return request(r.header, r.kind if r.push is not None else 0, flags, len(r.push or ()), self.segments, names,
-                       r.pull_clock, payload_offset, self.payload_bytes if region else 0, reply_offset, reply_bytes,
-                       self.bases)
+        h = self.head
+        flags = (PUSH if self.push else 0) | (PULL if self.pull else 0) | (SHARED if region else 0)
+        return request(h, self.kind if self.push else 0, flags, len(self.push_tables),
+                       self.push_fields + self.pull_fields if self.pull_fields else self.push_fields,
+                       (h.job, h.session, region, *self.tables), self.pull_clock, payload_offset,
+                       self.payload_bytes if region else 0, reply_offset, reply_bytes, self.bases)
 
     def parts(self) -> list:
         """The payload as buffers to send one after the other (zero bytes where an array is
-        aligned; the rows a slice selects gathered, the others as they are)."""
+        aligned; the rows a segment selects gathered, the others as they are)."""
         out: list = []
         at = 0
         for offset, array, positions in self.writes:
@@ -257,44 +310,20 @@ class Encoded:
 
 
 def encode(request: StepRequest) -> Encoded:
-    """Lay out a client's ``request``: its slices' ``ids`` and ``values`` are the caller's
-    whole arrays (sparse values ``[n, dim]``, dense values flat), and ``positions`` (None:
-    all) picks the rows of this request; a dense slice's values are its range's."""
-    tables: dict[str, int] = {}
-    segments: list[int] = []
-    writes: list = []
-    segment_tables: list[str] = []
-    bases: list[int] = []
-    at = 0
-    for part, pushing in ((request.push, True), (request.pull, False)):
-        for s in part or ():
-            name = tables.setdefault(s.table, 3 + len(tables))
-            segment_tables.append(s.table)
-            if s.selector is ROWS:
-                ids, positions = s.ids, s.positions
-                n = ids.shape[0] if positions is None else positions.shape[0]
-                ids_at = pad8(at)
-                writes.append((ids_at, ids, positions))
-                at = ids_at + 8 * n
-                values_at = values_count = NONE
-                if pushing:
-                    values_at, values_count = at, n * s.values.shape[1]
-                    writes.append((values_at, s.values, positions))
-                    at += 4 * values_count
-                segments += (name, 2, n, 0, ids_at, values_at, values_count, 0)
-            else:
-                values_at = values_count = NONE
-                if pushing:
-                    values_at, values_count = at, s.values.shape[0]
-                    writes.append((values_at, s.values, None))
-                    at += 4 * values_count
-                base = s.base_versions if pushing else None
-                segments += (name, 1, s.start, s.stop, NONE, values_at, values_count, len(base) if base else 0)
-                if base:
-                    for pair in base.items():
-                        bases += pair
-    names = (request.header.job, request.header.session, "", *tables)
-    return Encoded(request, segments, names, at, writes, segment_tables, bases)
+    """Lay out a client's ``request`` (its slices as ``Encoded``'s segments)."""
+    out = Encoded(request.header, request.kind, request.pull_clock, request.push is not None,
+                  request.pull is not None)
+    for s in request.push or ():
+        if s.selector is ROWS:
+            out.push_rows(s.table, s.ids, s.positions, s.values)
+        else:
+            out.push_range(s.table, s.start, s.stop, s.values, s.base_versions)
+    for s in request.pull or ():
+        if s.selector is ROWS:
+            out.pull_rows(s.table, s.ids, s.positions)
+        else:
+            out.pull_range(s.table, s.start, s.stop)
+    return out
 
 
 # ====================================================================== replies

@@ -18,8 +18,9 @@ import numpy as np
 
 from shardps import kernels
 from shardps.errors import DeadlineExceeded, Unavailable
-from shardps.messages import RANGE, ROWS, PullReply, PushAck, Slice, StepRequest
+from shardps.messages import PullReply, PushAck
 from shardps.metrics import WorkerMetrics
+from shardps.rpc.step import Encoded
 from shardps.shardmap import ShardMapView
 from shardps.worker.client.fanout import RETRYABLE, MapSource, attempt_timeout
 from shardps.worker.client.results import BlockVersions, PullResult, PushResult, take_pull_reply
@@ -76,13 +77,12 @@ class StepCalls:
         try:
             for server in sorted(pushes.keys() | pulls.keys()):
                 pp, lp = pushes.get(server), pulls.get(server)
-                push_slices = [self._slice(part, True, view, moved) for part in pp] if pp else None
-                pulled = moved[3]
-                pull_slices = [self._slice(part, False, view, moved) for part in lp] if lp else None
-                reply_bytes = moved[3] - pulled
-                request = StepRequest(header, kind, push_slices, pull_slices, pull_clock)
+                encoded = Encoded(header, kind, pull_clock)
+                if pp:
+                    self._push(encoded, pp, view, moved)
+                reply_bytes = self._pull(encoded, lp, view, moved) if lp else 0
                 into = destination(lp, outputs, reply_bytes) if reply_bytes >= DIRECT_REPLY_BYTES else None
-                sent = self.transport.step_start(server, view.address(server), request, reply_bytes,
+                sent = self.transport.step_start(server, view.address(server), encoded, reply_bytes,
                                                  attempt_timeout(deadline, reply_bytes), into)
                 if sent is None:
                     declined = True
@@ -105,24 +105,38 @@ class StepCalls:
         self.metrics.moved(*moved)
         return presult, lresult
 
-    def _slice(self, part, pushing: bool, view: ShardMapView, moved: list) -> Slice:
-        """A routed part (``routing.route_parts``) as a client's ``Slice``; its bytes and rows
-        added to ``moved``; a dense push's base versions set."""
-        p, positions, a, z = part
-        k = 0 if pushing else 3
-        if p.dense:
-            moved[k] += 4 * (z - a)
-            if not pushing:
-                return Slice(p.table, RANGE, a, z)
-            return Slice(p.table, RANGE, a, z, values=p.values[a - p.start:z - p.start],
-                         base_versions=base_versions(p, view, self.job, self.versions, a, z) or None)
-        n = z - a
-        rows = 4 * n * view.table(self.job, p.table).spec.dim
-        sparse = rows + 8 * n if pushing else rows
-        moved[k] += sparse
-        moved[k + 1] += n
-        moved[k + 2] += sparse
-        return Slice(p.table, ROWS, ids=p.ids, values=p.values if pushing else None, positions=positions)
+    def _push(self, encoded: Encoded, parts: list, view: ShardMapView, moved: list) -> None:
+        """Lay out a server's routed push parts (``routing.route_parts``), their bytes and
+        rows added to ``moved``; a dense range's base versions set."""
+        for p, positions, a, z in parts:
+            if p.dense:
+                moved[0] += 4 * (z - a)
+                encoded.push_range(p.table, a, z, p.values[a - p.start:z - p.start],
+                                   base_versions(p, view, self.job, self.versions, a, z) or None)
+                continue
+            n = z - a
+            sparse = (4 * p.values.shape[1] + 8) * n
+            moved[0] += sparse
+            moved[1] += n
+            moved[2] += sparse
+            encoded.push_rows(p.table, p.ids, positions, p.values)
+
+    def _pull(self, encoded: Encoded, parts: list, view: ShardMapView, moved: list) -> int:
+        """Lay out a server's routed pull parts; returns their values' bytes (also added to
+        ``moved`` with the rows)."""
+        nbytes = 0
+        for p, positions, a, z in parts:
+            if p.dense:
+                nbytes += 4 * (z - a)
+                encoded.pull_range(p.table, a, z)
+                continue
+            rows = 4 * (z - a) * view.table(self.job, p.table).spec.dim
+            nbytes += rows
+            moved[4] += z - a
+            moved[5] += rows
+            encoded.pull_rows(p.table, p.ids, positions)
+        moved[3] += nbytes
+        return nbytes
 
     def place(self, server: str, ack: PushAck, reply: PullReply, values: list, lp, presult, lresult,
               in_group: bool) -> None:

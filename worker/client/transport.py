@@ -16,9 +16,10 @@ from typing import Callable, Protocol, TypeVar
 
 import numpy as np
 
-from shardps.messages import PullReply, PullRequest, PushAck, PushRequest, StepRequest
+from shardps.messages import PullReply, PullRequest, PushAck, PushRequest
 from shardps.rpc.grpc_transport import GrpcTransport
 from shardps.rpc.payload import Payload
+from shardps.rpc.step import Encoded
 
 T = TypeVar("T")
 
@@ -55,16 +56,16 @@ class Transport(Protocol):
         """Read the reply of ``exchange_start``'s request (which must be followed by this,
         on any thread), ``consume(ack, pull reply, payload)`` it and return its result."""
 
-    def step_start(self, server: str, address: str, request: StepRequest, reply_bytes: int,
+    def step_start(self, server: str, address: str, encoded: Encoded, reply_bytes: int,
                    timeout: float, into: np.ndarray | None = None) -> object | None:
-        """Send a step's push and pull parts for this server (``request``: its slices point
-        into the caller's arrays, ``positions`` picking rows; ``reply_bytes``: the pulled
-        values' size) as one round trip, and return at once with what ``step_finish`` needs;
-        None where this transport or server has no Step (nothing was sent: the caller sends
-        a push and a pull). ``into``: where the pulled values belong, ``reply_bytes`` of
-        contiguous memory, which a transport may receive them into directly (the values
-        ``step_finish`` passes on are then views of it); it may also ignore it. Raises as
-        ``push``."""
+        """Send a step's push and pull parts for this server (``encoded``: laid out by the
+        caller, ``step.Encoded``, its segments pointing into the caller's arrays with
+        ``positions`` picking rows; ``reply_bytes``: the pulled values' size) as one round
+        trip, and return at once with what ``step_finish`` needs; None where this transport
+        or server has no Step (nothing was sent: the caller sends a push and a pull).
+        ``into``: where the pulled values belong, ``reply_bytes`` of contiguous memory, which
+        a transport may receive them into directly (the values ``step_finish`` passes on are
+        then views of it); it may also ignore it. Raises as ``push``."""
 
     def step_finish(self, started: object, consume: Callable[[PushAck, PullReply, list], T]) -> T:
         """Read the reply of ``step_start``'s request (which must be followed by this, on any
