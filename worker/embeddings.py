@@ -287,9 +287,10 @@ class PSEmbeddingBag(PSRows):
     shape) scale each id's row, with ``"sum"`` only; ids equal to ``padding_idx`` are left out
     of their bag. Returns ``[B, embedding_dim]``.
 
-    The pooling runs in ``F.embedding_bag`` over the batch's distinct rows, so the result and
-    the gradient equal ``nn.EmbeddingBag``'s on the same weights; the gradient travels as
-    one row per distinct id (ids that are only padding get none).
+    The pooling runs in ``F.embedding_bag`` over the batch's distinct rows, so the result
+    equals ``nn.EmbeddingBag``'s on the same weights, and the gradient too, to float32
+    rounding (its sums are taken in the order of the ids, ``lookup_kernels``); the gradient
+    travels as one row per distinct id (ids that are only padding get none).
     """
 
     MODES = ("sum", "mean", "max")
