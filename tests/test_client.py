@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from shardps.errors import AlreadyExists, DeadlineExceeded, InvalidArgument, NotFound
-from shardps.tables import normal, sgd, uniform
+from shardps.tables import normal, sgd, uniform, zeros
 from tests.waiting import wait_for
 
 
@@ -59,6 +59,21 @@ def test_unique_rows_in_any_order_round_trip(cluster, client_factory, num_blocks
     np.testing.assert_array_equal(c.pull_rows("u", ids[order]), (before - grads)[order])
     twice = np.concatenate([ids[order[:5]], ids[order[:5]]])
     np.testing.assert_array_equal(c.pull_rows("u", twice), np.tile((before - grads)[order[:5]], (2, 1)))
+
+
+@pytest.mark.parametrize("num_blocks", [1, 8], ids=["whole", "split"])
+def test_rows_pulled_in_another_wire_dtype_come_back_in_the_callers_order(cluster, client_factory, num_blocks):
+    """bfloat16 on the wire (the general path, decoded, then placed): each server's rows
+    land on the caller's rows, whole or split over both servers."""
+    c = client_factory(cluster.address, wire_dtype="bfloat16")
+    c.create_job()
+    c.create_sparse("h", 4, num_rows=1_000, num_blocks=num_blocks, optimizer=sgd(1.0), init=zeros())
+    rng = np.random.default_rng(num_blocks)
+    ids = rng.choice(1_000, 300, replace=False)
+    grads = rng.integers(-8, 9, (300, 4)).astype(np.float32)      # exact in bfloat16
+    c.push_rows("h", ids, grads)
+    order = rng.permutation(300)
+    np.testing.assert_array_equal(c.pull_rows("h", ids[order]), -grads[order])
 
 
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "socket"])

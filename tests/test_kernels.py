@@ -182,7 +182,7 @@ def test_warm_up_compiles_every_kernel_for_the_data_paths_types():
     optimizer_kernels.warm_up()
     lookup_kernels.warm_up()
     step.warm_up()
-    for fn in (lookup_kernels._sum_rows, lookup_kernels._sum_bags, step._walk_entries,
+    for fn in (lookup_kernels._sum_bags, step._walk_entries,
                optimizer_kernels._sgd, optimizer_kernels._adagrad, optimizer_kernels._adam,
                kernels._hash_unique, kernels._block_of,
                kernels._group, kernels._init_uniform, kernels._init_units, kernels._distinct,

@@ -49,8 +49,8 @@ def test_the_compiled_backward_is_the_one_that_runs(monkeypatch):
     if not kernels.AVAILABLE:
         pytest.skip("numba is not installed: torch's backward runs everywhere")
     calls = []
-    real = lookup_kernels._sum_rows
-    monkeypatch.setattr(lookup_kernels, "_sum_rows", lambda *a: (calls.append(1), real(*a)))
+    real = lookup_kernels._sum_bags
+    monkeypatch.setattr(lookup_kernels, "_sum_bags", lambda *a: (calls.append(1), real(*a)))
     inverse = torch.tensor([[0, 1], [1, 2]]).repeat(lookup_kernels.MIN_IDS // 4, 1)
     rows32 = torch.randn(3, 4).requires_grad_(True)
     lookup(rows32, inverse).sum().backward()

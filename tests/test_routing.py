@@ -28,10 +28,11 @@ def _view(primaries: list[int]) -> ShardMapView:
     return ShardMapView(msg)
 
 
-def _piece() -> Piece:
+def _piece(in_order: bool = False) -> Piece:
+    """A sparse piece; ``in_order``: its rows are the item's, in order (``positions`` None)."""
     ids = np.arange(0, 1000, 7, dtype=np.int64)
     values = np.arange(ids.shape[0] * 4, dtype=np.float32).reshape(-1, 4)
-    return Piece(0, "e", False, ids=ids, positions=np.arange(ids.shape[0]), values=values)
+    return Piece(0, "e", False, ids=ids, positions=None if in_order else np.arange(ids.shape[0]) * 2, values=values)
 
 
 @pytest.mark.parametrize("primaries", [[1], [0, 0, 0, 0]])
@@ -42,17 +43,19 @@ def test_a_table_on_one_server_goes_whole(primaries):
     assert list(out) == [server] and len(out[server]) == 1 and out[server][0] is piece     # not copied
 
 
-def test_a_table_over_two_servers_is_split_by_block():
+@pytest.mark.parametrize("in_order", [False, True])
+def test_a_table_over_two_servers_is_split_by_block(in_order):
     primaries = [0, 1, 1, 0]
-    piece = _piece()
+    piece = _piece(in_order)
     out = route(_view(primaries), JOB, [piece])
     owner = np.array(primaries)[sparse_block_of(piece.ids, 4)]
     assert sorted(out) == ["s0", "s1"]
     for server, (sub,) in out.items():
         mine = owner == int(server[1])
         assert np.array_equal(np.sort(sub.ids), piece.ids[mine])
-        assert np.array_equal(piece.ids[sub.positions], sub.ids)
-        assert np.array_equal(sub.values, piece.values[sub.positions])
+        rows = sub.positions if in_order else sub.positions // 2      # the item's rows they go to
+        assert np.array_equal(piece.ids[rows], sub.ids)
+        assert np.array_equal(sub.values, piece.values[rows])
 
 
 @pytest.mark.parametrize("primaries", [[-1], [-1, -1], [0, -1]])
@@ -79,3 +82,8 @@ def test_a_pulls_destination_is_one_contiguous_piece_of_its_output_or_none():
     assert got is not None and got.__array_interface__["data"][0] == out[3:].__array_interface__["data"][0]
     scattered = Piece(0, "e", False, ids=np.arange(5), positions=np.array([0, 2, 4, 6, 8]))
     assert destination([(scattered, None, 0, 5)], [out], 5 * 16) is None
+    in_order = Piece(0, "e", False, ids=np.arange(10))          # the item's rows, in order
+    got = destination([(in_order, None, 0, 10)], [out], 10 * 16)
+    assert got is not None and got.__array_interface__["data"][0] == out.__array_interface__["data"][0]
+    got = destination([(in_order, np.array([2, 3]), 0, 2)], [out], 2 * 16)
+    assert got is not None and got.__array_interface__["data"][0] == out[2:].__array_interface__["data"][0]

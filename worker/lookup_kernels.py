@@ -9,15 +9,16 @@
   ids. Torch adds them in the order its sort of the ids leaves (an unstable sort): the two
   agree to float32 rounding (a few units in the last place), not bit for bit.
 
-Why: torch's CPU backward passes sort or scan what one pass does. On one thread, the
-ctr batch (13,312 ids, 1,778 distinct, dim 16): ``F.embedding``'s 0.54 ms, this 0.045 ms,
-where the ctr step's whole forward and backward is about 0.85 ms; 512 bags of 20 ids (dim
-16): ``F.embedding_bag``'s backward 0.81 ms, this 0.085 ms.
+Why: torch's CPU backward passes sort or scan what one pass does. On one thread
+(``python -m shardps.tools.bench --only kernels``, keys ``kernel_lookup_*`` and
+``kernel_bag_*``), the ctr batch (13,312 ids, 1,778 distinct, dim 16): torch's 0.56-0.59
+ms, this 0.054 ms, where the ctr step's whole forward and backward is about 0.85 ms; 512
+bags of 20 ids (dim 16, sum): torch's backward 0.84-0.87 ms, this 0.090-0.093 ms.
 
 Torch's own backward runs on other devices and dtypes, without numba, for ``max`` bags,
 weights that take a gradient, and for fewer than ``MIN_IDS`` ids: there the autograd
-function's own overhead costs more than it saves (forward and backward: 256 ids 41 us
-against torch's 36 us, 1,024 ids 51 us against 75 us, the ctr batch 252 us against 859 us).
+function's own overhead costs more than it saves (forward and backward, the same command:
+256 ids 63-66 us against torch's 46-47 us, 1,024 ids 68-71 us against 91-95 us).
 A backward that builds a graph (``create_graph=True``, for a second derivative) is taken by
 differentiable torch operations instead: ``embedding_dense_backward``, and for bags an
 ``index_add`` of the same sums (torch's own bag backward has no derivative).
@@ -34,27 +35,15 @@ from shardps.kernels import _JIT, AVAILABLE, njit
 MIN_IDS = 512
 
 
-@njit(**_JIT)
-def _sum_rows(grad, inverse, out):
-    """``out[r] = sum of grad[i] where inverse[i] == r``, each row's in the order of ``i``."""
-    out[:] = 0.0
-    d = grad.shape[1]
-    for i in range(inverse.shape[0]):
-        r = inverse[i]
-        for j in range(d):
-            out[r, j] += grad[i, j]
-
-
 def sum_rows(grad: torch.Tensor, inverse: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """The gradient of ``num_rows`` looked-up rows: ``grad`` (``inverse.shape + (dim,)``)
-    summed per row ``inverse`` names (each in ``[0, num_rows)``)."""
+    """The gradient of ``num_rows`` looked-up rows (float32, on the CPU): ``grad``
+    (``inverse.shape + (dim,)``) summed per row ``inverse`` names (each in
+    ``[0, num_rows)``), each id a bag of its own for ``_sum_bags``."""
     dim = grad.shape[-1]
-    if AVAILABLE and grad.device.type == "cpu" and grad.dtype == torch.float32 and inverse.dtype == torch.int64:
-        out = np.empty((num_rows, dim), np.float32)
-        _sum_rows(grad.detach().reshape(-1, dim).contiguous().numpy(), inverse.reshape(-1).contiguous().numpy(),
-                  out)
-        return torch.from_numpy(out)
-    return torch.ops.aten.embedding_dense_backward(grad, inverse, num_rows, -1, False)
+    out = np.empty((num_rows, dim), np.float32)
+    _sum_bags(grad.detach().reshape(-1, dim).contiguous().numpy(), inverse.reshape(-1).long().contiguous().numpy(),
+              _EACH_ID, _EACH_ID, _NO_WEIGHTS, -1, False, out)
+    return torch.from_numpy(out)
 
 
 class _Lookup(torch.autograd.Function):
@@ -67,18 +56,22 @@ class _Lookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (inverse,) = ctx.saved_tensors
-        if torch.is_grad_enabled():         # create_graph: torch's backward, itself differentiable
+        if torch.is_grad_enabled() or grad.dtype != torch.float32:      # create_graph: differentiable
             return torch.ops.aten.embedding_dense_backward(grad, inverse, ctx.num_rows, -1, False), None
         return sum_rows(grad, inverse, ctx.num_rows), None
 
 
+def _compiled(rows: torch.Tensor, inverse: torch.Tensor) -> bool:
+    """Whether a lookup of ``inverse`` in ``rows`` takes the compiled backward: ``rows``
+    collect gradients, in float32 on the CPU, and there are ``MIN_IDS`` ids or more."""
+    return (AVAILABLE and rows.requires_grad and torch.is_grad_enabled() and rows.device.type == "cpu"
+            and rows.dtype == torch.float32 and inverse.numel() >= MIN_IDS)
+
+
 def lookup(rows: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     """``F.embedding(inverse, rows)``: the row of each index of ``inverse`` (any shape; int64
-    or int32), with the compiled backward of the module docstring when ``rows`` collects
-    gradients (and ``MIN_IDS`` ids or more)."""
-    if not rows.requires_grad or not torch.is_grad_enabled() or inverse.numel() < MIN_IDS:
-        return F.embedding(inverse, rows)
-    return _Lookup.apply(rows, inverse)
+    or int32), with the compiled backward of the module docstring where ``_compiled``."""
+    return _Lookup.apply(rows, inverse) if _compiled(rows, inverse) else F.embedding(inverse, rows)
 
 
 @njit(**_JIT)
@@ -86,10 +79,17 @@ def _sum_bags(grad, inverse, starts, ends, weights, padding, mean, out):
     """The rows' gradient of bags pooled by sum (``mean``: by mean) from ``out``'s rows: bag
     ``b`` is ``inverse[starts[b]:ends[b]]``; each row gets ``grad[b]``, times the id's weight
     (``weights``; size 0: none) or the bag's ``1 / ids`` (mean), for each of its ids in the
-    bag; ids equal to ``padding`` are left out (and not counted)."""
+    bag, in the order of the ids; ids equal to ``padding`` are left out (and not counted).
+    ``starts`` of size 0: each id is a bag of its own (a lookup's), summed as it is."""
     out[:] = 0.0
     d = grad.shape[1]
     n = inverse.shape[0]
+    if starts.shape[0] == 0:            # a lookup: a plain loop, which the compiler vectorises
+        for i in range(n):
+            r = inverse[i]
+            for j in range(d):
+                out[r, j] += grad[i, j]
+        return
     weighted = weights.shape[0] > 0
     for b in range(starts.shape[0]):
         lo = min(max(starts[b], 0), n)
@@ -141,6 +141,9 @@ class _BagLookup(torch.autograd.Function):
         if torch.is_grad_enabled():         # create_graph: the same sums by differentiable torch ops
             return (_bag_grad_torch(grad, inverse, starts, ends, weights, ctx.padding, ctx.mode == "mean",
                                     ctx.num_rows), None, None, None, None, None, None)
+        if grad.dtype != torch.float32:
+            return (_bag_grad_torch(grad, inverse, starts, ends, weights, ctx.padding, ctx.mode == "mean",
+                                    ctx.num_rows), None, None, None, None, None, None)
         out = np.empty((ctx.num_rows, grad.shape[1]), np.float32)
         _sum_bags(grad.detach().contiguous().numpy(), inverse.reshape(-1).long().contiguous().numpy(), starts, ends,
                   _NO_WEIGHTS if weights is None else weights.detach().reshape(-1).contiguous().numpy(),
@@ -149,6 +152,7 @@ class _BagLookup(torch.autograd.Function):
 
 
 _NO_WEIGHTS = np.empty(0, np.float32)
+_EACH_ID = np.empty(0, np.int64)         # no bags' bounds: each id its own bag
 
 
 def _bag_grad_torch(grad: torch.Tensor, inverse: torch.Tensor, starts: np.ndarray, ends: np.ndarray,
@@ -157,10 +161,11 @@ def _bag_grad_torch(grad: torch.Tensor, inverse: torch.Tensor, starts: np.ndarra
     derivative can be taken through it."""
     n = inverse.numel()
     lo = np.clip(starts, 0, n)
-    hi = np.maximum(np.clip(ends, 0, n), lo)
-    bag_of = torch.from_numpy(np.repeat(np.arange(lo.shape[0]), hi - lo))
-    at = torch.from_numpy(np.concatenate([np.arange(a, z) for a, z in zip(lo.tolist(), hi.tolist())] or
-                                         [np.empty(0, np.int64)]))
+    sizes = np.maximum(np.clip(ends, 0, n), lo) - lo
+    bags = np.repeat(np.arange(lo.shape[0]), sizes)
+    # each bag's ids: its start, plus the place of each id in its bag
+    at = torch.from_numpy(lo[bags] + np.arange(bags.shape[0]) - np.repeat(np.cumsum(sizes) - sizes, sizes))
+    bag_of = torch.from_numpy(bags)
     ids = inverse.reshape(-1).long()[at]
     keep = ids != (-1 if padding is None else padding)
     scale = torch.ones(at.shape[0], dtype=grad.dtype)
@@ -180,9 +185,7 @@ def bag_lookup(rows: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor 
     include_last_offset=..., padding_idx=padding)`` with the compiled backward of the module
     docstring where ``rows`` collects gradients (float32, on the CPU), the bags pool by sum
     or mean, ``per_sample_weights`` takes none and there are ``MIN_IDS`` ids or more."""
-    if (not rows.requires_grad or not torch.is_grad_enabled() or mode not in ("sum", "mean")
-            or not AVAILABLE or rows.device.type != "cpu" or rows.dtype != torch.float32
-            or inverse.numel() < MIN_IDS
+    if (not _compiled(rows, inverse) or mode not in ("sum", "mean")
             or (per_sample_weights is not None and (per_sample_weights.requires_grad
                                                     or per_sample_weights.dtype != torch.float32))):
         return F.embedding_bag(inverse, rows, offsets, mode=mode, per_sample_weights=per_sample_weights,
@@ -196,6 +199,5 @@ def warm_up() -> None:
     if not AVAILABLE:
         return
     inverse, bounds, grad = np.zeros(2, np.int64), np.zeros(1, np.int64), np.zeros((2, 2), np.float32)
-    _sum_rows(grad, inverse, np.empty((1, 2), np.float32))
     for weights in (_NO_WEIGHTS, np.zeros(2, np.float32)):
         _sum_bags(grad, inverse, bounds, bounds, weights, -1, False, np.empty((1, 2), np.float32))

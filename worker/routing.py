@@ -22,8 +22,8 @@ class Piece:
     """Part of request item ``item`` for table ``table``.
 
     Dense: the flat range [start, stop) whose output begins at ``offset`` in the item's output.
-    Sparse: ``ids`` (unique), whose rows go to ``positions`` of the item's output
-    (``ordered``: they are ``0, 1, ..., n - 1``, which a reply then fills as one span).
+    Sparse: ``ids`` (unique), whose rows go to ``positions`` of the item's output (None: to
+    its rows ``0, 1, ..., n - 1`` in order, which a reply then fills as one span).
     ``values`` (push): float32, dense 1-d or sparse [n, dim]. ``all_stored``: export pulls.
     """
 
@@ -37,7 +37,6 @@ class Piece:
     positions: np.ndarray | None = None
     values: np.ndarray | None = None
     all_stored: bool = False
-    ordered: bool = False
 
     @property
     def rows(self) -> int:
@@ -93,7 +92,7 @@ def _route_dense(t: TableView, p: Piece):
 
 
 def _route_sparse(t: TableView, p: Piece):
-    assert p.ids is not None and p.positions is not None     # a sparse piece carries both
+    assert p.ids is not None                # a sparse piece carries its ids
     if p.ids.shape[0] == 0:
         return
     if t.whole_on >= 0:
@@ -101,20 +100,23 @@ def _route_sparse(t: TableView, p: Piece):
         return
     if kernels.AVAILABLE:
         for server, pos in _rows_by_server(t, p.ids):
-            sub = Piece(p.item, p.table, False, ids=p.ids[pos], positions=p.positions[pos])
-            if p.values is not None:
-                sub.values = p.values[pos]
-            yield server, sub
+            yield server, _rows_of(p, pos)
         return
     blocks = kernels.sparse_block_of(p.ids, t.spec.num_blocks)
     servers = t.primary[blocks]
     if (servers < 0).any():
         raise _no_replica(t, int(blocks[np.flatnonzero(servers < 0)[0]]))
     for server, pos in kernels.group_by_key(servers, len(t.server_index)):
-        sub = Piece(p.item, p.table, False, ids=p.ids[pos], positions=p.positions[pos])
-        if p.values is not None:
-            sub.values = p.values[pos]
-        yield server, sub
+        yield server, _rows_of(p, pos)
+
+
+def _rows_of(p: Piece, pos: np.ndarray) -> Piece:
+    """The sparse piece of ``p``'s rows at ``pos``."""
+    assert p.ids is not None
+    sub = Piece(p.item, p.table, False, ids=p.ids[pos], positions=pos if p.positions is None else p.positions[pos])
+    if p.values is not None:
+        sub.values = p.values[pos]
+    return sub
 
 
 # One piece's part for one server, without copying its rows: (piece, positions, start, stop).

@@ -373,14 +373,15 @@ def _place_values(server: str, p: Piece, output: np.ndarray, payload: Payload, c
             return
         out[:] = dtypes.decode(payload.read(count * wire.itemsize), wire, count)
         return
-    run = None if wire is not WireDType.FLOAT32 else 0 if p.ordered else contiguous_start(p.positions)
+    run = None if wire is not WireDType.FLOAT32 else 0 if p.positions is None else contiguous_start(p.positions)
     rows = None if run is None else output[run:run + p.rows]
     if rows is not None and rows.flags.c_contiguous:
         if rows.size != count:
             raise Unavailable(f"pull from {server}: {count} values for {p.rows} rows of {rows.size // max(1, p.rows)}")
         payload.read_into(byte_view(rows))
         return
-    output[p.positions] = dtypes.decode(payload.read(count * wire.itemsize), wire, count).reshape(p.rows, -1)
+    where = slice(0, p.rows) if p.positions is None else p.positions
+    output[where] = dtypes.decode(payload.read(count * wire.itemsize), wire, count).reshape(p.rows, -1)
 
 
 def payload_bytes(request: PushRequest) -> int:

@@ -215,7 +215,7 @@ def dense_pull(item: int, t: TableView, start: int, stop: int | None, whole: boo
 
 def rows_pull(item: int, t: TableView, ids) -> tuple[Piece, np.ndarray, Finish]:
     unique, spread = distinct(as_ids(ids, t))
-    piece = Piece(item, t.name, False, ids=unique, positions=np.arange(unique.shape[0]), ordered=True)
+    piece = Piece(item, t.name, False, ids=unique)
     return piece, np.empty((unique.shape[0], t.spec.dim), np.float32), spread
 
 
@@ -288,7 +288,7 @@ def rows_push(item: int, t: TableView, ids, grads, allow_empty: bool = False) ->
         check_finite(t, grads, lambda i: f"row {i // dim} (id {int(ids[i // dim])}), column {i % dim} of "
                                          f"the gradient rows")
     ids, grads = kernels.coalesce(ids, grads, keep_order=True)
-    return Piece(item, t.name, False, ids=ids, positions=np.arange(ids.shape[0]), values=grads, ordered=True)
+    return Piece(item, t.name, False, ids=ids, values=grads)
 
 
 def many_push(item: int, t: TableView, request: tuple) -> Piece:

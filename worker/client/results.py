@@ -21,12 +21,8 @@ class BlockVersions(Mapping):
         self._replies: list[Versions] = []
         self._dict: dict[tuple[str, int], int] | None = None
 
-    def add(self, v: Versions) -> None:
-        self._replies.append(v)
-        self._dict = None
-
     def extend(self, versions: list[Versions]) -> None:
-        """``add`` each of ``versions``."""
+        """Keep a reply's ``versions`` (read only when the mapping is)."""
         if versions:
             self._replies += versions
             self._dict = None

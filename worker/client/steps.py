@@ -214,9 +214,9 @@ def _span(part, out: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
     if p.dense:
         lo = p.offset + (a - p.start)
         return out[lo:lo + (z - a)], _NO_ROWS
-    if positions is None and p.ordered:     # the piece whole, its rows in order
-        return out[:z - a], p.positions
-    where = p.positions if positions is None else positions if p.ordered else p.positions[positions]
+    if positions is None and p.positions is None:     # the piece whole, its rows in order
+        return out[:z - a], _NO_ROWS
+    where = positions if p.positions is None else p.positions if positions is None else p.positions[positions]
     start = contiguous_start(where)
     return (None if start is None else out[start:start + (z - a)]), where
 
