@@ -234,36 +234,31 @@ class Encoded:
         self.bases: list[int] = []
 
     def push_rows(self, table: str, ids: np.ndarray, positions: np.ndarray | None, values: np.ndarray) -> None:
-        n, ids_at = self._ids(ids, positions)
-        values_at, count = self._put(values, positions, n * values.shape[1])
+        n = ids.shape[0] if positions is None else positions.shape[0]
+        ids_at = (self.payload_bytes + 7) & ~7
+        values_at, count = ids_at + 8 * n, n * values.shape[1]
+        self.writes += ((ids_at, ids, positions), (values_at, values, positions))
+        self.payload_bytes = values_at + 4 * count
         self._segment(True, table, 2, n, 0, ids_at, values_at, count, 0)
 
     def push_range(self, table: str, start: int, stop: int, values: np.ndarray, bases: dict | None = None) -> None:
-        values_at, count = self._put(values, None, values.shape[0])
-        self._segment(True, table, 1, start, stop, NONE, values_at, count, len(bases) if bases else 0)
+        values_at = self.payload_bytes
+        self.writes.append((values_at, values, None))
+        self.payload_bytes = values_at + 4 * values.shape[0]
+        self._segment(True, table, 1, start, stop, NONE, values_at, values.shape[0], len(bases) if bases else 0)
         if bases:
             for pair in bases.items():
                 self.bases += pair
 
     def pull_rows(self, table: str, ids: np.ndarray, positions: np.ndarray | None) -> None:
-        n, ids_at = self._ids(ids, positions)
+        n = ids.shape[0] if positions is None else positions.shape[0]
+        ids_at = (self.payload_bytes + 7) & ~7
+        self.writes.append((ids_at, ids, positions))
+        self.payload_bytes = ids_at + 8 * n
         self._segment(False, table, 2, n, 0, ids_at, NONE, NONE, 0)
 
     def pull_range(self, table: str, start: int, stop: int) -> None:
         self._segment(False, table, 1, start, stop, NONE, NONE, NONE, 0)
-
-    def _ids(self, ids: np.ndarray, positions: np.ndarray | None) -> tuple[int, int]:
-        """A segment's ids into the payload at the next 8-byte boundary: (count, offset)."""
-        n = ids.shape[0] if positions is None else positions.shape[0]
-        self.payload_bytes = (self.payload_bytes + 7) & ~7
-        return n, self._put(ids, positions, n)[0]
-
-    def _put(self, array: np.ndarray, positions: np.ndarray | None, count: int) -> tuple[int, int]:
-        """``array[positions]`` (``count`` elements) next in the payload: (offset, count)."""
-        at = self.payload_bytes
-        self.writes.append((at, array, positions))
-        self.payload_bytes = at + array.dtype.itemsize * count
-        return at, count
 
     def _segment(self, pushing: bool, table: str, *fields: int) -> None:
         """A segment's header fields, its table's name index first (the push's and the pull's
