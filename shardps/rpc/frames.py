@@ -53,6 +53,7 @@ from typing import NamedTuple
 import numpy as np
 
 from shardps.errors import InvalidArgument
+from shardps.rpc import sockio
 from shardps.rpc.codec import byte_view
 
 MAGIC = b"SD"
@@ -155,6 +156,7 @@ KEEP_BUFFER_BYTES = 64 << 20               # receive buffers larger than this ar
 INITIAL_BUFFER_BYTES = 64 << 10
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)
 _TLS_COALESCE_BYTES = 64 << 10             # TLS: small pieces are joined into one record
+NATIVE_JOIN_BYTES = 64 << 10               # plain sockets: parts this small together are joined
 
 
 class FrameTooLarge(Exception):
@@ -193,11 +195,12 @@ class SocketTimer:
     timeout surfaces as BlockingIOError, which the I/O functions below turn into
     socket.timeout."""
 
-    __slots__ = ("sock", "kernel", "current")
+    __slots__ = ("sock", "kernel", "native", "current")
 
     def __init__(self, sock: socket.socket, tls: bool):
         self.sock = sock
         self.kernel = not tls
+        self.native = self.kernel and sockio.AVAILABLE      # frames through ``sockio``
         self.current = -1.0                 # the kernel timeout now set; 0: none; -1: unknown
         if self.kernel:
             sock.settimeout(None)
@@ -237,6 +240,7 @@ class FrameReader:
     def _new(self, size: int) -> None:
         self.buf = bytearray(size)
         self.view = memoryview(self.buf)
+        self.array = np.frombuffer(self.buf, np.uint8)
 
     def read_frame(self, timer: SocketTimer, max_body: int, deadline: float | None,
                    first_deadline: float | None = None, into: memoryview | None = None) -> Frame:
@@ -247,6 +251,8 @@ class FrameReader:
         its destination without a copy. Raises PeerClosed on EOF before any byte,
         ProtocolError, FrameTooLarge (when the declared body exceeds ``max_body``; the prefix
         alone was read), OSError."""
+        if timer.native:
+            return self._read_native(timer, max_body, deadline, first_deadline, into)
         try:
             return self._read_frame(timer, max_body, deadline, first_deadline, into)
         except BlockingIOError:                 # a kernel timeout (see SocketTimer)
@@ -299,6 +305,34 @@ class FrameReader:
         view = self._fill(timer, deadline, got, total, total)
         return Frame(prefix, view[PREFIX_BYTES:b], view[b:c], view[c:total])
 
+    def _read_native(self, timer: SocketTimer, max_body: int, deadline: float | None,
+                     first_deadline: float | None, into: memoryview | None) -> Frame:
+        """``read_frame`` in one compiled call (``sockio.recv_frame``), plain sockets only."""
+        if len(self.buf) > self.keep:
+            self._new(self.initial)
+        window = 0 if deadline is None or first_deadline is None else _ns(deadline - time.monotonic())
+        timer.arm(deadline)
+        target = sockio.NO_BYTES if into is None else np.frombuffer(into, np.uint8)
+        first = len(self.buf) if into is None else self.initial
+        got = 0
+        while True:
+            code, got, total = sockio.recv_frame(timer.sock.fileno(), self.array, got, first, target, _ns(deadline),
+                                                 window, _ns(first_deadline), max_body)
+            if code != sockio.GROW:
+                break
+            old = self.view                     # a larger buffer with the bytes read so far
+            self._new(min(max(total, 2 * len(self.buf)), self.keep) if total <= self.keep else total)
+            self.view[:got] = old[:got]
+        if code != sockio.OK:
+            _native_failure(code, got, total, self.view, max_body)
+        prefix = Prefix._make(PREFIX.unpack_from(self.view))
+        view = self.view
+        b = PREFIX_BYTES + prefix.message_len
+        c = b + prefix.header_len
+        if into is not None and prefix.payload_len and len(into) == prefix.payload_len:
+            return Frame(prefix, view[PREFIX_BYTES:b], view[b:c], into)
+        return Frame(prefix, view[PREFIX_BYTES:b], view[b:c], view[c:total])
+
     def _fill(self, timer: SocketTimer, deadline: float | None, got: int, end: int, total: int) -> memoryview:
         """The buffer's view once it holds the first ``end`` bytes of a frame of ``total``
         (``got`` read)."""
@@ -308,6 +342,29 @@ class FrameReader:
             self.view[:got] = old[:got]
         _receive(timer, deadline, self.view[:end], got, 0, total)
         return self.view
+
+
+def _ns(instant: float | None) -> int:
+    """A ``time.monotonic()`` instant (or span) in nanoseconds for ``sockio``; 0 for None."""
+    return 0 if instant is None else max(1, int(instant * 1e9))
+
+
+def _native_failure(code: int, got: int, total: int, view: memoryview, max_body: int):
+    """Raise what ``read_frame`` raises for ``sockio.recv_frame``'s failure ``code``."""
+    if code == sockio.TIMEOUT:
+        raise socket.timeout("timed out")
+    if code == sockio.PEER_CLOSED:
+        raise PeerClosed()
+    if code == sockio.CLOSED_IN_PREFIX:
+        raise ProtocolError(f"connection closed inside a frame prefix ({got} bytes)")
+    if code == sockio.CLOSED_IN_BODY:
+        raise ProtocolError(f"connection closed inside a frame ({got} of {total} bytes)")
+    if code == sockio.FAILED:                   # the errno in place of the length
+        raise OSError(total, os.strerror(total))
+    prefix = unpack_prefix(view)                # BAD_PREFIX raises here
+    if code == sockio.TOO_LARGE:
+        raise FrameTooLarge(prefix, max_body, got)
+    raise ProtocolError(f"{got - total} bytes followed a frame before its reply (one call at a time per connection)")
 
 
 def _receive(timer: SocketTimer, deadline: float | None, dest: memoryview, got: int, at: int, total: int) -> None:
@@ -344,9 +401,20 @@ def add_views(parts: list, buffers) -> int:
 
 
 def send_parts(timer: SocketTimer, parts: list, deadline: float | None) -> None:
-    """Send ``parts`` (byte views) in order by ``deadline`` (socket.timeout after):
-    scatter-gather ``sendmsg`` on plain sockets; on TLS sockets (no sendmsg) small parts are
-    joined and large ones sent as they are."""
+    """Send ``parts`` (byte views) in order by ``deadline`` (socket.timeout after). On plain
+    sockets: one compiled call (``sockio.send_all``) for one part, or for parts of at most
+    ``NATIVE_JOIN_BYTES`` together (joined: copying them costs less than the Python around
+    ``sendmsg``), else scatter-gather ``sendmsg``; on TLS sockets (no sendmsg) small parts
+    are joined and large ones sent as they are."""
+    if timer.native and (len(parts) == 1 or sum(map(len, parts)) <= NATIVE_JOIN_BYTES):
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        timer.arm(deadline)
+        code = sockio.send_all(timer.sock.fileno(), np.frombuffer(data, np.uint8), _ns(deadline))
+        if code == sockio.TIMEOUT:
+            raise socket.timeout("timed out")
+        if code != sockio.OK:
+            raise OSError(-code, os.strerror(-code))
+        return
     try:
         _send(timer, parts, deadline)
     except BlockingIOError:                     # a kernel timeout (see SocketTimer)
