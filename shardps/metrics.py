@@ -436,6 +436,29 @@ class WorkerMetrics:
                           ("training_job", "name", "rank"), registry=r)
         self._moved = Batch(r, self._record_moved)
         self._calls = Batch(r, self._record_calls)
+        self._steps = Batch(r, self._record_steps, every=64)
+
+    STEP_PHASES = ("pull_wait", "barrier_wait", "compute", "local_optimizer", "push_wait")
+
+    def step(self, job: str, samples: int, loss: float, samples_per_second: float, phases: tuple,
+             staleness: int) -> None:
+        """One training step of ``job``: its samples, loss, throughput, the seconds of each of
+        ``STEP_PHASES`` (in that order) and the staleness its pull saw, counted in batches
+        (one deque append on the training thread; the registry's scrape sees every step)."""
+        self._steps.add((job, samples, loss, samples_per_second, phases, staleness))
+
+    def _record_steps(self, events: list) -> None:
+        by_job: dict[str, list] = {}
+        for event in events:
+            by_job.setdefault(event[0], []).append(event)
+        for job, steps in by_job.items():
+            labelled(self.steps, job).inc(len(steps))
+            labelled(self.samples, job).inc(sum(e[1] for e in steps))
+            labelled(self.loss, job).set(steps[-1][2])
+            labelled(self.samples_per_second, job).set(steps[-1][3])
+            for k, phase in enumerate(self.STEP_PHASES):
+                observe_all(labelled(self.step_seconds, job, phase), [e[4][k] for e in steps])
+            observe_all(labelled(self.staleness, job), [e[5] for e in steps])
 
     def moved(self, pushed_bytes: int, pushed_rows: int, pushed_sparse: int, pulled_bytes: int, pulled_rows: int,
               pulled_sparse: int) -> None:

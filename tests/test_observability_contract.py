@@ -101,6 +101,24 @@ def test_every_metrics_registry_has_the_process_and_platform_collectors():
         assert info.samples[0].labels["implementation"]
 
 
+def test_a_workers_steps_reach_its_metrics_at_the_next_scrape():
+    """``WorkerMetrics.step`` batches the training loop's per-step metrics; a collection of
+    the registry (a scrape) sees every step recorded so far."""
+    m = WorkerMetrics()
+    for k in range(3):
+        m.step("j", 512, 0.5 - k / 10, 1000.0 + k, (0.001, 0.0, 0.002, 0.0, 0.0005 * k), k)
+    r = m.registry
+    assert r.get_sample_value("shardps_worker_steps_total", {"training_job": "j"}) == 3
+    assert r.get_sample_value("shardps_worker_samples_total", {"training_job": "j"}) == 3 * 512
+    assert r.get_sample_value("shardps_worker_loss", {"training_job": "j"}) == pytest.approx(0.3)
+    assert r.get_sample_value("shardps_worker_samples_per_second", {"training_job": "j"}) == 1002.0
+    for phase, total in (("compute", 0.006), ("push_wait", 0.0015), ("barrier_wait", 0.0)):
+        labels = {"training_job": "j", "phase": phase}
+        assert r.get_sample_value("shardps_worker_step_phase_seconds_count", labels) == 3
+        assert r.get_sample_value("shardps_worker_step_phase_seconds_sum", labels) == pytest.approx(total)
+    assert r.get_sample_value("shardps_worker_staleness_steps_sum", {"training_job": "j"}) == 3
+
+
 def _declared(metrics) -> dict[str, tuple[str, frozenset[str]]]:
     """The metric objects of a Metrics instance (and its ``grpc`` part): name, type, labels
     (prometheus_client keeps the label names of a metric in ``_labelnames``)."""

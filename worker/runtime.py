@@ -240,18 +240,10 @@ def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=Fals
             client.progress.update(step=ps_model.step, loss=lv,
                                    samples_per_second=samples / max(1e-9, time.perf_counter() - started))
             if metrics is not None:
-                metrics.steps.labels(job).inc()
-                metrics.samples.labels(job).inc(len(b))
-                metrics.loss.labels(job).set(lv)
-                metrics.samples_per_second.labels(job).set(client.progress["samples_per_second"])
-                metrics.step_seconds.labels(job, "pull_wait").observe(ps_model.timings["pull_wait"] - pull0)
-                metrics.step_seconds.labels(job, "barrier_wait").observe(
-                    ps_model.timings["barrier_wait"] - barrier0)
-                metrics.step_seconds.labels(job, "compute").observe(t2 - t1)
                 stepped = ps_model.timings["local_optimizer"] - stepped0
-                metrics.step_seconds.labels(job, "local_optimizer").observe(stepped)
-                metrics.step_seconds.labels(job, "push_wait").observe(t3 - t2 - stepped)
-                metrics.staleness.labels(job).observe(client.last_staleness)
+                metrics.step(job, len(b), lv, client.progress["samples_per_second"],
+                             (ps_model.timings["pull_wait"] - pull0, ps_model.timings["barrier_wait"] - barrier0,
+                              t2 - t1, stepped, t3 - t2 - stepped), client.last_staleness)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(epoch=epoch, loss=f"{lv:.4f}")
