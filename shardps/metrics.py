@@ -436,7 +436,7 @@ class WorkerMetrics:
                           ("training_job", "name", "rank"), registry=r)
         self._moved = Batch(r, self._record_moved)
         self._calls = Batch(r, self._record_calls)
-        self._steps = Batch(r, self._record_steps, every=64)
+        self._steps = Batch(r, self._record_steps, every=256)
 
     STEP_PHASES = ("pull_wait", "barrier_wait", "compute", "local_optimizer", "push_wait")
 
@@ -448,17 +448,17 @@ class WorkerMetrics:
         self._steps.add((job, samples, loss, samples_per_second, phases, staleness))
 
     def _record_steps(self, events: list) -> None:
-        by_job: dict[str, list] = {}
-        for event in events:
-            by_job.setdefault(event[0], []).append(event)
-        for job, steps in by_job.items():
-            labelled(self.steps, job).inc(len(steps))
-            labelled(self.samples, job).inc(sum(e[1] for e in steps))
-            labelled(self.loss, job).set(steps[-1][2])
-            labelled(self.samples_per_second, job).set(steps[-1][3])
-            for k, phase in enumerate(self.STEP_PHASES):
-                observe_all(labelled(self.step_seconds, job, phase), [e[4][k] for e in steps])
-            observe_all(labelled(self.staleness, job), [e[5] for e in steps])
+        jobs = dict.fromkeys(list(zip(*events))[0])
+        for job in jobs:
+            _, samples, losses, speeds, phases, staleness = zip(*(events if len(jobs) == 1 else
+                                                                  [e for e in events if e[0] == job]))
+            labelled(self.steps, job).inc(len(samples))
+            labelled(self.samples, job).inc(sum(samples))
+            labelled(self.loss, job).set(losses[-1])
+            labelled(self.samples_per_second, job).set(speeds[-1])
+            for phase, seconds in zip(self.STEP_PHASES, zip(*phases)):
+                observe_all(labelled(self.step_seconds, job, phase), seconds)
+            observe_all(labelled(self.staleness, job), staleness)
 
     def moved(self, pushed_bytes: int, pushed_rows: int, pushed_sparse: int, pulled_bytes: int, pulled_rows: int,
               pulled_sparse: int) -> None:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from shardps import kernels
-from shardps.rpc import step
+from shardps.rpc import sockio, step, step_reply
 from shardps.server import optimizers
 from shardps.server.node import optimizer_kernels
 from shardps.tables import adagrad, adam, constant, initial_values, normal, sgd, uniform, zeros
@@ -182,7 +182,10 @@ def test_warm_up_compiles_every_kernel_for_the_data_paths_types():
     optimizer_kernels.warm_up()
     lookup_kernels.warm_up()
     step.warm_up()
-    for fn in (lookup_kernels._sum_bags, step._walk_entries,
+    step_reply.warm_up()
+    sockio.warm_up()
+    for fn in (lookup_kernels._sum_bags, step_reply._walk_entries, step._check_segments, step._check_layout,
+               sockio.send_all, sockio.recv_frame,
                optimizer_kernels._sgd, optimizer_kernels._adagrad, optimizer_kernels._adam,
                kernels._hash_unique, kernels._block_of,
                kernels._group, kernels._init_uniform, kernels._init_units, kernels._distinct,
@@ -201,7 +204,7 @@ import json, numpy as np, torch
 from shardps import kernels
 from shardps.server.node import optimizer_kernels, storage_kernels
 from shardps.server.node.node import warm_up_kernels
-from shardps.rpc import step
+from shardps.rpc import sockio, step, step_reply
 from shardps.worker import PSClient, adagrad, adam, sgd, lookup_kernels
 from shardps.worker.torch_ps import PSEmbedding, PSModel
 from tests.conftest import InProcessCluster
@@ -229,7 +232,7 @@ try:
 finally:
     cluster.stop()
 print(json.dumps({name: len(fn.stats.cache_misses)
-                  for module in (kernels, storage_kernels, optimizer_kernels, lookup_kernels, step)
+                  for module in (kernels, storage_kernels, optimizer_kernels, lookup_kernels, step, step_reply, sockio)
                   for name, fn in vars(module).items() if getattr(fn, "stats", None) is not None
                   and fn.stats.cache_misses}))
 """

@@ -117,6 +117,13 @@ def test_a_workers_steps_reach_its_metrics_at_the_next_scrape():
         assert r.get_sample_value("shardps_worker_step_phase_seconds_count", labels) == 3
         assert r.get_sample_value("shardps_worker_step_phase_seconds_sum", labels) == pytest.approx(total)
     assert r.get_sample_value("shardps_worker_staleness_steps_sum", {"training_job": "j"}) == 3
+    m.step("k", 64, 0.9, 5.0, (0.0, 0.0, 0.25, 0.0, 0.0), 0)          # two jobs in one batch
+    m.step("j", 512, 0.1, 7.0, (0.0, 0.0, 0.125, 0.0, 0.0), 0)
+    assert r.get_sample_value("shardps_worker_steps_total", {"training_job": "j"}) == 4
+    assert r.get_sample_value("shardps_worker_samples_total", {"training_job": "k"}) == 64
+    assert r.get_sample_value("shardps_worker_step_phase_seconds_sum",
+                              {"training_job": "k", "phase": "compute"}) == 0.25
+    assert r.get_sample_value("shardps_worker_loss", {"training_job": "j"}) == pytest.approx(0.1)
 
 
 def _declared(metrics) -> dict[str, tuple[str, frozenset[str]]]:

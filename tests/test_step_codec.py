@@ -1,5 +1,5 @@
-"""A Step reply's versions as the client reads them (``shardps.rpc.step.read_reply``): what
-the server wrote (``step.reply``), each entry given to the push or the pull by its segment
+"""A Step reply's versions as the client reads them (``shardps.rpc.step_reply.read_reply``): what
+the server wrote (``step_reply.reply``), each entry given to the push or the pull by its segment
 in whatever order the entries come, and every reply that does not fit refused by name;
 with numba and without it alike."""
 
@@ -13,7 +13,7 @@ import pytest
 from shardps import kernels
 from shardps.errors import InvalidArgument
 from shardps.messages import RANGE, ROWS, Header, Layout, PullReply, PushAck, Slice, StepReply, StepRequest, Versions
-from shardps.rpc import step
+from shardps.rpc import step, step_reply
 
 
 @pytest.fixture(params=["compiled", "python"])
@@ -50,7 +50,7 @@ def _plain(versions: list[Versions]) -> list[tuple]:
 
 def test_a_reply_reads_back_as_the_server_wrote_it(walker):
     request, sent = _request(), _reply()
-    ack, pulled, elements, shared = step.read_reply(step.reply(sent, request, True), _names(request), 2, 3)
+    ack, pulled, elements, shared = step_reply.read_reply(step_reply.reply(sent, request, True), _names(request), 2, 3)
     assert _plain(ack.versions) == _plain(sent.ack.versions) and ack.duplicate_blocks == 2
     assert _plain(pulled.versions) == _plain(sent.pull.versions)
     assert (pulled.payload_bytes, pulled.min_clock, pulled.waited_seconds) == (224, 4, 0.25)
@@ -59,7 +59,7 @@ def test_a_reply_reads_back_as_the_server_wrote_it(walker):
 
 def _entries(raw: bytes, n_pull: int) -> tuple[bytes, list[bytes]]:
     """(the reply's fixed part, its versions entries as written)."""
-    at = step.REPLY.size + 8 * n_pull
+    at = step_reply.REPLY.size + 8 * n_pull
     head, entries = raw[:at], []
     while at < len(raw):
         n = struct.unpack_from("<I", raw, at + 4)[0]
@@ -71,9 +71,9 @@ def _entries(raw: bytes, n_pull: int) -> tuple[bytes, list[bytes]]:
 
 def test_entries_in_any_order_go_to_the_push_or_the_pull_by_their_segment(walker):
     request, sent = _request(), _reply()
-    head, entries = _entries(step.reply(sent, request, False), 3)
+    head, entries = _entries(step_reply.reply(sent, request, False), 3)
     shuffled = head + b"".join(entries[i] for i in (2, 0, 4, 1, 3))     # pull, push, pull, push, pull
-    ack, pulled, _, _ = step.read_reply(shuffled, _names(request), 2, 3)
+    ack, pulled, _, _ = step_reply.read_reply(shuffled, _names(request), 2, 3)
     assert _plain(ack.versions) == _plain(sent.ack.versions)
     assert _plain(pulled.versions) == [_plain(sent.pull.versions)[i] for i in (0, 2, 1)]
 
@@ -87,14 +87,15 @@ def test_entries_in_any_order_go_to_the_push_or_the_pull_by_their_segment(walker
 ])
 def test_a_reply_that_does_not_fit_is_refused_by_name(walker, damage, named):
     request, sent = _request(), _reply()
-    head, entries = _entries(step.reply(sent, request, False), 3)
+    head, entries = _entries(step_reply.reply(sent, request, False), 3)
     with pytest.raises(InvalidArgument, match=named):
-        step.read_reply(damage(head, entries), _names(request), 2, 3)
+        step_reply.read_reply(damage(head, entries), _names(request), 2, 3)
 
 
 def test_a_reply_without_versions_reads_without_walking(walker):
     request = StepRequest(Header("job"), push=[Slice("w", RANGE, 0, 8)])
-    ack, pulled, elements, _ = step.read_reply(step.reply(StepReply(PushAck()), request, False), ["w"], 1, 0)
+    raw = step_reply.reply(StepReply(PushAck()), request, False)
+    ack, pulled, elements, _ = step_reply.read_reply(raw, ["w"], 1, 0)
     assert ack.versions == [] and pulled.versions == [] and elements == ()
     with pytest.raises(InvalidArgument, match="follow its end"):
-        step.read_reply(step.reply(StepReply(PushAck()), request, False) + bytes(8), ["w"], 1, 0)
+        step_reply.read_reply(step_reply.reply(StepReply(PushAck()), request, False) + bytes(8), ["w"], 1, 0)

@@ -13,7 +13,7 @@ import numpy as np
 
 from shardps import authz, names
 from shardps.errors import InvalidArgument, ResourceExhausted, ShardpsError
-from shardps.rpc import step
+from shardps.rpc import step, step_reply
 from shardps.rpc.frames import FLAG_PACKED
 from shardps.rpc.shm import ServerRegions
 from shardps.rpc.status import grpc_code
@@ -70,14 +70,14 @@ class StepService:
                 reply = self.node.step(request, deadline, out)
             pulled = reply.pull
             if pulled is None:
-                return step.reply(reply, request, False), ()
+                return step_reply.reply(reply, request, False), ()
             if region is None:
                 if pulled.in_shared_memory:         # written into the scratch buffer: sent from there
                     pulled.in_shared_memory = False
-                    return step.reply(reply, request, False), [out[:pulled.payload_bytes]]
+                    return step_reply.reply(reply, request, False), [out[:pulled.payload_bytes]]
                 if MIN_SCRATCH <= pulled.payload_bytes <= MAX_SCRATCH:
                     state["scratch"] = np.empty(pulled.payload_bytes, np.uint8)     # for the next ones
-            return step.reply(reply, request, pulled.in_shared_memory), reply.values
+            return step_reply.reply(reply, request, pulled.in_shared_memory), reply.values
         except ShardpsError as exc:
             code = grpc_code(exc).name
             self.refused(exc)

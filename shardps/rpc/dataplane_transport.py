@@ -32,7 +32,7 @@ from google.protobuf.message import DecodeError
 from shardps.errors import InvalidArgument, Unavailable, UnknownRegion
 from shardps.messages import PullRequest, PushAck, PushRequest
 from shardps.protos.v1 import parameter_server_pb2 as ps
-from shardps.rpc import messages, packed, step
+from shardps.rpc import messages, packed, step, step_reply
 from shardps.rpc.codec import byte_view, write_into
 from shardps.rpc.dataplane import DataPlanePool
 from shardps.rpc.dataplane_client import answered as server_answered
@@ -253,7 +253,7 @@ class DataPlaneTransport:
 
         def use(raw: bytes, view: memoryview):
             ack, reply, elements, shared = _decoded(
-                server, lambda b: step.read_reply(b, encoded.segment_tables, n_push, n_pull), raw)
+                server, lambda b: step_reply.read_reply(b, encoded.segment_tables, n_push, n_pull), raw)
             total = 4 * sum(elements)
             if shared:
                 if region is None or total > region.size:

@@ -57,7 +57,7 @@ import numpy as np
 from shardps import kernels
 from shardps.errors import InvalidArgument
 from shardps.kernels import _JIT, njit
-from shardps.messages import RANGE, ROWS, Header, PullReply, PushAck, Slice, StepReply, StepRequest, Versions
+from shardps.messages import RANGE, ROWS, Header, Slice, StepRequest
 
 VERSION = 1
 SHARED, PUSH, PULL = 1, 2, 4
@@ -65,8 +65,6 @@ _FLAGS = SHARED | PUSH | PULL
 HEAD = struct.Struct("<BBHHHIIQQQQqqQQQQ")
 SEGMENT_FIELDS = 8
 SEGMENT_BYTES = 8 * SEGMENT_FIELDS
-REPLY = struct.Struct("<BBHIqdQ")
-_ENTRY = struct.Struct("<II")
 _SELECTORS = {1: RANGE, 2: ROWS}
 _SELECTOR_CODES = {RANGE: 1, ROWS: 2}
 NONE = -1
@@ -121,10 +119,10 @@ class Region:
         return max(self.payload_offset + self.payload_bytes, self.reply_offset + self.reply_bytes)
 
 
-def read_request(buf) -> tuple[StepRequest, Region | None, list[tuple[int, int, int]]]:
+def read_request(buf) -> tuple[StepRequest, Region | None, np.ndarray]:
     """A Step request header: (the request, its slices without their arrays; the region it
-    names or None; where each slice's arrays lie in the payload: (ids offset, values offset,
-    values count), -1 for none). ``bind`` then gives the slices their arrays."""
+    names or None; its segments' fields, ``[segments, SEGMENT_FIELDS]``, checked in one
+    compiled pass). ``bind`` then gives the slices their arrays."""
     if len(buf) < HEAD.size:
         raise InvalidArgument(f"step header: {len(buf)} bytes, at least {HEAD.size} needed")
     (version, flags, n, n_push, names_bytes, kind, wire, epoch, incarnation, sequence, acked_below, clock,
@@ -148,64 +146,93 @@ def read_request(buf) -> tuple[StepRequest, Region | None, list[tuple[int, int, 
     if len(names) < 3:
         raise InvalidArgument(f"step header: {len(names)} names; job, session and region come first")
     header = Header(names[0], epoch, names[1], incarnation, sequence, acked_below, clock, wire)
-    fields = struct.unpack_from(f"<{n * SEGMENT_FIELDS}q", buf, HEAD.size) if n else ()
-    push: list[Slice] | None = [] if flags & PUSH else None
-    pull: list[Slice] | None = [] if flags & PULL else None
-    layout = []
-    bases_at = end
-    for i in range(n):
-        name, selector, start, stop, ids_at, values_at, values_count, bases = \
-            fields[i * SEGMENT_FIELDS:(i + 1) * SEGMENT_FIELDS]
-        which = _SELECTORS.get(selector)
-        if which is None:
-            raise InvalidArgument(f"step segment {i}: selector {selector}; known: 1 (range), 2 (rows)")
-        if not 3 <= name < len(names):
-            raise InvalidArgument(f"step segment {i}: name {name} is not a table's ({len(names) - 3} named)")
-        pushing = i < n_push
-        if pushing == (values_at == NONE) or (which is ROWS) == (ids_at == NONE):
-            raise InvalidArgument(f"step segment {i}: a push segment carries values, a pull segment none; "
-                                  f"rows carry ids, a range none")
-        s = Slice(names[name], which, start, stop)
-        if bases:
-            if not pushing or bases < 0 or bases_at + 16 * bases > len(buf):
-                raise InvalidArgument(f"step segment {i}: {bases} base versions (push segments only, inside "
-                                      f"the header)")
-            pairs = struct.unpack_from(f"<{2 * bases}q", buf, bases_at)
-            s.base_versions = dict(zip(pairs[::2], pairs[1::2]))
-            bases_at += 16 * bases
-        (push if pushing else pull).append(s)   # type: ignore[union-attr]
-        layout.append((ids_at, values_at, values_count))
-    if bases_at != len(buf):
-        raise InvalidArgument(f"step header: {len(buf) - bases_at} bytes follow its end at byte {bases_at}")
+    fields = np.frombuffer(buf, "<i8", n * SEGMENT_FIELDS, HEAD.size).reshape(n, SEGMENT_FIELDS)
+    bad, why = _check_segments(fields, n_push, len(names), (len(buf) - end) // 16)
+    if bad >= 0:
+        raise InvalidArgument(f"step segment {bad}: " + _SEGMENT_ERRORS[why].format(fields[bad, 7], len(names) - 3,
+                                                                                      *fields[bad, :2]))
+    if (len(buf) - end) != 16 * int(fields[:, 7].sum()):
+        raise InvalidArgument(f"step header: {len(buf) - end - 16 * int(fields[:, 7].sum())} bytes follow its end")
+    rows = fields.tolist()
+    push = [Slice(names[f[0]], _SELECTORS[f[1]], f[2], f[3]) for f in rows[:n_push]] if flags & PUSH else None
+    pull = [Slice(names[f[0]], _SELECTORS[f[1]], f[2], f[3]) for f in rows[n_push:]] if flags & PULL else None
+    if push and (fields[:n_push, 7] > 0).any():        # a dense range's base versions
+        pairs = np.frombuffer(buf, "<i8", offset=end).tolist()
+        at = 0
+        for s, f in zip(push, rows):
+            if f[7]:
+                s.base_versions = dict(zip(pairs[at:at + 2 * f[7]:2], pairs[at + 1:at + 2 * f[7]:2]))
+                at += 2 * f[7]
     region = None
     if flags & SHARED:
         region = Region(names[2], payload_offset, payload_bytes, reply_offset, reply_bytes)
-    return StepRequest(header, kind, push, pull, pull_clock), region, layout
+    return StepRequest(header, kind, push, pull, pull_clock), region, fields
 
 
-def bind(request: StepRequest, layout: list[tuple[int, int, int]], payload) -> None:
-    """Give ``request``'s slices their arrays (``layout``: ``read_request``'s): views of
-    ``payload`` (the frame's payload, or the region's bytes). InvalidArgument for a range
-    outside ``payload``, a misaligned one, or a negative count."""
+_SEGMENT_ERRORS = ("selector {3}; known: 1 (range), 2 (rows)",
+                   "name {2} is not a table's ({1} named)",
+                   "a push segment carries values, a pull segment none; rows carry ids, a range none",
+                   "{0} base versions (push segments only, inside the header)")
+
+
+@njit(**_JIT)
+def _check_segments(fields, n_push, names, room):
+    """(the first segment that breaks a rule, or -1; which rule: an index of
+    ``_SEGMENT_ERRORS``). ``room``: the (block, version) pairs the header has room for."""
+    for i in range(fields.shape[0]):
+        name, selector, ids_at, values_at, bases = fields[i, 0], fields[i, 1], fields[i, 4], fields[i, 5], fields[i, 7]
+        if selector != 1 and selector != 2:
+            return i, 0
+        if name < 3 or name >= names:
+            return i, 1
+        pushing = i < n_push
+        if pushing == (values_at == NONE) or (selector == 2) == (ids_at == NONE):
+            return i, 2
+        if bases and (not pushing or bases < 0 or bases > room):
+            return i, 3
+        room -= bases
+    return -1, 0
+
+
+def bind(request: StepRequest, fields: np.ndarray, payload) -> None:
+    """Give ``request``'s slices their arrays (``fields``: ``read_request``'s segments):
+    views of ``payload`` (the frame's payload, or the region's bytes). InvalidArgument for a
+    range outside ``payload``, a misaligned one, or a negative count."""
     size = len(payload)
-    i8 = f4 = None
-    slices = [*(request.push or ()), *(request.pull or ())]
-    for k, (s, (ids_at, values_at, values_count)) in enumerate(zip(slices, layout)):
-        if s.selector is ROWS:
-            count = s.start
-            if count < 0 or ids_at < 0 or ids_at % 8 or ids_at + 8 * count > size:
-                raise InvalidArgument(f"step segment {k} ({s.table!r}): {count} ids at byte {ids_at} do not fit a "
-                                      f"payload of {size} bytes at an 8-byte boundary")
-            if i8 is None:
-                i8 = np.frombuffer(payload, np.int64, size // 8)
+    bad = _check_layout(fields, size)
+    if bad >= 0:
+        f = fields[bad].tolist()
+        if f[1] == 2 and not _fits(f[2], f[4], 8, size):
+            raise InvalidArgument(f"step segment {bad}: {f[2]} ids at byte {f[4]} do not fit a payload of {size} "
+                                  f"bytes at an 8-byte boundary")
+        raise InvalidArgument(f"step segment {bad}: {f[6]} values at byte {f[5]} do not fit a payload of {size} "
+                              f"bytes at a 4-byte boundary")
+    i8 = np.frombuffer(payload, np.int64, size // 8)
+    f4 = np.frombuffer(payload, np.float32, size // 4)
+    for s, (_, selector, count, _, ids_at, values_at, values_count, _) in zip(
+            [*(request.push or ()), *(request.pull or ())], fields.tolist()):
+        if selector == 2:
             s.ids = i8[ids_at // 8:ids_at // 8 + count]
         if values_at != NONE:
-            if values_count < 0 or values_at < 0 or values_at % 4 or values_at + 4 * values_count > size:
-                raise InvalidArgument(f"step segment {k} ({s.table!r}): {values_count} values at byte {values_at} "
-                                      f"do not fit a payload of {size} bytes at a 4-byte boundary")
-            if f4 is None:
-                f4 = np.frombuffer(payload, np.float32, size // 4)
             s.values = f4[values_at // 4:values_at // 4 + values_count]
+
+
+@njit(**_JIT)
+def _fits(count, at, width, size):
+    """Whether ``count`` items of ``width`` bytes at byte ``at`` (a multiple of ``width``) lie
+    inside ``size`` bytes; compared without multiplying (no overflow for hostile counts)."""
+    return count >= 0 and at >= 0 and at % width == 0 and at <= size and count <= (size - at) // width
+
+
+@njit(**_JIT)
+def _check_layout(fields, size):
+    """The first segment whose arrays do not fit ``size`` payload bytes, or -1."""
+    for i in range(fields.shape[0]):
+        if fields[i, 1] == 2 and not _fits(fields[i, 2], fields[i, 4], 8, size):
+            return i
+        if fields[i, 5] != NONE and not _fits(fields[i, 6], fields[i, 5], 4, size):
+            return i
+    return -1
 
 
 class Encoded:
@@ -329,153 +356,12 @@ def encode(request: StepRequest) -> Encoded:
     return out
 
 
-# ====================================================================== replies
-def reply(step: StepReply, request: StepRequest, shared: bool) -> bytes:
-    """The reply header of ``step`` to ``request`` (``shared``: its values are in the
-    request's region)."""
-    ack, pull = step.ack, step.pull
-    n_push = len(request.push) if request.push is not None else 0
-    out: list = []
-    entries = 0
-    if ack is not None:
-        entries += _versions(out, ack.versions, request.push or (), 0)
-    if pull is not None:
-        entries += _versions(out, pull.versions, request.pull or (), n_push)
-    elements = struct.pack(f"<{len(pull.segments)}Q", *(s.elements for s in pull.segments)) if pull else b""
-    head = REPLY.pack(VERSION, SHARED if shared else 0, entries, ack.duplicate_blocks if ack else 0,
-                      pull.min_clock if pull else 0, pull.waited_seconds if pull else 0.0,
-                      pull.payload_bytes if pull else 0)
-    return b"".join((head, elements, *out))
-
-
-def _versions(out: list, versions: list[Versions], slices, first: int) -> int:
-    """Append each table's versions as an entry naming the first slice of that table."""
-    index: dict[str, int] = {}
-    for k, s in enumerate(slices):
-        index.setdefault(s.table, first + k)
-    for v in versions:
-        blocks = np.asarray(v.blocks, dtype="<u4")
-        n = blocks.shape[0]
-        out.append(_ENTRY.pack(index[v.table], n))
-        out.append(blocks.tobytes())
-        if n % 2:
-            out.append(b"\0\0\0\0")
-        out.append(np.asarray(v.versions, dtype="<u8").tobytes())
-    return len(versions)
-
-
-def read_reply(buf: bytes, names: list[str], n_push: int, n_pull: int
-               ) -> tuple[PushAck, PullReply, tuple[int, ...], bool]:
-    """A Step reply header to a request of ``n_push`` then ``n_pull`` segments whose tables
-    are ``names`` (one per segment): (the push's ack, the pull's reply without its segments'
-    layouts, the values each pull segment returned, whether they are in the region).
-    InvalidArgument for anything that does not fit."""
-    size = len(buf)
-    end = REPLY.size + 8 * n_pull
-    if size < end:
-        raise InvalidArgument(f"step reply: {size} bytes, at least {end} needed")
-    version, flags, entries, duplicates, min_clock, waited, payload_bytes = REPLY.unpack_from(buf)
-    if version != VERSION:
-        raise InvalidArgument(f"step reply: version {version}; this side reads {VERSION}")
-    elements = struct.unpack_from(f"<{n_pull}Q", buf, REPLY.size) if n_pull else ()
-    ack = PushAck(duplicate_blocks=duplicates)
-    pulled = PullReply(payload_bytes=payload_bytes, min_clock=min_clock, waited_seconds=waited,
-                       in_shared_memory=bool(flags & SHARED))
-    if entries:
-        ack.versions, pulled.versions = _read_versions(buf, end, entries, names, n_push)
-    elif end != size:
-        raise InvalidArgument(f"step reply: {size - end} bytes follow its end at byte {end}")
-    return ack, pulled, elements, bool(flags & SHARED)
-
-
-def _read_versions(buf: bytes, at: int, entries: int, names: list[str], n_push: int
-                   ) -> tuple[list[Versions], list[Versions]]:
-    """The ``entries`` versions entries from byte ``at`` to the end of ``buf``: (the push
-    segments', the pull segments'), each a view of ``buf``."""
-    size = len(buf)
-    if kernels.AVAILABLE:
-        table = np.empty((entries, 4), np.int64)
-        done, pushes = _walk_entries(np.frombuffer(buf, np.uint8), at, entries, len(names), n_push, table)
-    else:
-        done, pushes, table = _walk_entries_py(buf, at, entries, len(names), n_push)
-    if done < 0:
-        raise InvalidArgument(f"step reply: versions entry {-1 - done} of {entries} does not fit its {size} bytes "
-                              f"(or names a segment the request has not)")
-    if done != size:
-        raise InvalidArgument(f"step reply: {size - done} bytes follow its end at byte {done}")
-    u4, u8 = np.frombuffer(buf, "<u4", size // 4), np.frombuffer(buf, "<u8", size // 8)
-    rows = table.tolist()
-    return ([Versions(names[s], u4[b:b + n], u8[v:v + n]) for s, n, b, v in rows[:pushes]],
-            [Versions(names[s], u4[b:b + n], u8[v:v + n]) for s, n, b, v in rows[pushes:]])
-
-
-@njit(**_JIT)
-def _walk_entries(raw, at, count, segments, n_push, table):
-    """Walk ``count`` versions entries of a reply (``raw``: its bytes) from byte ``at``:
-    each one's (segment, blocks, where its blocks start in 4-byte words, where its versions
-    start in 8-byte words) into ``table``, the push segments' entries first (each part's in
-    order). Returns (the byte after the last entry, or -1 - k where entry k does not fit or
-    names no segment; the push segments' entries)."""
-    size = raw.shape[0]
-    start = at
-    pushes = 0
-    seen = np.empty((count, 2), np.int64)
-    for k in range(count):              # first: every entry fits, and how many are the push's
-        if at + 8 > size:
-            return -1 - k, 0
-        segment = np.int64(0)
-        n = np.int64(0)
-        for j in range(4):
-            segment |= np.int64(raw[at + j]) << (8 * j)
-            n |= np.int64(raw[at + 4 + j]) << (8 * j)
-        seen[k, 0] = segment
-        seen[k, 1] = n
-        at += 8 + ((4 * n + 7) & ~7) + 8 * n
-        if segment >= segments or at > size:
-            return -1 - k, 0
-        if segment < n_push:
-            pushes += 1
-    push, pull, at = 0, pushes, start
-    for k in range(count):              # then: the rows, the push's first
-        segment, n = seen[k, 0], seen[k, 1]
-        row = push if segment < n_push else pull
-        if segment < n_push:
-            push += 1
-        else:
-            pull += 1
-        table[row, 0] = segment
-        table[row, 1] = n
-        table[row, 2] = (at + 8) // 4
-        table[row, 3] = (at + 8 + ((4 * n + 7) & ~7)) // 8
-        at += 8 + ((4 * n + 7) & ~7) + 8 * n
-    return at, pushes
-
-
-def _walk_entries_py(buf: bytes, at: int, count: int, segments: int, n_push: int) -> tuple[int, int, np.ndarray]:
-    """``_walk_entries`` without numba (the table as a list of rows)."""
-    size = len(buf)
-    push: list = []
-    pull: list = []
-    for k in range(count):
-        if at + 8 > size:
-            return -1 - k, 0, _NO_ENTRIES
-        segment, n = _ENTRY.unpack_from(buf, at)
-        blocks_at = at + 8
-        versions_at = blocks_at + pad8(4 * n)
-        at = versions_at + 8 * n
-        if segment >= segments or at > size:
-            return -1 - k, 0, _NO_ENTRIES
-        (push if segment < n_push else pull).append((segment, n, blocks_at // 4, versions_at // 8))
-    return at, len(push), np.array(push + pull, dtype=np.int64).reshape(-1, 4)
-
-
-_NO_ENTRIES = np.empty((0, 4), np.int64)
-
-
 def warm_up() -> None:
-    """Compile (or load from numba's cache) the reply's walk, for the read-only bytes a
-    reply is."""
+    """Compile (or load from numba's cache) the request's checks, for a server's writable
+    frame buffer and for bytes."""
     if kernels.AVAILABLE:
-        raw = np.zeros(16, np.uint8)
-        raw.flags.writeable = False
-        _walk_entries(raw, 0, 1, 1, 1, np.empty((1, 4), np.int64))
+        for writable in (True, False):
+            fields = np.zeros((1, SEGMENT_FIELDS), np.int64)
+            fields.flags.writeable = writable
+            _check_segments(fields, 0, 3, 0)
+            _check_layout(fields, 0)
