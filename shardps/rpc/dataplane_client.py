@@ -139,8 +139,12 @@ class DataPlaneConnection:
         Raises as ``call`` (then nothing is held)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         mid = method if type(method) is int and 0 < method <= frames.MAX_METHOD_ID else frames.method_id(method)
-        parts: list = [b""]                     # the prefix goes first
-        hlen = frames.add_views(parts, (header,)) if header else 0
+        if type(header) is bytes:               # the prefix goes first
+            parts: list = [b"", header] if header else [b""]
+            hlen = len(header)
+        else:
+            parts = [b""]
+            hlen = frames.add_views(parts, (header,)) if header else 0
         plen = frames.add_views(parts, payload) if payload else 0
         self._lock.acquire()
         try:

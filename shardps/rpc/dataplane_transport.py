@@ -36,7 +36,7 @@ from shardps.rpc import messages, packed, step, step_reply
 from shardps.rpc.codec import byte_view, write_into
 from shardps.rpc.dataplane import DataPlanePool
 from shardps.rpc.dataplane_client import answered as server_answered
-from shardps.rpc.frames import FLAG_PACKED, FLAG_SHARED
+from shardps.rpc.frames import FLAG_PACKED, FLAG_SHARED, METHOD_IDS
 from shardps.rpc.grpc_transport import SERVICE, GrpcTransport
 from shardps.rpc.payload import Payload
 from shardps.rpc.status import from_rpc_error
@@ -53,6 +53,7 @@ SHARED_BYTES = 256 << 10
 # A Step frame's payload and reply values this large together go through a region: the frame
 # is written in place either way, and the server reads and writes the region in place
 STEP_SHARED_BYTES = 32 << 10
+_STEP = METHOD_IDS["Step"]
 T = TypeVar("T")
 
 
@@ -234,7 +235,7 @@ class DataPlaneTransport:
                 reply_into = byte_view(into)          # the same memory: into is contiguous
         started = time.perf_counter()
         try:
-            sent = self.pool.start(plane.address, "Step", head, parts, timeout=timeout, flags=FLAG_PACKED,
+            sent = self.pool.start(plane.address, _STEP, head, parts, timeout=timeout, flags=FLAG_PACKED,
                                    reply_into=reply_into)
         except BaseException as exc:
             self._step_failed(address, exc, started)

@@ -312,26 +312,23 @@ class FrameReader:
             self._new(self.initial)
         window = 0 if deadline is None or first_deadline is None else _ns(deadline - time.monotonic())
         timer.arm(deadline)
-        target = sockio.NO_BYTES if into is None else np.frombuffer(into, np.uint8)
-        first = len(self.buf) if into is None else self.initial
-        got = 0
-        while True:
-            code, got, total = sockio.recv_frame(timer.sock.fileno(), self.array, got, first, target, _ns(deadline),
-                                                 window, _ns(first_deadline), max_body)
-            if code != sockio.GROW:
-                break
-            old = self.view                     # a larger buffer with the bytes read so far
+        target, first = (sockio.NO_BYTES, len(self.buf)) if into is None else (np.frombuffer(into, np.uint8),
+                                                                                self.initial)
+        code, got, total = sockio.recv_frame(timer.sock.fileno(), self.array, 0, first, target, _ns(deadline),
+                                             window, _ns(first_deadline), max_body)
+        while code == sockio.GROW:              # a larger buffer, with the bytes read so far
+            old = self.view
             self._new(min(max(total, 2 * len(self.buf)), self.keep) if total <= self.keep else total)
             self.view[:got] = old[:got]
+            code, got, total = sockio.recv_frame(timer.sock.fileno(), self.array, got, first, target,
+                                                 _ns(deadline), window, _ns(first_deadline), max_body)
         if code != sockio.OK:
             _native_failure(code, got, total, self.view, max_body)
         prefix = Prefix._make(PREFIX.unpack_from(self.view))
-        view = self.view
-        b = PREFIX_BYTES + prefix.message_len
+        view, b = self.view, PREFIX_BYTES + prefix.message_len
         c = b + prefix.header_len
-        if into is not None and prefix.payload_len and len(into) == prefix.payload_len:
-            return Frame(prefix, view[PREFIX_BYTES:b], view[b:c], into)
-        return Frame(prefix, view[PREFIX_BYTES:b], view[b:c], view[c:total])
+        return Frame(prefix, view[PREFIX_BYTES:b], view[b:c], into if target.shape[0] == prefix.payload_len > 0
+                     else view[c:total])
 
     def _fill(self, timer: SocketTimer, deadline: float | None, got: int, end: int, total: int) -> memoryview:
         """The buffer's view once it holds the first ``end`` bytes of a frame of ``total``

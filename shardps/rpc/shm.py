@@ -15,7 +15,9 @@ themselves.
 
 from __future__ import annotations
 
+import bisect
 import mmap
+import operator
 import os
 import re
 import secrets
@@ -26,6 +28,7 @@ from shardps.errors import InvalidArgument, PermissionDenied, ResourceExhausted,
 
 SHM_DIR = "/dev/shm"
 NAME_RE = re.compile(r"shardps-[0-9a-f]{16,64}")     # whole-string matches only (fullmatch)
+_SIZE = operator.attrgetter("size")
 
 
 class Region:
@@ -143,8 +146,8 @@ class ServerRegions:
 
 class ClientRegions:
     """A pool of regions a client writes requests into and servers write replies into.
-    ``acquire`` hands a region of at least ``size`` bytes to one call; ``release`` returns it.
-    Thread-safe."""
+    ``acquire`` hands a region of at least ``size`` bytes to one call (the smallest free one
+    that fits: the free ones are kept by size); ``release`` returns it. Thread-safe."""
 
     def __init__(self, max_bytes: int = 1 << 31):
         self.max_bytes = max_bytes
@@ -154,16 +157,14 @@ class ClientRegions:
 
     def acquire(self, size: int) -> Region:
         with self._lock:
-            fits = [r for r in self._free if r.size >= size]
-            if fits:
-                region = min(fits, key=lambda r: r.size)
-                self._free.remove(region)
-                return region
+            for k, free in enumerate(self._free):   # smallest first: the first that fits
+                if free.size >= size:
+                    return self._free.pop(k)
             total = sum(r.size for r in self._all)
             capacity = max(1 << 20, 1 << (max(size, 1) - 1).bit_length())
             if total + capacity > self.max_bytes:
                 if self._free:                       # make room: drop the smallest free ones
-                    for r in sorted(self._free, key=lambda r: r.size):
+                    for r in list(self._free):          # kept by size: smallest first
                         self._free.remove(r)
                         self._all.remove(r)
                         r.close()
@@ -179,7 +180,7 @@ class ClientRegions:
     def release(self, region: Region) -> None:
         """Give back a region whose call was answered: the next call may reuse it."""
         with self._lock:
-            self._free.append(region)
+            bisect.insort(self._free, region, key=_SIZE)
 
     def retire(self, region: Region) -> None:
         """Drop a region whose call failed without an answer (a timeout, a broken

@@ -49,7 +49,6 @@ past a buffer.
 from __future__ import annotations
 
 import functools
-import math
 import struct
 
 import numpy as np
@@ -240,7 +239,8 @@ class Encoded:
     (``push_rows``, ``push_range``, ``pull_rows``, ``pull_range``: the push's segments go
     first in the header whatever the order they come in): the header's flat fields per
     segment, the tables' names, the payload's size (``payload_bytes``) and where each array
-    goes in it (``writes``: (offset, array, positions or None): ``array[positions]`` there).
+    goes in it (``writes``: (offset, array, positions or None, end): ``array[positions]`` at
+    [offset, end)).
     A segment's arrays are the caller's whole
     arrays (sparse values ``[n, dim]``, a dense range's values flat); ``positions`` (None:
     all) picks the rows it carries. ``push``: a push part even without segments (a clock
@@ -264,14 +264,14 @@ class Encoded:
         n = ids.shape[0] if positions is None else positions.shape[0]
         ids_at = (self.payload_bytes + 7) & ~7
         values_at, count = ids_at + 8 * n, n * values.shape[1]
-        self.writes += ((ids_at, ids, positions), (values_at, values, positions))
         self.payload_bytes = values_at + 4 * count
+        self.writes += ((ids_at, ids, positions, values_at), (values_at, values, positions, self.payload_bytes))
         self._segment(True, table, 2, n, 0, ids_at, values_at, count, 0)
 
     def push_range(self, table: str, start: int, stop: int, values: np.ndarray, bases: dict | None = None) -> None:
         values_at = self.payload_bytes
-        self.writes.append((values_at, values, None))
         self.payload_bytes = values_at + 4 * values.shape[0]
+        self.writes.append((values_at, values, None, self.payload_bytes))
         self._segment(True, table, 1, start, stop, NONE, values_at, values.shape[0], len(bases) if bases else 0)
         if bases:
             for pair in bases.items():
@@ -280,8 +280,8 @@ class Encoded:
     def pull_rows(self, table: str, ids: np.ndarray, positions: np.ndarray | None) -> None:
         n = ids.shape[0] if positions is None else positions.shape[0]
         ids_at = (self.payload_bytes + 7) & ~7
-        self.writes.append((ids_at, ids, positions))
         self.payload_bytes = ids_at + 8 * n
+        self.writes.append((ids_at, ids, positions, self.payload_bytes))
         self._segment(False, table, 2, n, 0, ids_at, NONE, NONE, 0)
 
     def pull_range(self, table: str, start: int, stop: int) -> None:
@@ -318,7 +318,7 @@ class Encoded:
         aligned; the rows a segment selects gathered, the others as they are)."""
         out: list = []
         at = 0
-        for offset, array, positions in self.writes:
+        for offset, array, positions, _ in self.writes:
             if offset > at:
                 out.append(bytes(offset - at))
             data = array if positions is None else np.take(array, positions, axis=0)
@@ -329,14 +329,9 @@ class Encoded:
     def write(self, buf: np.ndarray) -> None:
         """Write the payload into ``buf`` (a uint8 array of ``payload_bytes`` or more: a
         shared-memory region's view)."""
-        for offset, array, positions in self.writes:
-            n = array.shape[0] if positions is None else positions.shape[0]
-            shape = (n,) + array.shape[1:]
-            dest = buf[offset:offset + array.dtype.itemsize * math.prod(shape)].view(array.dtype).reshape(shape)
-            if positions is None:
-                np.copyto(dest, array)
-            else:
-                np.take(array, positions, axis=0, out=dest, mode="clip")
+        for offset, array, positions, end in self.writes:
+            dest = buf[offset:end].view(array.dtype).reshape(-1, *array.shape[1:])
+            np.copyto(dest, array) if positions is None else np.take(array, positions, axis=0, out=dest, mode="clip")
 
 
 def encode(request: StepRequest) -> Encoded:
