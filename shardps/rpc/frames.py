@@ -327,8 +327,8 @@ class FrameReader:
         prefix = Prefix._make(PREFIX.unpack_from(self.view))
         view, b = self.view, PREFIX_BYTES + prefix.message_len
         c = b + prefix.header_len
-        return Frame(prefix, view[PREFIX_BYTES:b], view[b:c], into if target.shape[0] == prefix.payload_len > 0
-                     else view[c:total])
+        payload = into if into is not None and target.shape[0] == prefix.payload_len > 0 else view[c:total]
+        return Frame(prefix, view[PREFIX_BYTES:b], view[b:c], payload)
 
     def _fill(self, timer: SocketTimer, deadline: float | None, got: int, end: int, total: int) -> memoryview:
         """The buffer's view once it holds the first ``end`` bytes of a frame of ``total``
