@@ -20,6 +20,9 @@ not move; a block that several runs of one push reach takes one optimizer step f
 
 from __future__ import annotations
 
+import collections
+import itertools
+import operator
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -27,6 +30,9 @@ import torch
 from torch import nn
 
 from shardps.errors import InvalidArgument
+
+_GRAD = operator.attrgetter("grad")
+_FLAT = torch.Tensor.flatten
 
 
 class DenseBucket:
@@ -78,11 +84,11 @@ class DenseBucket:
 
     def gradients(self) -> list[tuple[int, torch.Tensor]]:
         """(start, flat gradient) to push: the whole bucket in one piece when every parameter
-        has a gradient, else each run of neighbours that have one; none without gradients."""
-        grads = [p.grad for p in self.params]
-        if all(g is not None for g in grads):       # one parameter: its own gradient, not a copy
-            flat = [g.reshape(-1) for g in grads]   # type: ignore[union-attr]
-            return [(0, flat[0] if len(flat) == 1 else torch.cat(flat))]
+        has a gradient, else each run of neighbours that have one; none without gradients.
+        The common case walks the parameters in C (``map``), not a Python loop per tensor."""
+        grads = list(map(_GRAD, self.params))
+        if all(map(operator.is_not, grads, itertools.repeat(None))):   # one: its own gradient, not a copy
+            return [(0, grads[0].reshape(-1) if len(grads) == 1 else torch.cat(list(map(_FLAT, grads))))]
         runs: list[tuple[int, list[torch.Tensor]]] = []
         end = -1
         for g, a, z in zip(grads, self.offsets, self.offsets[1:]):
@@ -96,8 +102,8 @@ class DenseBucket:
         return [(a, torch.cat(gs)) for a, gs in runs]
 
     def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
+        """Every parameter's gradient to None (in C: ``map`` over the parameters)."""
+        collections.deque(map(setattr, self.params, itertools.repeat("grad"), itertools.repeat(None)), maxlen=0)
 
     def values(self) -> torch.Tensor:
         """The parameters' values as the flat table (a copy on the CPU)."""

@@ -22,12 +22,15 @@ Not thread-safe: the training thread drives it.
 
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 import torch
+
+_ON_CPU = operator.attrgetter("is_cpu")
 
 MIN_STAGING_BYTES = 64 << 10      # a staging buffer's least size: small pulls share one size
 MAX_STAGING_BUFFERS = 16          # per dtype: copies in flight at once before the host waits
@@ -170,7 +173,7 @@ class DeviceCopies:
         step's dense values are a handful of small arrays, each a copy and an event of its
         own otherwise)."""
         if device.type == "cpu":
-            return [torch.from_numpy(a) for a in arrays]
+            return list(map(torch.from_numpy, arrays))
         if device.type != "cuda":
             return [torch.from_numpy(a).to(device) for a in arrays]
         started = time.perf_counter()
@@ -206,6 +209,8 @@ class DeviceCopies:
         """Each tensor as a numpy array on the host. The CPU: ``tensor.detach().numpy()`` (a
         view). A GPU: every copy is started, then one wait for them all; each array owns its
         pinned buffer."""
+        if all(map(_ON_CPU, tensors)):         # the CPU: views, the tensors walked in C
+            return list(map(torch.Tensor.numpy, map(torch.Tensor.detach, tensors)))
         started = time.perf_counter()
         out: list[np.ndarray | torch.Tensor] = []
         waited: dict[torch.device, torch.cuda.Stream] = {}
