@@ -172,6 +172,20 @@ def _changed(c, ids, before):
     return None if np.array_equal(got, before) else (got,)
 
 
+def test_malformed_request_lists_are_refused_naming_the_request(cluster, client_factory):
+    c = client_factory(cluster.address)
+    c.create_job()
+    c.create_dense("a", (4,), optimizer=sgd(1.0))
+    with pytest.raises(InvalidArgument, match="must be a list of tuples, got str"):
+        c.pull_many("a")
+    for bad, shown in (([("a",), []], r"\[\]"), ([("a",), (3,)], r"\(3,\)"), ([("a",), "a"], "'a'")):
+        with pytest.raises(InvalidArgument, match=f"pull request {shown}: expected a tuple whose first item"):
+            c.pull_many(bad)
+        with pytest.raises(InvalidArgument, match=f"push request {shown}: expected a tuple"):
+            c.push_many([("a", np.ones(4, np.float32)), *bad[1:]])
+    np.testing.assert_array_equal(c.pull_dense("a"), c.pull_many([["a"]]).values[0])   # lists do too
+
+
 def test_several_tables_in_one_request_and_state_dict(cluster, client_factory):
     c = client_factory(cluster.address)
     c.create_job()

@@ -221,16 +221,17 @@ class PSClient(ManagerCalls, TableTransfer):
         return self._calls.submit(self._pull_dense_call(table, start, stop, timeout, clock))
 
     def _pull_dense_call(self, table, start, stop, timeout, clock):
-        return self._pull_call([rq.dense_pull(0, self.table(table), start, stop, None)], timeout, clock, True)
+        return self._pull_call([rq.dense_pull(0, self._admin.table(table), start, stop, None)], timeout, clock, True)
 
     def pull_rows(self, table: str, ids, timeout: float | None = None, clock: int | None = None) -> np.ndarray:
         """Rows of ``ids`` (int64, any order, repeats allowed): float32 ``[len(ids), dim]``.
         Each distinct id travels once; never-pushed rows come back at their initial value."""
-        return self._pull_call([rq.rows_pull(0, self.table(table), ids)], timeout, clock, True)()
+        return self._pull_call([rq.rows_pull(0, self._admin.table(table), ids)], timeout, clock, True)()
 
     def pull_rows_async(self, table: str, ids, timeout: float | None = None,
                         clock: int | None = None) -> futures.Future:
-        return self._calls.submit(self._pull_call([rq.rows_pull(0, self.table(table), ids)], timeout, clock, True))
+        return self._calls.submit(self._pull_call([rq.rows_pull(0, self._admin.table(table), ids)], timeout, clock,
+                                                  True))
 
     def pull_many(self, requests: Sequence[tuple], timeout: float | None = None,
                   clock: int | None = None) -> PullResult:
@@ -245,7 +246,7 @@ class PSClient(ManagerCalls, TableTransfer):
         return self._calls.submit(self._pull_many_call(requests, timeout, clock))
 
     def _pull_many_call(self, requests, timeout, clock):
-        return self._pull_call([rq.many_pull(i, self.table(r[0]), r)
+        return self._pull_call([rq.many_pull(i, self._admin.table(r[0]), r)
                                 for i, r in enumerate(rq.request_list(requests, "pull"))],
                                timeout, clock, False)
 
@@ -275,8 +276,9 @@ class PSClient(ManagerCalls, TableTransfer):
     def _exchange_call(self, push_requests, pull_requests, clock, timeout, report_step):
         """A function running the exchange (arguments checked now)."""
         rq.check_call(timeout, clock)
-        pushes = [rq.many_push(i, self.table(r[0]), r) for i, r in enumerate(rq.request_list(push_requests, "push"))]
-        pulls = [rq.many_pull(i, self.table(r[0]), r) for i, r in enumerate(rq.request_list(pull_requests, "pull"))]
+        table = self._admin.table
+        pushes = [rq.many_push(i, table(r[0]), r) for i, r in enumerate(rq.request_list(push_requests, "push"))]
+        pulls = [rq.many_pull(i, table(r[0]), r) for i, r in enumerate(rq.request_list(pull_requests, "pull"))]
 
         def run():
             pushed, pulled = self._data.exchange(pushes, [p for p, _, _ in pulls], [o for _, o, _ in pulls],
@@ -291,23 +293,23 @@ class PSClient(ManagerCalls, TableTransfer):
         """Push a float32 gradient: of the whole table (in the table's shape, or flat), or,
         with ``start=``, of the flat range beginning there (flat, or whole rows beginning at
         a row boundary). Another shape or dtype is refused (InvalidArgument)."""
-        return self._push_call([rq.dense_push(0, self.table(table), grad, start)], timeout, clock)()
+        return self._push_call([rq.dense_push(0, self._admin.table(table), grad, start)], timeout, clock)()
 
     def push_dense_async(self, table: str, grad, start: int | None = None, timeout: float | None = None,
                          clock: int | None = None) -> futures.Future:
-        return self._calls.submit(self._push_call([rq.dense_push(0, self.table(table), grad, start)],
+        return self._calls.submit(self._push_call([rq.dense_push(0, self._admin.table(table), grad, start)],
                                                   timeout, clock))
 
     def push_rows(self, table: str, ids, grads, timeout: float | None = None,
                   clock: int | None = None) -> PushResult:
         """Push gradient rows for ``ids`` (repeated ids are summed before sending)."""
-        return self._push_call([rq.rows_push(0, self.table(table), ids, grads, allow_empty=True)],
+        return self._push_call([rq.rows_push(0, self._admin.table(table), ids, grads, allow_empty=True)],
                                timeout, clock)()
 
     def push_rows_async(self, table: str, ids, grads, timeout: float | None = None,
                         clock: int | None = None) -> futures.Future:
         return self._calls.submit(self._push_call(
-            [rq.rows_push(0, self.table(table), ids, grads, allow_empty=True)], timeout, clock))
+            [rq.rows_push(0, self._admin.table(table), ids, grads, allow_empty=True)], timeout, clock))
 
     def push_many(self, requests: Sequence[tuple], timeout: float | None = None,
                   clock: int | None = None, report_step: bool = False) -> PushResult:
@@ -321,7 +323,7 @@ class PSClient(ManagerCalls, TableTransfer):
         return self._calls.submit(self._push_many_call(requests, timeout, clock, report_step))
 
     def _push_many_call(self, requests, timeout, clock, report_step):
-        pieces = [rq.many_push(i, self.table(r[0]), r) for i, r in enumerate(rq.request_list(requests, "push"))]
+        pieces = [rq.many_push(i, self._admin.table(r[0]), r) for i, r in enumerate(rq.request_list(requests, "push"))]
         return self._push_call(pieces, timeout, clock, report_step)
 
     def _push_call(self, pieces, timeout, clock, report_step: bool = False, kind: int = GRADIENT):
@@ -331,7 +333,7 @@ class PSClient(ManagerCalls, TableTransfer):
     def initialize_dense(self, table: str, values, timeout: float | None = None) -> PushResult:
         """Write the initial values of an ASSIGNED table (the first writer wins; later calls
         are acknowledged and ignored). ``values`` covers the whole table."""
-        piece = rq.initial_values(self.table(table), values)
+        piece = rq.initial_values(self._admin.table(table), values)
         return self._push_call([piece], timeout, None, kind=INITIALIZE)()
 
     # ================================================================== steps

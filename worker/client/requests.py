@@ -22,7 +22,9 @@
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 from typing import Callable
 
 import numpy as np
@@ -37,6 +39,7 @@ Finish = Callable[[np.ndarray], np.ndarray]       # pulled values -> what the ca
 
 
 _F32, _I64 = np.dtype(np.float32), np.dtype(np.int64)
+_FIRST = operator.itemgetter(0)
 
 
 def _dtype_name(values) -> str | None:
@@ -190,10 +193,11 @@ def request_list(requests, what: str) -> list:
     tuples (or lists) whose first item is a table name; InvalidArgument otherwise."""
     if not isinstance(requests, (list, tuple)):
         raise InvalidArgument(f"{what} requests must be a list of tuples, got {type(requests).__name__}")
-    for r in requests:
-        if not isinstance(r, (list, tuple)) or not r or not isinstance(r[0], str):
-            raise InvalidArgument(f"{what} request {r!r}: expected a tuple whose first item is a "
-                                  f"table name")
+    # checked in C (``map``), the offending request found only when there is one
+    if not (all(map(isinstance, requests, itertools.repeat((list, tuple)))) and all(requests)
+            and all(map(isinstance, map(_FIRST, requests), itertools.repeat(str)))):
+        bad = next(r for r in requests if not isinstance(r, (list, tuple)) or not r or not isinstance(r[0], str))
+        raise InvalidArgument(f"{what} request {bad!r}: expected a tuple whose first item is a table name")
     return list(requests)
 
 

@@ -12,6 +12,7 @@ twice.
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -50,7 +51,7 @@ class StepCalls:
     def take(self, pieces: list[Piece]) -> bool:
         """Whether Step frames may carry ``pieces``: float32 on the wire and no export pull
         (the servers' support is asked per call, in ``run``)."""
-        return self.enabled and not any(p.all_stored for p in pieces)
+        return self.enabled and not any(map(_ALL_STORED, pieces))
 
     def run(self, push: list[Piece] | None, kind: int, pull: list[Piece] | None, outputs: list | None,
             deadline: float, seq: int = 0, clock: int = 0, pull_clock: int = 0, report: bool = False
@@ -204,6 +205,7 @@ DIRECT_REPLY_BYTES = 256 << 10        # a server's pulled values from this size 
 
 
 _NO_ROWS = np.empty(0, np.int64)
+_ALL_STORED = operator.attrgetter("all_stored")
 
 
 def _span(part, out: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
