@@ -28,6 +28,7 @@ from shardps.server.node.blocks import (
     BlockLocks,
     DenseBlock,
     SparseRows,
+    bump_versions,
     decode_metadata,
     remember_all,
 )
@@ -230,8 +231,7 @@ class BackupApplier:
                 return 0
             with rows.lock:
                 rows.apply_rows(t.config, ids, grad)
-            for blk in done:
-                blk.version += 1
+            bump_versions(done)
             remember_all(done, w)
         return len(done)
 

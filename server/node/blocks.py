@@ -13,6 +13,7 @@ Plain numpy; no grpc, no torch.
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import operator
 import threading
@@ -29,8 +30,8 @@ from shardps.server.node.storage import DIRECT_INDEX_MAX_ROWS, MAPPED_MIN_BYTES,
 from shardps.tables import InitKind, TableConfig, TableKind, TableSpec, dense_initial_values
 
 __all__ = ["DIRECT_INDEX_MAX_ROWS", "MAPPED_MIN_BYTES", "VERSION_OF", "AnyBlock", "Block", "BlockKey", "BlockLocks",
-           "DenseBlock", "SparseBlock", "SparseRows", "Writer", "WriterRecord", "applied_any", "decode_metadata",
-           "encode_metadata", "new_block", "remember_all", "storage", "stored"]
+           "DenseBlock", "SparseBlock", "SparseRows", "Writer", "WriterRecord", "applied_any", "bump_versions",
+           "decode_metadata", "encode_metadata", "new_block", "remember_all", "storage", "stored"]
 
 BlockKey = tuple[str, str, int]   # (job, table, block index)
 _ROW0 = np.zeros(1, dtype=np.int64)
@@ -376,6 +377,13 @@ class BlockLocks:
 _LOCK_OF = operator.attrgetter("lock")
 VERSION_OF = operator.attrgetter("version")
 _ACQUIRE, _RELEASE = operator.methodcaller("acquire"), operator.methodcaller("release")
+
+
+def bump_versions(blocks) -> None:
+    """Each of ``blocks``' version one up (locks held), walked in C: a push's dozens of blocks
+    without Python per block."""
+    collections.deque(map(setattr, blocks, itertools.repeat("version"),
+                          map(operator.add, map(VERSION_OF, blocks), itertools.repeat(1))), maxlen=0)
 
 
 def _each(method, items) -> None:

@@ -27,7 +27,16 @@ import numpy as np
 
 from shardps.blockops import ACCUMULATE, APPLY, APPLY_ROWS, BlockOp
 from shardps.messages import Layout, PullReply, PushAck, Versions
-from shardps.server.node.blocks import VERSION_OF, AnyBlock, BlockLocks, DenseBlock, Writer, applied_any, remember_all
+from shardps.server.node.blocks import (
+    VERSION_OF,
+    AnyBlock,
+    BlockLocks,
+    DenseBlock,
+    Writer,
+    applied_any,
+    bump_versions,
+    remember_all,
+)
 from shardps.server.node.plan import Plan, Unit
 from shardps.server.node.table import BlockTable
 
@@ -92,8 +101,7 @@ def accumulate(table: BlockTable, plan: Plan, job: str, writer: Writer, step: in
                 blk.accumulate(step, (ids, rows))
                 if has:
                     ops.append(_op(blk, u, writer, [ids, rows], step, id_count=ids.shape[0], element_count=rows.size))
-        for blk in plan.blocks:         # tracked as pending by check_step_open
-            blk.version += 1
+        bump_versions(plan.blocks)      # tracked as pending by check_step_open
         remember_all(plan.blocks, writer)
         if ops:
             _set_versions(ops, 0)
@@ -170,8 +178,7 @@ def _apply_here(plan: Plan, updates_between) -> None:
         rows = u.entry.rows
         with rows.lock:
             rows.apply_rows(config, u.ids, u.values)
-        for blk in u.objects:
-            blk.version += 1
+        bump_versions(u.objects)
 
 
 def _ack(plan: Plan) -> PushAck:
