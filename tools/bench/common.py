@@ -47,9 +47,19 @@ def ratio(a: float, b: float) -> float:
 def in_process_cluster(servers: int = 1):
     """(manager, [servers]): a manager (replication 1) and ``servers`` servers as threads of
     this process on loopback (port 0), as ``shardps local`` starts them but without child
-    processes, so that a bench can reach into them. Stop the servers, then the manager."""
+    processes, so that a bench can reach into them. Stop the servers, then the manager.
+
+    The server's and the worker's kernels are compiled (or loaded from numba's cache) first:
+    in one process, a compile holds the interpreter lock, on a fresh machine for long enough
+    that the servers' heartbeats miss their leases."""
+    import logging
+
+    from shardps.server.node.node import warm_up_kernels
     from shardps.server.processes import ManagerProcess, ServerProcess
     from shardps.settings import ManagerProcessSettings, ServerProcessSettings, Serving
+    from shardps.worker.runtime import prepare_kernels
+    warm_up_kernels()
+    prepare_kernels(logging.getLogger("shardps.bench"))
     manager = ManagerProcess(ManagerProcessSettings(serving=Serving(listen="127.0.0.1:0", metrics_port=-1),
                                                     replication=1)).start()
     return manager, [ServerProcess(ServerProcessSettings(serving=Serving(listen="127.0.0.1:0", metrics_port=-1),

@@ -230,8 +230,7 @@ class PSClient(ManagerCalls, TableTransfer):
 
     def pull_rows_async(self, table: str, ids, timeout: float | None = None,
                         clock: int | None = None) -> futures.Future:
-        return self._calls.submit(self._pull_call([rq.rows_pull(0, self._admin.table(table), ids)], timeout, clock,
-                                                  True))
+        return self._calls.submit(self._pull_call([rq.rows_pull(0, self.table(table), ids)], timeout, clock, True))
 
     def pull_many(self, requests: Sequence[tuple], timeout: float | None = None,
                   clock: int | None = None) -> PullResult:
@@ -274,8 +273,7 @@ class PSClient(ManagerCalls, TableTransfer):
         return self._calls.submit(self._exchange_call(push_requests, pull_requests, clock, timeout, report_step))
 
     def _exchange_call(self, push_requests, pull_requests, clock, timeout, report_step):
-        """A function running the exchange (arguments checked now)."""
-        rq.check_call(timeout, clock)
+        rq.check_call(timeout, clock)           # arguments checked now, the exchange run by the function returned
         table = self._admin.table
         pushes = [rq.many_push(i, table(r[0]), r) for i, r in enumerate(rq.request_list(push_requests, "push"))]
         pulls = [rq.many_pull(i, table(r[0]), r) for i, r in enumerate(rq.request_list(pull_requests, "pull"))]
