@@ -4,6 +4,7 @@ errors, on real socket pairs."""
 
 from __future__ import annotations
 
+import signal
 import socket
 import threading
 import time
@@ -193,3 +194,59 @@ def test_a_compiled_wait_leaves_the_interpreter_to_other_threads(pair):
     counter.join()
     thread.join()
     assert during > 10_000
+
+
+class _Alarm(Exception):
+    pass
+
+
+@pytest.fixture
+def alarm():
+    """A SIGALRM in 0.2 s whose handler raises ``_Alarm`` (in the main thread, as Ctrl-C would)."""
+    def handler(signum, frame):
+        raise _Alarm()
+    previous = signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, 0.2)
+    yield
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("native", MODES)
+def test_a_signal_interrupts_a_wait_for_a_frame(pair, native, alarm):
+    a, _ = pair
+    started = time.monotonic()
+    with pytest.raises(_Alarm):
+        frames.FrameReader().read_frame(timer_of(a, native), 1 << 20, started + 10)
+    assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize("native", MODES)
+def test_a_signal_interrupts_a_send_to_a_full_socket(pair, native, alarm):
+    a, _ = pair
+    started = time.monotonic()
+    with pytest.raises(_Alarm):
+        frames.send_parts(timer_of(a, native), [bytes(64 << 20)], started + 10)
+    assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize("native", MODES)
+def test_a_frame_interrupted_by_signals_is_read_whole(pair, native):
+    """A signal whose handler returns: the read goes on where it was (into the caller's
+    buffer too)."""
+    a, b = pair
+    payload = bytes(range(256)) * 1000
+    raw = frame(b"head", payload)
+    ticks = []
+    previous = signal.signal(signal.SIGALRM, lambda *_: ticks.append(1))
+    signal.setitimer(signal.ITIMER_REAL, 0.02, 0.02)
+    try:
+        thread = send_later(b, [raw[i:i + 20_000] for i in range(0, len(raw), 20_000)], pause=0.03)
+        into = bytearray(len(payload))
+        got = frames.FrameReader(initial=4096).read_frame(timer_of(a, native), 1 << 20, time.monotonic() + 20,
+                                                          into=memoryview(into))
+        thread.join()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert bytes(got.header) == b"head" and bytes(into) == payload and len(ticks) > 3

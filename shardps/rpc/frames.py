@@ -314,14 +314,16 @@ class FrameReader:
         timer.arm(deadline)
         target, first = (sockio.NO_BYTES, len(self.buf)) if into is None else (np.frombuffer(into, np.uint8),
                                                                                 self.initial)
-        code, got, total = sockio.recv_frame(timer.sock.fileno(), self.array, 0, first, target, _ns(deadline),
-                                             window, _ns(first_deadline), max_body)
-        while code == sockio.GROW:              # a larger buffer, with the bytes read so far
-            old = self.view
-            self._new(min(max(total, 2 * len(self.buf)), self.keep) if total <= self.keep else total)
-            self.view[:got] = old[:got]
-            code, got, total = sockio.recv_frame(timer.sock.fileno(), self.array, got, first, target,
-                                                 _ns(deadline), window, _ns(first_deadline), max_body)
+        code, got, total, into_got = sockio.recv_frame(timer.sock.fileno(), self.array, 0, first, target, 0,
+                                                       _ns(deadline), window, _ns(first_deadline), max_body)
+        while code == sockio.GROW or code == sockio.INTERRUPTED:    # (a signal: its handler runs here)
+            if code == sockio.GROW:             # a larger buffer, with the bytes read so far
+                old = self.view
+                self._new(min(max(total, 2 * len(self.buf)), self.keep) if total <= self.keep else total)
+                self.view[:got] = old[:got]
+            code, got, total, into_got = sockio.recv_frame(timer.sock.fileno(), self.array, got, first, target,
+                                                           into_got, _ns(deadline), window, _ns(first_deadline),
+                                                           max_body)
         if code != sockio.OK:
             _native_failure(code, got, total, self.view, max_body)
         prefix = Prefix._make(PREFIX.unpack_from(self.view))
@@ -406,7 +408,9 @@ def send_parts(timer: SocketTimer, parts: list, deadline: float | None) -> None:
     if timer.native and (len(parts) == 1 or sum(map(len, parts)) <= NATIVE_JOIN_BYTES):
         data = parts[0] if len(parts) == 1 else b"".join(parts)
         timer.arm(deadline)
-        code = sockio.send_all(timer.sock.fileno(), np.frombuffer(data, np.uint8), _ns(deadline))
+        code, sent = sockio.send_all(timer.sock.fileno(), np.frombuffer(data, np.uint8), 0, _ns(deadline))
+        while code == sockio.INTERRUPTED:      # a signal: its handler runs here
+            code, sent = sockio.send_all(timer.sock.fileno(), np.frombuffer(data, np.uint8), sent, _ns(deadline))
         if code == sockio.TIMEOUT:
             raise socket.timeout("timed out")
         if code != sockio.OK:

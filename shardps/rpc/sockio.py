@@ -28,8 +28,9 @@ from shardps.kernels import _JIT, njit
 # Linux: the intrinsics name glibc's (and musl's) ``__errno_location``
 AVAILABLE = kernels.AVAILABLE and sys.platform.startswith("linux")
 
-# recv_frame's codes (send_all answers OK, TIMEOUT or an errno as -errno)
-OK, TIMEOUT, PEER_CLOSED, CLOSED_IN_PREFIX, CLOSED_IN_BODY, BAD_PREFIX, TOO_LARGE, TRAILING, GROW, FAILED = range(10)
+# recv_frame's codes (send_all answers OK, TIMEOUT, INTERRUPTED or an errno as -errno)
+(OK, TIMEOUT, PEER_CLOSED, CLOSED_IN_PREFIX, CLOSED_IN_BODY, BAD_PREFIX, TOO_LARGE, TRAILING, GROW, FAILED,
+ INTERRUPTED) = range(11)
 PREFIX_BYTES = 40
 _EAGAIN, _EINTR = 11, 4
 _MSG_NOSIGNAL = 0x4000
@@ -94,20 +95,25 @@ def _wait_over(deadline_ns):
 
 
 @njit(**_JIT)
-def send_all(fd, data, deadline_ns):
-    """Send every byte of ``data``. Returns OK, TIMEOUT, or -errno."""
+def send_all(fd, data, sent, deadline_ns):
+    """Send the bytes of ``data`` from byte ``sent`` on. Returns (OK, TIMEOUT, INTERRUPTED or
+    -errno; the bytes sent so far). INTERRUPTED: a signal came (the send failed with EINTR,
+    or was cut short); call again from there once Python has run its handlers."""
     address = data.ctypes.data
     size = data.shape[0]
-    sent = 0
     while sent < size:
         n = _send(fd, address + sent, size - sent, _MSG_NOSIGNAL)
         if n < 0:
             error = _errno()
-            if error == _EINTR or (error == _EAGAIN and not _wait_over(deadline_ns)):
+            if error == _EINTR:
+                return INTERRUPTED, sent
+            if error == _EAGAIN and not _wait_over(deadline_ns):
                 continue
-            return TIMEOUT if error == _EAGAIN else -error
+            return (TIMEOUT if error == _EAGAIN else -error), sent
         sent += n
-    return OK
+        if sent < size:         # a blocking send cut short: by a signal (or the kernel timeout)
+            return (TIMEOUT if _wait_over(deadline_ns) else INTERRUPTED), sent
+    return OK, sent
 
 
 @njit(**_JIT)
@@ -123,7 +129,9 @@ def _fill(fd, buf, got, end, deadline_ns):
         if n == 0:
             return CLOSED_IN_BODY, got, 0
         error = _errno()
-        if error == _EINTR or (error == _EAGAIN and not _wait_over(deadline_ns)):
+        if error == _EINTR:
+            return INTERRUPTED, got, 0
+        if error == _EAGAIN and not _wait_over(deadline_ns):
             continue
         return (TIMEOUT if error == _EAGAIN else FAILED), got, error
     return OK, got, 0
@@ -135,9 +143,11 @@ def _u32(buf, at):
 
 
 @njit(**_JIT)
-def recv_frame(fd, buf, got, first, into, deadline_ns, window_ns, first_deadline_ns, max_body):
-    """Receive one frame into ``buf`` (its first ``got`` bytes already there). Returns
-    (code, bytes of the frame in ``buf``, the frame's length, or where ``buf`` must reach).
+def recv_frame(fd, buf, got, first, into, into_got, deadline_ns, window_ns, first_deadline_ns, max_body):
+    """Receive one frame into ``buf`` (its first ``got`` bytes already there; ``into_got`` of
+    its payload in ``into``). Returns (code, bytes of the frame in ``buf``, the frame's
+    length, or where ``buf`` must reach, or the errno of FAILED; bytes of the payload in
+    ``into``).
 
     * Until the prefix is in, at most ``first`` bytes are read (greedy: a small frame
       arrives in one call). Before its first byte, a wait that the kernel timeout ends
@@ -145,9 +155,9 @@ def recv_frame(fd, buf, got, first, into, deadline_ns, window_ns, first_deadline
     * A frame whose payload is exactly ``into``'s length (``into`` not empty) has its
       payload received there, the rest in ``buf``.
     * GROW: ``buf`` is too small; give a larger one holding the same first ``got`` bytes
-      and call again. BAD_PREFIX, TOO_LARGE (over ``max_body``), TRAILING (bytes past the
-      frame): the prefix is in ``buf``; PEER_CLOSED: closed before any byte; FAILED: errno
-      is the socket's error.
+      and call again. INTERRUPTED: a signal came; call again with the counts returned once
+      Python has run its handlers. BAD_PREFIX, TOO_LARGE (over ``max_body``), TRAILING
+      (bytes past the frame): the prefix is in ``buf``; PEER_CLOSED: closed before any byte.
     """
     address = buf.ctypes.data
     while got < PREFIX_BYTES:
@@ -156,38 +166,38 @@ def recv_frame(fd, buf, got, first, into, deadline_ns, window_ns, first_deadline
             got += n
             continue
         if n == 0:
-            return (PEER_CLOSED if got == 0 else CLOSED_IN_PREFIX), got, 0
+            return (PEER_CLOSED if got == 0 else CLOSED_IN_PREFIX), got, 0, 0
         error = _errno()
         if error == _EINTR:
-            continue
+            return INTERRUPTED, got, 0, 0
         if error != _EAGAIN:
-            return FAILED, got, error
+            return FAILED, got, error, 0
         now = _monotonic_ns()
         if got == 0 and first_deadline_ns > 0 and now < first_deadline_ns:
             deadline_ns = now + window_ns           # idle between frames: wait another window
         elif deadline_ns > 0 and now >= deadline_ns:
-            return TIMEOUT, got, 0
+            return TIMEOUT, got, 0, 0
     if buf[0] != 83 or buf[1] != 68 or buf[2] != 1:          # b"SD", version 1
-        return BAD_PREFIX, got, 0
+        return BAD_PREFIX, got, 0, 0
     head = PREFIX_BYTES + _u32(buf, 20) + _u32(buf, 24)
     payload = _u32(buf, 32) | _u32(buf, 36) << 32
     if payload < 0 or head - PREFIX_BYTES + payload > max_body:
-        return TOO_LARGE, got, 0
+        return TOO_LARGE, got, 0, 0
     total = head + payload
     if got > total:
-        return TRAILING, got, total
+        return TRAILING, got, total, 0
     direct = into.shape[0] > 0 and into.shape[0] == payload
     end = head if direct else total
     if end > buf.shape[0]:
-        return GROW, got, end
+        return GROW, got, end, 0
     code, got, error = _fill(fd, buf, got, end, deadline_ns)
     if code != OK or not direct:
-        return code, got, (error if code == FAILED else total)
+        return code, got, (error if code == FAILED else total), 0
     early = got - head                      # payload bytes read with the prefix
-    if early > 0:
+    if early > 0 and into_got < early:
         into[:early] = buf[head:got]
-    code, early, error = _fill(fd, into, max(early, 0), payload, deadline_ns)
-    return code, got, (error if code == FAILED else total)
+    code, into_got, error = _fill(fd, into, max(early, into_got), payload, deadline_ns)
+    return code, got, (error if code == FAILED else total), into_got
 
 
 def warm_up() -> None:
@@ -195,5 +205,5 @@ def warm_up() -> None:
     passes: a writable receive buffer, read-only bytes to send."""
     if AVAILABLE:
         done = np.frombuffer(b"", np.uint8)
-        send_all(-1, done, 0)
-        recv_frame(-1, np.zeros(PREFIX_BYTES, np.uint8), PREFIX_BYTES, PREFIX_BYTES, NO_BYTES, 0, 0, 0, 0)
+        send_all(-1, done, 0, 0)
+        recv_frame(-1, np.zeros(PREFIX_BYTES, np.uint8), PREFIX_BYTES, PREFIX_BYTES, NO_BYTES, 0, 0, 0, 0, 0)
