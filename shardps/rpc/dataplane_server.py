@@ -92,6 +92,7 @@ class _Connection:
 # connection state, deadline, flags) -> (reply header, payload buffers)
 StepHandler = Callable[[memoryview, memoryview, Any, dict, "float | None", int], "tuple[bytes, list]"]
 _STEP = frames.METHOD_IDS["Step"]
+_STEP_REPLY = frames.FLAG_REPLY | frames.FLAG_PACKED
 
 
 class DataPlaneServer:
@@ -366,7 +367,7 @@ class DataPlaneServer:
             deadline = time.monotonic() + p.timeout_ms / 1000.0 if p.timeout_ms else None
             header, buffers = self.step_handler(frame.header, frame.payload.toreadonly(), principal,   # type: ignore[misc]
                                                 conn.state, deadline, p.flags)
-            plen = frames.add_views(parts, buffers)
+            plen = frames.add_views(parts, buffers) if buffers else 0
         except ShardpsError as exc:
             status, message, header = grpc_code(exc).value[0], exc.message, type(exc).__name__.encode()
             pause = min(MAX_PAUSE, getattr(exc, "retry_after", None) or 0.0)
@@ -376,6 +377,11 @@ class DataPlaneServer:
             message = f"internal error in Step: {type(exc).__name__}: {exc}"
         if status != _OK:
             parts, plen = [], 0
+        elif not plen:                  # the reply is its header (the values went to shared memory): one part
+            assert conn.timer is not None
+            prefix = frames.pack_prefix(_STEP_REPLY, _STEP, _OK, p.request_id, 0, 0, len(header), 0)
+            frames.send_parts(conn.timer, [prefix + header], time.monotonic() + self.limits.io_seconds)
+            return pause
         _reply(conn, self.limits.io_seconds, _STEP, p.request_id, status, message, header, parts, plen,
                packed=status == _OK)
         return pause

@@ -406,11 +406,11 @@ def send_parts(timer: SocketTimer, parts: list, deadline: float | None) -> None:
     ``sendmsg``), else scatter-gather ``sendmsg``; on TLS sockets (no sendmsg) small parts
     are joined and large ones sent as they are."""
     if timer.native and (len(parts) == 1 or sum(map(len, parts)) <= NATIVE_JOIN_BYTES):
-        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        data = np.frombuffer(parts[0] if len(parts) == 1 else b"".join(parts), np.uint8)
         timer.arm(deadline)
-        code, sent = sockio.send_all(timer.sock.fileno(), np.frombuffer(data, np.uint8), 0, _ns(deadline))
+        code, sent = sockio.send_all(timer.sock.fileno(), data, 0, _ns(deadline))
         while code == sockio.INTERRUPTED:      # a signal: its handler runs here
-            code, sent = sockio.send_all(timer.sock.fileno(), np.frombuffer(data, np.uint8), sent, _ns(deadline))
+            code, sent = sockio.send_all(timer.sock.fileno(), data, sent, _ns(deadline))
         if code == sockio.TIMEOUT:
             raise socket.timeout("timed out")
         if code != sockio.OK:
