@@ -117,12 +117,15 @@ def send_all(fd, data, sent, deadline_ns):
 
 
 @njit(**_JIT)
-def _fill(fd, buf, got, end, deadline_ns):
-    """Receive into ``buf`` up to byte ``end`` from byte ``got``: (code, got, errno of a
-    FAILED one)."""
+def _fill(fd, buf, got, need, limit, deadline_ns, window_ns=0, first_deadline_ns=0):
+    """Receive into ``buf`` from byte ``got`` until it holds ``need`` bytes, reading no further
+    than byte ``limit``: (OK, CLOSED_IN_BODY: the peer closed first, INTERRUPTED, TIMEOUT or
+    FAILED; bytes in ``buf``; the errno of FAILED). Before the first byte (``got`` 0), a wait
+    that the kernel timeout ends starts another of ``window_ns`` until ``first_deadline_ns``
+    (an idle connection)."""
     address = buf.ctypes.data
-    while got < end:
-        n = _recv(fd, address + got, end - got, 0)
+    while got < need:
+        n = _recv(fd, address + got, limit - got, 0)
         if n > 0:
             got += n
             continue
@@ -131,9 +134,13 @@ def _fill(fd, buf, got, end, deadline_ns):
         error = _errno()
         if error == _EINTR:
             return INTERRUPTED, got, 0
-        if error == _EAGAIN and not _wait_over(deadline_ns):
-            continue
-        return (TIMEOUT if error == _EAGAIN else FAILED), got, error
+        if error != _EAGAIN:
+            return FAILED, got, error
+        now = _monotonic_ns()
+        if got == 0 and now < first_deadline_ns:
+            deadline_ns = now + window_ns           # idle between frames: wait another window
+        elif deadline_ns > 0 and now >= deadline_ns:
+            return TIMEOUT, got, 0
     return OK, got, 0
 
 
@@ -159,24 +166,11 @@ def recv_frame(fd, buf, got, first, into, into_got, deadline_ns, window_ns, firs
       Python has run its handlers. BAD_PREFIX, TOO_LARGE (over ``max_body``), TRAILING
       (bytes past the frame): the prefix is in ``buf``; PEER_CLOSED: closed before any byte.
     """
-    address = buf.ctypes.data
-    while got < PREFIX_BYTES:
-        n = _recv(fd, address + got, first - got, 0)
-        if n > 0:
-            got += n
-            continue
-        if n == 0:
-            return (PEER_CLOSED if got == 0 else CLOSED_IN_PREFIX), got, 0, 0
-        error = _errno()
-        if error == _EINTR:
-            return INTERRUPTED, got, 0, 0
-        if error != _EAGAIN:
-            return FAILED, got, error, 0
-        now = _monotonic_ns()
-        if got == 0 and first_deadline_ns > 0 and now < first_deadline_ns:
-            deadline_ns = now + window_ns           # idle between frames: wait another window
-        elif deadline_ns > 0 and now >= deadline_ns:
-            return TIMEOUT, got, 0, 0
+    code, got, error = _fill(fd, buf, got, PREFIX_BYTES, first, deadline_ns, window_ns, first_deadline_ns)
+    if code == CLOSED_IN_BODY:
+        return (PEER_CLOSED if got == 0 else CLOSED_IN_PREFIX), got, 0, 0
+    if code != OK:
+        return code, got, error, 0
     if buf[0] != 83 or buf[1] != 68 or buf[2] != 1:          # b"SD", version 1
         return BAD_PREFIX, got, 0, 0
     head = PREFIX_BYTES + _u32(buf, 20) + _u32(buf, 24)
@@ -190,13 +184,13 @@ def recv_frame(fd, buf, got, first, into, into_got, deadline_ns, window_ns, firs
     end = head if direct else total
     if end > buf.shape[0]:
         return GROW, got, end, 0
-    code, got, error = _fill(fd, buf, got, end, deadline_ns)
+    code, got, error = _fill(fd, buf, got, end, end, deadline_ns)
     if code != OK or not direct:
         return code, got, (error if code == FAILED else total), 0
     early = got - head                      # payload bytes read with the prefix
     if early > 0 and into_got < early:
         into[:early] = buf[head:got]
-    code, into_got, error = _fill(fd, into, max(early, into_got), payload, deadline_ns)
+    code, into_got, error = _fill(fd, into, max(early, into_got), payload, payload, deadline_ns)
     return code, got, (error if code == FAILED else total), into_got
 
 
