@@ -250,3 +250,20 @@ def test_a_frame_interrupted_by_signals_is_read_whole(pair, native):
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
     assert bytes(got.header) == b"head" and bytes(into) == payload and len(ticks) > 3
+
+
+@pytest.mark.parametrize("server_compiled, client_compiled", [(True, False), (False, True), (False, False)])
+def test_both_ways_of_framing_speak_the_same_wire(server_compiled, client_compiled):
+    """A data-plane server and client, each reading and sending frames by ``sockio`` or by
+    Python's socket calls (``compiled_io``), answer each other: small and large payloads."""
+    from shardps.rpc.dataplane import DataPlaneConnection, DataPlaneServer
+    server = DataPlaneServer(lambda method, header, payload, call: (header, [bytes(payload)]),
+                             compiled_io=server_compiled).start()
+    try:
+        with DataPlaneConnection(f"127.0.0.1:{server.port}", compiled_io=client_compiled) as conn:
+            for size in (0, 100, 3 << 20):
+                payload = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8)
+                head, got = conn.call(100, b"h" * 7, [payload], timeout=30)
+                assert head == b"h" * 7 and bytes(got) == payload.tobytes()
+    finally:
+        server.stop()

@@ -86,8 +86,10 @@ class DataPlaneConnection:
 
     def __init__(self, address: str, ssl_context: ssl.SSLContext | None = None,
                  server_hostname: str | None = None, *, metadata=(), max_frame_bytes: int = MAX_FRAME_BYTES,
-                 connect_timeout: float = 10.0, keep_buffer_bytes: int = frames.KEEP_BUFFER_BYTES):
+                 connect_timeout: float = 10.0, keep_buffer_bytes: int = frames.KEEP_BUFFER_BYTES,
+                 compiled_io: bool = True):
         self.address = address
+        self.compiled_io = compiled_io      # frames through sockio on plain sockets (see DataPlaneServer)
         self.family, self.sockaddr = parse_address(address)
         self.ssl_context = ssl_context
         if server_hostname is None and self.family != socket.AF_UNIX:
@@ -249,7 +251,7 @@ class DataPlaneConnection:
             raise Unavailable(f"{what}: cannot connect: {exc} (is the server at that address "
                               f"running, and do both sides agree on TLS?)") from None
         self._sock = sock
-        self._timer = frames.SocketTimer(sock, self.ssl_context is not None)
+        self._timer = frames.SocketTimer(sock, self.ssl_context is not None, self.compiled_io)
         self._poll = select.poll()
         self._poll.register(sock.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
         hello_deadline = time.monotonic() + budget

@@ -115,16 +115,20 @@ class DataPlaneServer:
     not change); its result is ``call.principal``; a ``ShardpsError`` it raises is the
     call's answer.
 
-    ``start()`` returns at once; ``stop()`` closes the listener and every connection and
-    joins the threads. Thread-safe.
+    ``compiled_io``: frames read and sent by ``shardps.rpc.sockio`` on plain sockets (False:
+    by Python's socket calls, which ``python -m shardps.tools.bench --only transport``
+    compares). ``start()`` returns at once; ``stop()`` closes the listener and every
+    connection and joins the threads. Thread-safe.
     """
 
     def __init__(self, handler: Handler, host: str = "127.0.0.1", port: int = 0,
                  ssl_context: ssl.SSLContext | None = None, *, limits: DataPlaneLimits | None = None,
                  authenticate: Callable[[str, DataPlaneCall], Any] | None = None,
                  service: str = "shardps.v1.ParameterServer",
-                 method_names: dict[int, str] | None = None, step_handler: StepHandler | None = None):
+                 method_names: dict[int, str] | None = None, step_handler: StepHandler | None = None,
+                 compiled_io: bool = True):
         self.handler = handler
+        self.compiled_io = compiled_io
         self.step_handler = step_handler
         self._step_full = f"/{service}/Step"
         self.ssl_context = ssl_context
@@ -253,7 +257,7 @@ class DataPlaneServer:
                     log.info("data plane: TLS handshake with %s failed: %s", conn.peer, exc)
                     return
             cert = conn.sock.getpeercert() if isinstance(conn.sock, ssl.SSLSocket) else None
-            conn.timer = frames.SocketTimer(conn.sock, tls)
+            conn.timer = frames.SocketTimer(conn.sock, tls, self.compiled_io)
             receiver = frames.FrameReader(keep=lim.keep_buffer_bytes)
             metadata = None
             while not self._closing:

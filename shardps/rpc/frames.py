@@ -197,10 +197,11 @@ class SocketTimer:
 
     __slots__ = ("sock", "kernel", "native", "current")
 
-    def __init__(self, sock: socket.socket, tls: bool):
+    def __init__(self, sock: socket.socket, tls: bool, compiled_io: bool = True):
         self.sock = sock
         self.kernel = not tls
-        self.native = self.kernel and sockio.AVAILABLE      # frames through ``sockio``
+        # frames through ``sockio`` (plain sockets; ``compiled_io=False``: Python's socket calls)
+        self.native = compiled_io and self.kernel and sockio.AVAILABLE
         self.current = -1.0                 # the kernel timeout now set; 0: none; -1: unknown
         if self.kernel:
             sock.settimeout(None)

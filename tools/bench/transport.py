@@ -10,7 +10,9 @@ Call cost (``transport_<system>_<size>_{rtt,cpu}_us``): a client process calls a
 process on loopback, one call at a time, over (a) ``raw``: a TCP socket with length-prefixed
 frames, the floor, minimal code; (b) ``grpc``: grpcio unary with identity serializers and the
 channel and server options of ``shardps.rpc.channels``, as shardps uses gRPC today; (c)
-``dataplane``: ``shardps.rpc.dataplane`` (plain TCP). ``small``: 64 bytes in, 64 bytes back;
+``dataplane``: ``shardps.rpc.dataplane`` (plain TCP; ``dataplane_py``: the same with its frames
+read and sent by Python's socket calls, not by ``shardps.rpc.sockio``'s compiled ones).
+``small``: 64 bytes in, 64 bytes back;
 ``1mib``: 1 MiB in, 64 bytes back (a push). ``rtt``: the median call time of a round; ``cpu``:
 CPU seconds (``time.process_time``, every thread) of client plus server per call
 (``..._client_cpu_us`` / ``..._server_cpu_us`` apart). Each figure is the median of
@@ -134,8 +136,9 @@ def ctr_compute(progress, steps: int = 60) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------- call cost per transport
-SYSTEMS = ("raw", "grpc", "dataplane")
-LABELS = {"raw": "raw TCP socket", "grpc": "grpcio unary", "dataplane": "data plane"}
+SYSTEMS = ("raw", "grpc", "dataplane", "dataplane_py")
+LABELS = {"raw": "raw TCP socket", "grpc": "grpcio unary", "dataplane": "data plane",
+          "dataplane_py": "data plane, Py"}
 SIZES = {"small": 64, "1mib": MIB}
 REPLY = b"r" * 64
 _LEN = struct.Struct("<I")
@@ -193,7 +196,8 @@ def _call_server(system: str, pipe) -> None:
         server.start()
     else:
         from shardps.rpc.dataplane import DataPlaneServer
-        server = DataPlaneServer(lambda method, header, payload, call: (b"", [REPLY])).start()
+        server = DataPlaneServer(lambda method, header, payload, call: (b"", [REPLY]),
+                                 compiled_io=system == "dataplane").start()
         port = server.port
     pipe.send(port)
     while True:
@@ -231,7 +235,7 @@ def _caller(system: str, port: int):
                 raise BenchError("gRPC: wrong reply")
         return grpc_call
     from shardps.rpc.dataplane import DataPlaneConnection
-    conn = DataPlaneConnection(f"127.0.0.1:{port}")
+    conn = DataPlaneConnection(f"127.0.0.1:{port}", compiled_io=system == "dataplane")
 
     def dataplane_call(payload):
         if len(conn.call(_DATAPLANE_METHOD, b"", [payload], timeout=60)[1]) != len(REPLY):
