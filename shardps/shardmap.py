@@ -144,13 +144,13 @@ class ShardMapView:
                                            int(g.peak_members))
 
     def table(self, job: str, name: str) -> TableView:
-        found = self.tables.get((job, name))
-        if found is None:
+        try:
+            return self.tables[(job, name)]
+        except KeyError:
             known = sorted(n for j, n in self.tables if j == job)
             raise NotFound(
                 f"table {name!r} of job {job!r} not found (epoch {self.epoch}; the job has "
-                f"{known or 'no tables'}): create it first")
-        return found
+                f"{known or 'no tables'}): create it first") from None
 
     def jobs(self) -> set[str]:
         return {j for j, _ in self.tables} | set(self.groups)
