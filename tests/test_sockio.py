@@ -252,7 +252,7 @@ def test_a_frame_interrupted_by_signals_is_read_whole(pair, native):
     assert bytes(got.header) == b"head" and bytes(into) == payload and len(ticks) > 3
 
 
-@pytest.mark.parametrize("server_compiled, client_compiled", [(True, False), (False, True), (False, False)])
+@pytest.mark.parametrize("server_compiled, client_compiled", [(True, True), (True, False), (False, True)])
 def test_both_ways_of_framing_speak_the_same_wire(server_compiled, client_compiled):
     """A data-plane server and client, each reading and sending frames by ``sockio`` or by
     Python's socket calls (``compiled_io``), answer each other: small and large payloads."""

@@ -87,7 +87,7 @@ class DataPlaneConnection:
     def __init__(self, address: str, ssl_context: ssl.SSLContext | None = None,
                  server_hostname: str | None = None, *, metadata=(), max_frame_bytes: int = MAX_FRAME_BYTES,
                  connect_timeout: float = 10.0, keep_buffer_bytes: int = frames.KEEP_BUFFER_BYTES,
-                 compiled_io: bool = True):
+                 compiled_io: bool = False):
         self.address = address
         self.compiled_io = compiled_io      # frames through sockio on plain sockets (see DataPlaneServer)
         self.family, self.sockaddr = parse_address(address)

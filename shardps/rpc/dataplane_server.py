@@ -115,9 +115,10 @@ class DataPlaneServer:
     not change); its result is ``call.principal``; a ``ShardpsError`` it raises is the
     call's answer.
 
-    ``compiled_io``: frames read and sent by ``shardps.rpc.sockio`` on plain sockets (False:
-    by Python's socket calls, which ``python -m shardps.tools.bench --only transport``
-    compares). ``start()`` returns at once; ``stop()`` closes the listener and every
+    ``compiled_io``: frames read and sent by ``shardps.rpc.sockio``'s compiled calls on plain
+    sockets, not by Python's socket calls (the default: ``python -m shardps.tools.bench
+    --only transport`` measures both, and the compiled calls cost more per call today).
+    ``start()`` returns at once; ``stop()`` closes the listener and every
     connection and joins the threads. Thread-safe.
     """
 
@@ -126,7 +127,7 @@ class DataPlaneServer:
                  authenticate: Callable[[str, DataPlaneCall], Any] | None = None,
                  service: str = "shardps.v1.ParameterServer",
                  method_names: dict[int, str] | None = None, step_handler: StepHandler | None = None,
-                 compiled_io: bool = True):
+                 compiled_io: bool = False):
         self.handler = handler
         self.compiled_io = compiled_io
         self.step_handler = step_handler

@@ -197,10 +197,10 @@ class SocketTimer:
 
     __slots__ = ("sock", "kernel", "native", "current")
 
-    def __init__(self, sock: socket.socket, tls: bool, compiled_io: bool = True):
+    def __init__(self, sock: socket.socket, tls: bool, compiled_io: bool = False):
         self.sock = sock
         self.kernel = not tls
-        # frames through ``sockio`` (plain sockets; ``compiled_io=False``: Python's socket calls)
+        # frames through ``sockio`` (plain sockets, ``compiled_io``), else Python's socket calls
         self.native = compiled_io and self.kernel and sockio.AVAILABLE
         self.current = -1.0                 # the kernel timeout now set; 0: none; -1: unknown
         if self.kernel:

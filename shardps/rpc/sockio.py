@@ -7,7 +7,10 @@ caller expects into the caller's own buffer). Each is one call from Python howev
 run in numba-compiled code (``nogil``), so another thread of the process (a worker's training
 loop) keeps the interpreter while a call waits for its reply. ``frames.FrameReader`` and
 ``frames.send_parts`` use them on plain sockets (TCP and Unix; TLS sockets go through
-Python's ``ssl``).
+Python's ``ssl``) where the data plane is built with ``compiled_io=True``. It is not the
+default: ``python -m shardps.tools.bench --only transport`` measures a small call at about
+10 us more (client and server CPU together) than with Python's socket calls, which release
+the interpreter lock around their system calls too.
 
 The calls reach libc's ``send``, ``recv``, ``clock_gettime`` and ``errno`` by name (numba
 intrinsics), so numba caches the compiled code like any other kernel. Deadlines are

@@ -10,8 +10,8 @@ Call cost (``transport_<system>_<size>_{rtt,cpu}_us``): a client process calls a
 process on loopback, one call at a time, over (a) ``raw``: a TCP socket with length-prefixed
 frames, the floor, minimal code; (b) ``grpc``: grpcio unary with identity serializers and the
 channel and server options of ``shardps.rpc.channels``, as shardps uses gRPC today; (c)
-``dataplane``: ``shardps.rpc.dataplane`` (plain TCP; ``dataplane_py``: the same with its frames
-read and sent by Python's socket calls, not by ``shardps.rpc.sockio``'s compiled ones).
+``dataplane``: ``shardps.rpc.dataplane`` (plain TCP; ``dataplane_sockio``: the same with its
+frames read and sent by ``shardps.rpc.sockio``'s compiled calls, ``compiled_io=True``).
 ``small``: 64 bytes in, 64 bytes back;
 ``1mib``: 1 MiB in, 64 bytes back (a push). ``rtt``: the median call time of a round; ``cpu``:
 CPU seconds (``time.process_time``, every thread) of client plus server per call
@@ -136,9 +136,9 @@ def ctr_compute(progress, steps: int = 60) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------- call cost per transport
-SYSTEMS = ("raw", "grpc", "dataplane", "dataplane_py")
+SYSTEMS = ("raw", "grpc", "dataplane", "dataplane_sockio")
 LABELS = {"raw": "raw TCP socket", "grpc": "grpcio unary", "dataplane": "data plane",
-          "dataplane_py": "data plane, Py"}
+          "dataplane_sockio": "  with sockio"}
 SIZES = {"small": 64, "1mib": MIB}
 REPLY = b"r" * 64
 _LEN = struct.Struct("<I")
@@ -197,7 +197,7 @@ def _call_server(system: str, pipe) -> None:
     else:
         from shardps.rpc.dataplane import DataPlaneServer
         server = DataPlaneServer(lambda method, header, payload, call: (b"", [REPLY]),
-                                 compiled_io=system == "dataplane").start()
+                                 compiled_io=system == "dataplane_sockio").start()
         port = server.port
     pipe.send(port)
     while True:
@@ -235,7 +235,7 @@ def _caller(system: str, port: int):
                 raise BenchError("gRPC: wrong reply")
         return grpc_call
     from shardps.rpc.dataplane import DataPlaneConnection
-    conn = DataPlaneConnection(f"127.0.0.1:{port}", compiled_io=system == "dataplane")
+    conn = DataPlaneConnection(f"127.0.0.1:{port}", compiled_io=system == "dataplane_sockio")
 
     def dataplane_call(payload):
         if len(conn.call(_DATAPLANE_METHOD, b"", [payload], timeout=60)[1]) != len(REPLY):
