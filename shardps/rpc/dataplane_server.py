@@ -92,7 +92,6 @@ class _Connection:
 # connection state, deadline, flags) -> (reply header, payload buffers)
 StepHandler = Callable[[memoryview, memoryview, Any, dict, "float | None", int], "tuple[bytes, list]"]
 _STEP = frames.METHOD_IDS["Step"]
-_STEP_REPLY = frames.FLAG_REPLY | frames.FLAG_PACKED
 
 
 class DataPlaneServer:
@@ -382,11 +381,6 @@ class DataPlaneServer:
             message = f"internal error in Step: {type(exc).__name__}: {exc}"
         if status != _OK:
             parts, plen = [], 0
-        elif not plen:                  # the reply is its header (the values went to shared memory): one part
-            assert conn.timer is not None
-            prefix = frames.pack_prefix(_STEP_REPLY, _STEP, _OK, p.request_id, 0, 0, len(header), 0)
-            frames.send_parts(conn.timer, [prefix + header], time.monotonic() + self.limits.io_seconds)
-            return pause
         _reply(conn, self.limits.io_seconds, _STEP, p.request_id, status, message, header, parts, plen,
                packed=status == _OK)
         return pause
@@ -433,7 +427,8 @@ def _reply(conn: _Connection, io_seconds: float, method: int, request_id: int, s
         flags |= frames.FLAG_PACKED
     out[0] = frames.pack_prefix(flags, method, status, request_id, 0, len(msg), hlen, plen)
     assert conn.timer is not None          # set before the connection's first frame
-    frames.send_parts(conn.timer, out, time.monotonic() + io_seconds)
+    # without payload bytes (a Step's values in shared memory, an error): one buffer
+    frames.send_parts(conn.timer, out if plen else [b"".join(out)], time.monotonic() + io_seconds)
 
 
 def _drain(conn: _Connection, left: int, receiver: frames.FrameReader) -> None:
