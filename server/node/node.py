@@ -45,7 +45,7 @@ from shardps.blockops import BlockOp, BlockSnapshot
 from shardps.errors import Unavailable
 from shardps.messages import Header, PullReply, PullRequest, PushAck, PushRequest, StepReply, StepRequest
 from shardps.metrics import NodeMetrics
-from shardps.rpc import sockio, step
+from shardps.rpc import step
 from shardps.server.node import execute, hash_index, lifecycle, optimizer_kernels, storage_kernels
 from shardps.server.node.apply import JobHolds, PushApplier, forget_departed_writers
 from shardps.server.node.backup import BackupApplier
@@ -65,7 +65,7 @@ log = logging.getLogger("shardps.server")
 def warm_up_kernels() -> tuple[float, int, int]:
     """The node's kernels compiled or loaded, and logged (``kernels.prepare``). The server
     image runs it at build time so that its containers load every kernel and compile none."""
-    return kernels.prepare(log, storage_kernels, optimizer_kernels, hash_index, step, sockio)
+    return kernels.prepare(log, storage_kernels, optimizer_kernels, hash_index, step)
 
 
 def _table_attr(name: str, doc: str) -> property:

@@ -202,6 +202,8 @@ class SocketTimer:
         self.kernel = not tls
         # frames through ``sockio`` (plain sockets, ``compiled_io``), else Python's socket calls
         self.native = compiled_io and self.kernel and sockio.AVAILABLE
+        if self.native:
+            sockio.warm_up()                # compiled (or loaded) where it is used, once per process
         self.current = -1.0                 # the kernel timeout now set; 0: none; -1: unknown
         if self.kernel:
             sock.settimeout(None)

@@ -197,10 +197,16 @@ def recv_frame(fd, buf, got, first, into, into_got, deadline_ns, window_ns, firs
     return code, got, (error if code == FAILED else total), into_got
 
 
+_WARM = False
+
+
 def warm_up() -> None:
     """Compile (or load from numba's cache) both calls, for the buffers the data plane
-    passes: a writable receive buffer, read-only bytes to send."""
-    if AVAILABLE:
+    passes: a writable receive buffer, read-only bytes to send. Once per process: a
+    ``frames.SocketTimer`` that uses them calls it (the data plane's default does not)."""
+    global _WARM
+    if AVAILABLE and not _WARM:
+        _WARM = True
         done = np.frombuffer(b"", np.uint8)
         send_all(-1, done, 0, 0)
         recv_frame(-1, np.zeros(PREFIX_BYTES, np.uint8), PREFIX_BYTES, PREFIX_BYTES, NO_BYTES, 0, 0, 0, 0, 0)

@@ -150,8 +150,9 @@ def read_request(buf) -> tuple[StepRequest, Region | None, np.ndarray]:
     if bad >= 0:
         raise InvalidArgument(f"step segment {bad}: " + _SEGMENT_ERRORS[why].format(fields[bad, 7], len(names) - 3,
                                                                                       *fields[bad, :2]))
-    if (len(buf) - end) != 16 * int(fields[:, 7].sum()):
-        raise InvalidArgument(f"step header: {len(buf) - end - 16 * int(fields[:, 7].sum())} bytes follow its end")
+    extra = len(buf) - end - 16 * int(fields[:, 7].sum())       # past the base versions
+    if extra:
+        raise InvalidArgument(f"step header: {extra} bytes follow its end")
     rows = fields.tolist()
     push = [Slice(names[f[0]], _SELECTORS[f[1]], f[2], f[3]) for f in rows[:n_push]] if flags & PUSH else None
     pull = [Slice(names[f[0]], _SELECTORS[f[1]], f[2], f[3]) for f in rows[n_push:]] if flags & PULL else None
