@@ -34,6 +34,8 @@ from shardps.worker.row_cache import CachePlan, RowCache, wanted_ids
 
 log = logging.getLogger("shardps.worker")
 
+_ID_DTYPES = (torch.int32, torch.int64)
+
 
 class StepClock:
     """The worker's completed steps, which lookups send with their pulls: one object shared
@@ -43,6 +45,24 @@ class StepClock:
 
     def __init__(self, value: int = 0):
         self.value = value
+
+
+class Stage:
+    """A table's lookup state that changes every step, in plain slots (an ``nn.Module``'s
+    own attributes pass ``nn.Module.__setattr__``'s checks at every write).
+
+    ``wanted``: the distinct ids announced for the next pull (``request_prefetch``);
+    ``fetched``: (distinct ids, their rows: an array, or a future of one) fetched for the
+    next lookup; ``pending``: (distinct ids, rows collecting gradients) of each lookup since
+    the last push; ``last_unique``: the distinct ids of the last lookup."""
+
+    __slots__ = ("wanted", "fetched", "pending", "last_unique")
+
+    def __init__(self):
+        self.wanted: np.ndarray | None = None
+        self.fetched: tuple[np.ndarray, "np.ndarray | futures.Future | _Completing"] | None = None
+        self.pending: list[tuple[np.ndarray, torch.Tensor]] = []
+        self.last_unique = 0
 
 
 class PSRows(nn.Module):
@@ -79,28 +99,20 @@ class PSRows(nn.Module):
         self.num_blocks = num_blocks
         self.client: PSClient | None = None
         self.copies = DeviceCopies()           # PSModel shares its own: one copy stream, one pool
-        self._pending: list[tuple[np.ndarray, torch.Tensor]] = []
-        self._prefetch: tuple[np.ndarray, "futures.Future | _Completing"] | None = None
-        self._wanted: np.ndarray | None = None
+        self.stage = Stage()                   # what the coming lookups use, written every step
         # announced batches, oldest first (a PSModel with lookahead L announces the batch L
         # steps ahead)
         self._planned: collections.deque[_Planned] = collections.deque(maxlen=8)
-        self.last_unique = 0                   # distinct ids of the last lookup
         self._clock = StepClock()              # PSModel gives its tables one, set once a step
         # PSModel's LookupPlanner.observe: sees each lookup's ids
         self._observer: Callable[[PSRows, torch.Tensor], None] | None = None
         # PSModel's hybrid.BackwardPush.watch: sees each lookup's rows that collect gradients
         self._on_rows: Callable[[torch.Tensor], None] | None = None
 
-    # plain attributes written every step: set directly, past nn.Module.__setattr__'s checks
-    # for parameters, buffers and submodules (a few microseconds each, dozens per step)
-    _PLAIN = frozenset({"last_unique", "_wanted", "_prefetch", "_pending"})
-
-    def __setattr__(self, name: str, value) -> None:
-        if name in PSRows._PLAIN:
-            self.__dict__[name] = value
-        else:
-            super().__setattr__(name, value)
+    @property
+    def last_unique(self) -> int:
+        """The distinct ids of the last lookup."""
+        return self.stage.last_unique
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, table={self.table!r}"
@@ -119,7 +131,8 @@ class PSRows(nn.Module):
         The batch is copied, so a caller may reuse its buffer."""
         flat = ids.detach().reshape(-1).to("cpu", copy=True).numpy().astype(np.int64, copy=False)
         unique, inverse = kernels.unique_inverse(flat)
-        self._planned.append(_Planned(flat, unique, inverse, *_device_view(ids)))
+        self._planned.append(_Planned(flat, unique, inverse) if ids.device.type == "cpu"
+                             else _Planned(flat, unique, inverse, *_device_view(ids)))
         return unique
 
     def prefetch(self, ids: torch.Tensor) -> None:
@@ -129,7 +142,7 @@ class PSRows(nn.Module):
         assert self.client is not None and self.table is not None     # bound by PSModel
         plan = self.cache_plan(unique, self.clock + 1)         # the coming batch: the next step's
         future = self.client.pull_rows_async(self.table, wanted_ids(unique, plan), clock=self.clock)
-        self._prefetch = (unique, future if plan is None else _Completing(self, plan, future, self.clock))
+        self.stage.fetched = (unique, future if plan is None else _Completing(self, plan, future, self.clock))
 
     def cache_plan(self, ids: np.ndarray, use_step: int) -> CachePlan | None:
         """Which of the distinct ``ids`` of a lookup at step ``use_step`` the cache serves:
@@ -148,26 +161,18 @@ class PSRows(nn.Module):
         """Announce the ids of the next lookup: the owning PSModel fetches their rows in its
         next pull (or, with ``overlap``, in the exchange its next push sends), in the same
         requests as the dense values and every other table."""
-        self._wanted = self._plan(ids)
-
-    def _provide(self, ids: np.ndarray, rows: np.ndarray) -> None:
-        done: futures.Future = futures.Future()
-        done.set_result(rows)
-        self._prefetch = (ids, done)
+        self.stage.wanted = self._plan(ids)
 
     def _has_rows_for(self, ids: np.ndarray) -> bool:
         """Whether rows fetched for exactly these distinct ids are waiting for the lookup."""
-        return self._prefetch is not None and np.array_equal(self._prefetch[0], ids)
+        fetched = self.stage.fetched
+        return fetched is not None and np.array_equal(fetched[0], ids)
 
     def _lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows of the distinct ids ``[U, dim]``, index of each id of ``ids`` in them, with
         ``ids``' shape). The rows collect gradients while training."""
-        if self.client is None:
-            raise InvalidArgument(f"{type(self).__name__} {self.table!r} is not bound: wrap the model in PSModel")
-        assert self.table is not None             # PSModel binds the table with the client
-        if ids.dtype not in (torch.int32, torch.int64):
-            raise InvalidArgument(f"{type(self).__name__} {self.table!r}: ids must be int32 or int64, "
-                                  f"got {ids.dtype}")
+        if self.client is None or ids.dtype not in _ID_DTYPES:
+            raise self._refusal(ids)
         if self._observer is not None:
             self._observer(self, ids)
         planned = self._take_plan(ids)
@@ -176,24 +181,28 @@ class PSRows(nn.Module):
         else:                      # the batch was not announced: deduplicate it now
             unique, inverse = torch.unique(ids.reshape(-1).long(), return_inverse=True)
             unique_np = unique.detach().cpu().numpy()
-        self.last_unique = int(unique_np.shape[0])
-        rows_np = None
-        if self._prefetch is not None:
-            pre_ids, fut = self._prefetch
-            self._prefetch = None
-            if np.array_equal(pre_ids, unique_np):
-                rows_np = fut.result()
-        if rows_np is None:
+        stage = self.stage
+        stage.last_unique = unique_np.shape[0]
+        fetched, stage.fetched = stage.fetched, None
+        if fetched is not None and np.array_equal(fetched[0], unique_np):
+            rows_np = fetched[1] if isinstance(fetched[1], np.ndarray) else fetched[1].result()
+        else:
+            assert self.table is not None             # PSModel binds the table with the client
             plan = self.cache_plan(unique_np, self.clock)
             rows_np = self.complete(plan, self.client.pull_rows(self.table, wanted_ids(unique_np, plan),
                                                                 clock=self.clock), self.clock)
         rows = self.copies.to_device(rows_np, ids.device)
         if self.training and torch.is_grad_enabled():
             rows.requires_grad_(True)
-            self._pending.append((unique_np, rows))
+            stage.pending.append((unique_np, rows))
             if self._on_rows is not None:
                 self._on_rows(rows)
         return rows, inverse.reshape(ids.shape)
+
+    def _refusal(self, ids: torch.Tensor) -> InvalidArgument:
+        if self.client is None:
+            return InvalidArgument(f"{type(self).__name__} {self.table!r} is not bound: wrap the model in PSModel")
+        return InvalidArgument(f"{type(self).__name__} {self.table!r}: ids must be int32 or int64, got {ids.dtype}")
 
     def _take_plan(self, ids: torch.Tensor) -> "_Planned | None":
         """The announced plan of this batch (dropping older announced batches that were
@@ -201,18 +210,25 @@ class PSRows(nn.Module):
         the announced tensor itself (the same view of the same memory, unwritten since:
         ``_device_view``) match without reading them back, which would make the training
         thread wait for the GPU at every lookup; other ids are compared on the host."""
-        if not self._planned:
+        planned = self._planned
+        if not planned:
             return None
-        view = _device_view(ids)[0]
-        k = None if view is None else self._find(lambda plan: plan.view == view)
-        if k is None:
-            batch = ids.detach().reshape(-1).cpu().numpy()
+        if ids.device.type == "cpu":
+            batch = ids.detach().reshape(-1).numpy()
+            if np.array_equal(planned[0].flat, batch):     # the common case: the oldest announced
+                return planned.popleft()
             k = self._find(lambda plan: np.array_equal(plan.flat, batch))
+        else:
+            view = _device_view(ids)[0]
+            k = self._find(lambda plan: plan.view == view)
+            if k is None:
+                batch = ids.detach().reshape(-1).cpu().numpy()
+                k = self._find(lambda plan: np.array_equal(plan.flat, batch))
         if k is None:
             return None
         for _ in range(k):
-            self._planned.popleft()
-        return self._planned.popleft()
+            planned.popleft()
+        return planned.popleft()
 
     def _find(self, match) -> int | None:
         return next((k for k, plan in enumerate(self._planned) if match(plan)), None)
@@ -221,9 +237,8 @@ class PSRows(nn.Module):
         """(distinct ids, their gradient rows, on the lookup's device) of every lookup since
         the last call; clears them. Rows that got no gradient are left out. ``PSModel.push``
         copies every table's rows to the host together (``DeviceCopies.to_host_all``)."""
-        out = [(ids, rows.grad) for ids, rows in self._pending if rows.grad is not None]
-        self._pending = []
-        return out
+        pending, self.stage.pending = self.stage.pending, []
+        return [(ids, rows.grad) for ids, rows in pending if rows.grad is not None]
 
 
 def bind_caches(modules, client: PSClient, cache_bytes: int, staleness: int, lookahead: int = 1) -> None:

@@ -152,7 +152,7 @@ class ModelIO:
         and cached rows): the next pull reads the servers afresh."""
         self._prefetch.clear()
         for emb in self.embeddings.values():
-            emb._prefetch = None
+            emb.stage.fetched = None
             if emb.cache is not None:
                 emb.cache.clear()
 

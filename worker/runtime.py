@@ -214,7 +214,7 @@ def train_with_ps(task, ps_model, client, args, metrics=None, show_progress=Fals
                 xb = take_batch(x, b).to(device)
             yb = take_batch(y, b).to(device)
             loss = task.loss(ps_model(xb), yb)
-            unique_rows += sum(emb.last_unique for emb in embeddings)
+            unique_rows += sum(emb.stage.last_unique for emb in embeddings)
             ahead = ps_model.lookahead if ps_model.overlap else 1
             if embeddings and args.prefetch and i + ahead < len(batch_list):
                 # on the device already: the lookup then recognises the tensor it was

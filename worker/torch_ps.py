@@ -206,7 +206,7 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         self.lookups.begin(args, kwargs)
         if self._deferred_pull:
             for emb, ids in self.lookups.predict():
-                if emb._wanted is None and emb._prefetch is None:   # type: ignore[attr-defined]
+                if emb.stage.wanted is None and emb.stage.fetched is None:   # type: ignore[attr-defined]
                     emb.request_prefetch(ids)      # type: ignore[attr-defined]
             self._pull_now()
 
@@ -225,17 +225,14 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
             res = self._prefetch[0][1].result()[1]               # (push, pull) of an exchange
             self._cache_arrived()                                # completes its rows (and any returned)
             for emb, ids, rows in self._prefetch.popleft()[2]:
-                emb._provide(ids, rows)
+                emb.stage.fetched = (ids, rows)
             _load_dense(self.buckets, res.values, self.copies)
             names = []                                           # loaded from the exchange
             waited = res.waited_seconds
         else:
             waited = 0.0
-        wanted = []
-        for emb in self.embeddings.values():
-            if emb._wanted is not None and not emb._has_rows_for(emb._wanted):
-                wanted.append((emb, emb._wanted, emb.cache_plan(emb._wanted, self.step), self.step))
-            emb._wanted = None
+        wanted = [(emb, ids, emb.cache_plan(ids, self.step), self.step)
+                  for emb, ids in _take_wanted(self.embeddings) if not emb._has_rows_for(ids)]
         held, self._held = self._held, None
         if names or wanted:
             # read-your-writes: a pull no exchange carried sees this worker's earlier pushes
@@ -247,7 +244,7 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
             res = (self.client.exchange(held[0], pulls, clock=held[1], report_step=self.report_steps)[1]
                    if held is not None else self.client.pull_many(pulls, clock=self.step))
             for (emb, ids, plan, refreshed), rows in zip(wanted, res.values[len(names):]):
-                emb._provide(ids, emb.complete(plan, rows, refreshed))
+                emb.stage.fetched = (ids, rows if plan is None else emb.complete(plan, rows, refreshed))
             if names:
                 _load_dense(self.buckets, res.values, self.copies)
             waited = max(waited, res.waited_seconds)
@@ -385,10 +382,7 @@ def _exchange(model: PSModel, requests: list[tuple]) -> tuple[futures.Future | N
     serves the pull). Returns (its future, the prefetch for step ``step + lookahead``), or
     (None, None) when there is nothing to pull."""
     use = model.step + model.lookahead           # the step that reads this pull
-    wanted = [(emb, emb._wanted, emb.cache_plan(emb._wanted, use), model.step + 1)
-              for emb in model.embeddings.values() if emb._wanted is not None]
-    for emb, *_ in wanted:
-        emb._wanted = None
+    wanted = [(emb, ids, emb.cache_plan(ids, use), model.step + 1) for emb, ids in _take_wanted(model.embeddings)]
     requests_next = [(b.table,) for b in model.buckets] + [(emb.table, wanted_ids(ids, plan))
                                                            for emb, ids, plan, _ in wanted]
     if not requests_next:
@@ -398,12 +392,21 @@ def _exchange(model: PSModel, requests: list[tuple]) -> tuple[futures.Future | N
     return future, (use, future, wanted)
 
 
+def _take_wanted(embeddings: dict[str, PSRows]) -> list[tuple[PSRows, np.ndarray]]:
+    """(embedding, the distinct ids it announced) of every embedding that announced some
+    since the last pull; their announcements cleared."""
+    wanted = [(emb, emb.stage.wanted) for emb in embeddings.values() if emb.stage.wanted is not None]
+    for emb, _ in wanted:
+        emb.stage.wanted = None
+    return wanted
+
+
 def _send_from_backward(model: PSModel) -> tuple | None:
     """``hybrid.BackwardPush``'s send: in an ASYNC job whose next lookups were announced
     before this backward pass, the step's push with their pull (``_exchange``); else None,
     and ``push`` sends it as without the hook (SYNC and SSP steps report to the servers'
     clocks once, at ``push``)."""
-    if model.report_steps or all(emb._wanted is None for emb in model.embeddings.values()):
+    if model.report_steps or all(emb.stage.wanted is None for emb in model.embeddings.values()):
         return None
     requests = _gradient_requests(model.buckets, model.embeddings.values(), model.copies)
     model.flush()
