@@ -134,3 +134,28 @@ def test_client_side_errors_name_the_value(setup):
         c.pull_dense("w", 0, 12345)
     with pytest.raises(InvalidArgument, match="float64"):
         c.pull_rows("e", np.array([1.5]))
+
+
+def test_a_call_of_several_sparse_tables_is_checked_whole_and_applies_nothing_when_refused(setup):
+    """A call's sparse requests are checked together (one compiled pass): a bad id or row of
+    any table refuses the whole call, naming that table, the value and its place."""
+    from shardps.errors import InvalidArgument
+    c, _ = setup
+    c.create_sparse("f", 2, num_rows=10, optimizer=sgd(1.0))
+    ids = np.array([1, 2], np.int64)
+    before = c.pull_rows("e", ids)
+    good = ("e", ids, np.ones((2, 4), np.float32))
+    with pytest.raises(InvalidArgument, match=r"row id 12 \(position 1 of the ids\) of table 'f'"):
+        c.push_many([good, ("f", np.array([3, 12], np.int64), np.ones((2, 2), np.float32))])
+    with pytest.raises(InvalidArgument, match=r"row 1 \(id 4\), column 0 of the gradient rows for table 'f' is nan"):
+        c.push_many([good, ("f", np.array([3, 4], np.int64), np.array([[0, 0], [np.nan, 0]], np.float32))])
+    with pytest.raises(InvalidArgument, match=r"row id -1 \(position 0 of the ids\) of table 'f'"):
+        c.exchange([good], [("e", ids), ("f", np.array([-1], np.int64))], clock=0)
+    np.testing.assert_array_equal(c.pull_rows("e", ids), before)
+    # repeated ids: summed in a push, spread back in a pull, beside distinct ones in any order
+    f0 = c.pull_rows("f", np.array([5, 6], np.int64))
+    c.push_many([("f", np.array([5, 5, 6], np.int64), np.ones((3, 2), np.float32)),
+                 ("e", np.array([2, 1], np.int64), np.ones((2, 4), np.float32))])
+    f, e = c.pull_many([("f", np.array([6, 5, 6], np.int64)), ("e", np.array([2, 1], np.int64))]).values
+    np.testing.assert_allclose(f, [f0[1] - 1.0, f0[0] - 2.0, f0[1] - 1.0])
+    np.testing.assert_allclose(e, before[::-1] - 1.0)

@@ -15,6 +15,7 @@ from shardps.server import optimizers
 from shardps.server.node import optimizer_kernels
 from shardps.tables import adagrad, adam, constant, initial_values, normal, sgd, uniform, zeros
 from shardps.worker import lookup_kernels
+from shardps.worker.client import request_kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -184,7 +185,9 @@ def test_warm_up_compiles_every_kernel_for_the_data_paths_types():
     step.warm_up()
     step_reply.warm_up()
     sockio.warm_up()
-    for fn in (lookup_kernels._sum_bags, step_reply._walk_entries, step._check_segments, step._check_layout,
+    request_kernels.warm_up()
+    for fn in (lookup_kernels._sum_bags, step_reply._walk_entries, request_kernels._check_ids,
+               step._check_segments, step._check_layout,
                sockio.send_all, sockio.recv_frame,
                optimizer_kernels._sgd, optimizer_kernels._adagrad, optimizer_kernels._adam,
                kernels._hash_unique, kernels._block_of,
@@ -252,3 +255,21 @@ def test_a_process_given_a_built_cache_serves_without_compiling(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     compiled = json.loads(out.stdout.strip().splitlines()[-1])
     assert compiled == {}, f"compiled in the request path, not by warm_up: {compiled}"
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["numba", "numpy"])
+def test_a_calls_ids_are_checked_together(monkeypatch, compiled):
+    monkeypatch.setattr(request_kernels, "AVAILABLE", compiled)
+    ids = [np.array([1, 2, 9], np.int64), np.array([7, 3, 5], np.int64), np.array([4, 2, 4], np.int64),
+           np.array([10**12, -3], np.int64), np.empty(0, np.int64)]
+    bad, at, distinct = request_kernels.check_ids(ids, [10, 8, 5, 0, 3])
+    assert (bad, at) == (-1, -1)
+    assert distinct.tolist() == [True, True, False, True, True]     # ascending, any order, a repeat
+    bad, at, _ = request_kernels.check_ids(ids, [10, 8, 5, 1, 3])
+    assert (bad, at) == (3, 0), "the first id outside its own table's bounds, by its place"
+    bad, at, _ = request_kernels.check_ids(ids[:2], [10, 6])
+    assert (bad, at) == (1, 0)
+    bad, at, _ = request_kernels.check_ids([np.array([0, -1], np.int64)], [4])
+    assert (bad, at) == (0, 1)
+    rows = [np.zeros((2, 3), np.float32), np.array([[0, 1], [np.inf, 0]], np.float32)]
+    assert request_kernels.first_non_finite_each(rows) == [-1, 2]

@@ -444,13 +444,14 @@ def run_worker(args) -> int:
 
 def prepare_kernels(log) -> tuple[float, int, int]:
     """A worker's compiled kernels loaded (or compiled), and logged: deduplication and
-    routing (``shardps.kernels``), the Step reply's walk (``shardps.rpc.step_reply``), the
-    lookups' backward (``lookup_kernels``).
+    routing (``shardps.kernels``), a call's checks (``client.request_kernels``), the Step
+    reply's walk (``shardps.rpc.step_reply``), the lookups' backward (``lookup_kernels``).
     ``kernels.prepare``'s (seconds, loaded, compiled)."""
     from shardps import kernels
     from shardps.rpc import step_reply
     from shardps.worker import lookup_kernels
-    return kernels.prepare(log, step_reply, lookup_kernels)
+    from shardps.worker.client import request_kernels
+    return kernels.prepare(log, step_reply, lookup_kernels, request_kernels)
 
 
 def _wait_for_workers(client, wanted: int) -> int:

@@ -9,7 +9,9 @@ only state the data path reads from the manager.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
+import operator
 import threading
 import time
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -284,6 +286,11 @@ class Admin:
             return self.view().table(self.job, check_name(name))
         except NotFound:
             return self.refresh_map().table(self.job, name)
+
+    def tables_named(self, requests: list) -> list[TableView]:
+        """``table`` of each request's table name (its first item), one lookup each in the map."""
+        views = list(map(self._map.tables.get, zip(itertools.repeat(self.job), map(operator.itemgetter(0), requests))))
+        return [v or self.table(r[0]) for v, r in zip(views, requests)] if None in views else views  # type: ignore
 
     def tables(self) -> list[TableView]:
         """Every table of this job, by name, from a freshly fetched map."""

@@ -245,9 +245,8 @@ class PSClient(ManagerCalls, TableTransfer):
         return self._calls.submit(self._pull_many_call(requests, timeout, clock))
 
     def _pull_many_call(self, requests, timeout, clock):
-        return self._pull_call([rq.many_pull(i, self._admin.table(r[0]), r)
-                                for i, r in enumerate(rq.request_list(requests, "pull"))],
-                               timeout, clock, False)
+        requests = rq.request_list(requests, "pull")
+        return self._pull_call(rq.pull_pieces(self._admin.tables_named(requests), requests), timeout, clock, False)
 
     def _pull_call(self, parts: list, timeout, clock, values_only: bool):
         """A function running the pull of ``parts`` ((piece, output, finish) per item)."""
@@ -274,9 +273,9 @@ class PSClient(ManagerCalls, TableTransfer):
 
     def _exchange_call(self, push_requests, pull_requests, clock, timeout, report_step):
         rq.check_call(timeout, clock)           # arguments checked now, the exchange run by the function returned
-        table = self._admin.table
-        pushes = [rq.many_push(i, table(r[0]), r) for i, r in enumerate(rq.request_list(push_requests, "push"))]
-        pulls = [rq.many_pull(i, table(r[0]), r) for i, r in enumerate(rq.request_list(pull_requests, "pull"))]
+        push_requests, pull_requests = rq.request_list(push_requests, "push"), rq.request_list(pull_requests, "pull")
+        pushes = rq.push_pieces(self._admin.tables_named(push_requests), push_requests)
+        pulls = rq.pull_pieces(self._admin.tables_named(pull_requests), pull_requests)
 
         def run():
             pushed, pulled = self._data.exchange(pushes, [p for p, _, _ in pulls], [o for _, o, _ in pulls],
@@ -321,8 +320,9 @@ class PSClient(ManagerCalls, TableTransfer):
         return self._calls.submit(self._push_many_call(requests, timeout, clock, report_step))
 
     def _push_many_call(self, requests, timeout, clock, report_step):
-        pieces = [rq.many_push(i, self._admin.table(r[0]), r) for i, r in enumerate(rq.request_list(requests, "push"))]
-        return self._push_call(pieces, timeout, clock, report_step)
+        requests = rq.request_list(requests, "push")
+        return self._push_call(rq.push_pieces(self._admin.tables_named(requests), requests), timeout, clock,
+                               report_step)
 
     def _push_call(self, pieces, timeout, clock, report_step: bool = False, kind: int = GRADIENT):
         rq.check_call(timeout, clock)

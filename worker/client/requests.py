@@ -33,6 +33,7 @@ from shardps import kernels
 from shardps.errors import InvalidArgument, non_finite
 from shardps.shardmap import TableView
 from shardps.tables import MAX_CLOCK, Initializer, TableKind, TableSpec, dense_table, sparse_table
+from shardps.worker.client import request_kernels
 from shardps.worker.routing import Piece
 
 Finish = Callable[[np.ndarray], np.ndarray]       # pulled values -> what the caller gets
@@ -109,9 +110,13 @@ def as_ids(ids, t: TableView) -> np.ndarray:
         flat = _flat_ids(ids, t)
     bad = kernels.first_outside(flat, t.spec.num_rows)
     if bad >= 0:
-        raise InvalidArgument(f"row id {int(flat[bad])} (position {bad} of the ids) of table {t.name!r} "
-                              f"is out of bounds: ids must lie in [0, {t.spec.num_rows})")
+        raise _outside(t, flat, bad)
     return flat
+
+
+def _outside(t: TableView, ids: np.ndarray, bad: int) -> InvalidArgument:
+    return InvalidArgument(f"row id {int(ids[bad])} (position {bad} of the ids) of table {t.name!r} "
+                           f"is out of bounds: ids must lie in [0, {t.spec.num_rows})")
 
 
 def _flat_ids(ids, t: TableView) -> np.ndarray:
@@ -199,6 +204,88 @@ def request_list(requests, what: str) -> list:
         bad = next(r for r in requests if not isinstance(r, (list, tuple)) or not r or not isinstance(r[0], str))
         raise InvalidArgument(f"{what} request {bad!r}: expected a tuple whose first item is a table name")
     return list(requests)
+
+
+# ====================================================================== a call's requests
+def pull_pieces(tables: list[TableView], requests: list) -> list[tuple[Piece, np.ndarray, Finish]]:
+    """``many_pull`` of each of a call's requests (``tables[i]``: request i's table). The
+    sparse requests whose ids are a flat int64 array (what ``PSModel`` sends) are checked
+    together: their ids' bounds and distinctness in one compiled pass for all tables. (The
+    requests are walked with ``map``, in C: a call's Python does not grow by a pass per table.)"""
+    plain = list(map(_plain_pull, tables, requests))
+    fast = list(itertools.compress(range(len(plain)), plain))
+    return _merged(fast, _sparse_pulls(fast, tables, requests) if fast else [], plain, many_pull, tables, requests)
+
+
+def push_pieces(tables: list[TableView], requests: list) -> list[Piece]:
+    """``many_push`` of each of a call's requests, as ``pull_pieces``: the sparse requests
+    whose ids are a flat int64 array and whose rows a float32 ``[len(ids), dim]`` array are
+    checked together (the ids' bounds and distinctness in one compiled pass, the rows'
+    finiteness in one compiled call each)."""
+    plain = list(map(_plain_push, tables, requests))
+    fast = list(itertools.compress(range(len(plain)), plain))
+    return _merged(fast, _sparse_pushes(fast, tables, requests) if fast else [], plain, many_push, tables, requests)
+
+
+def _merged(fast: list[int], done: list, plain: list[bool], each, tables: list[TableView], requests: list) -> list:
+    """The pieces of every request in order: ``done`` for the requests ``fast``, ``each(i,
+    table, request)`` for the others (those ``plain`` does not mark)."""
+    out = dict(zip(fast, done))
+    if len(fast) < len(plain):
+        slow = list(itertools.compress(range(len(plain)), map(operator.not_, plain)))
+        out.update(zip(slow, map(each, slow, map(tables.__getitem__, slow), map(requests.__getitem__, slow))))
+    return list(map(out.__getitem__, range(len(plain))))
+
+
+def _plain_ids(ids) -> bool:
+    return type(ids) is np.ndarray and ids.dtype == _I64 and ids.ndim == 1 and ids.flags.c_contiguous
+
+
+def _plain_pull(t: TableView, request) -> bool:
+    return t.spec.kind is _SPARSE and len(request) == 2 and _plain_ids(request[1])
+
+
+def _plain_push(t: TableView, request) -> bool:
+    return (t.spec.kind is _SPARSE and len(request) == 3 and _plain_ids(request[1]) and type(request[2]) is np.ndarray
+            and request[2].dtype == _F32 and request[2].shape == (request[1].shape[0], t.spec.dim)
+            and request[2].flags.c_contiguous)
+
+
+def _checked_ids(tables: list[TableView], ids: list[np.ndarray]) -> np.ndarray:
+    """Whether each request's ids are distinct; InvalidArgument (``as_ids``') for the first
+    id outside its table's bounds."""
+    bad, at, distinct = request_kernels.check_ids(ids, list(map(_NUM_ROWS, tables)))
+    if bad >= 0:
+        raise _outside(tables[bad], ids[bad], at)
+    return distinct
+
+
+def _sparse_pulls(items: list[int], tables: list[TableView], requests: list) -> list:
+    views, ids = list(map(tables.__getitem__, items)), list(map(_SECOND, map(requests.__getitem__, items)))
+    distinct = _checked_ids(views, ids)
+    return [(Piece(i, t.name, False, ids=x), np.empty((x.shape[0], t.spec.dim), np.float32), _SAME) if d
+            else rows_pull(i, t, x) for i, t, x, d in zip(items, views, ids, distinct)]
+
+
+def _sparse_pushes(items: list[int], tables: list[TableView], requests: list) -> list[Piece]:
+    views, pushed = list(map(tables.__getitem__, items)), list(map(requests.__getitem__, items))
+    ids, rows = list(map(_SECOND, pushed)), list(map(_THIRD, pushed))
+    distinct = _checked_ids(views, ids)
+    if max(request_kernels.first_non_finite_each(rows)) >= 0:
+        for k in range(len(items)):          # rows_push refuses the first that its table does not allow
+            rows_push(items[k], views[k], ids[k], rows[k])
+    return [Piece(i, t.name, False, ids=x, values=g) if d else rows_push(i, t, x, g)
+            for i, t, x, g, d in zip(items, views, ids, rows, distinct)]
+
+
+def _same(rows: np.ndarray) -> np.ndarray:
+    return rows
+
+
+_SAME: Finish = _same
+_SPARSE = TableKind.SPARSE
+_SECOND, _THIRD = operator.itemgetter(1), operator.itemgetter(2)
+_NUM_ROWS = operator.attrgetter("spec.num_rows")
 
 
 # ====================================================================== pulls
