@@ -8,6 +8,8 @@ pieces again, so a retry re-sends exactly what was not acknowledged.
 
 from __future__ import annotations
 
+import itertools
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -125,27 +127,28 @@ def _rows_of(p: Piece, pos: np.ndarray) -> Piece:
 Part = tuple[Piece, "np.ndarray | None", int, int]
 
 
+_TABLE = operator.attrgetter("table")
+
+
 def route_parts(view: ShardMapView, job: str, pieces: list[Piece]) -> dict[str, list[Part]]:
     """``route`` for the compiled request path: the same split by primary server, as parts
     that point into the pieces' arrays (no ids or rows are copied: the transport gathers
     them straight into the request). Export pieces (``all_stored``) are not taken."""
     out: dict[str, list[Part]] = {}
     names = view.server_names
-    for p in pieces:
-        t = view.table(job, p.table)
+    found = list(map(view.tables.get, zip(itertools.repeat(job), map(_TABLE, pieces))))
+    tables: list[TableView] = [view.table(job, p.table) for p in pieces] if None in found else found  # type: ignore
+    for p, t in zip(pieces, tables):
         if p.dense:
             for server, sub in _route_dense(t, p):
                 out.setdefault(names[server], []).append((p, None, sub.start, sub.stop))
             continue
-        assert p.ids is not None and not p.all_stored
-        n = p.ids.shape[0]
-        if n == 0:
-            continue
-        if t.whole_on >= 0:                 # the table on one server (a small one's default): whole
+        n = p.ids.shape[0]                  # type: ignore[union-attr]  # a sparse piece has ids
+        if n and t.whole_on >= 0:           # the table on one server (a small one's default): whole
             out.setdefault(names[t.whole_on], []).append((p, None, 0, n))
-            continue
-        for server, pos in _rows_by_server(t, p.ids):
-            out.setdefault(names[server], []).append((p, pos, 0, pos.shape[0]))
+        elif n:
+            for server, pos in _rows_by_server(t, p.ids):     # type: ignore[arg-type]
+                out.setdefault(names[server], []).append((p, pos, 0, pos.shape[0]))
     return out
 
 

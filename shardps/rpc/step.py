@@ -49,6 +49,8 @@ past a buffer.
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
 import struct
 
 import numpy as np
@@ -69,6 +71,8 @@ _SELECTOR_CODES = {RANGE: 1, ROWS: 2}
 NONE = -1
 _EMPTY_I8 = np.empty(0, np.int64)
 _EMPTY_F4 = np.empty(0, np.float32)
+_SHAPE, _WIDTH = operator.attrgetter("shape"), operator.itemgetter(1)     # a row's values: shape[1]
+_CHAIN = itertools.chain.from_iterable
 
 
 def pad8(n: int) -> int:
@@ -252,22 +256,32 @@ class Encoded:
 
     def __init__(self, header: Header, kind: int, pull_clock: int = 0, push: bool = False, pull: bool = False):
         self.head, self.kind, self.pull_clock, self.push, self.pull = header, kind, pull_clock, push, pull
-        self.push_fields: list[int] = []
-        self.pull_fields: list[int] = []
-        self.push_tables: list[str] = []
-        self.pull_tables: list[str] = []
+        self.push_fields: list[int]
+        self.pull_fields: list[int]
+        self.push_tables: list[str]
+        self.pull_tables: list[str]
+        self.push_fields, self.pull_fields, self.push_tables, self.pull_tables = [], [], [], []
         self.tables: dict[str, int] = {}
-        self.payload_bytes = 0
         self.writes: list = []
         self.bases: list[int] = []
+        self.payload_bytes = 0
 
-    def push_rows(self, table: str, ids: np.ndarray, positions: np.ndarray | None, values: np.ndarray) -> None:
-        n = ids.shape[0] if positions is None else positions.shape[0]
-        ids_at = (self.payload_bytes + 7) & ~7
-        values_at, count = ids_at + 8 * n, n * values.shape[1]
-        self.payload_bytes = values_at + 4 * count
-        self.writes += ((ids_at, ids, positions, values_at), (values_at, values, positions, self.payload_bytes))
-        self._segment(True, table, 2, n, 0, ids_at, values_at, count, 0)
+    def push_rows(self, tables: list[str], ids: list[np.ndarray], positions: list, values: list[np.ndarray],
+                  counts: np.ndarray) -> int:
+        """Push segments of rows, one per table of ``tables`` (with its ``ids``, ``positions``
+        and ``values``; ``counts``: the rows each carries, int64), laid out together: their
+        offsets in one numpy pass, no Python per segment. Returns the values they carry."""
+        value_counts = counts * np.fromiter(map(_WIDTH, map(_SHAPE, values)), np.int64, len(values))
+        sizes = 8 * counts + ((4 * value_counts + 7) & ~7)        # each next ids array 8-byte aligned
+        ids_at = pad8(self.payload_bytes) + np.cumsum(sizes) - sizes
+        values_at = ids_at + 8 * counts
+        ends = values_at + 4 * value_counts
+        self.payload_bytes = int(ends[-1])
+        at, vat = ids_at.tolist(), values_at.tolist()       # each table's ids, then its values
+        self.writes += _CHAIN(zip(zip(at, ids, positions, vat), zip(vat, values, positions, ends.tolist())))
+        self.push, self.push_tables = True, self.push_tables + tables
+        self.push_fields += self._rows_fields(tables, counts, ids_at, values_at, value_counts)
+        return int(value_counts.sum())
 
     def push_range(self, table: str, start: int, stop: int, values: np.ndarray, bases: dict | None = None) -> None:
         values_at = self.payload_bytes
@@ -278,12 +292,22 @@ class Encoded:
             for pair in bases.items():
                 self.bases += pair
 
-    def pull_rows(self, table: str, ids: np.ndarray, positions: np.ndarray | None) -> None:
-        n = ids.shape[0] if positions is None else positions.shape[0]
-        ids_at = (self.payload_bytes + 7) & ~7
-        self.payload_bytes = ids_at + 8 * n
-        self.writes.append((ids_at, ids, positions, self.payload_bytes))
-        self._segment(False, table, 2, n, 0, ids_at, NONE, NONE, 0)
+    def pull_rows(self, tables: list[str], ids: list[np.ndarray], positions: list, counts: np.ndarray) -> None:
+        """Pull segments of rows, one per table (as ``push_rows``, without values)."""
+        ends = pad8(self.payload_bytes) + np.cumsum(8 * counts)
+        ids_at = ends - 8 * counts
+        self.payload_bytes = int(ends[-1])
+        self.writes += zip(ids_at.tolist(), ids, positions, ends.tolist())
+        self.pull, self.pull_tables = True, self.pull_tables + tables
+        self.pull_fields += self._rows_fields(tables, counts, ids_at, NONE, NONE)
+
+    def _rows_fields(self, tables: list[str], counts: np.ndarray, ids_at: np.ndarray, values_at, value_counts) -> list:
+        """The header fields of row segments (selector 2), flat: each table's name index
+        (new names numbered after the known ones), count, ids and values offsets."""
+        names = self.tables
+        names.update(zip(dict.fromkeys(tables).keys() - names.keys(), itertools.count(3 + len(names))))
+        columns = (list(map(names.__getitem__, tables)), 2, counts, 0, ids_at, values_at, value_counts, 0)
+        return np.stack(np.broadcast_arrays(*columns), axis=1).ravel().tolist()
 
     def pull_range(self, table: str, start: int, stop: int) -> None:
         self._segment(False, table, 1, start, stop, NONE, NONE, NONE, 0)
@@ -341,15 +365,19 @@ def encode(request: StepRequest) -> Encoded:
                   request.pull is not None)
     for s in request.push or ():
         if s.selector is ROWS:
-            out.push_rows(s.table, s.ids, s.positions, s.values)
+            out.push_rows([s.table], [s.ids], [s.positions], [s.values], _counts(s))
         else:
             out.push_range(s.table, s.start, s.stop, s.values, s.base_versions)
     for s in request.pull or ():
         if s.selector is ROWS:
-            out.pull_rows(s.table, s.ids, s.positions)
+            out.pull_rows([s.table], [s.ids], [s.positions], _counts(s))
         else:
             out.pull_range(s.table, s.start, s.stop)
     return out
+
+
+def _counts(s: Slice) -> np.ndarray:
+    return np.array([s.ids.shape[0] if s.positions is None else s.positions.shape[0]], np.int64)
 
 
 def warm_up() -> None:

@@ -12,6 +12,7 @@ twice.
 
 from __future__ import annotations
 
+import itertools
 import operator
 from typing import TYPE_CHECKING
 
@@ -81,7 +82,7 @@ class StepCalls:
                 encoded = Encoded(header, kind, pull_clock)
                 if pp:
                     self._push(encoded, pp, view, moved)
-                reply_bytes = self._pull(encoded, lp, view, moved) if lp else 0
+                lp, reply_bytes = self._pull(encoded, lp, view, moved) if lp else (lp, 0)
                 into = destination(lp, outputs, reply_bytes) if reply_bytes >= DIRECT_REPLY_BYTES else None
                 sent = self.transport.step_start(server, view.address(server), encoded, reply_bytes,
                                                  attempt_timeout(deadline, reply_bytes), into)
@@ -108,36 +109,42 @@ class StepCalls:
 
     def _push(self, encoded: Encoded, parts: list, view: ShardMapView, moved: list) -> None:
         """Lay out a server's routed push parts (``routing.route_parts``), their bytes and
-        rows added to ``moved``; a dense range's base versions set."""
-        for p, positions, a, z in parts:
-            if p.dense:
-                moved[0] += 4 * (z - a)
-                encoded.push_range(p.table, a, z, p.values[a - p.start:z - p.start],
-                                   base_versions(p, view, self.job, self.versions, a, z) or None)
-                continue
-            n = z - a
-            sparse = (4 * p.values.shape[1] + 8) * n
-            moved[0] += sparse
-            moved[1] += n
-            moved[2] += sparse
-            encoded.push_rows(p.table, p.ids, positions, p.values)
+        rows added to ``moved``: the dense ranges one by one (a table's few blocks, their
+        base versions set), the rows of every table in one ``push_rows``."""
+        dense = list(map(_DENSE, map(_PIECE, parts)))
+        for p, _, a, z in itertools.compress(parts, dense):
+            moved[0] += 4 * (z - a)
+            encoded.push_range(p.table, a, z, p.values[a - p.start:z - p.start],
+                               base_versions(p, view, self.job, self.versions, a, z) or None)
+        rows = list(itertools.compress(parts, map(operator.not_, dense))) if any(dense) else parts
+        if rows:
+            pieces, counts = list(map(_PIECE, rows)), _counts(rows)
+            tables, ids, values = list(map(_TABLE, pieces)), list(map(_IDS, pieces)), list(map(_VALUES, pieces))
+            n = int(counts.sum())
+            sparse = 4 * encoded.push_rows(tables, ids, list(map(_POSITIONS, rows)), values, counts) + 8 * n
+            moved[:3] = moved[0] + sparse, moved[1] + n, moved[2] + sparse
 
-    def _pull(self, encoded: Encoded, parts: list, view: ShardMapView, moved: list) -> int:
-        """Lay out a server's routed pull parts; returns their values' bytes (also added to
-        ``moved`` with the rows)."""
-        nbytes = 0
-        for p, positions, a, z in parts:
-            if p.dense:
-                nbytes += 4 * (z - a)
-                encoded.pull_range(p.table, a, z)
-                continue
-            rows = 4 * (z - a) * view.table(self.job, p.table).spec.dim
-            nbytes += rows
-            moved[4] += z - a
-            moved[5] += rows
-            encoded.pull_rows(p.table, p.ids, positions)
+    def _pull(self, encoded: Encoded, parts: list, view: ShardMapView, moved: list) -> tuple[list, int]:
+        """Lay out a server's routed pull parts: the dense ranges first, then the rows of
+        every table in one ``pull_rows``. Returns the parts in the request's order (its
+        reply's values come in that order) and their values' bytes (also added to ``moved``
+        with the rows)."""
+        dense = list(map(_DENSE, map(_PIECE, parts)))
+        ranges = list(itertools.compress(parts, dense))
+        for p, _, a, z in ranges:
+            encoded.pull_range(p.table, a, z)
+        nbytes = 4 * int(_counts(ranges).sum()) if ranges else 0
+        rows = list(itertools.compress(parts, map(operator.not_, dense))) if ranges else parts
+        if rows:
+            pieces, counts = list(map(_PIECE, rows)), _counts(rows)
+            tables = list(map(_TABLE, pieces))
+            encoded.pull_rows(tables, list(map(_IDS, pieces)), list(map(_POSITIONS, rows)), counts)
+            dims = np.fromiter(map(_DIM, map(view.tables.__getitem__, zip(itertools.repeat(self.job), tables))), int)
+            values = 4 * int((counts * dims).sum())
+            nbytes += values
+            moved[4:6] = moved[4] + int(counts.sum()), moved[5] + values
         moved[3] += nbytes
-        return nbytes
+        return (ranges + rows if ranges and rows else parts), nbytes
 
     def place(self, server: str, ack: PushAck, reply: PullReply, values: list, lp, presult, lresult,
               in_group: bool) -> None:
@@ -154,18 +161,17 @@ class StepCalls:
         for part, got in zip(lp, values):
             p, _, a, z = part
             out = outputs[p.item]
-            n = z - a
-            if p.dense and got.shape[0] != n:
-                raise Unavailable(f"step reply from {server}: {got.shape[0]} values for a range of {n}")
-            if not p.dense and got.shape[0] != n * out.shape[1]:
-                raise Unavailable(f"step reply from {server}: {got.shape[0]} values for {n} rows of {out.shape[1]}")
+            if got.shape[0] != (z - a) * (1 if p.dense else out.shape[1]):
+                raise Unavailable(f"step reply from {server}: {got.shape[0]} values for "
+                                  + (f"a range of {z - a}" if p.dense else f"{z - a} rows of {out.shape[1]}"))
             span, where = _span(part, out)
             if span is None:
-                kernels.scatter_rows(out, where, got.reshape(n, out.shape[1]))
+                kernels.scatter_rows(out, where, got.reshape(z - a, out.shape[1]))
             elif len(lp) > 1 or got.__array_interface__["data"][0] != span.__array_interface__["data"][0]:
                 span[...] = got.reshape(span.shape)     # unless received in place (``destination``)
+        pieces = list(map(_PIECE, lp))
         take_pull_reply(lresult, reply.min_clock, reply.waited_seconds, reply.versions, in_group,
-                        {p.table for p, _, _, _ in lp if p.dense}, self.versions)
+                        set(map(_TABLE, itertools.compress(pieces, map(_DENSE, pieces)))), self.versions)
 
 
 class _Reply:
@@ -206,6 +212,16 @@ DIRECT_REPLY_BYTES = 256 << 10        # a server's pulled values from this size 
 
 _NO_ROWS = np.empty(0, np.int64)
 _ALL_STORED = operator.attrgetter("all_stored")
+# a routed part's (piece, positions, start, stop) and a piece's fields, read with map (in C)
+_PIECE, _POSITIONS, _START, _STOP = (operator.itemgetter(k) for k in range(4))
+_DENSE, _TABLE, _IDS, _VALUES = (operator.attrgetter(a) for a in ("dense", "table", "ids", "values"))
+_DIM = operator.attrgetter("spec.dim")
+
+
+def _counts(parts: list) -> np.ndarray:
+    """The rows each routed sparse part carries (int64)."""
+    n = len(parts)
+    return np.fromiter(map(_STOP, parts), np.int64, n) - np.fromiter(map(_START, parts), np.int64, n)
 
 
 def _span(part, out: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
