@@ -57,6 +57,29 @@ def test_the_planner_predicts_tables_looked_up_once_from_the_last_forward():
     assert set(p.recipes) == {"x"}
 
 
+def test_a_lookup_of_the_predicted_ids_keeps_its_recipe_and_another_view_is_learned_again():
+    p = LookupPlanner()
+    x = torch.arange(40).reshape(10, 4)
+    p.begin((x,), {})
+    p.observe("a", x[:, 1])
+    p.observe("b", x[:, 2])
+    p.end()
+    learned = dict(p.recipes)
+    y = torch.arange(100, 140).reshape(10, 4)
+    p.begin((y,), {})
+    assert [t for t, _ in p.predict()] == ["a", "b"]
+    p.observe("a", y[:, 1])                        # the predicted view: the same recipe
+    p.observe("b", y[:, 3])                        # another column than predicted: learned from the ids
+    p.end()
+    assert p.recipes["a"] is learned["a"]
+    z = torch.arange(200, 240).reshape(10, 4)
+    p.begin((z,), {})
+    assert [(t, ids.tolist()) for t, ids in p.predict()] == [("a", z[:, 1].tolist()), ("b", z[:, 3].tolist())]
+    p.observe("a", z[:, 1].clone())                # equal ids, other memory: not a view of the input
+    p.end()
+    assert set(p.recipes) == set()
+
+
 class _Wide(nn.Module):
     """One single-hot table per column of the input, and a dense head."""
 

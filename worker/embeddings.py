@@ -16,6 +16,7 @@ A pooled lookup's gradient therefore travels as its touched rows only. Not usabl
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 from concurrent import futures
 from typing import Callable, NamedTuple
@@ -29,7 +30,7 @@ from shardps.errors import InvalidArgument
 from shardps.tables import Initializer, OptimizerConfig, normal
 from shardps.worker.client import PSClient
 from shardps.worker.device_copies import DeviceCopies
-from shardps.worker.lookup_kernels import bag_lookup, lookup
+from shardps.worker.lookup_kernels import bag_lookup, lookup, unique_each
 from shardps.worker.row_cache import CachePlan, RowCache, wanted_ids
 
 log = logging.getLogger("shardps.worker")
@@ -135,6 +136,12 @@ class PSRows(nn.Module):
                              else _Planned(flat, unique, inverse, *_device_view(ids)))
         return unique
 
+    def _announce(self, flat: np.ndarray, unique: np.ndarray, inverse: np.ndarray, ids: torch.Tensor) -> None:
+        """``request_prefetch`` of a batch deduplicated together with other tables' (``announce``)."""
+        self._planned.append(_Planned(flat, unique, inverse) if ids.device.type == "cpu"
+                             else _Planned(flat, unique, inverse, *_device_view(ids)))
+        self.stage.wanted = unique
+
     def prefetch(self, ids: torch.Tensor) -> None:
         """Start pulling the rows of ``ids`` (a coming batch) in the background, in a call of
         this table's own (``request_prefetch`` shares the model's pull instead)."""
@@ -165,8 +172,7 @@ class PSRows(nn.Module):
 
     def _has_rows_for(self, ids: np.ndarray) -> bool:
         """Whether rows fetched for exactly these distinct ids are waiting for the lookup."""
-        fetched = self.stage.fetched
-        return fetched is not None and np.array_equal(fetched[0], ids)
+        return self.stage.fetched is not None and np.array_equal(self.stage.fetched[0], ids)
 
     def _lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows of the distinct ids ``[U, dim]``, index of each id of ``ids`` in them, with
@@ -176,8 +182,10 @@ class PSRows(nn.Module):
         if self._observer is not None:
             self._observer(self, ids)
         planned = self._take_plan(ids)
+        on_cpu = ids.device.type == "cpu"           # torch.from_numpy: no copy (DeviceCopies.to_device)
         if planned is not None:
-            unique_np, inverse = planned.unique, self.copies.to_device(planned.inverse, ids.device)
+            unique_np, at = planned.unique, planned.inverse
+            inverse = torch.from_numpy(at) if on_cpu else self.copies.to_device(at, ids.device)
         else:                      # the batch was not announced: deduplicate it now
             unique, inverse = torch.unique(ids.reshape(-1).long(), return_inverse=True)
             unique_np = unique.detach().cpu().numpy()
@@ -191,7 +199,7 @@ class PSRows(nn.Module):
             plan = self.cache_plan(unique_np, self.clock)
             rows_np = self.complete(plan, self.client.pull_rows(self.table, wanted_ids(unique_np, plan),
                                                                 clock=self.clock), self.clock)
-        rows = self.copies.to_device(rows_np, ids.device)
+        rows = torch.from_numpy(rows_np) if on_cpu else self.copies.to_device(rows_np, ids.device)
         if self.training and torch.is_grad_enabled():
             rows.requires_grad_(True)
             stage.pending.append((unique_np, rows))
@@ -239,6 +247,24 @@ class PSRows(nn.Module):
         copies every table's rows to the host together (``DeviceCopies.to_host_all``)."""
         pending, self.stage.pending = self.stage.pending, []
         return [(ids, rows.grad) for ids, rows in pending if rows.grad is not None]
+
+
+def announce(lookups: list[tuple[PSRows, torch.Tensor]]) -> None:
+    """``request_prefetch(ids)`` of each (embedding, ids) of a step: every batch copied to
+    the host in one ``torch.cat`` and deduplicated in one compiled pass
+    (``lookup_kernels.unique_each``), each table's plan then a view of those arrays."""
+    if not lookups:
+        return
+    embeddings, batches = zip(*lookups)
+    on = map(torch.Tensor.to, map(_flat_long, batches), itertools.repeat(batches[0].device))
+    flat = torch.cat(list(on)).cpu().numpy()          # a copy: the caller may reuse its buffers
+    ends = np.cumsum(np.fromiter(map(torch.Tensor.numel, batches), np.int64, len(batches)))
+    unique, inverse = unique_each(flat, ends)
+    collections.deque(map(PSRows._announce, embeddings, np.split(flat, ends[:-1]), unique, inverse, batches), 0)
+
+
+def _flat_long(ids: torch.Tensor) -> torch.Tensor:
+    return ids.detach().reshape(-1).long()
 
 
 def bind_caches(modules, client: PSClient, cache_bytes: int, staleness: int, lookahead: int = 1) -> None:

@@ -1,4 +1,5 @@
-"""The lookups' backward over the rows a step pulled, in one compiled pass.
+"""The lookups' backward over the rows a step pulled, in one compiled pass (and the
+deduplication of a step's batches, every table's in one: ``unique_each``).
 
 * ``lookup(rows, inverse)`` is ``F.embedding(inverse, rows)``: each id's row, out of the
   ``[U, dim]`` rows of the step's distinct ids. Its backward adds each output gradient row
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from shardps.kernels import _JIT, AVAILABLE, njit
+from shardps.kernels import _JIT, AVAILABLE, _hash_unique, njit
 
 MIN_IDS = 512
 
@@ -193,11 +194,53 @@ def bag_lookup(rows: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor 
     return _BagLookup.apply(rows, inverse, offsets, per_sample_weights, mode, include_last_offset, padding)
 
 
+def unique_each(flat: np.ndarray, ends: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """``kernels.unique_inverse`` of each batch of a step's lookups at once: ``flat`` holds
+    every batch's int64 ids one after another, batch k ending at ``ends[k]``. Returns each
+    batch's sorted distinct ids and each of its ids' index in them (views of two arrays),
+    deduplicated in one compiled pass (``np.unique`` per batch without numba)."""
+    if not AVAILABLE:
+        pairs = [np.unique(batch, return_inverse=True) for batch in np.split(flat, ends[:-1])]
+        return [u for u, _ in pairs], [i.reshape(-1) for _, i in pairs]
+    unique, inverse = np.empty_like(flat), np.empty_like(flat)
+    unique_ends = _unique_each(flat, ends, unique, inverse)
+    return np.split(unique[:unique_ends[-1]], unique_ends[:-1]), np.split(inverse, ends[:-1])
+
+
+@njit(**_JIT)
+def _unique_each(flat, ends, unique, inverse):
+    """Fill ``unique`` with each batch's sorted distinct ids (one batch's after another's)
+    and ``inverse`` with each id's index among its batch's; returns where each batch's
+    distinct ids end in ``unique``. As ``kernels.unique_inverse``: a batch's ids hashed,
+    only its distinct ones sorted."""
+    unique_ends = np.empty(ends.shape[0], np.int64)
+    start = u = 0
+    for k in range(ends.shape[0]):
+        batch = flat[start:ends[k]]
+        bits = 4
+        while (1 << bits) < 2 * batch.shape[0]:         # a load factor <= 1/2, as kernels._table_bits
+            bits += 1
+        first, at = _hash_unique(batch, bits)
+        order = np.argsort(first)
+        rank = np.empty(order.shape[0], np.int64)
+        for j in range(order.shape[0]):
+            rank[order[j]] = j
+            unique[u + j] = first[order[j]]
+        for i in range(batch.shape[0]):
+            inverse[start + i] = rank[at[i]]
+        u += order.shape[0]
+        unique_ends[k] = u
+        start = ends[k]
+    return unique_ends
+
+
 def warm_up() -> None:
     """Compile (or load from numba's cache) the backward passes for the arrays torch gives
-    them (writable: a gradient, the ids' indices, the bags' bounds and weights)."""
+    them (writable: a gradient, the ids' indices, the bags' bounds and weights), and the
+    lookups' deduplication."""
     if not AVAILABLE:
         return
+    unique_each(np.array([3, 1, 3, 2], np.int64), np.array([2, 4], np.int64))
     inverse, bounds, grad = np.zeros(2, np.int64), np.zeros(1, np.int64), np.zeros((2, 2), np.float32)
     for weights in (_NO_WEIGHTS, np.zeros(2, np.float32)):
         _sum_bags(grad, inverse, bounds, bounds, weights, -1, False, np.empty((1, 2), np.float32))

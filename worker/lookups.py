@@ -16,6 +16,7 @@ the forward's lookups are learned again. Nothing here changes what a step reads.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -45,9 +46,7 @@ class Recipe:
     """How to cut a lookup's ids out of a forward's inputs (see the module docstring)."""
 
     input: int                              # position among ``input_tensors``
-    input_shape: tuple[int, ...]
-    input_stride: tuple[int, ...]
-    dtype: torch.dtype
+    layout: tuple                           # the input's (dtype, shape, strides): ``layout``
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int                             # storage offset from the input's
@@ -61,18 +60,29 @@ class Recipe:
         for i, x in enumerate(inputs):
             if (x.dtype == ids.dtype and x.device == ids.device
                     and x.untyped_storage().data_ptr() == ptr):
-                return cls(i, tuple(x.shape), tuple(x.stride()), x.dtype, tuple(ids.shape),
-                           tuple(ids.stride()), int(ids.storage_offset() - x.storage_offset()))
+                return cls(i, layout(x), tuple(ids.shape), tuple(ids.stride()),
+                           int(ids.storage_offset() - x.storage_offset()))
         return None
 
-    def cut(self, inputs: list[torch.Tensor]) -> torch.Tensor | None:
-        """The ids this recipe names in ``inputs``; None where they are laid out otherwise."""
+    def cut(self, inputs: list[torch.Tensor], layouts: list[tuple] | None = None) -> torch.Tensor | None:
+        """The ids this recipe names in ``inputs`` (whose ``layout``s may be given); None
+        where they are laid out otherwise."""
         if self.input >= len(inputs):
             return None
         x = inputs[self.input]
-        if x.dtype != self.dtype or tuple(x.shape) != self.input_shape or tuple(x.stride()) != self.input_stride:
+        if (layout(x) if layouts is None else layouts[self.input]) != self.layout:
             return None
         return x.as_strided(self.shape, self.stride, x.storage_offset() + self.offset)
+
+
+def layout(x: torch.Tensor) -> tuple:
+    """A tensor's dtype, shape and strides: a recipe cuts its view out of an input laid out so."""
+    return x.dtype, tuple(x.shape), tuple(x.stride())
+
+
+def _key(ids: torch.Tensor) -> tuple:
+    """Which memory a lookup's ids are, and how they lie in it."""
+    return ids.data_ptr(), ids.dtype, ids.device, tuple(ids.shape), tuple(ids.stride())
 
 
 class LookupPlanner:
@@ -82,12 +92,15 @@ class LookupPlanner:
     lookup, ``end()`` once the forward returned; ``predict()`` (between ``begin`` and the
     first lookup) gives ``(table, ids)`` for each table looked up once in the last forward
     from a view of its inputs. ``table`` is any hashable (``PSModel`` passes the module).
+    A lookup of the very ids predicted for it (the same memory, laid out alike) keeps its
+    table's recipe without searching the inputs again.
     Not thread-safe (one training loop)."""
 
     def __init__(self):
         self.recipes: dict = {}                   # table -> Recipe, learned from the last forward
         self._inputs: list[torch.Tensor] | None = None
         self._seen: dict | None = None            # table -> Recipe | None (None: not predictable)
+        self._predicted: dict = {}                # table -> ``_key`` of the ids predicted for it
 
     @property
     def learned(self) -> bool:
@@ -96,12 +109,19 @@ class LookupPlanner:
     def begin(self, args: tuple, kwargs: dict) -> None:
         self._inputs = input_tensors(args, kwargs)
         self._seen = {}
+        self._predicted = {}
 
     def observe(self, table, ids: torch.Tensor) -> None:
         if self._seen is None or self._inputs is None:
             return                                # a lookup outside a watched forward
         # a table looked up twice in one forward is not predicted (its rows are pulled per lookup)
-        self._seen[table] = None if table in self._seen else Recipe.of(ids, self._inputs)
+        known = self._predicted.get(table)
+        if table in self._seen:
+            self._seen[table] = None
+        elif known is not None and known == _key(ids):
+            self._seen[table] = self.recipes[table]
+        else:
+            self._seen[table] = Recipe.of(ids, self._inputs)
 
     def end(self) -> None:
         if self._seen is not None:
@@ -111,9 +131,11 @@ class LookupPlanner:
     def predict(self) -> list[tuple[object, torch.Tensor]]:
         if self._inputs is None:
             return []
-        out = []
-        for table, recipe in self.recipes.items():
-            ids = recipe.cut(self._inputs)
-            if ids is not None:
-                out.append((table, ids))
+        layouts = list(map(layout, self._inputs))
+        cut = [(table, recipe.cut(self._inputs, layouts)) for table, recipe in self.recipes.items()]
+        out = [(table, ids) for table, ids in cut if ids is not None]
+        self._predicted = dict(zip(map(_FIRST, out), map(_key, map(_SECOND, out))))
         return out
+
+
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)

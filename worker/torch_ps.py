@@ -44,7 +44,9 @@
 from __future__ import annotations
 
 import collections
+import itertools
 import math
+import operator
 import time
 from concurrent import futures
 from typing import Callable, Iterable, Sequence
@@ -60,7 +62,7 @@ from shardps.worker.client import PSClient, PushResult
 from shardps.worker.dense_buckets import DenseBucket
 from shardps.worker.device_copies import DeviceCopies
 from shardps.worker.embedding_bag import KeyedJaggedTensor, PSEmbeddingBagCollection
-from shardps.worker.embeddings import PSEmbedding, PSEmbeddingBag, PSRows, StepClock
+from shardps.worker.embeddings import PSEmbedding, PSEmbeddingBag, PSRows, StepClock, announce
 from shardps.worker.lookups import LookupPlanner
 from shardps.worker.model_io import ModelIO
 from shardps.worker.row_cache import wanted_ids
@@ -70,6 +72,8 @@ __all__ = ["PSModel", "PSLambdaLR", "PSEmbedding", "PSEmbeddingBag", "PSEmbeddin
 
 
 MAX_LOOKAHEAD = 4
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
+_TABLE, _STAGE = operator.attrgetter("table"), operator.attrgetter("stage")
 
 
 class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: the servers' values
@@ -205,9 +209,8 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
     def _before_forward(self, module, args, kwargs) -> None:
         self.lookups.begin(args, kwargs)
         if self._deferred_pull:
-            for emb, ids in self.lookups.predict():
-                if emb.stage.wanted is None and emb.stage.fetched is None:   # type: ignore[attr-defined]
-                    emb.request_prefetch(ids)      # type: ignore[attr-defined]
+            announce([(emb, ids) for emb, ids in self.lookups.predict()           # type: ignore[misc]
+                      if emb.stage.wanted is None and emb.stage.fetched is None])    # type: ignore[attr-defined]
             self._pull_now()
 
     def _after_forward(self, module, args, kwargs, output) -> None:
@@ -231,7 +234,7 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
             waited = res.waited_seconds
         else:
             waited = 0.0
-        wanted = [(emb, ids, emb.cache_plan(ids, self.step), self.step)
+        wanted = [(emb, ids, None if emb.cache is None else emb.cache_plan(ids, self.step), self.step)
                   for emb, ids in _take_wanted(self.embeddings) if not emb._has_rows_for(ids)]
         held, self._held = self._held, None
         if names or wanted:
@@ -240,7 +243,8 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
             # with it, applied first (one round trip per server)
             self.flush()
             self._set_clock(self.step)
-            pulls = [(n,) for n in names] + [(emb.table, wanted_ids(ids, plan)) for emb, ids, plan, _ in wanted]
+            pulls = [(n,) for n in names] + [(emb.table, ids if plan is None else wanted_ids(ids, plan))
+                                             for emb, ids, plan, _ in wanted]
             res = (self.client.exchange(held[0], pulls, clock=held[1], report_step=self.report_steps)[1]
                    if held is not None else self.client.pull_many(pulls, clock=self.step))
             for (emb, ids, plan, refreshed), rows in zip(wanted, res.values[len(names):]):
@@ -383,8 +387,8 @@ def _exchange(model: PSModel, requests: list[tuple]) -> tuple[futures.Future | N
     (None, None) when there is nothing to pull."""
     use = model.step + model.lookahead           # the step that reads this pull
     wanted = [(emb, ids, emb.cache_plan(ids, use), model.step + 1) for emb, ids in _take_wanted(model.embeddings)]
-    requests_next = [(b.table,) for b in model.buckets] + [(emb.table, wanted_ids(ids, plan))
-                                                           for emb, ids, plan, _ in wanted]
+    dense = [(b.table,) for b in model.buckets]
+    requests_next = dense + [(e.table, ids if plan is None else wanted_ids(ids, plan)) for e, ids, plan, _ in wanted]
     if not requests_next:
         return None, None
     model._set_clock(model.step + 1)
@@ -396,8 +400,8 @@ def _take_wanted(embeddings: dict[str, PSRows]) -> list[tuple[PSRows, np.ndarray
     """(embedding, the distinct ids it announced) of every embedding that announced some
     since the last pull; their announcements cleared."""
     wanted = [(emb, emb.stage.wanted) for emb in embeddings.values() if emb.stage.wanted is not None]
-    for emb, _ in wanted:
-        emb.stage.wanted = None
+    collections.deque(map(setattr, map(_STAGE, map(_FIRST, wanted)), itertools.repeat("wanted"),
+                          itertools.repeat(None)), 0)        # each one's cleared (in C)
     return wanted
 
 
@@ -452,15 +456,22 @@ def _gradient_requests(buckets: list[DenseBucket], embeddings: Iterable[PSRows],
     gradients reach the host in one ``copies.to_host_all``: on a GPU every table's copy is
     in flight together and the training thread waits once."""
     dense = [(b, start, grad) for b in buckets for start, grad in b.gradients()]
-    tables = [(emb.table, emb.take_gradient_rows()) for emb in embeddings]
-    on_host = iter(copies.to_host_all([grad for _, _, grad in dense]
-                                      + [grad for _, parts in tables for _, grad in parts]))
-    requests: list[tuple] = [(b.table, next(on_host)) if start == 0 and grad.shape[0] == b.numel
-                             else (b.table, next(on_host), start) for b, start, grad in dense]
-    for table, parts in tables:
-        if parts:
-            rows = [next(on_host) for _ in parts]
-            requests.append((table, np.concatenate([ids for ids, _ in parts]), np.concatenate(rows)))
+    embeddings = list(embeddings)
+    taken = list(map(PSRows.take_gradient_rows, embeddings))        # each table's (ids, rows) per lookup
+    parts = list(itertools.chain.from_iterable(taken))
+    on_host = copies.to_host_all([grad for _, _, grad in dense] + list(map(_SECOND, parts)))
+    requests: list[tuple] = [(b.table, grad) if start == 0 and grad.shape[0] == b.numel else (b.table, grad, start)
+                             for (b, start, _), grad in zip(dense, on_host)]
+    rows = on_host[len(dense):]
+    if all(map((1).__eq__, map(len, taken))):         # one lookup per table (walked in C)
+        requests += zip(map(_TABLE, embeddings), map(_FIRST, parts), rows)
+        return requests
+    at = 0
+    for emb, got in zip(embeddings, taken):
+        if got:
+            ids = np.concatenate([ids for ids, _ in got])
+            requests.append((emb.table, ids, np.concatenate(rows[at:at + len(got)])))
+            at += len(got)
     return requests
 
 
