@@ -48,6 +48,7 @@ past a buffer.
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import operator
@@ -73,6 +74,7 @@ _EMPTY_I8 = np.empty(0, np.int64)
 _EMPTY_F4 = np.empty(0, np.float32)
 _SHAPE, _WIDTH = operator.attrgetter("shape"), operator.itemgetter(1)     # a row's values: shape[1]
 _CHAIN = itertools.chain.from_iterable
+_PICKED, _DTYPE, _FLAT = operator.itemgetter(2), operator.attrgetter("dtype"), operator.methodcaller("reshape", -1)
 
 
 def pad8(n: int) -> int:
@@ -102,7 +104,7 @@ def request(header: Header, kind: int, flags: int, push_segments: int, segments:
     head = HEAD.pack(VERSION, flags, n, push_segments, len(raw), kind, header.wire_dtype, header.epoch,
                      header.incarnation, header.sequence, header.acked_below, header.clock, pull_clock,
                      payload_offset, payload_bytes, reply_offset, reply_bytes)
-    return b"".join((head, struct.pack(f"<{len(segments)}q", *segments), raw, bytes(pad8(len(raw)) - len(raw)),
+    return b"".join((head, struct.pack(f"<{len(segments)}q", *segments), raw, bytes(-len(raw) % 8),
                      struct.pack(f"<{len(bases)}q", *bases) if bases else b""))
 
 
@@ -138,7 +140,7 @@ def read_request(buf) -> tuple[StepRequest, Region | None, np.ndarray]:
         raise InvalidArgument(f"step header: {n_push} push segments of {n}, flags {flags:#x}: push segments "
                               f"need flag PUSH (2), pull segments flag PULL (4)")
     seg_end = HEAD.size + n * SEGMENT_BYTES
-    end = seg_end + pad8(names_bytes)
+    end = seg_end + ((names_bytes + 7) & ~7)
     if len(buf) < end:
         raise InvalidArgument(f"step header: {len(buf)} bytes; its {n} segments and {names_bytes} bytes of "
                               f"names take {end}")
@@ -253,18 +255,18 @@ class Encoded:
 
     __slots__ = ("head", "kind", "pull_clock", "push", "pull", "push_fields", "pull_fields", "push_tables",
                  "pull_tables", "tables", "payload_bytes", "writes", "bases")
+    push_fields: list[int]
+    pull_fields: list[int]
+    push_tables: list[str]
+    pull_tables: list[str]
+    tables: dict[str, int]              # table name -> its index among the header's names
+    writes: list
+    bases: list[int]
 
     def __init__(self, header: Header, kind: int, pull_clock: int = 0, push: bool = False, pull: bool = False):
         self.head, self.kind, self.pull_clock, self.push, self.pull = header, kind, pull_clock, push, pull
-        self.push_fields: list[int]
-        self.pull_fields: list[int]
-        self.push_tables: list[str]
-        self.pull_tables: list[str]
         self.push_fields, self.pull_fields, self.push_tables, self.pull_tables = [], [], [], []
-        self.tables: dict[str, int] = {}
-        self.writes: list = []
-        self.bases: list[int] = []
-        self.payload_bytes = 0
+        self.tables, self.writes, self.bases, self.payload_bytes = {}, [], [], 0
 
     def push_rows(self, tables: list[str], ids: list[np.ndarray], positions: list, values: list[np.ndarray],
                   counts: np.ndarray) -> int:
@@ -273,7 +275,7 @@ class Encoded:
         offsets in one numpy pass, no Python per segment. Returns the values they carry."""
         value_counts = counts * np.fromiter(map(_WIDTH, map(_SHAPE, values)), np.int64, len(values))
         sizes = 8 * counts + ((4 * value_counts + 7) & ~7)        # each next ids array 8-byte aligned
-        ids_at = pad8(self.payload_bytes) + np.cumsum(sizes) - sizes
+        ids_at = ((self.payload_bytes + 7) & ~7) + np.cumsum(sizes) - sizes
         values_at = ids_at + 8 * counts
         ends = values_at + 4 * value_counts
         self.payload_bytes = int(ends[-1])
@@ -294,7 +296,7 @@ class Encoded:
 
     def pull_rows(self, tables: list[str], ids: list[np.ndarray], positions: list, counts: np.ndarray) -> None:
         """Pull segments of rows, one per table (as ``push_rows``, without values)."""
-        ends = pad8(self.payload_bytes) + np.cumsum(8 * counts)
+        ends = ((self.payload_bytes + 7) & ~7) + np.cumsum(8 * counts)
         ids_at = ends - 8 * counts
         self.payload_bytes = int(ends[-1])
         self.writes += zip(ids_at.tolist(), ids, positions, ends.tolist())
@@ -354,9 +356,16 @@ class Encoded:
     def write(self, buf: np.ndarray) -> None:
         """Write the payload into ``buf`` (a uint8 array of ``payload_bytes`` or more: a
         shared-memory region's view)."""
-        for offset, array, positions, end in self.writes:
+        writes = self.writes
+        gathered = list(map(operator.is_not, map(_PICKED, writes), itertools.repeat(None)))
+        for offset, array, positions, end in itertools.compress(writes, gathered):      # rows a segment picks
             dest = buf[offset:end].view(array.dtype).reshape(-1, *array.shape[1:])
-            np.copyto(dest, array) if positions is None else np.take(array, positions, axis=0, out=dest, mode="clip")
+            np.take(array, positions, axis=0, out=dest, mode="clip")
+        whole = list(itertools.compress(writes, map(operator.not_, gathered)))
+        if whole:                             # the arrays written whole: copied with map, in C
+            offsets, arrays, _, ends = zip(*whole)
+            dests = map(np.ndarray.view, map(buf.__getitem__, map(slice, offsets, ends)), map(_DTYPE, arrays))
+            collections.deque(map(np.copyto, dests, map(_FLAT, arrays)), 0)
 
 
 def encode(request: StepRequest) -> Encoded:

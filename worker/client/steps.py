@@ -12,6 +12,7 @@ twice.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import operator
 from typing import TYPE_CHECKING
@@ -158,7 +159,11 @@ class StepCalls:
         if len(values) != len(lp):
             raise Unavailable(f"step reply from {server}: {len(values)} pulled segments for {len(lp)} asked")
         outputs = lresult.values
-        for part, got in zip(lp, values):
+        whole = list(map(_whole, lp)) if len(lp) > 1 else [False]
+        if any(whole):
+            _place_whole(server, list(itertools.compress(lp, whole)), list(itertools.compress(values, whole)),
+                         outputs)
+        for part, got in itertools.compress(zip(lp, values), map(operator.not_, whole)):
             p, _, a, z = part
             out = outputs[p.item]
             if got.shape[0] != (z - a) * (1 if p.dense else out.shape[1]):
@@ -215,13 +220,34 @@ _ALL_STORED = operator.attrgetter("all_stored")
 # a routed part's (piece, positions, start, stop) and a piece's fields, read with map (in C)
 _PIECE, _POSITIONS, _START, _STOP = (operator.itemgetter(k) for k in range(4))
 _DENSE, _TABLE, _IDS, _VALUES = (operator.attrgetter(a) for a in ("dense", "table", "ids", "values"))
-_DIM = operator.attrgetter("spec.dim")
+_DIM, _ITEM, _SHAPE = operator.attrgetter("spec.dim"), operator.attrgetter("item"), operator.attrgetter("shape")
+_WIDTH, _FLAT = operator.itemgetter(1), operator.methodcaller("reshape", -1)     # a shape's row values; flat
 
 
 def _counts(parts: list) -> np.ndarray:
     """The rows each routed sparse part carries (int64)."""
     n = len(parts)
     return np.fromiter(map(_STOP, parts), np.int64, n) - np.fromiter(map(_START, parts), np.int64, n)
+
+
+def _whole(part) -> bool:
+    """Whether a routed pull part fills its output's first rows in order (a table's rows
+    routed whole: each of a model's small tables, on one server)."""
+    return part[1] is None and not part[0].dense and part[0].positions is None
+
+
+def _place_whole(server: str, parts: list, values: list, outputs: list) -> None:
+    """``place`` of the parts ``_whole`` marks: each one's values copied into its output's
+    first rows, their sizes checked together (walked with map, in C)."""
+    outs = list(map(outputs.__getitem__, map(_ITEM, map(_PIECE, parts))))
+    counts = _counts(parts)
+    sizes = counts * np.fromiter(map(_WIDTH, map(_SHAPE, outs)), np.int64, len(outs))
+    got = np.fromiter(map(len, values), np.int64, len(values))
+    if not np.array_equal(got, sizes):
+        k = int(np.flatnonzero(got != sizes)[0])
+        raise Unavailable(f"step reply from {server}: {got[k]} values for {counts[k]} rows of {outs[k].shape[1]}")
+    firsts = map(operator.getitem, outs, map(slice, counts.tolist()))          # each output's first rows
+    collections.deque(map(np.copyto, map(_FLAT, firsts), values), 0)
 
 
 def _span(part, out: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
