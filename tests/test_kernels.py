@@ -186,8 +186,8 @@ def test_warm_up_compiles_every_kernel_for_the_data_paths_types():
     step_reply.warm_up()
     sockio.warm_up()
     request_kernels.warm_up()
-    for fn in (lookup_kernels._sum_bags, step_reply._walk_entries, request_kernels._check_ids,
-               step._check_segments, step._check_layout,
+    for fn in (lookup_kernels._sum_bags, lookup_kernels._unique_each, step_reply._walk_entries,
+               request_kernels._check_ids, step._check_segments, step._check_layout,
                sockio.send_all, sockio.recv_frame,
                optimizer_kernels._sgd, optimizer_kernels._adagrad, optimizer_kernels._adam,
                kernels._hash_unique, kernels._block_of,

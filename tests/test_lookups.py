@@ -145,9 +145,9 @@ def test_leave_sends_the_push_the_model_holds(make_cluster, client_factory):
         model(x).sum().backward()
         bias, grad = module.head.bias.detach().clone(), module.head.bias.grad.clone()
         model.push()
-    assert model._held is not None                            # waiting for the next pull
+    assert model._flow.held is not None                            # waiting for the next pull
     c.leave()
-    assert model._held is None
+    assert model._flow.held is None
     np.testing.assert_allclose(server_value(c, model, "head.bias"), (bias - 0.1 * grad).numpy(), rtol=1e-6)
 
 

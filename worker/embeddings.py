@@ -258,9 +258,10 @@ def announce(lookups: list[tuple[PSRows, torch.Tensor]]) -> None:
     embeddings, batches = zip(*lookups)
     on = map(torch.Tensor.to, map(_flat_long, batches), itertools.repeat(batches[0].device))
     flat = torch.cat(list(on)).cpu().numpy()          # a copy: the caller may reuse its buffers
-    ends = np.cumsum(np.fromiter(map(torch.Tensor.numel, batches), np.int64, len(batches)))
+    ends = np.add.accumulate(np.fromiter(map(torch.Tensor.numel, batches), np.int64, len(batches)))
     unique, inverse = unique_each(flat, ends)
-    collections.deque(map(PSRows._announce, embeddings, np.split(flat, ends[:-1]), unique, inverse, batches), 0)
+    flats = list(map(flat.__getitem__, map(slice, [0, *ends[:-1].tolist()], ends.tolist())))
+    collections.deque(map(PSRows._announce, embeddings, flats, unique, inverse, batches), 0)
 
 
 def _flat_long(ids: torch.Tensor) -> torch.Tensor:

@@ -203,8 +203,13 @@ def unique_each(flat: np.ndarray, ends: np.ndarray) -> tuple[list[np.ndarray], l
         pairs = [np.unique(batch, return_inverse=True) for batch in np.split(flat, ends[:-1])]
         return [u for u, _ in pairs], [i.reshape(-1) for _, i in pairs]
     unique, inverse = np.empty_like(flat), np.empty_like(flat)
-    unique_ends = _unique_each(flat, ends, unique, inverse)
-    return np.split(unique[:unique_ends[-1]], unique_ends[:-1]), np.split(inverse, ends[:-1])
+    unique_ends = _unique_each(flat, ends, unique, inverse).tolist()
+    return _pieces(unique, unique_ends), _pieces(inverse, ends.tolist())
+
+
+def _pieces(array: np.ndarray, ends: list[int]) -> list[np.ndarray]:
+    """``array`` cut at ``ends`` (``np.split`` without its Python: slices made by map, in C)."""
+    return list(map(array.__getitem__, map(slice, [0] + ends[:-1], ends)))
 
 
 @njit(**_JIT)

@@ -445,7 +445,8 @@ def run_worker(args) -> int:
 def prepare_kernels(log) -> tuple[float, int, int]:
     """A worker's compiled kernels loaded (or compiled), and logged: deduplication and
     routing (``shardps.kernels``), a call's checks (``client.request_kernels``), the Step
-    reply's walk (``shardps.rpc.step_reply``), the lookups' backward (``lookup_kernels``).
+    reply's walk (``shardps.rpc.step_reply``), the lookups' deduplication and backward
+    (``lookup_kernels``).
     ``kernels.prepare``'s (seconds, loaded, compiled)."""
     from shardps import kernels
     from shardps.rpc import step_reply

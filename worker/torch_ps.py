@@ -135,7 +135,7 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
             raise InvalidArgument(f"lookahead={lookahead}: use 1 to {MAX_LOOKAHEAD} steps")
         self.overlap = overlap
         self.requested_lookahead = lookahead
-        self._pending_push: futures.Future | None = None
+        self._flow = _Flow()                   # the pull deferred, the push held or in flight
         # with overlap: (the step it is for, the exchange carrying that step's pull, the
         # (embedding, ids) whose rows it carries), oldest first
         self._prefetch: collections.deque[tuple[int, futures.Future, list]] = collections.deque()
@@ -144,8 +144,6 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         self._base_lr: dict[str, float] = {}
         # the plain loop's lookups, learned from one forward, fetched with the next pull
         self.lookups = LookupPlanner()
-        self._deferred_pull = False
-        self._held: tuple[list, int] | None = None     # (requests, clock): rides with the next pull
         self._handled_checkpoint = ("", -1)                # (on-demand id, step) of the last one
         self.cache_bytes, self.cache_staleness = cache_bytes, cache_staleness
         client.before_leaving(self.flush)
@@ -162,7 +160,7 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
     _ddp: nn.Module | None        # DistributedDataParallel over the module (dense="allreduce"), else None
 
     # written every step: set directly, past nn.Module.__setattr__'s checks (as PSRows does)
-    _PLAIN = frozenset({"step", "_deferred_pull", "_held", "_pending_push"})
+    _PLAIN = frozenset({"step"})
 
     def __setattr__(self, name: str, value) -> None:
         if name in PSModel._PLAIN:
@@ -202,13 +200,13 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         those embeddings' rows there, together: one call per server instead of one per
         table. ``push``, ``settle`` and ``state_dict`` complete a pull no forward took."""
         if features is None and not self.overlap and self.lookups.learned and not self._prefetch:
-            self._deferred_pull = True
+            self._flow.deferred_pull = True
             return
         self._pull_now(features)
 
     def _before_forward(self, module, args, kwargs) -> None:
         self.lookups.begin(args, kwargs)
-        if self._deferred_pull:
+        if self._flow.deferred_pull:
             announce([(emb, ids) for emb, ids in self.lookups.predict()           # type: ignore[misc]
                       if emb.stage.wanted is None and emb.stage.fetched is None])    # type: ignore[attr-defined]
             self._pull_now()
@@ -217,7 +215,7 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         self.lookups.end()
 
     def _pull_now(self, features: KeyedJaggedTensor | None = None) -> None:
-        self._deferred_pull = False
+        self._flow.deferred_pull = False
         if features is not None:
             self.prefetch(features)
         started = time.perf_counter()
@@ -236,7 +234,7 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
             waited = 0.0
         wanted = [(emb, ids, None if emb.cache is None else emb.cache_plan(ids, self.step), self.step)
                   for emb, ids in _take_wanted(self.embeddings) if not emb._has_rows_for(ids)]
-        held, self._held = self._held, None
+        held, self._flow.held = self._flow.held, None
         if names or wanted:
             # read-your-writes: a pull no exchange carried sees this worker's earlier pushes
             # (the one in flight would otherwise race it to the server); a held push rides
@@ -276,7 +274,7 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         held and rides with that pull: one round trip per server per step, the server
         applying the push before it reads; ``push`` returns None. ``flush`` sends it at once;
         the client sends it before ``leave``, ``checkpoint_barrier`` and ``close``."""
-        if self._deferred_pull:                    # pulled, then no forward: load the values
+        if self._flow.deferred_pull:                    # pulled, then no forward: load the values
             self._pull_now()
         started = time.perf_counter()
         requests = _gradient_requests(self.buckets, self.embeddings.values(), self.copies)
@@ -284,11 +282,11 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         self.flush()
         self._cache_arrived()
         if future is None and not self.overlap and self.lookups.learned:
-            self._held = (requests, self.step)     # sent with the next pull (see push's docstring)
+            self._flow.held = (requests, self.step)     # sent with the next pull (see push's docstring)
         elif future is None and self.overlap:
             future, sent_pull = _exchange(self, requests)
             prefetch = prefetch or sent_pull
-        if future is None and self._held is None:
+        if future is None and self._flow.held is None:
             future = self.client.push_many_async(requests, clock=self.step, report_step=self.report_steps)
         stepped = _step_local(self.local_optimizer)     # compute: not counted as push_wait
         self.timings["local_optimizer"] += stepped
@@ -298,7 +296,7 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         self._set_clock(self.step)
         result = None
         if self.overlap:
-            self._pending_push = future
+            self._flow.pending_push = future
             if prefetch is not None:
                 self._prefetch.append(prefetch)
         elif future is not None:
@@ -351,10 +349,10 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
     def flush(self) -> None:
         """Send the push held for the next pull, or wait for the push in flight
         (``overlap``); raises its error."""
-        pending, self._pending_push = self._pending_push, None
+        pending, self._flow.pending_push = self._flow.pending_push, None
         if pending is not None:
             pending.result()
-        held, self._held = self._held, None
+        held, self._flow.held = self._flow.held, None
         if held is not None:
             self.client.push_many(held[0], clock=held[1], report_step=self.report_steps)
 
@@ -429,8 +427,21 @@ def _sent_in_backward(model: PSModel, requests: list[tuple]) -> tuple:
     model._backward_push = None
     for emb in model.embeddings.values():
         emb._on_rows = None
-    model._pending_push = sent[0]                # flush waits for it before the rest is sent
+    model._flow.pending_push = sent[0]                # flush waits for it before the rest is sent
     return None, sent[1]
+
+
+class _Flow:
+    """A ``PSModel``'s calls between steps, in plain slots (past ``nn.Module.__setattr__``):
+    ``deferred_pull`` (a pull waiting for the next forward), ``held`` (the push riding with
+    the next pull: (requests, clock)), ``pending_push`` (the exchange in flight)."""
+
+    __slots__ = ("deferred_pull", "held", "pending_push")
+
+    def __init__(self):
+        self.deferred_pull = False
+        self.held: tuple[list, int] | None = None
+        self.pending_push: futures.Future | None = None
 
 
 class _Completed(list):
@@ -466,12 +477,9 @@ def _gradient_requests(buckets: list[DenseBucket], embeddings: Iterable[PSRows],
     if all(map((1).__eq__, map(len, taken))):         # one lookup per table (walked in C)
         requests += zip(map(_TABLE, embeddings), map(_FIRST, parts), rows)
         return requests
-    at = 0
-    for emb, got in zip(embeddings, taken):
-        if got:
-            ids = np.concatenate([ids for ids, _ in got])
-            requests.append((emb.table, ids, np.concatenate(rows[at:at + len(got)])))
-            at += len(got)
+    bounds = list(itertools.accumulate(map(len, taken), initial=0))       # each table's rows among ``rows``
+    requests += [(emb.table, np.concatenate([ids for ids, _ in got]), np.concatenate(rows[a:z]))
+                 for emb, got, a, z in zip(embeddings, taken, bounds, bounds[1:]) if got]
     return requests
 
 

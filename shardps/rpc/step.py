@@ -48,10 +48,7 @@ past a buffer.
 
 from __future__ import annotations
 
-import collections
 import functools
-import itertools
-import operator
 import struct
 
 import numpy as np
@@ -72,9 +69,6 @@ _SELECTOR_CODES = {RANGE: 1, ROWS: 2}
 NONE = -1
 _EMPTY_I8 = np.empty(0, np.int64)
 _EMPTY_F4 = np.empty(0, np.float32)
-_SHAPE, _WIDTH = operator.attrgetter("shape"), operator.itemgetter(1)     # a row's values: shape[1]
-_CHAIN = itertools.chain.from_iterable
-_PICKED, _DTYPE, _FLAT = operator.itemgetter(2), operator.attrgetter("dtype"), operator.methodcaller("reshape", -1)
 
 
 def pad8(n: int) -> int:
@@ -268,22 +262,13 @@ class Encoded:
         self.push_fields, self.pull_fields, self.push_tables, self.pull_tables = [], [], [], []
         self.tables, self.writes, self.bases, self.payload_bytes = {}, [], [], 0
 
-    def push_rows(self, tables: list[str], ids: list[np.ndarray], positions: list, values: list[np.ndarray],
-                  counts: np.ndarray) -> int:
-        """Push segments of rows, one per table of ``tables`` (with its ``ids``, ``positions``
-        and ``values``; ``counts``: the rows each carries, int64), laid out together: their
-        offsets in one numpy pass, no Python per segment. Returns the values they carry."""
-        value_counts = counts * np.fromiter(map(_WIDTH, map(_SHAPE, values)), np.int64, len(values))
-        sizes = 8 * counts + ((4 * value_counts + 7) & ~7)        # each next ids array 8-byte aligned
-        ids_at = ((self.payload_bytes + 7) & ~7) + np.cumsum(sizes) - sizes
-        values_at = ids_at + 8 * counts
-        ends = values_at + 4 * value_counts
-        self.payload_bytes = int(ends[-1])
-        at, vat = ids_at.tolist(), values_at.tolist()       # each table's ids, then its values
-        self.writes += _CHAIN(zip(zip(at, ids, positions, vat), zip(vat, values, positions, ends.tolist())))
-        self.push, self.push_tables = True, self.push_tables + tables
-        self.push_fields += self._rows_fields(tables, counts, ids_at, values_at, value_counts)
-        return int(value_counts.sum())
+    def push_rows(self, table: str, ids: np.ndarray, positions: np.ndarray | None, values: np.ndarray) -> None:
+        n = ids.shape[0] if positions is None else positions.shape[0]
+        ids_at = (self.payload_bytes + 7) & ~7
+        values_at, count = ids_at + 8 * n, n * values.shape[1]
+        self.payload_bytes = values_at + 4 * count
+        self.writes += ((ids_at, ids, positions, values_at), (values_at, values, positions, self.payload_bytes))
+        self._segment(True, table, 2, n, 0, ids_at, values_at, count, 0)
 
     def push_range(self, table: str, start: int, stop: int, values: np.ndarray, bases: dict | None = None) -> None:
         values_at = self.payload_bytes
@@ -294,22 +279,12 @@ class Encoded:
             for pair in bases.items():
                 self.bases += pair
 
-    def pull_rows(self, tables: list[str], ids: list[np.ndarray], positions: list, counts: np.ndarray) -> None:
-        """Pull segments of rows, one per table (as ``push_rows``, without values)."""
-        ends = ((self.payload_bytes + 7) & ~7) + np.cumsum(8 * counts)
-        ids_at = ends - 8 * counts
-        self.payload_bytes = int(ends[-1])
-        self.writes += zip(ids_at.tolist(), ids, positions, ends.tolist())
-        self.pull, self.pull_tables = True, self.pull_tables + tables
-        self.pull_fields += self._rows_fields(tables, counts, ids_at, NONE, NONE)
-
-    def _rows_fields(self, tables: list[str], counts: np.ndarray, ids_at: np.ndarray, values_at, value_counts) -> list:
-        """The header fields of row segments (selector 2), flat: each table's name index
-        (new names numbered after the known ones), count, ids and values offsets."""
-        names = self.tables
-        names.update(zip(dict.fromkeys(tables).keys() - names.keys(), itertools.count(3 + len(names))))
-        columns = (list(map(names.__getitem__, tables)), 2, counts, 0, ids_at, values_at, value_counts, 0)
-        return np.stack(np.broadcast_arrays(*columns), axis=1).ravel().tolist()
+    def pull_rows(self, table: str, ids: np.ndarray, positions: np.ndarray | None) -> None:
+        n = ids.shape[0] if positions is None else positions.shape[0]
+        ids_at = (self.payload_bytes + 7) & ~7
+        self.payload_bytes = ids_at + 8 * n
+        self.writes.append((ids_at, ids, positions, self.payload_bytes))
+        self._segment(False, table, 2, n, 0, ids_at, NONE, NONE, 0)
 
     def pull_range(self, table: str, start: int, stop: int) -> None:
         self._segment(False, table, 1, start, stop, NONE, NONE, NONE, 0)
@@ -356,16 +331,9 @@ class Encoded:
     def write(self, buf: np.ndarray) -> None:
         """Write the payload into ``buf`` (a uint8 array of ``payload_bytes`` or more: a
         shared-memory region's view)."""
-        writes = self.writes
-        gathered = list(map(operator.is_not, map(_PICKED, writes), itertools.repeat(None)))
-        for offset, array, positions, end in itertools.compress(writes, gathered):      # rows a segment picks
+        for offset, array, positions, end in self.writes:
             dest = buf[offset:end].view(array.dtype).reshape(-1, *array.shape[1:])
-            np.take(array, positions, axis=0, out=dest, mode="clip")
-        whole = list(itertools.compress(writes, map(operator.not_, gathered)))
-        if whole:                             # the arrays written whole: copied with map, in C
-            offsets, arrays, _, ends = zip(*whole)
-            dests = map(np.ndarray.view, map(buf.__getitem__, map(slice, offsets, ends)), map(_DTYPE, arrays))
-            collections.deque(map(np.copyto, dests, map(_FLAT, arrays)), 0)
+            np.copyto(dest, array) if positions is None else np.take(array, positions, axis=0, out=dest, mode="clip")
 
 
 def encode(request: StepRequest) -> Encoded:
@@ -374,19 +342,16 @@ def encode(request: StepRequest) -> Encoded:
                   request.pull is not None)
     for s in request.push or ():
         if s.selector is ROWS:
-            out.push_rows([s.table], [s.ids], [s.positions], [s.values], _counts(s))
+            out.push_rows(s.table, s.ids, s.positions, s.values)
         else:
             out.push_range(s.table, s.start, s.stop, s.values, s.base_versions)
     for s in request.pull or ():
         if s.selector is ROWS:
-            out.pull_rows([s.table], [s.ids], [s.positions], _counts(s))
+            out.pull_rows(s.table, s.ids, s.positions)
         else:
             out.pull_range(s.table, s.start, s.stop)
     return out
 
-
-def _counts(s: Slice) -> np.ndarray:
-    return np.array([s.ids.shape[0] if s.positions is None else s.positions.shape[0]], np.int64)
 
 
 def warm_up() -> None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import operator
 import os
 import socket
 import threading
@@ -251,11 +252,11 @@ class PSClient(ManagerCalls, TableTransfer):
     def _pull_call(self, parts: list, timeout, clock, values_only: bool):
         """A function running the pull of ``parts`` ((piece, output, finish) per item)."""
         rq.check_call(timeout, clock)
-        pieces = [p for p, _, _ in parts]
+        pieces, outputs, finishes = map(list, zip(*parts)) if parts else ([], [], [])
 
         def run():
-            res = self._data.pull(pieces, [out for _, out, _ in parts], timeout, clock)
-            res.values = [finish(v) for (_, _, finish), v in zip(parts, res.values)]
+            res = self._data.pull(pieces, outputs, timeout, clock)
+            res.values = list(map(operator.call, finishes, res.values))
             return res.values[0] if values_only else res
         return run
 
@@ -276,11 +277,11 @@ class PSClient(ManagerCalls, TableTransfer):
         push_requests, pull_requests = rq.request_list(push_requests, "push"), rq.request_list(pull_requests, "pull")
         pushes = rq.push_pieces(self._admin.tables_named(push_requests), push_requests)
         pulls = rq.pull_pieces(self._admin.tables_named(pull_requests), pull_requests)
+        pieces, outputs, finishes = map(list, zip(*pulls)) if pulls else ([], [], [])
 
         def run():
-            pushed, pulled = self._data.exchange(pushes, [p for p, _, _ in pulls], [o for _, o, _ in pulls],
-                                                 timeout, clock, report_step)
-            pulled.values = [finish(v) for (_, _, finish), v in zip(pulls, pulled.values)]
+            pushed, pulled = self._data.exchange(pushes, pieces, outputs, timeout, clock, report_step)
+            pulled.values = list(map(operator.call, finishes, pulled.values))
             return pushed, pulled
         return run
 

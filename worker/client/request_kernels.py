@@ -10,6 +10,7 @@ compiles them like the other kernels (``warm_up``); without numba the same answe
 
 from __future__ import annotations
 
+import itertools
 import operator
 
 import numpy as np
@@ -54,7 +55,7 @@ def check_ids(ids: list[np.ndarray], bounds: list[int]) -> tuple[int, int, np.nd
     """(the first of ``ids`` (flat int64 arrays) holding an id outside ``[0, bounds[k])``,
     the position of that id in it), or (-1, -1); and whether each array's ids are distinct
     (valid up to the first bad array)."""
-    distinct = np.zeros(len(ids), np.bool_)
+    distinct = np.empty(len(ids), np.bool_)
     if not AVAILABLE:
         for k, (x, bound) in enumerate(zip(ids, bounds)):
             bad = kernels.first_outside(x, bound)
@@ -62,9 +63,10 @@ def check_ids(ids: list[np.ndarray], bounds: list[int]) -> tuple[int, int, np.nd
                 return k, bad, distinct
             distinct[k] = kernels.distinct(x)
         return -1, -1, distinct
-    ends = np.cumsum(np.fromiter(map(len, ids), np.int64, len(ids)))
-    bad, at = _check_ids(np.concatenate(ids) if ids else _EMPTY, ends, np.asarray(bounds, np.int64), distinct)
-    return int(bad), int(at), distinct
+    ends = np.fromiter(itertools.accumulate(map(len, ids)), np.int64, len(ids))
+    flat = ids[0] if len(ids) == 1 else np.concatenate(ids) if ids else _EMPTY
+    bad, at = _check_ids(flat, ends, np.fromiter(bounds, np.int64, len(bounds)), distinct)
+    return bad, at, distinct
 
 
 def first_non_finite_each(arrays: list[np.ndarray]) -> list[int]:

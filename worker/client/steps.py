@@ -83,7 +83,7 @@ class StepCalls:
                 encoded = Encoded(header, kind, pull_clock)
                 if pp:
                     self._push(encoded, pp, view, moved)
-                lp, reply_bytes = self._pull(encoded, lp, view, moved) if lp else (lp, 0)
+                reply_bytes = self._pull(encoded, lp, view, moved) if lp else 0
                 into = destination(lp, outputs, reply_bytes) if reply_bytes >= DIRECT_REPLY_BYTES else None
                 sent = self.transport.step_start(server, view.address(server), encoded, reply_bytes,
                                                  attempt_timeout(deadline, reply_bytes), into)
@@ -110,42 +110,36 @@ class StepCalls:
 
     def _push(self, encoded: Encoded, parts: list, view: ShardMapView, moved: list) -> None:
         """Lay out a server's routed push parts (``routing.route_parts``), their bytes and
-        rows added to ``moved``: the dense ranges one by one (a table's few blocks, their
-        base versions set), the rows of every table in one ``push_rows``."""
-        dense = list(map(_DENSE, map(_PIECE, parts)))
-        for p, _, a, z in itertools.compress(parts, dense):
-            moved[0] += 4 * (z - a)
-            encoded.push_range(p.table, a, z, p.values[a - p.start:z - p.start],
-                               base_versions(p, view, self.job, self.versions, a, z) or None)
-        rows = list(itertools.compress(parts, map(operator.not_, dense))) if any(dense) else parts
-        if rows:
-            pieces, counts = list(map(_PIECE, rows)), _counts(rows)
-            tables, ids, values = list(map(_TABLE, pieces)), list(map(_IDS, pieces)), list(map(_VALUES, pieces))
-            n = int(counts.sum())
-            sparse = 4 * encoded.push_rows(tables, ids, list(map(_POSITIONS, rows)), values, counts) + 8 * n
-            moved[:3] = moved[0] + sparse, moved[1] + n, moved[2] + sparse
+        rows added to ``moved``; a dense range's base versions set."""
+        for p, positions, a, z in parts:
+            if p.dense:
+                moved[0] += 4 * (z - a)
+                encoded.push_range(p.table, a, z, p.values[a - p.start:z - p.start],
+                                   base_versions(p, view, self.job, self.versions, a, z) or None)
+                continue
+            n = z - a
+            sparse = (4 * p.values.shape[1] + 8) * n
+            moved[0] += sparse
+            moved[1] += n
+            moved[2] += sparse
+            encoded.push_rows(p.table, p.ids, positions, p.values)
 
-    def _pull(self, encoded: Encoded, parts: list, view: ShardMapView, moved: list) -> tuple[list, int]:
-        """Lay out a server's routed pull parts: the dense ranges first, then the rows of
-        every table in one ``pull_rows``. Returns the parts in the request's order (its
-        reply's values come in that order) and their values' bytes (also added to ``moved``
-        with the rows)."""
-        dense = list(map(_DENSE, map(_PIECE, parts)))
-        ranges = list(itertools.compress(parts, dense))
-        for p, _, a, z in ranges:
-            encoded.pull_range(p.table, a, z)
-        nbytes = 4 * int(_counts(ranges).sum()) if ranges else 0
-        rows = list(itertools.compress(parts, map(operator.not_, dense))) if ranges else parts
-        if rows:
-            pieces, counts = list(map(_PIECE, rows)), _counts(rows)
-            tables = list(map(_TABLE, pieces))
-            encoded.pull_rows(tables, list(map(_IDS, pieces)), list(map(_POSITIONS, rows)), counts)
-            dims = np.fromiter(map(_DIM, map(view.tables.__getitem__, zip(itertools.repeat(self.job), tables))), int)
-            values = 4 * int((counts * dims).sum())
-            nbytes += values
-            moved[4:6] = moved[4] + int(counts.sum()), moved[5] + values
+    def _pull(self, encoded: Encoded, parts: list, view: ShardMapView, moved: list) -> int:
+        """Lay out a server's routed pull parts; returns their values' bytes (also added to
+        ``moved`` with the rows)."""
+        nbytes = 0
+        for p, positions, a, z in parts:
+            if p.dense:
+                nbytes += 4 * (z - a)
+                encoded.pull_range(p.table, a, z)
+                continue
+            rows = 4 * (z - a) * view.table(self.job, p.table).spec.dim
+            nbytes += rows
+            moved[4] += z - a
+            moved[5] += rows
+            encoded.pull_rows(p.table, p.ids, positions)
         moved[3] += nbytes
-        return (ranges + rows if ranges and rows else parts), nbytes
+        return nbytes
 
     def place(self, server: str, ack: PushAck, reply: PullReply, values: list, lp, presult, lresult,
               in_group: bool) -> None:
@@ -220,7 +214,7 @@ _ALL_STORED = operator.attrgetter("all_stored")
 # a routed part's (piece, positions, start, stop) and a piece's fields, read with map (in C)
 _PIECE, _POSITIONS, _START, _STOP = (operator.itemgetter(k) for k in range(4))
 _DENSE, _TABLE, _IDS, _VALUES = (operator.attrgetter(a) for a in ("dense", "table", "ids", "values"))
-_DIM, _ITEM, _SHAPE = operator.attrgetter("spec.dim"), operator.attrgetter("item"), operator.attrgetter("shape")
+_ITEM, _SHAPE = operator.attrgetter("item"), operator.attrgetter("shape")
 _WIDTH, _FLAT = operator.itemgetter(1), operator.methodcaller("reshape", -1)     # a shape's row values; flat
 
 
@@ -242,9 +236,9 @@ def _place_whole(server: str, parts: list, values: list, outputs: list) -> None:
     outs = list(map(outputs.__getitem__, map(_ITEM, map(_PIECE, parts))))
     counts = _counts(parts)
     sizes = counts * np.fromiter(map(_WIDTH, map(_SHAPE, outs)), np.int64, len(outs))
-    got = np.fromiter(map(len, values), np.int64, len(values))
-    if not np.array_equal(got, sizes):
-        k = int(np.flatnonzero(got != sizes)[0])
+    got = list(map(len, values))
+    if got != sizes.tolist():
+        k = next(k for k, (a, b) in enumerate(zip(got, sizes.tolist())) if a != b)
         raise Unavailable(f"step reply from {server}: {got[k]} values for {counts[k]} rows of {outs[k].shape[1]}")
     firsts = map(operator.getitem, outs, map(slice, counts.tolist()))          # each output's first rows
     collections.deque(map(np.copyto, map(_FLAT, firsts), values), 0)
