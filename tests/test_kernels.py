@@ -186,7 +186,7 @@ def test_warm_up_compiles_every_kernel_for_the_data_paths_types():
     step_reply.warm_up()
     sockio.warm_up()
     request_kernels.warm_up()
-    for fn in (lookup_kernels._sum_bags, lookup_kernels._unique_each, step_reply._walk_entries,
+    for fn in (lookup_kernels._sum_bags, lookup_kernels._hash_each, lookup_kernels._rank_each, step_reply._walk_entries,
                request_kernels._check_ids, step._check_segments, step._check_layout,
                sockio.send_all, sockio.recv_frame,
                optimizer_kernels._sgd, optimizer_kernels._adagrad, optimizer_kernels._adam,
@@ -273,3 +273,16 @@ def test_a_calls_ids_are_checked_together(monkeypatch, compiled):
     assert (bad, at) == (0, 1)
     rows = [np.zeros((2, 3), np.float32), np.array([[0, 1], [np.inf, 0]], np.float32)]
     assert request_kernels.first_non_finite_each(rows) == [-1, 2]
+
+
+def test_every_batch_of_a_step_deduplicated_in_one_pass_equals_np_unique():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        lengths = rng.integers(0, 80, rng.integers(1, 6))
+        flat = rng.integers(-5, 40, lengths.sum()).astype(np.int64)
+        ends = np.cumsum(lengths)
+        unique, inverse = lookup_kernels.unique_each(flat, ends)
+        for k, batch in enumerate(np.split(flat, ends[:-1])):
+            expected, at = np.unique(batch, return_inverse=True)
+            np.testing.assert_array_equal(unique[k], expected)
+            np.testing.assert_array_equal(inverse[k], at.reshape(-1))

@@ -36,6 +36,7 @@ from shardps.worker.row_cache import CachePlan, RowCache, wanted_ids
 log = logging.getLogger("shardps.worker")
 
 _ID_DTYPES = (torch.int32, torch.int64)
+MAX_ANNOUNCED = 1 << 14              # batches deduplicated together (lookup_kernels.unique_each numbers them in int16)
 
 
 class StepClock:
@@ -254,6 +255,10 @@ def announce(lookups: list[tuple[PSRows, torch.Tensor]]) -> None:
     the host in one ``torch.cat`` and deduplicated in one compiled pass
     (``lookup_kernels.unique_each``), each table's plan then a view of those arrays."""
     if not lookups:
+        return
+    if len(lookups) > MAX_ANNOUNCED:
+        for k in range(0, len(lookups), MAX_ANNOUNCED):
+            announce(lookups[k:k + MAX_ANNOUNCED])
         return
     embeddings, batches = zip(*lookups)
     on = map(torch.Tensor.to, map(_flat_long, batches), itertools.repeat(batches[0].device))

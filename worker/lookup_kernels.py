@@ -197,14 +197,18 @@ def bag_lookup(rows: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor 
 def unique_each(flat: np.ndarray, ends: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """``kernels.unique_inverse`` of each batch of a step's lookups at once: ``flat`` holds
     every batch's int64 ids one after another, batch k ending at ``ends[k]``. Returns each
-    batch's sorted distinct ids and each of its ids' index in them (views of two arrays),
-    deduplicated in one compiled pass (``np.unique`` per batch without numba)."""
+    batch's sorted distinct ids and each of its ids' index in them (views of two arrays):
+    every batch's ids hashed in one compiled pass, all their distinct ids sorted by one numpy
+    sort (by batch, then id), the indices written by one more pass (``np.unique`` per batch
+    without numba)."""
     if not AVAILABLE:
         pairs = [np.unique(batch, return_inverse=True) for batch in np.split(flat, ends[:-1])]
         return [u for u, _ in pairs], [i.reshape(-1) for _, i in pairs]
-    unique, inverse = np.empty_like(flat), np.empty_like(flat)
-    unique_ends = _unique_each(flat, ends, unique, inverse).tolist()
-    return _pieces(unique, unique_ends), _pieces(inverse, ends.tolist())
+    first, at, first_ends, batch_of = _hash_each(flat, ends)
+    order = np.argsort(first)                                        # numpy's sort: faster than numba's
+    order = order[np.argsort(batch_of[order], kind="stable")]       # by batch (a radix sort), then by id
+    unique, inverse = _rank_each(first, at, first_ends, batch_of, order, ends)
+    return _pieces(unique, first_ends.tolist()), _pieces(inverse, ends.tolist())
 
 
 def _pieces(array: np.ndarray, ends: list[int]) -> list[np.ndarray]:
@@ -213,30 +217,49 @@ def _pieces(array: np.ndarray, ends: list[int]) -> list[np.ndarray]:
 
 
 @njit(**_JIT)
-def _unique_each(flat, ends, unique, inverse):
-    """Fill ``unique`` with each batch's sorted distinct ids (one batch's after another's)
-    and ``inverse`` with each id's index among its batch's; returns where each batch's
-    distinct ids end in ``unique``. As ``kernels.unique_inverse``: a batch's ids hashed,
-    only its distinct ones sorted."""
-    unique_ends = np.empty(ends.shape[0], np.int64)
+def _hash_each(flat, ends):
+    """Each batch's distinct ids in order of first appearance (one batch's after another's),
+    each id's index among its batch's, where each batch's distinct ids end, and the batch of
+    each distinct id."""
+    first = np.empty(flat.shape[0], np.int64)
+    at = np.empty(flat.shape[0], np.int64)
+    first_ends = np.empty(ends.shape[0], np.int64)
+    batch_of = np.empty(flat.shape[0], np.int16)
     start = u = 0
     for k in range(ends.shape[0]):
         batch = flat[start:ends[k]]
         bits = 4
         while (1 << bits) < 2 * batch.shape[0]:         # a load factor <= 1/2, as kernels._table_bits
             bits += 1
-        first, at = _hash_unique(batch, bits)
-        order = np.argsort(first)
-        rank = np.empty(order.shape[0], np.int64)
-        for j in range(order.shape[0]):
-            rank[order[j]] = j
-            unique[u + j] = first[order[j]]
-        for i in range(batch.shape[0]):
-            inverse[start + i] = rank[at[i]]
-        u += order.shape[0]
-        unique_ends[k] = u
+        distinct, index = _hash_unique(batch, bits)
+        first[u:u + distinct.shape[0]] = distinct
+        batch_of[u:u + distinct.shape[0]] = k
+        at[start:ends[k]] = index
+        u += distinct.shape[0]
+        first_ends[k] = u
         start = ends[k]
-    return unique_ends
+    return first[:u], at, first_ends, batch_of[:u]
+
+
+@njit(**_JIT)
+def _rank_each(first, at, first_ends, batch_of, order, ends):
+    """The distinct ids in ``order`` (by batch, then id), and each id's index among its
+    batch's sorted distinct ids."""
+    unique = np.empty(first.shape[0], np.int64)
+    rank = np.empty(first.shape[0], np.int64)
+    for j in range(order.shape[0]):
+        d = order[j]
+        unique[j] = first[d]
+        k = batch_of[d]
+        rank[d] = j - (first_ends[k - 1] if k else 0)
+    inverse = np.empty(at.shape[0], np.int64)
+    start = 0
+    for k in range(ends.shape[0]):
+        base = first_ends[k - 1] if k else 0
+        for i in range(start, ends[k]):
+            inverse[i] = rank[base + at[i]]
+        start = ends[k]
+    return unique, inverse
 
 
 def warm_up() -> None:
