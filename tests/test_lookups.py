@@ -201,3 +201,11 @@ def lookup_after_a_write(cluster, client_factory, device: torch.device, job: str
 
 def test_a_batch_written_after_it_was_announced_is_read_as_written(make_cluster, client_factory):
     lookup_after_a_write(make_cluster(1), client_factory, torch.device("cpu"), "bumps")
+
+
+def test_same_ids_is_array_equal_for_ids():
+    from shardps.worker.embeddings import same_ids
+    a = np.arange(256, dtype=np.int64)
+    strided = np.arange(512, dtype=np.int64).reshape(256, 2)[:, 0]     # a column: not contiguous
+    for b in (a, a.copy(), a.astype(np.int32), a[:-1], strided, strided // 2, a[::-1].copy()):
+        assert same_ids(a, b) == np.array_equal(a, b)
