@@ -272,11 +272,9 @@ def announce(lookups: list[tuple[PSRows, torch.Tensor]]) -> None:
 def same_ids(a: np.ndarray, b: np.ndarray) -> bool:
     """``np.array_equal`` of two 1-d arrays of ids, without its Python where they share a
     dtype: the same array, or their bytes compared (np.array_equal's own Python costs several times more)."""
-    if a is b:
-        return True
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return a.shape == b.shape and bool(np.array_equal(a, b))
-    return a.tobytes() == b.tobytes()
+    if a.dtype == b.dtype:
+        return a is b or (a.shape == b.shape and a.tobytes() == b.tobytes())
+    return a.shape == b.shape and bool(np.array_equal(a, b))
 
 
 def _flat_long(ids: torch.Tensor) -> torch.Tensor:
