@@ -16,7 +16,6 @@ A pooled lookup's gradient therefore travels as its touched rows only. Not usabl
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 from concurrent import futures
 from typing import Callable, NamedTuple
@@ -132,16 +131,12 @@ class PSRows(nn.Module):
         """Deduplicate a coming batch once (its lookup reuses it); returns its distinct ids.
         The batch is copied, so a caller may reuse its buffer."""
         flat = ids.detach().reshape(-1).to("cpu", copy=True).numpy().astype(np.int64, copy=False)
-        unique, inverse = kernels.unique_inverse(flat)
-        self._planned.append(_Planned(flat, unique, inverse) if ids.device.type == "cpu"
-                             else _Planned(flat, unique, inverse, *_device_view(ids)))
-        return unique
+        return self._planned_as(ids, flat, *kernels.unique_inverse(flat))
 
-    def _announce(self, flat: np.ndarray, unique: np.ndarray, inverse: np.ndarray, ids: torch.Tensor) -> None:
-        """``request_prefetch`` of a batch deduplicated together with other tables' (``announce``)."""
-        self._planned.append(_Planned(flat, unique, inverse) if ids.device.type == "cpu"
-                             else _Planned(flat, unique, inverse, *_device_view(ids)))
-        self.stage.wanted = unique
+    def _planned_as(self, ids: torch.Tensor, flat: np.ndarray, unique: np.ndarray, inverse: np.ndarray) -> np.ndarray:
+        """Keep a coming batch's plan (``ids`` copied to ``flat``, deduplicated); its distinct ids."""
+        self._planned.append(_Planned(flat, unique, inverse, *_device_view(ids)))
+        return unique
 
     def prefetch(self, ids: torch.Tensor) -> None:
         """Start pulling the rows of ``ids`` (a coming batch) in the background, in a call of
@@ -260,13 +255,12 @@ def announce(lookups: list[tuple[PSRows, torch.Tensor]]) -> None:
         for k in range(0, len(lookups), MAX_ANNOUNCED):
             announce(lookups[k:k + MAX_ANNOUNCED])
         return
-    embeddings, batches = zip(*lookups)
-    on = map(torch.Tensor.to, map(_flat_long, batches), itertools.repeat(batches[0].device))
-    flat = torch.cat(list(on)).cpu().numpy()          # a copy: the caller may reuse its buffers
-    ends = np.add.accumulate(np.fromiter(map(torch.Tensor.numel, batches), np.int64, len(batches)))
-    unique, inverse = unique_each(flat, ends)
-    flats = list(map(flat.__getitem__, map(slice, [0, *ends[:-1].tolist()], ends.tolist())))
-    collections.deque(map(PSRows._announce, embeddings, flats, unique, inverse, batches), 0)
+    device = lookups[0][1].device
+    flat = torch.cat([ids.detach().reshape(-1).long().to(device) for _, ids in lookups]).cpu().numpy()   # a copy
+    ends = np.cumsum([ids.numel() for _, ids in lookups])
+    uniques, inverses = unique_each(flat, ends)
+    for (emb, ids), start, end, unique, inverse in zip(lookups, [0, *ends[:-1]], ends, uniques, inverses):
+        emb.stage.wanted = emb._planned_as(ids, flat[start:end], unique, inverse)
 
 
 def same_ids(a: np.ndarray, b: np.ndarray) -> bool:
@@ -275,10 +269,6 @@ def same_ids(a: np.ndarray, b: np.ndarray) -> bool:
     if a.dtype == b.dtype:
         return a is b or (a.shape == b.shape and a.tobytes() == b.tobytes())
     return a.shape == b.shape and bool(np.array_equal(a, b))
-
-
-def _flat_long(ids: torch.Tensor) -> torch.Tensor:
-    return ids.detach().reshape(-1).long()
 
 
 def bind_caches(modules, client: PSClient, cache_bytes: int, staleness: int, lookahead: int = 1) -> None:

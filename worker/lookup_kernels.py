@@ -208,12 +208,7 @@ def unique_each(flat: np.ndarray, ends: np.ndarray) -> tuple[list[np.ndarray], l
     order = np.argsort(first)                                        # numpy's sort: faster than numba's
     order = order[np.argsort(batch_of[order], kind="stable")]       # by batch (a radix sort), then by id
     unique, inverse = _rank_each(first, at, first_ends, batch_of, order, ends)
-    return _pieces(unique, first_ends.tolist()), _pieces(inverse, ends.tolist())
-
-
-def _pieces(array: np.ndarray, ends: list[int]) -> list[np.ndarray]:
-    """``array`` cut at ``ends`` (``np.split`` without its Python: slices made by map, in C)."""
-    return list(map(array.__getitem__, map(slice, [0] + ends[:-1], ends)))
+    return np.split(unique, first_ends[:-1]), np.split(inverse, ends[:-1])
 
 
 @njit(**_JIT)

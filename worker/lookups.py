@@ -16,7 +16,6 @@ the forward's lookups are learned again. Nothing here changes what a step reads.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import torch
@@ -134,8 +133,6 @@ class LookupPlanner:
         layouts = list(map(layout, self._inputs))
         cut = [(table, recipe.cut(self._inputs, layouts)) for table, recipe in self.recipes.items()]
         out = [(table, ids) for table, ids in cut if ids is not None]
-        self._predicted = dict(zip(map(_FIRST, out), map(_key, map(_SECOND, out))))
+        self._predicted = {table: _key(ids) for table, ids in out}
         return out
 
-
-_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)

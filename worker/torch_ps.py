@@ -44,9 +44,7 @@
 from __future__ import annotations
 
 import collections
-import itertools
 import math
-import operator
 import time
 from concurrent import futures
 from typing import Callable, Iterable, Sequence
@@ -72,8 +70,6 @@ __all__ = ["PSModel", "PSLambdaLR", "PSEmbedding", "PSEmbeddingBag", "PSEmbeddin
 
 
 MAX_LOOKAHEAD = 4
-_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
-_TABLE, _STAGE = operator.attrgetter("table"), operator.attrgetter("stage")
 
 
 class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: the servers' values
@@ -232,7 +228,7 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
             waited = res.waited_seconds
         else:
             waited = 0.0
-        wanted = [(emb, ids, None if emb.cache is None else emb.cache_plan(ids, self.step), self.step)
+        wanted = [(emb, ids, emb.cache_plan(ids, self.step), self.step)
                   for emb, ids in _take_wanted(self.embeddings) if not emb._has_rows_for(ids)]
         held, self._flow.held = self._flow.held, None
         if names or wanted:
@@ -241,12 +237,11 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
             # with it, applied first (one round trip per server)
             self.flush()
             self._set_clock(self.step)
-            pulls = [(n,) for n in names] + [(emb.table, ids if plan is None else wanted_ids(ids, plan))
-                                             for emb, ids, plan, _ in wanted]
+            pulls = [(n,) for n in names] + [(emb.table, wanted_ids(ids, plan)) for emb, ids, plan, _ in wanted]
             res = (self.client.exchange(held[0], pulls, clock=held[1], report_step=self.report_steps)[1]
                    if held is not None else self.client.pull_many(pulls, clock=self.step))
             for (emb, ids, plan, refreshed), rows in zip(wanted, res.values[len(names):]):
-                emb.stage.fetched = (ids, rows if plan is None else emb.complete(plan, rows, refreshed))
+                emb.stage.fetched = (ids, emb.complete(plan, rows, refreshed))
             if names:
                 _load_dense(self.buckets, res.values, self.copies)
             waited = max(waited, res.waited_seconds)
@@ -385,8 +380,8 @@ def _exchange(model: PSModel, requests: list[tuple]) -> tuple[futures.Future | N
     (None, None) when there is nothing to pull."""
     use = model.step + model.lookahead           # the step that reads this pull
     wanted = [(emb, ids, emb.cache_plan(ids, use), model.step + 1) for emb, ids in _take_wanted(model.embeddings)]
-    dense = [(b.table,) for b in model.buckets]
-    requests_next = dense + [(e.table, ids if plan is None else wanted_ids(ids, plan)) for e, ids, plan, _ in wanted]
+    requests_next = [(b.table,) for b in model.buckets] + [(emb.table, wanted_ids(ids, plan))
+                                                           for emb, ids, plan, _ in wanted]
     if not requests_next:
         return None, None
     model._set_clock(model.step + 1)
@@ -398,8 +393,8 @@ def _take_wanted(embeddings: dict[str, PSRows]) -> list[tuple[PSRows, np.ndarray
     """(embedding, the distinct ids it announced) of every embedding that announced some
     since the last pull; their announcements cleared."""
     wanted = [(emb, emb.stage.wanted) for emb in embeddings.values() if emb.stage.wanted is not None]
-    collections.deque(map(setattr, map(_STAGE, map(_FIRST, wanted)), itertools.repeat("wanted"),
-                          itertools.repeat(None)), 0)        # each one's cleared (in C)
+    for emb, _ in wanted:
+        emb.stage.wanted = None
     return wanted
 
 
@@ -467,19 +462,17 @@ def _gradient_requests(buckets: list[DenseBucket], embeddings: Iterable[PSRows],
     gradients reach the host in one ``copies.to_host_all``: on a GPU every table's copy is
     in flight together and the training thread waits once."""
     dense = [(b, start, grad) for b in buckets for start, grad in b.gradients()]
-    embeddings = list(embeddings)
-    taken = list(map(PSRows.take_gradient_rows, embeddings))        # each table's (ids, rows) per lookup
-    parts = list(itertools.chain.from_iterable(taken))
-    on_host = copies.to_host_all([grad for _, _, grad in dense] + list(map(_SECOND, parts)))
+    tables = [(emb.table, emb.take_gradient_rows()) for emb in embeddings]     # (ids, rows) per lookup
+    on_host = copies.to_host_all([grad for _, _, grad in dense] + [grad for _, got in tables for _, grad in got])
     requests: list[tuple] = [(b.table, grad) if start == 0 and grad.shape[0] == b.numel else (b.table, grad, start)
                              for (b, start, _), grad in zip(dense, on_host)]
-    rows = on_host[len(dense):]
-    if all(map((1).__eq__, map(len, taken))):         # one lookup per table (walked in C)
-        requests += zip(map(_TABLE, embeddings), map(_FIRST, parts), rows)
-        return requests
-    bounds = list(itertools.accumulate(map(len, taken), initial=0))       # each table's rows among ``rows``
-    requests += [(emb.table, np.concatenate([ids for ids, _ in got]), np.concatenate(rows[a:z]))
-                 for emb, got, a, z in zip(embeddings, taken, bounds, bounds[1:]) if got]
+    at = len(dense)
+    for table, got in tables:
+        if got:                  # a table looked up once: its rows as they are, else every lookup's together
+            rows = on_host[at:at + len(got)]
+            at += len(got)
+            requests.append((table, got[0][0], rows[0]) if len(got) == 1 else
+                            (table, np.concatenate([ids for ids, _ in got]), np.concatenate(rows)))
     return requests
 
 

@@ -223,7 +223,7 @@ class DataPlaneTransport:
         if not plane.step:
             return None
         nbytes = encoded.payload_bytes
-        reply_at = (nbytes + 7) & ~7          # 8-byte aligned (step.pad8)
+        reply_at = step.pad8(nbytes)
         region = self._region(plane, address, reply_at + reply_bytes, STEP_SHARED_BYTES)
         reply_into = None
         if region is not None:
@@ -260,7 +260,7 @@ class DataPlaneTransport:
                 if region is None or total > region.size:
                     raise Unavailable(f"malformed reply from {server}: {total} bytes of values in a shared-memory "
                                       f"region it was not given")
-                source = np.frombuffer(region.mm, np.uint8, total, (encoded.payload_bytes + 7) & ~7)
+                source = np.frombuffer(region.mm, np.uint8, total, step.pad8(encoded.payload_bytes))
             else:
                 if total != len(view):
                     raise Unavailable(f"malformed reply from {server}: {len(view)} payload bytes for {total} bytes "

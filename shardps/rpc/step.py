@@ -98,7 +98,7 @@ def request(header: Header, kind: int, flags: int, push_segments: int, segments:
     head = HEAD.pack(VERSION, flags, n, push_segments, len(raw), kind, header.wire_dtype, header.epoch,
                      header.incarnation, header.sequence, header.acked_below, header.clock, pull_clock,
                      payload_offset, payload_bytes, reply_offset, reply_bytes)
-    return b"".join((head, struct.pack(f"<{len(segments)}q", *segments), raw, bytes(-len(raw) % 8),
+    return b"".join((head, struct.pack(f"<{len(segments)}q", *segments), raw, bytes(pad8(len(raw)) - len(raw)),
                      struct.pack(f"<{len(bases)}q", *bases) if bases else b""))
 
 
@@ -134,7 +134,7 @@ def read_request(buf) -> tuple[StepRequest, Region | None, np.ndarray]:
         raise InvalidArgument(f"step header: {n_push} push segments of {n}, flags {flags:#x}: push segments "
                               f"need flag PUSH (2), pull segments flag PULL (4)")
     seg_end = HEAD.size + n * SEGMENT_BYTES
-    end = seg_end + ((names_bytes + 7) & ~7)
+    end = seg_end + pad8(names_bytes)
     if len(buf) < end:
         raise InvalidArgument(f"step header: {len(buf)} bytes; its {n} segments and {names_bytes} bytes of "
                               f"names take {end}")
@@ -351,7 +351,6 @@ def encode(request: StepRequest) -> Encoded:
         else:
             out.pull_range(s.table, s.start, s.stop)
     return out
-
 
 
 def warm_up() -> None:

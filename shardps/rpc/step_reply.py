@@ -12,7 +12,7 @@ from shardps import kernels
 from shardps.errors import InvalidArgument
 from shardps.kernels import _JIT, njit
 from shardps.messages import PullReply, PushAck, StepReply, StepRequest, Versions
-from shardps.rpc.step import SHARED, VERSION
+from shardps.rpc.step import SHARED, VERSION, pad8
 
 REPLY = struct.Struct("<BBHIqdQ")
 _ENTRY = struct.Struct("<II")
@@ -148,7 +148,7 @@ def _walk_entries_py(buf: bytes, at: int, count: int, segments: int, n_push: int
             return -1 - k, 0, _NO_ENTRIES
         segment, n = _ENTRY.unpack_from(buf, at)
         blocks_at = at + 8
-        versions_at = blocks_at + ((4 * n + 7) & ~7)
+        versions_at = blocks_at + pad8(4 * n)
         at = versions_at + 8 * n
         if segment >= segments or at > size:
             return -1 - k, 0, _NO_ENTRIES

@@ -11,7 +11,6 @@ compiles them like the other kernels (``warm_up``); without numba the same answe
 from __future__ import annotations
 
 import itertools
-import operator
 
 import numpy as np
 
@@ -19,7 +18,6 @@ from shardps import kernels
 from shardps.kernels import _JIT, AVAILABLE, _distinct, _first_non_finite, njit
 
 _EMPTY = np.empty(0, np.int64)
-_FLAT, _AS_BITS = operator.methodcaller("reshape", -1), operator.methodcaller("view", np.uint32)
 
 
 @njit(**_JIT)
@@ -74,7 +72,7 @@ def first_non_finite_each(arrays: list[np.ndarray]) -> list[int]:
     -1 (``kernels.first_non_finite`` of each)."""
     if not AVAILABLE:
         return list(map(kernels.first_non_finite, arrays))
-    return list(map(_first_non_finite, map(_AS_BITS, map(_FLAT, arrays))))     # in C: no Python per array
+    return [int(_first_non_finite(a.reshape(-1).view(np.uint32))) for a in arrays]
 
 
 def warm_up() -> None:

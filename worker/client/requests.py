@@ -210,11 +210,10 @@ def request_list(requests, what: str) -> list:
 def pull_pieces(tables: list[TableView], requests: list) -> list[tuple[Piece, np.ndarray, Finish]]:
     """``many_pull`` of each of a call's requests (``tables[i]``: request i's table). The
     sparse requests whose ids are a flat int64 array (what ``PSModel`` sends) are checked
-    together: their ids' bounds and distinctness in one compiled pass for all tables. (The
-    requests are walked with ``map``, in C: a call's Python does not grow by a pass per table.)"""
-    plain = list(map(_plain_pull, tables, requests))
-    fast = list(itertools.compress(range(len(plain)), plain))
-    return _merged(fast, _sparse_pulls(fast, tables, requests) if fast else [], plain, many_pull, tables, requests)
+    together: their ids' bounds and distinctness in one compiled pass for all tables."""
+    fast = [i for i, (t, r) in enumerate(zip(tables, requests)) if _plain_pull(t, r)]
+    done = dict(zip(fast, _sparse_pulls([tables[i] for i in fast], [requests[i] for i in fast], fast)))
+    return [done[i] if i in done else many_pull(i, t, r) for i, (t, r) in enumerate(zip(tables, requests))]
 
 
 def push_pieces(tables: list[TableView], requests: list) -> list[Piece]:
@@ -222,19 +221,9 @@ def push_pieces(tables: list[TableView], requests: list) -> list[Piece]:
     whose ids are a flat int64 array and whose rows a float32 ``[len(ids), dim]`` array are
     checked together (the ids' bounds and distinctness in one compiled pass, the rows'
     finiteness in one compiled call each)."""
-    plain = list(map(_plain_push, tables, requests))
-    fast = list(itertools.compress(range(len(plain)), plain))
-    return _merged(fast, _sparse_pushes(fast, tables, requests) if fast else [], plain, many_push, tables, requests)
-
-
-def _merged(fast: list[int], done: list, plain: list[bool], each, tables: list[TableView], requests: list) -> list:
-    """The pieces of every request in order: ``done`` for the requests ``fast``, ``each(i,
-    table, request)`` for the others (those ``plain`` does not mark)."""
-    out = dict(zip(fast, done))
-    if len(fast) < len(plain):
-        slow = list(itertools.compress(range(len(plain)), map(operator.not_, plain)))
-        out.update(zip(slow, map(each, slow, map(tables.__getitem__, slow), map(requests.__getitem__, slow))))
-    return list(map(out.__getitem__, range(len(plain))))
+    fast = [i for i, (t, r) in enumerate(zip(tables, requests)) if _plain_push(t, r)]
+    done = dict(zip(fast, _sparse_pushes([tables[i] for i in fast], [requests[i] for i in fast], fast)))
+    return [done[i] if i in done else many_push(i, t, r) for i, (t, r) in enumerate(zip(tables, requests))]
 
 
 def _plain_ids(ids) -> bool:
@@ -242,50 +231,49 @@ def _plain_ids(ids) -> bool:
 
 
 def _plain_pull(t: TableView, request) -> bool:
-    return t.spec.kind is _SPARSE and len(request) == 2 and _plain_ids(request[1])
+    return t.spec.kind is TableKind.SPARSE and len(request) == 2 and _plain_ids(request[1])
 
 
 def _plain_push(t: TableView, request) -> bool:
-    return (t.spec.kind is _SPARSE and len(request) == 3 and _plain_ids(request[1]) and type(request[2]) is np.ndarray
-            and request[2].dtype == _F32 and request[2].shape == (request[1].shape[0], t.spec.dim)
-            and request[2].flags.c_contiguous)
+    if t.spec.kind is not TableKind.SPARSE or len(request) != 3 or not _plain_ids(request[1]):
+        return False
+    rows = request[2]
+    return (type(rows) is np.ndarray and rows.dtype == _F32 and rows.flags.c_contiguous
+            and rows.shape == (request[1].shape[0], t.spec.dim))
 
 
 def _checked_ids(tables: list[TableView], ids: list[np.ndarray]) -> np.ndarray:
     """Whether each request's ids are distinct; InvalidArgument (``as_ids``') for the first
     id outside its table's bounds."""
-    bad, at, distinct = request_kernels.check_ids(ids, list(map(_NUM_ROWS, tables)))
+    bad, at, distinct = request_kernels.check_ids(ids, [t.spec.num_rows for t in tables])
     if bad >= 0:
         raise _outside(tables[bad], ids[bad], at)
     return distinct
 
 
-def _sparse_pulls(items: list[int], tables: list[TableView], requests: list) -> list:
-    views, ids = list(map(tables.__getitem__, items)), list(map(_SECOND, map(requests.__getitem__, items)))
-    distinct = _checked_ids(views, ids)
-    return [(Piece(i, t.name, False, ids=x), np.empty((x.shape[0], t.spec.dim), np.float32), _SAME) if d
-            else rows_pull(i, t, x) for i, t, x, d in zip(items, views, ids, distinct)]
+def _sparse_pulls(tables: list[TableView], requests: list, items: list[int]) -> list:
+    """The pieces of plain sparse pulls (items ``items`` of the call): distinct ids as they
+    are, others through ``rows_pull``."""
+    ids = [r[1] for r in requests]
+    distinct = _checked_ids(tables, ids)
+    return [(Piece(i, t.name, False, ids=x), np.empty((x.shape[0], t.spec.dim), np.float32), _same) if d
+            else rows_pull(i, t, x) for i, t, x, d in zip(items, tables, ids, distinct)]
 
 
-def _sparse_pushes(items: list[int], tables: list[TableView], requests: list) -> list[Piece]:
-    views, pushed = list(map(tables.__getitem__, items)), list(map(requests.__getitem__, items))
-    ids, rows = list(map(_SECOND, pushed)), list(map(_THIRD, pushed))
-    distinct = _checked_ids(views, ids)
-    if max(request_kernels.first_non_finite_each(rows)) >= 0:
-        for k in range(len(items)):          # rows_push refuses the first that its table does not allow
-            rows_push(items[k], views[k], ids[k], rows[k])
+def _sparse_pushes(tables: list[TableView], requests: list, items: list[int]) -> list[Piece]:
+    """The pieces of plain sparse pushes: distinct ids as they are, others summed through
+    ``rows_push`` (which also names a refused NaN/Inf row)."""
+    ids, rows = [r[1] for r in requests], [r[2] for r in requests]
+    distinct = _checked_ids(tables, ids)
+    if max(request_kernels.first_non_finite_each(rows), default=-1) >= 0:
+        for i, t, x, g in zip(items, tables, ids, rows):      # rows_push refuses the first its table does not allow
+            rows_push(i, t, x, g)
     return [Piece(i, t.name, False, ids=x, values=g) if d else rows_push(i, t, x, g)
-            for i, t, x, g, d in zip(items, views, ids, rows, distinct)]
+            for i, t, x, g, d in zip(items, tables, ids, rows, distinct)]
 
 
 def _same(rows: np.ndarray) -> np.ndarray:
     return rows
-
-
-_SAME: Finish = _same
-_SPARSE = TableKind.SPARSE
-_SECOND, _THIRD = operator.itemgetter(1), operator.itemgetter(2)
-_NUM_ROWS = operator.attrgetter("spec.num_rows")
 
 
 # ====================================================================== pulls

@@ -12,8 +12,6 @@ twice.
 
 from __future__ import annotations
 
-import collections
-import itertools
 import operator
 from typing import TYPE_CHECKING
 
@@ -153,24 +151,21 @@ class StepCalls:
         if len(values) != len(lp):
             raise Unavailable(f"step reply from {server}: {len(values)} pulled segments for {len(lp)} asked")
         outputs = lresult.values
-        whole = list(map(_whole, lp)) if len(lp) > 1 else [False]
-        if any(whole):
-            _place_whole(server, list(itertools.compress(lp, whole)), list(itertools.compress(values, whole)),
-                         outputs)
-        for part, got in itertools.compress(zip(lp, values), map(operator.not_, whole)):
+        for part, got in zip(lp, values):
             p, _, a, z = part
             out = outputs[p.item]
-            if got.shape[0] != (z - a) * (1 if p.dense else out.shape[1]):
-                raise Unavailable(f"step reply from {server}: {got.shape[0]} values for "
-                                  + (f"a range of {z - a}" if p.dense else f"{z - a} rows of {out.shape[1]}"))
+            n = z - a
+            if p.dense and got.shape[0] != n:
+                raise Unavailable(f"step reply from {server}: {got.shape[0]} values for a range of {n}")
+            if not p.dense and got.shape[0] != n * out.shape[1]:
+                raise Unavailable(f"step reply from {server}: {got.shape[0]} values for {n} rows of {out.shape[1]}")
             span, where = _span(part, out)
             if span is None:
-                kernels.scatter_rows(out, where, got.reshape(z - a, out.shape[1]))
+                kernels.scatter_rows(out, where, got.reshape(n, out.shape[1]))
             elif len(lp) > 1 or got.__array_interface__["data"][0] != span.__array_interface__["data"][0]:
                 span[...] = got.reshape(span.shape)     # unless received in place (``destination``)
-        pieces = list(map(_PIECE, lp))
         take_pull_reply(lresult, reply.min_clock, reply.waited_seconds, reply.versions, in_group,
-                        set(map(_TABLE, itertools.compress(pieces, map(_DENSE, pieces)))), self.versions)
+                        {p.table for p, _, _, _ in lp if p.dense}, self.versions)
 
 
 class _Reply:
@@ -211,37 +206,6 @@ DIRECT_REPLY_BYTES = 256 << 10        # a server's pulled values from this size 
 
 _NO_ROWS = np.empty(0, np.int64)
 _ALL_STORED = operator.attrgetter("all_stored")
-# a routed part's (piece, positions, start, stop) and a piece's fields, read with map (in C)
-_PIECE, _POSITIONS, _START, _STOP = (operator.itemgetter(k) for k in range(4))
-_DENSE, _TABLE, _IDS, _VALUES = (operator.attrgetter(a) for a in ("dense", "table", "ids", "values"))
-_ITEM, _SHAPE = operator.attrgetter("item"), operator.attrgetter("shape")
-_WIDTH, _FLAT = operator.itemgetter(1), operator.methodcaller("reshape", -1)     # a shape's row values; flat
-
-
-def _counts(parts: list) -> np.ndarray:
-    """The rows each routed sparse part carries (int64)."""
-    n = len(parts)
-    return np.fromiter(map(_STOP, parts), np.int64, n) - np.fromiter(map(_START, parts), np.int64, n)
-
-
-def _whole(part) -> bool:
-    """Whether a routed pull part fills its output's first rows in order (a table's rows
-    routed whole: each of a model's small tables, on one server)."""
-    return part[1] is None and not part[0].dense and part[0].positions is None
-
-
-def _place_whole(server: str, parts: list, values: list, outputs: list) -> None:
-    """``place`` of the parts ``_whole`` marks: each one's values copied into its output's
-    first rows, their sizes checked together (walked with map, in C)."""
-    outs = list(map(outputs.__getitem__, map(_ITEM, map(_PIECE, parts))))
-    counts = _counts(parts)
-    sizes = counts * np.fromiter(map(_WIDTH, map(_SHAPE, outs)), np.int64, len(outs))
-    got = list(map(len, values))
-    if got != sizes.tolist():
-        k = next(k for k, (a, b) in enumerate(zip(got, sizes.tolist())) if a != b)
-        raise Unavailable(f"step reply from {server}: {got[k]} values for {counts[k]} rows of {outs[k].shape[1]}")
-    firsts = map(operator.getitem, outs, map(slice, counts.tolist()))          # each output's first rows
-    collections.deque(map(np.copyto, map(_FLAT, firsts), values), 0)
 
 
 def _span(part, out: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
