@@ -164,6 +164,28 @@ def test_send_parts_sends_small_and_large_frames_and_times_out_on_a_full_socket(
         frames.send_parts(timer_of(a, native), [bytes(64 << 20)], time.monotonic() + 0.3)
 
 
+def test_many_parts_sent_in_pieces_arrive_whole_and_in_order(pair):
+    """More parts than one ``sendmsg`` takes (IOV_MAX), two larger than the socket's buffer,
+    to a reader that drains slowly: each later ``sendmsg`` goes on from where the last stopped."""
+    a, b = pair
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)
+    rng = np.random.default_rng(5)
+    parts = [rng.integers(0, 255, int(n), dtype=np.uint8).tobytes() for n in rng.integers(1, 40, 3000)]
+    parts[10:10] = [bytes(range(256)) * 2048, b"x" * 300_000]
+    received = bytearray()
+    total = sum(map(len, parts))
+
+    def drain():
+        while len(received) < total:
+            time.sleep(0.001)
+            received.extend(b.recv(1 << 15))
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    frames.send_parts(timer_of(a, False), list(parts), time.monotonic() + 30)
+    reader.join(30)
+    assert bytes(received) == b"".join(parts)
+
+
 @pytest.mark.parametrize("native", MODES)
 def test_sending_to_a_closed_peer_raises_oserror(pair, native):
     a, b = pair

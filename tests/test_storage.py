@@ -59,3 +59,39 @@ def test_a_new_config_gets_its_optimizer_state_after_pushes_under_the_old_one():
     rows.apply_rows(momentum, ids, np.ones((2, 2), np.float32))
     assert set(rows.state) == {"momentum_buffer"}
     np.testing.assert_array_equal(rows.read(ids), -2 - 1 - 1.5 * np.ones((2, 2), np.float32))
+
+
+def test_pushes_land_in_the_arrays_after_they_grow_or_move_between_pushes(monkeypatch):
+    """The compiled kernels' arguments are kept between pushes (``SparseRows._bound``): pushes
+    that grow the arrays, and rows stored by other paths in between (``assign_values``, which
+    moves them too), still update the rows where they are now. Checked against the same
+    sequence through the numpy path (no compiled kernels)."""
+    from shardps import kernels
+    from shardps.tables import adagrad
+
+    init = normal(0.0, 0.1, seed=3)
+    config = TableConfig(adagrad(0.5))
+    rng = np.random.default_rng(0)
+    steps = []
+    for k in range(30):
+        ids = np.unique(rng.integers(0, 50_000, 300 + 40 * k)).astype(np.int64)
+        steps.append((ids, rng.standard_normal((ids.shape[0], 4)).astype(np.float32),
+                      np.arange(60_000 + 100 * k, 60_000 + 100 * k + 90, dtype=np.int64)))
+
+    def run() -> SparseRows:
+        rows = SparseRows(sparse_table("e", 4, num_rows=100_000, init=init))
+        for ids, grad, assigned in steps:
+            rows.apply_rows(config, ids, grad)
+            rows.assign_values(config, assigned, np.full((assigned.shape[0], 4), 2.0, np.float32))
+        return rows
+
+    compiled = run()
+    assert compiled.rows.data.shape[0] > 4096          # grown (moved) several times
+    monkeypatch.setattr(kernels, "AVAILABLE", False)
+    plain = run()
+    every = np.arange(100_000, dtype=np.int64)
+    monkeypatch.setattr(kernels, "AVAILABLE", True)
+    np.testing.assert_allclose(compiled.read(every), plain.read(every), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(compiled.state["sum"].take(compiled.lookup(every[compiled.lookup(every) >= 0])),
+                               plain.state["sum"].take(plain.lookup(every[compiled.lookup(every) >= 0])),
+                               rtol=1e-5, atol=1e-6)

@@ -127,16 +127,27 @@ def apply_rows(config, rows: np.ndarray, state: dict[str, np.ndarray], steps: np
     counts ``steps``, which it increments). ``slots`` are distinct; ``grad`` is ``[n, dim]``.
     Same results as ``shardps.server.optimizers.apply`` on the gathered rows (to float32
     rounding). Requires ``AVAILABLE``; releases the GIL."""
+    run(bound(config, rows, state, steps), slots, grad)
+
+
+def bound(config, rows: np.ndarray, state: dict[str, np.ndarray], steps: np.ndarray | None) -> tuple:
+    """``apply_rows``' update of these arrays, for ``run``: (kernel, its array arguments, its
+    scalar arguments). A table keeps it while its arrays stay where they are."""
     kernel, scalars, names = _arguments(config)
+    st = _EMPTY_STEPS if steps is None else steps
+    if kernel is _sgd:
+        return kernel, (rows, state[names[0]] if names else _EMPTY_2D, st), scalars
+    return kernel, (rows, *[state[n] for n in names], st), scalars
+
+
+def run(update: tuple, slots: np.ndarray, grad: np.ndarray) -> None:
+    """``apply_rows`` with its arrays and config as ``bound`` gave them."""
+    kernel, arrays, scalars = update
     if slots.dtype != np.int64 or not slots.flags.c_contiguous:
         slots = np.ascontiguousarray(slots, dtype=np.int64)
     if grad.dtype != np.float32 or not grad.flags.c_contiguous:
         grad = np.ascontiguousarray(grad, dtype=np.float32)
-    st = _EMPTY_STEPS if steps is None else steps
-    if kernel is _sgd:
-        kernel(rows, state[names[0]] if names else _EMPTY_2D, st, slots, grad, *scalars)
-    else:
-        kernel(rows, *[state[n] for n in names], st, slots, grad, *scalars)
+    kernel(*arrays, slots, grad, *scalars)
 
 
 def warm_up() -> None:

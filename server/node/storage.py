@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import mmap
 import threading
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import numpy as np
 
@@ -50,23 +50,23 @@ def stored(values: np.ndarray, dtype=np.float32) -> np.ndarray:
 
 class _Rows:
     """A growable ``[slots, *shape]`` array. Capacity doubles (in ``storage``): the memory
-    beyond the rows written is never touched, so it is not resident (RSS tracks the rows
-    stored), and a gather or scatter is one vectorised numpy operation."""
+    beyond the rows written is not touched until the array grows past it (then the old
+    array is copied whole: the rows written and at most the last request's room), so it is
+    not resident (RSS tracks the rows stored), and a gather or scatter is one vectorised
+    numpy operation."""
 
     def __init__(self, shape: tuple, dtype, fill=0):
         self.shape, self.dtype, self.fill = shape, dtype, fill
         self.data = np.empty((0,) + shape, dtype=dtype)
-        self.size = 0
 
     def ensure(self, slots: int) -> None:
+        """Room for ``slots`` rows (the array moves when it grows)."""
         if slots <= self.data.shape[0]:
-            self.size = max(self.size, slots)
             return
         capacity = max(slots, 2 * self.data.shape[0], 1024)
         grown = storage((capacity,) + self.shape, self.dtype)
-        grown[:self.size] = self.data[:self.size]
+        grown[:self.data.shape[0]] = self.data
         self.data = grown
-        self.size = slots
 
     def take(self, slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Rows at ``slots`` (each in [0, size)), into ``out`` if given (unbuffered)."""
@@ -175,13 +175,16 @@ _NO_STEPS = np.empty(0, np.int32)
 _NO_STATE = (np.empty((0, 0), np.float32), 0.0)
 
 
-def _two_states(state: dict, dim: int) -> tuple[tuple, tuple]:
-    """The (array, fill) of at most two optimizer state arrays (what the compiled insert
-    writes; every optimizer here keeps two at most)."""
-    pages = [(p.data, float(p.fill)) for p in state.values()]
-    assert len(pages) <= 2, f"optimizer state {sorted(state)}: the compiled insert writes two arrays at most"
-    pages += [_NO_STATE] * (2 - len(pages))
-    return pages[0], pages[1]
+class _Bound(NamedTuple):
+    """A table's arrays as its compiled kernels take them, kept while none moves: ``room``
+    rows in every per-row array; ``new_rows``, ``_assign_init``'s arguments after the slots
+    (where new rows go, their initial values and their optimizer state's); ``update``, the
+    optimizer's (``optimizer_kernels.bound``) under ``config``."""
+
+    config: TableConfig
+    room: int
+    new_rows: tuple
+    update: tuple
 
 
 class SparseRows:
@@ -215,6 +218,7 @@ class SparseRows:
         cache = InitCache(spec) if spec.init.kind is InitKind.NORMAL else None
         self.cache = (cache.ids, cache.ok, cache.rows) if cache is not None else InitCache.none(spec.dim)
         self._state_for: TableConfig | None = None      # the config whose state is ensured
+        self._kernel_args: _Bound | None = None         # see _bound; None when an array moved or was added
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """Slot of each id, or -1 where the row is not stored."""
@@ -263,6 +267,7 @@ class SparseRows:
     def _ensure_state(self, config: TableConfig | None, names=()) -> None:
         if config is not None and config is self._state_for and not names:
             return                  # ensured for this config (frozen) already: every push's case
+        self._kernel_args = None
         wanted = set(names)
         if config is not None:
             wanted |= set(optimizers.state_names(config.optimizer))
@@ -278,6 +283,7 @@ class SparseRows:
 
     def _pages(self, shape: tuple, dtype, fill) -> _Rows:
         """New per-row arrays covering the slots handed out so far, at ``fill``."""
+        self._kernel_args = None
         pages = _Rows(shape, dtype, fill)
         pages.ensure(self.used)
         if self.used:
@@ -293,6 +299,7 @@ class SparseRows:
         self.free = self.free[n:]
         fresh = np.arange(self.used, self.used + (n - reuse.shape[0]), dtype=np.int64)
         self.used += fresh.shape[0]
+        self._kernel_args = None
         for pages in [self.rows, *self.state.values(), self.row_steps, self.ticks]:
             if pages is not None:
                 pages.ensure(self.used)
@@ -344,22 +351,23 @@ class SparseRows:
             tick = int(self.lifecycle().now[sparse_block_of(ids[:1], self.spec.num_blocks)].max(initial=0)) + 1
         return lifecycle.apply_push(self, config, ids, grad.reshape(-1, self.dim), tick, wall)
 
-    def _assign(self, ids: np.ndarray) -> np.ndarray:
+    def _bound(self, config: TableConfig, slots: int) -> _Bound:
+        """The compiled kernels' arguments under ``config`` with room for ``slots`` rows: kept
+        until an array has to grow, moves or is added, or the config changes (config held by
+        ``_ensure_state``)."""
+        bound = self._kernel_args
+        if bound is None or slots > bound.room or bound.config is not config:
+            bound = self._kernel_args = _bind(self, config, slots)
+        return bound
+
+    def _assign(self, config: TableConfig, ids: np.ndarray) -> np.ndarray:
         """Slots of ``ids`` (unique), new rows stored at their initial values with their
         optimizer state (compiled: bounded tables, no lifecycle state)."""
-        worst = self.used + max(0, ids.shape[0] - self.free.shape[0])
-        rows, state, steps = self.rows, self.state, self.row_steps
-        if worst > rows.size:
-            for pages in [rows, *state.values(), steps]:
-                if pages is not None:
-                    pages.ensure(worst)
-        index = cast(_DirectIndex, self.index)
+        bound = self._bound(config, self.used + max(0, ids.shape[0] - self.free.shape[0]))
         slots = np.empty(ids.shape[0], dtype=np.int64)
-        first, second = _two_states(state, self.dim)
         _, taken, self.used = storage_kernels._assign_init(
-            index.slot_of, ids, self.free, self.used, self.block_counts.shape[0], self.block_counts, slots,
-            rows.data, *self.init, *self.cache, first[0], first[1], second[0], second[1],
-            steps.data if steps is not None else _NO_STEPS)
+            cast(_DirectIndex, self.index).slot_of, ids, self.free, self.used, self.block_counts.shape[0],
+            self.block_counts, slots, *bound.new_rows)
         if taken:
             self.free = self.free[taken:]
         return slots
@@ -369,16 +377,14 @@ class SparseRows:
         lifecycle decisions). Returns their slots."""
         self._ensure_state(config)
         if kernels.AVAILABLE and isinstance(self.index, _DirectIndex) and self.ticks is None:
-            slots = self._assign(ids)
+            slots = self._assign(config, ids)
         else:
             slots = self.lookup(ids)
             missing = slots < 0
             if missing.any():
                 slots[missing] = self.insert(ids[missing], config)
         if kernels.AVAILABLE:       # one fused pass over the rows, in place
-            optimizer_kernels.apply_rows(config.optimizer, self.rows.data, {k: v.data for k, v in self.state.items()},
-                               self.row_steps.data if self.row_steps is not None else None,
-                               slots, grad.reshape(-1, self.dim))
+            optimizer_kernels.run(self._bound(config, self.used).update, slots, grad.reshape(-1, self.dim))
             return slots
         params = self.rows.take(slots)
         state = {k: v.take(slots) for k, v in self.state.items()}
@@ -475,3 +481,19 @@ class SparseRows:
         stored = int(self.block_counts.sum())
         sketch = self.life.sketch_bytes() if self.life is not None else 0
         return self.used * (self.row_bytes() - index) + stored * index + sketch
+
+
+def _bind(rows: SparseRows, config: TableConfig, slots: int) -> _Bound:
+    """``SparseRows._bound``'s arguments, its per-row arrays grown to ``slots`` rows first."""
+    pages = [p for p in (rows.rows, *rows.state.values(), rows.row_steps) if p is not None]
+    for p in pages:
+        p.ensure(slots)
+    # up to two optimizer state arrays (array, fill): what the compiled insert writes
+    states = [(p.data, float(p.fill)) for p in rows.state.values()]
+    assert len(states) <= 2, f"optimizer state {sorted(rows.state)}: the compiled insert writes two at most"
+    first, second = (states + [_NO_STATE, _NO_STATE])[:2]
+    steps = rows.row_steps.data if rows.row_steps is not None else None
+    new_rows = (rows.rows.data, *rows.init, *rows.cache, *first, *second, _NO_STEPS if steps is None else steps)
+    update = optimizer_kernels.bound(config.optimizer, rows.rows.data, {k: v.data for k, v in rows.state.items()},
+                                     steps)
+    return _Bound(config, min(p.data.shape[0] for p in pages), new_rows, update)

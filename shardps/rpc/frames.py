@@ -305,7 +305,8 @@ class FrameReader:
                 into[:early] = view[c:got]
             _receive(timer, deadline, into, early, c, total)
             return Frame(prefix, view[PREFIX_BYTES:b], view[b:c], into)
-        view = self._fill(timer, deadline, got, total, total)
+        if got < total:                         # else the first call read it whole: the common case
+            view = self._fill(timer, deadline, got, total, total)
         return Frame(prefix, view[PREFIX_BYTES:b], view[b:c], view[c:total])
 
     def _read_native(self, timer: SocketTimer, max_body: int, deadline: float | None,
@@ -443,11 +444,14 @@ def _send(timer: SocketTimer, parts: list, deadline: float | None) -> None:
             timer.arm(deadline)
             sock.sendall(pending)
         return
-    i, n = 0, len(parts)
-    while i < n:
-        timer.arm(deadline)
-        sent = sock.sendmsg(parts[i:i + _IOV_MAX] if i or n > _IOV_MAX else parts)
-        while sent:
+    n = len(parts)
+    timer.arm(deadline)
+    sent = sock.sendmsg(parts if n <= _IOV_MAX else parts[:_IOV_MAX])
+    if sent == sum(map(len, parts)):
+        return                                  # all at once: the common case
+    i = 0
+    while True:
+        while sent:                             # past the parts sent whole, into the one sent in part
             size = len(parts[i])
             if sent >= size:
                 sent -= size
@@ -455,3 +459,7 @@ def _send(timer: SocketTimer, parts: list, deadline: float | None) -> None:
             else:
                 parts[i] = parts[i][sent:]
                 sent = 0
+        if i >= n:
+            return
+        timer.arm(deadline)
+        sent = sock.sendmsg(parts[i:i + _IOV_MAX])
