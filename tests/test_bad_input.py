@@ -136,9 +136,10 @@ def test_client_side_errors_name_the_value(setup):
         c.pull_rows("e", np.array([1.5]))
 
 
-def test_a_call_of_several_sparse_tables_is_checked_whole_and_applies_nothing_when_refused(setup):
-    """A call's sparse requests are checked together (one compiled pass): a bad id or row of
-    any table refuses the whole call, naming that table, the value and its place."""
+def test_a_call_of_several_tables_is_checked_whole_and_applies_nothing_when_refused(setup):
+    """A call's plain requests are checked together (one compiled pass): a bad id or value of
+    any table, dense or sparse, refuses the whole call, naming that table, the value and its
+    place."""
     from shardps.errors import InvalidArgument
     c, _ = setup
     c.create_sparse("f", 2, num_rows=10, optimizer=sgd(1.0))
@@ -151,7 +152,19 @@ def test_a_call_of_several_sparse_tables_is_checked_whole_and_applies_nothing_wh
         c.push_many([good, ("f", np.array([3, 4], np.int64), np.array([[0, 0], [np.nan, 0]], np.float32))])
     with pytest.raises(InvalidArgument, match=r"row id -1 \(position 0 of the ids\) of table 'f'"):
         c.exchange([good], [("e", ids), ("f", np.array([-1], np.int64))], clock=0)
+    c.create_dense("m", (3, 2), optimizer=sgd(1.0))
+    m0 = c.pull_dense("m")
+    nan_at_4 = np.array([[0, 0], [0, 0], [np.nan, 0]], np.float32)
+    for grad in (nan_at_4, nan_at_4.reshape(-1)):       # in the table's shape, or flat
+        with pytest.raises(InvalidArgument, match=r"element 4 of the gradient.* for table 'm' is nan"):
+            c.push_many([good, ("m", grad), ("w", np.ones(100, np.float32))])
+    with pytest.raises(InvalidArgument, match=r"element 1 of the gradient for table 'w' is inf"):
+        c.exchange([("m", np.ones((3, 2), np.float32)), ("w", np.array([0, np.inf] + [0] * 98, np.float32))],
+                   [("m",)], clock=0)
     np.testing.assert_array_equal(c.pull_rows("e", ids), before)
+    w, m = c.pull_many([("w",), ("m",)]).values
+    assert m.shape == (3, 2) and w.shape == (100,)
+    np.testing.assert_array_equal(m, m0)
     # repeated ids: summed in a push, spread back in a pull, beside distinct ones in any order
     f0 = c.pull_rows("f", np.array([5, 6], np.int64))
     c.push_many([("f", np.array([5, 5, 6], np.int64), np.ones((3, 2), np.float32)),

@@ -139,7 +139,7 @@ def as_index(value, what: str, t: TableView) -> int:
 
 
 def check_dense(t: TableView, start: int, stop: int) -> None:
-    start, stop = as_index(start, "start", t), as_index(stop, "stop", t)
+    """The flat range [start, stop) (integers: ``as_index``) of dense table ``t``."""
     if t.spec.kind is not TableKind.DENSE:
         raise InvalidArgument(f"table {t.name!r} is sparse: use pull_rows / push_rows")
     if not (0 <= start < stop <= t.spec.numel):
@@ -324,23 +324,24 @@ def dense_push(item: int, t: TableView, grad, start: int | None = None) -> Piece
     if t.spec.kind is not TableKind.DENSE:
         raise InvalidArgument(f"table {t.name!r} is sparse: use pull_rows / push_rows")
     values = as_float32(grad, t)
-    shape, given = tuple(t.spec.shape), tuple(values.shape)
-    if start is None:
+    shape, given = t.spec.shape, values.shape
+    if start is None:                       # the whole table: [0, numel), in its shape or flat
         if given != shape and given != (t.spec.numel,):
             raise InvalidArgument(
                 f"gradient for dense table {t.name!r} has shape {given}; the table's shape is "
                 f"{shape}: push the whole table's gradient in its shape (or flat with "
                 f"{t.spec.numel} elements), or a sub-range with start=")
-        start = 0
-    else:
-        start = as_index(start, "start", t)
-        row = shape[1:]
-        row_numel = int(np.prod(row, dtype=np.int64)) if row else 1
-        if len(given) > 1 and (given[1:] != row or start % row_numel):
-            raise InvalidArgument(
-                f"gradient of shape {given} for dense table {t.name!r} (shape {shape}) at "
-                f"start={start}: a sub-range's gradient is flat, or whole rows of shape {row} "
-                f"beginning at a row boundary (a multiple of {row_numel})")
+        flat = values.reshape(-1)
+        check_finite(t, flat, lambda i: _element(i, given, "gradient"))
+        return Piece(item, t.name, True, 0, flat.shape[0], values=flat)
+    start = as_index(start, "start", t)
+    row = shape[1:]
+    row_numel = int(np.prod(row, dtype=np.int64)) if row else 1
+    if len(given) > 1 and (given[1:] != row or start % row_numel):
+        raise InvalidArgument(
+            f"gradient of shape {given} for dense table {t.name!r} (shape {shape}) at "
+            f"start={start}: a sub-range's gradient is flat, or whole rows of shape {row} "
+            f"beginning at a row boundary (a multiple of {row_numel})")
     flat = values.reshape(-1)
     check_dense(t, start, start + flat.shape[0])
     check_finite(t, flat, lambda i: _element(i, given, "gradient", start))
