@@ -39,10 +39,10 @@ class TableView:
     replica_counts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32), compare=False)
     # the server index holding every block as primary (a table placed whole), else -1
     whole_on: int = field(default=-1, compare=False)
+    name: str = field(init=False, compare=False)    # the spec's: read for every table of every request
 
-    @property
-    def name(self) -> str:
-        return self.spec.name
+    def __post_init__(self):
+        object.__setattr__(self, "name", self.spec.name)
 
 
 @dataclass(frozen=True)

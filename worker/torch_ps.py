@@ -201,6 +201,8 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         self._pull_now(features)
 
     def _before_forward(self, module, args, kwargs) -> None:
+        if self.overlap and not self._flow.deferred_pull:
+            return      # the loop announces its lookups itself (prefetch): no forward is watched
         self.lookups.begin(args, kwargs)
         if self._flow.deferred_pull:
             announce([(emb, ids) for emb, ids in self.lookups.predict()           # type: ignore[misc]
