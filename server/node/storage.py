@@ -51,9 +51,9 @@ def stored(values: np.ndarray, dtype=np.float32) -> np.ndarray:
 class _Rows:
     """A growable ``[slots, *shape]`` array. Capacity doubles (in ``storage``): the memory
     beyond the rows written is not touched until the array grows past it (then the old
-    array is copied whole: the rows written and at most the last request's room), so it is
-    not resident (RSS tracks the rows stored), and a gather or scatter is one vectorised
-    numpy operation."""
+    array is copied whole: its rows and fewer unused ones than the growing request adds), so
+    it is not resident (RSS tracks the rows stored), and a gather or scatter is one
+    vectorised numpy operation."""
 
     def __init__(self, shape: tuple, dtype, fill=0):
         self.shape, self.dtype, self.fill = shape, dtype, fill
@@ -69,7 +69,7 @@ class _Rows:
         self.data = grown
 
     def take(self, slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """Rows at ``slots`` (each in [0, size)), into ``out`` if given (unbuffered)."""
+        """Rows at ``slots`` (each a slot handed out), into ``out`` if given (unbuffered)."""
         if out is None:
             return self.data[slots]
         # mode="clip" writes straight into out; the default buffers a whole temporary copy
