@@ -272,7 +272,7 @@ def test_a_calls_ids_are_checked_together(monkeypatch, compiled):
     bad, at, _ = request_kernels.check_ids([np.array([0, -1], np.int64)], [4])
     assert (bad, at) == (0, 1)
     rows = [np.zeros((2, 3), np.float32), np.array([[0, 1], [np.inf, 0]], np.float32)]
-    assert request_kernels.first_non_finite_each(rows) == [-1, 2]
+    assert [kernels.first_non_finite(r) for r in rows] == [-1, 2], "what push_pieces checks each table's rows with"
 
 
 def test_every_batch_of_a_step_deduplicated_in_one_pass_equals_np_unique():

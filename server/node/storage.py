@@ -179,9 +179,8 @@ class _Bound(NamedTuple):
     """A table's arrays as its compiled kernels take them, kept while none moves: ``room``
     rows in every per-row array; ``new_rows``, ``_assign_init``'s arguments after the slots
     (where new rows go, their initial values and their optimizer state's); ``update``, the
-    optimizer's (``optimizer_kernels.bound``) under ``config``."""
+    optimizer's (``optimizer_kernels.bound``) under the config ``_ensure_state`` ensured."""
 
-    config: TableConfig
     room: int
     new_rows: tuple
     update: tuple
@@ -218,7 +217,7 @@ class SparseRows:
         cache = InitCache(spec) if spec.init.kind is InitKind.NORMAL else None
         self.cache = (cache.ids, cache.ok, cache.rows) if cache is not None else InitCache.none(spec.dim)
         self._state_for: TableConfig | None = None      # the config whose state is ensured
-        self._kernel_args: _Bound | None = None         # see _bound; None when an array moved or was added
+        self._kernel_args: _Bound | None = None         # see _bound; None after _ensure_state changed anything
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """Slot of each id, or -1 where the row is not stored."""
@@ -283,7 +282,6 @@ class SparseRows:
 
     def _pages(self, shape: tuple, dtype, fill) -> _Rows:
         """New per-row arrays covering the slots handed out so far, at ``fill``."""
-        self._kernel_args = None
         pages = _Rows(shape, dtype, fill)
         pages.ensure(self.used)
         if self.used:
@@ -299,7 +297,6 @@ class SparseRows:
         self.free = self.free[n:]
         fresh = np.arange(self.used, self.used + (n - reuse.shape[0]), dtype=np.int64)
         self.used += fresh.shape[0]
-        self._kernel_args = None
         for pages in [self.rows, *self.state.values(), self.row_steps, self.ticks]:
             if pages is not None:
                 pages.ensure(self.used)
@@ -352,11 +349,13 @@ class SparseRows:
         return lifecycle.apply_push(self, config, ids, grad.reshape(-1, self.dim), tick, wall)
 
     def _bound(self, config: TableConfig, slots: int) -> _Bound:
-        """The compiled kernels' arguments under ``config`` with room for ``slots`` rows: kept
-        until an array has to grow, moves or is added, or the config changes (config held by
-        ``_ensure_state``)."""
+        """The compiled kernels' arguments under ``config`` (just ensured by ``_ensure_state``)
+        with room for ``slots`` rows. Kept until more room is needed: an array moves only when
+        it grows past its capacity (``_Rows.ensure``, whoever calls it), which is at least
+        ``room``, for slots this table then uses; arrays are added, and the config changes,
+        only in ``_ensure_state``, which drops them."""
         bound = self._kernel_args
-        if bound is None or slots > bound.room or bound.config is not config:
+        if bound is None or slots > bound.room:
             bound = self._kernel_args = _bind(self, config, slots)
         return bound
 
@@ -496,4 +495,4 @@ def _bind(rows: SparseRows, config: TableConfig, slots: int) -> _Bound:
     new_rows = (rows.rows.data, *rows.init, *rows.cache, *first, *second, _NO_STEPS if steps is None else steps)
     update = optimizer_kernels.bound(config.optimizer, rows.rows.data, {k: v.data for k, v in rows.state.items()},
                                      steps)
-    return _Bound(config, min(p.data.shape[0] for p in pages), new_rows, update)
+    return _Bound(min(p.data.shape[0] for p in pages), new_rows, update)

@@ -264,7 +264,7 @@ class Encoded:
 
     def push_rows(self, table: str, ids: np.ndarray, positions: np.ndarray | None, values: np.ndarray) -> None:
         n = ids.shape[0] if positions is None else positions.shape[0]
-        ids_at = (self.payload_bytes + 7) & ~7
+        ids_at = pad8(self.payload_bytes)
         values_at, count = ids_at + 8 * n, n * values.shape[1]
         self.payload_bytes = values_at + 4 * count
         self.writes += ((ids_at, ids, positions, values_at), (values_at, values, positions, self.payload_bytes))
@@ -281,7 +281,7 @@ class Encoded:
 
     def pull_rows(self, table: str, ids: np.ndarray, positions: np.ndarray | None) -> None:
         n = ids.shape[0] if positions is None else positions.shape[0]
-        ids_at = (self.payload_bytes + 7) & ~7
+        ids_at = pad8(self.payload_bytes)
         self.payload_bytes = ids_at + 8 * n
         self.writes.append((ids_at, ids, positions, self.payload_bytes))
         self._segment(False, table, 2, n, 0, ids_at, NONE, NONE, 0)
@@ -333,7 +333,10 @@ class Encoded:
         shared-memory region's view)."""
         for offset, array, positions, end in self.writes:
             dest = buf[offset:end].view(array.dtype).reshape(-1, *array.shape[1:])
-            np.copyto(dest, array) if positions is None else np.take(array, positions, axis=0, out=dest, mode="clip")
+            if positions is None:
+                np.copyto(dest, array)
+            else:
+                np.take(array, positions, axis=0, out=dest, mode="clip")
 
 
 def encode(request: StepRequest) -> Encoded:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import operator
 import os
 import socket
 import threading
@@ -256,7 +255,7 @@ class PSClient(ManagerCalls, TableTransfer):
 
         def run():
             res = self._data.pull(pieces, outputs, timeout, clock)
-            res.values = list(map(operator.call, finishes, res.values))
+            res.values = [finish(v) for finish, v in zip(finishes, res.values)]
             return res.values[0] if values_only else res
         return run
 
@@ -281,7 +280,7 @@ class PSClient(ManagerCalls, TableTransfer):
 
         def run():
             pushed, pulled = self._data.exchange(pushes, pieces, outputs, timeout, clock, report_step)
-            pulled.values = list(map(operator.call, finishes, pulled.values))
+            pulled.values = [finish(v) for finish, v in zip(finishes, pulled.values)]
             return pushed, pulled
         return run
 

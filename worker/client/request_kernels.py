@@ -1,11 +1,10 @@
-"""The client's checks of a call's sparse requests, all of its tables in one compiled pass.
+"""The client's check of a call's sparse ids, all of its tables in one compiled pass.
 
 ``check_ids``: every request's ids against its table's bounds, and whether each request's
 ids are distinct (``requests.pull_pieces`` and ``push_pieces`` send distinct ids as they
-are and deduplicate or sum the others). ``first_non_finite_each``: the first NaN or infinity
-of each of a call's gradient arrays, a compiled call each without Python around it. numba
-compiles them like the other kernels (``warm_up``); without numba the same answers come from
-``shardps.kernels``' numpy paths.
+are and deduplicate or sum the others); the gradient rows are checked by
+``shardps.kernels.first_non_finite``. numba compiles it like the other kernels (``warm_up``);
+without numba the same answers come from ``shardps.kernels``' numpy paths.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import itertools
 import numpy as np
 
 from shardps import kernels
-from shardps.kernels import _JIT, AVAILABLE, _distinct, _first_non_finite, njit
+from shardps.kernels import _JIT, AVAILABLE, _distinct, njit
 
 _EMPTY = np.empty(0, np.int64)
 
@@ -67,17 +66,8 @@ def check_ids(ids: list[np.ndarray], bounds: list[int]) -> tuple[int, int, np.nd
     return bad, at, distinct
 
 
-def first_non_finite_each(arrays: list[np.ndarray]) -> list[int]:
-    """The flat index of the first NaN or infinity of each float32, C-contiguous array, or
-    -1 (``kernels.first_non_finite`` of each)."""
-    if not AVAILABLE:
-        return list(map(kernels.first_non_finite, arrays))
-    return [int(_first_non_finite(a.reshape(-1).view(np.uint32))) for a in arrays]
-
-
 def warm_up() -> None:
     """Compile (or load) the kernels with the argument types the client uses."""
     if not AVAILABLE:
         return
     check_ids([np.arange(4, dtype=np.int64), np.arange(4, dtype=np.int64)[::-1].copy()], [8, 0])
-    first_non_finite_each([np.zeros((2, 2), np.float32)])

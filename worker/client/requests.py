@@ -265,7 +265,7 @@ def _sparse_pushes(tables: list[TableView], requests: list, items: list[int]) ->
     ``rows_push`` (which also names a refused NaN/Inf row)."""
     ids, rows = [r[1] for r in requests], [r[2] for r in requests]
     distinct = _checked_ids(tables, ids)
-    if max(request_kernels.first_non_finite_each(rows), default=-1) >= 0:
+    if any(kernels.first_non_finite(g) >= 0 for g in rows):
         for i, t, x, g in zip(items, tables, ids, rows):      # rows_push refuses the first its table does not allow
             rows_push(i, t, x, g)
     return [Piece(i, t.name, False, ids=x, values=g) if d else rows_push(i, t, x, g)
@@ -325,23 +325,22 @@ def dense_push(item: int, t: TableView, grad, start: int | None = None) -> Piece
         raise InvalidArgument(f"table {t.name!r} is sparse: use pull_rows / push_rows")
     values = as_float32(grad, t)
     shape, given = t.spec.shape, values.shape
-    if start is None:                       # the whole table: [0, numel), in its shape or flat
+    if start is None:                       # the whole table, in its shape or flat
         if given != shape and given != (t.spec.numel,):
             raise InvalidArgument(
                 f"gradient for dense table {t.name!r} has shape {given}; the table's shape is "
                 f"{shape}: push the whole table's gradient in its shape (or flat with "
                 f"{t.spec.numel} elements), or a sub-range with start=")
-        flat = values.reshape(-1)
-        check_finite(t, flat, lambda i: _element(i, given, "gradient"))
-        return Piece(item, t.name, True, 0, flat.shape[0], values=flat)
-    start = as_index(start, "start", t)
-    row = shape[1:]
-    row_numel = int(np.prod(row, dtype=np.int64)) if row else 1
-    if len(given) > 1 and (given[1:] != row or start % row_numel):
-        raise InvalidArgument(
-            f"gradient of shape {given} for dense table {t.name!r} (shape {shape}) at "
-            f"start={start}: a sub-range's gradient is flat, or whole rows of shape {row} "
-            f"beginning at a row boundary (a multiple of {row_numel})")
+        start = 0
+    else:
+        start = as_index(start, "start", t)
+        row = shape[1:]
+        row_numel = int(np.prod(row, dtype=np.int64)) if row else 1
+        if len(given) > 1 and (given[1:] != row or start % row_numel):
+            raise InvalidArgument(
+                f"gradient of shape {given} for dense table {t.name!r} (shape {shape}) at "
+                f"start={start}: a sub-range's gradient is flat, or whole rows of shape {row} "
+                f"beginning at a row boundary (a multiple of {row_numel})")
     flat = values.reshape(-1)
     check_dense(t, start, start + flat.shape[0])
     check_finite(t, flat, lambda i: _element(i, given, "gradient", start))
