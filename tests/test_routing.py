@@ -66,7 +66,10 @@ def test_rows_of_a_block_without_a_replica_are_refused_naming_it(primaries):
 
 def test_a_pulls_destination_is_one_contiguous_piece_of_its_output_or_none():
     """``steps.destination``: where one server's pulled values may be received in place."""
-    from shardps.worker.client.steps import destination
+    from shardps.worker.client import steps
+
+    def destination(parts, outputs, reply_bytes):
+        return steps.destination([steps._place(part, outputs[part[0].item]) for part in parts], reply_bytes)
 
     flat = np.zeros(1000, np.float32)
     dense = Piece(0, "w", True, start=100, stop=900, offset=0)

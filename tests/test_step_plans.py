@@ -210,6 +210,21 @@ def test_a_step_frame_reads_back_what_the_client_wrote():
             assert np.array_equal(mine.values.reshape(-1), theirs.values)
 
 
+def test_the_shared_memory_payload_is_the_frames_payload():
+    """``Encoded.write`` (into a shared-memory region) lays out the very bytes ``parts``
+    sends in a frame, and nothing past them."""
+    for request in _steps(seed=9, n=3):
+        request.push[0].positions = np.array([3, 1])         # rows picked, as a routed part's
+        request.pull[1].positions = np.array([4, 0, 2])
+        encoded = step.encode(request)
+        sent = b"".join(bytes(memoryview(p).cast("B")) for p in encoded.parts())
+        region = np.full(encoded.payload_bytes + 16, 0xAB, np.uint8)
+        encoded.write(region)
+        assert len(sent) == encoded.payload_bytes
+        assert region[:encoded.payload_bytes].tobytes() == sent
+        assert (region[encoded.payload_bytes:] == 0xAB).all()
+
+
 def test_rows_picked_by_positions_travel_without_the_others():
     ids = np.arange(10, 20, dtype=np.int64)
     rows = np.arange(30, dtype=np.float32).reshape(10, 3)

@@ -246,31 +246,26 @@ class DataPlaneTransport:
 
     def step_finish(self, started, consume):
         """Read the reply of ``step_start``'s request and return ``consume(ack, pull reply,
-        values)``: ``values`` one flat float32 array per pull slice, valid while ``consume``
-        runs."""
+        elements, values)``: ``elements`` the values each pull segment returned, ``values``
+        all of them, flat float32 one segment after another, valid while ``consume`` runs."""
         server, address, began, sent, encoded, region = started
-        n_push = len(encoded.push_tables)
-        n_pull = len(encoded.pull_tables)
+        tables, n_push = encoded.tables, encoded.n_push
 
         def use(raw: bytes, view: memoryview):
             ack, reply, elements, shared = _decoded(
-                server, lambda b: step_reply.read_reply(b, encoded.segment_tables, n_push, n_pull), raw)
+                server, lambda b: step_reply.read_reply(b, tables, n_push, len(tables) - n_push), raw)
             total = 4 * sum(elements)
             if shared:
                 if region is None or total > region.size:
                     raise Unavailable(f"malformed reply from {server}: {total} bytes of values in a shared-memory "
                                       f"region it was not given")
-                source = np.frombuffer(region.mm, np.uint8, total, step.pad8(encoded.payload_bytes))
+                source = np.frombuffer(region.mm, np.float32, total // 4, step.pad8(encoded.payload_bytes))
             else:
                 if total != len(view):
                     raise Unavailable(f"malformed reply from {server}: {len(view)} payload bytes for {total} bytes "
                                       f"of values")
-                source = np.frombuffer(view, np.uint8, total)
-            values, at = [], 0
-            for count in elements:
-                values.append(source[at:at + 4 * count].view(np.float32))
-                at += 4 * count
-            return consume(ack, reply, values)
+                source = np.frombuffer(view, np.float32, total // 4)
+            return consume(ack, reply, elements, source)
         answered = False
         try:
             got = self.pool.finish(sent, use)

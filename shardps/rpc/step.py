@@ -49,6 +49,8 @@ past a buffer.
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
 import struct
 
 import numpy as np
@@ -65,10 +67,9 @@ HEAD = struct.Struct("<BBHHHIIQQQQqqQQQQ")
 SEGMENT_FIELDS = 8
 SEGMENT_BYTES = 8 * SEGMENT_FIELDS
 _SELECTORS = {1: RANGE, 2: ROWS}
-_SELECTOR_CODES = {RANGE: 1, ROWS: 2}
 NONE = -1
-_EMPTY_I8 = np.empty(0, np.int64)
-_EMPTY_F4 = np.empty(0, np.float32)
+RANGE_CODE, ROWS_CODE = 1, 2          # a segment's selector
+NO_IDS = np.empty(0, np.int64)          # the ids of a range segment
 
 
 def pad8(n: int) -> int:
@@ -84,21 +85,22 @@ def _names(fixed: tuple[str, ...]) -> bytes:
 def request(header: Header, kind: int, flags: int, push_segments: int, segments: list, names: tuple[str, ...],
             pull_clock: int = 0, payload_offset: int = 0, payload_bytes: int = 0, reply_offset: int = 0,
             reply_bytes: int = 0, bases: list | tuple = ()) -> bytes:
-    """A Step request header. ``segments``: flat int64 fields, ``SEGMENT_FIELDS`` per
-    segment; ``names``: job, session, region and the tables' names (the segments' first
+    """A Step request header. ``segments``: each segment's ``SEGMENT_FIELDS`` int64 fields;
+    ``names``: job, session, region and the tables' names (the segments' first
     field indexes them); ``bases``: the segments' base versions, flat (block, version) pairs
     in segment order (each segment's last field counts its own)."""
     raw = _names(names)
     if len(raw) > 0xFFFF:
         raise InvalidArgument(f"a step's names take {len(raw)} bytes; at most 65,535 fit: send fewer tables per call")
-    n = len(segments) // SEGMENT_FIELDS
+    n = len(segments)
     if n > 0xFFFF:
         raise InvalidArgument(f"{n} segments in one request to one server; at most 65,535 fit: "
                               f"send fewer tables or ranges per call")
     head = HEAD.pack(VERSION, flags, n, push_segments, len(raw), kind, header.wire_dtype, header.epoch,
                      header.incarnation, header.sequence, header.acked_below, header.clock, pull_clock,
                      payload_offset, payload_bytes, reply_offset, reply_bytes)
-    return b"".join((head, struct.pack(f"<{len(segments)}q", *segments), raw, bytes(pad8(len(raw)) - len(raw)),
+    fields = struct.pack(f"<{n * SEGMENT_FIELDS}q", *itertools.chain.from_iterable(segments))
+    return b"".join((head, fields, raw, bytes(pad8(len(raw)) - len(raw)),
                      struct.pack(f"<{len(bases)}q", *bases) if bases else b""))
 
 
@@ -236,124 +238,93 @@ def _check_layout(fields, size):
 
 
 class Encoded:
-    """A Step request laid out for sending, built a segment at a time by a client
-    (``push_rows``, ``push_range``, ``pull_rows``, ``pull_range``: the push's segments go
-    first in the header whatever the order they come in): the header's flat fields per
-    segment, the tables' names, the payload's size (``payload_bytes``) and where each array
-    goes in it (``writes``: (offset, array, positions or None, end): ``array[positions]`` at
-    [offset, end)).
-    A segment's arrays are the caller's whole
-    arrays (sparse values ``[n, dim]``, a dense range's values flat); ``positions`` (None:
-    all) picks the rows it carries. ``push``: a push part even without segments (a clock
-    report)."""
+    """A Step request laid out for sending: ``Encoded(header, kind, pull_clock, push,
+    pull)``, built in one pass over a server's segments. ``push`` / ``pull``: None (no such
+    part) or its segments (a push part of none: a clock report), each a tuple
 
-    __slots__ = ("head", "kind", "pull_clock", "push", "pull", "push_fields", "pull_fields", "push_tables",
-                 "pull_tables", "tables", "payload_bytes", "writes", "bases")
-    push_fields: list[int]
-    pull_fields: list[int]
-    push_tables: list[str]
-    pull_tables: list[str]
-    tables: dict[str, int]              # table name -> its index among the header's names
-    writes: list
-    bases: list[int]
+    * push: ``(table, selector, start, stop, ids, values, bases)``: a range (``RANGE_CODE``,
+      flat ``[start, stop)``, ``ids`` ``NO_IDS``, ``values`` its float32 values flat) or rows
+      (``ROWS_CODE``, ``start`` their count, ``stop`` 0, ``ids`` int64, ``values`` float32
+      ``[n, dim]``); ``bases``: a range's base versions as flat (block, version) pairs;
+    * pull: ``(table, selector, start, stop, ids)``, the same without values.
 
-    def __init__(self, header: Header, kind: int, pull_clock: int = 0, push: bool = False, pull: bool = False):
-        self.head, self.kind, self.pull_clock, self.push, self.pull = header, kind, pull_clock, push, pull
-        self.push_fields, self.pull_fields, self.push_tables, self.pull_tables = [], [], [], []
-        self.tables, self.writes, self.bases, self.payload_bytes = {}, [], [], 0
+    The payload holds every segment's ids first, one array after another (int64: each at
+    an 8-byte boundary), then every push segment's values (float32), so it needs no padding
+    and is written with two ``np.concatenate`` calls (``write``) or sent as the arrays
+    themselves (``parts``). The header names each segment's table by its own entry among
+    the names (job, session, region, then one per segment)."""
 
-    def push_rows(self, table: str, ids: np.ndarray, positions: np.ndarray | None, values: np.ndarray) -> None:
-        n = ids.shape[0] if positions is None else positions.shape[0]
-        ids_at = pad8(self.payload_bytes)
-        values_at, count = ids_at + 8 * n, n * values.shape[1]
-        self.payload_bytes = values_at + 4 * count
-        self.writes += ((ids_at, ids, positions, values_at), (values_at, values, positions, self.payload_bytes))
-        self._segment(True, table, 2, n, 0, ids_at, values_at, count, 0)
+    __slots__ = ("head", "kind", "pull_clock", "push", "pull", "tables", "n_push", "fields", "ids", "values",
+                 "bases", "ids_bytes", "payload_bytes")
+    values: tuple
 
-    def push_range(self, table: str, start: int, stop: int, values: np.ndarray, bases: dict | None = None) -> None:
-        values_at = self.payload_bytes
-        self.payload_bytes = values_at + 4 * values.shape[0]
-        self.writes.append((values_at, values, None, self.payload_bytes))
-        self._segment(True, table, 1, start, stop, NONE, values_at, values.shape[0], len(bases) if bases else 0)
-        if bases:
-            for pair in bases.items():
-                self.bases += pair
-
-    def pull_rows(self, table: str, ids: np.ndarray, positions: np.ndarray | None) -> None:
-        n = ids.shape[0] if positions is None else positions.shape[0]
-        ids_at = pad8(self.payload_bytes)
-        self.payload_bytes = ids_at + 8 * n
-        self.writes.append((ids_at, ids, positions, self.payload_bytes))
-        self._segment(False, table, 2, n, 0, ids_at, NONE, NONE, 0)
-
-    def pull_range(self, table: str, start: int, stop: int) -> None:
-        self._segment(False, table, 1, start, stop, NONE, NONE, NONE, 0)
-
-    def _segment(self, pushing: bool, table: str, *fields: int) -> None:
-        """A segment's header fields, its table's name index first (the push's and the pull's
-        kept apart: the push's go first)."""
-        name = self.tables.setdefault(table, 3 + len(self.tables))
-        if pushing:
-            self.push = True
-            self.push_tables.append(table)
-            self.push_fields += (name, *fields)
-        else:
-            self.pull = True
-            self.pull_tables.append(table)
-            self.pull_fields += (name, *fields)
-
-    @property
-    def segment_tables(self) -> list[str]:
-        """Each segment's table, in the header's order."""
-        return self.push_tables + self.pull_tables
+    def __init__(self, header: Header, kind: int, pull_clock: int = 0, push: list | None = None,
+                 pull: list | None = None):
+        self.head, self.kind, self.pull_clock = header, kind, pull_clock
+        self.push, self.pull = push is not None, pull is not None
+        tables, selectors, starts, stops, ids, self.values, bases = zip(*push) if push else _NO_PUSH
+        l_tables, l_selectors, l_starts, l_stops, l_ids = zip(*pull) if pull else _NO_PULL
+        self.tables, self.ids, self.n_push = (*tables, *l_tables), (*ids, *l_ids), len(tables)
+        self.bases = list(itertools.chain.from_iterable(bases))
+        ids_at = list(itertools.accumulate(map(_SIZE, self.ids), initial=0))       # in ids, from the first
+        values_at = list(itertools.accumulate(map(_SIZE, self.values), initial=0))
+        self.ids_bytes = first = 8 * ids_at[-1]
+        self.payload_bytes = first + 4 * values_at[-1]
+        n_push = self.n_push            # each segment names its own table: job, session, region come first
+        self.fields = [
+            *[(name, sel, a, z, 8 * at if sel == ROWS_CODE else NONE, first + 4 * v, end - v, len(pairs) // 2)
+              for name, sel, a, z, at, v, end, pairs
+              in zip(range(3, 3 + n_push), selectors, starts, stops, ids_at, values_at, values_at[1:], bases)],
+            *[(name, sel, a, z, 8 * at if sel == ROWS_CODE else NONE, NONE, NONE, 0)
+              for name, sel, a, z, at in zip(itertools.count(3 + n_push), l_selectors, l_starts, l_stops,
+                                            ids_at[n_push:])]]
 
     def header(self, region: str = "", payload_offset: int = 0, reply_offset: int = 0, reply_bytes: int = 0) -> bytes:
         h = self.head
         flags = (PUSH if self.push else 0) | (PULL if self.pull else 0) | (SHARED if region else 0)
-        return request(h, self.kind if self.push else 0, flags, len(self.push_tables),
-                       self.push_fields + self.pull_fields if self.pull_fields else self.push_fields,
+        return request(h, self.kind if self.push else 0, flags, self.n_push, self.fields,
                        (h.job, h.session, region, *self.tables), self.pull_clock, payload_offset,
                        self.payload_bytes if region else 0, reply_offset, reply_bytes, self.bases)
 
+    def push_counts(self) -> tuple[int, int, int]:
+        """(the push's bytes, its rows, its rows' bytes: their ids and values)."""
+        rows = sum(map(_SIZE, self.ids[:self.n_push]))
+        row_values = sum(f[6] for f in self.fields[:self.n_push] if f[1] == ROWS_CODE)
+        return 8 * rows + self.payload_bytes - self.ids_bytes, rows, 8 * rows + 4 * row_values
+
     def parts(self) -> list:
-        """The payload as buffers to send one after the other (zero bytes where an array is
-        aligned; the rows a segment selects gathered, the others as they are)."""
-        out: list = []
-        at = 0
-        for offset, array, positions, _ in self.writes:
-            if offset > at:
-                out.append(bytes(offset - at))
-            data = array if positions is None else np.take(array, positions, axis=0)
-            out.append(data)
-            at = offset + data.nbytes
-        return out
+        """The payload as buffers to send one after the other: the arrays themselves."""
+        return [a for a in (*self.ids, *self.values) if a.size]
 
     def write(self, buf: np.ndarray) -> None:
         """Write the payload into ``buf`` (a uint8 array of ``payload_bytes`` or more: a
         shared-memory region's view)."""
-        for offset, array, positions, end in self.writes:
-            dest = buf[offset:end].view(array.dtype).reshape(-1, *array.shape[1:])
-            if positions is None:
-                np.copyto(dest, array)
-            else:
-                np.take(array, positions, axis=0, out=dest, mode="clip")
+        if self.ids:
+            np.concatenate(self.ids, out=buf[:self.ids_bytes].view(np.int64))
+        if self.values:
+            np.concatenate(self.values, axis=None, out=buf[self.ids_bytes:self.payload_bytes].view(np.float32))
+
+
+_SIZE = operator.attrgetter("size")
+_NO_PUSH, _NO_PULL = ((),) * 7, ((),) * 5
 
 
 def encode(request: StepRequest) -> Encoded:
-    """Lay out a client's ``request`` (its slices as ``Encoded``'s segments)."""
-    out = Encoded(request.header, request.kind, request.pull_clock, request.push is not None,
-                  request.pull is not None)
-    for s in request.push or ():
-        if s.selector is ROWS:
-            out.push_rows(s.table, s.ids, s.positions, s.values)
-        else:
-            out.push_range(s.table, s.start, s.stop, s.values, s.base_versions)
-    for s in request.pull or ():
-        if s.selector is ROWS:
-            out.pull_rows(s.table, s.ids, s.positions)
-        else:
-            out.pull_range(s.table, s.start, s.stop)
-    return out
+    """Lay out a client's ``request`` (its slices as ``Encoded``'s segments; a slice's
+    ``positions`` pick the rows it carries)."""
+    def picked(s: Slice, array: np.ndarray) -> np.ndarray:
+        return array if s.positions is None else array[s.positions]
+
+    push = None if request.push is None else [
+        (s.table, ROWS_CODE, picked(s, s.ids).shape[0], 0, picked(s, s.ids), picked(s, s.values), ())
+        if s.selector is ROWS else
+        (s.table, RANGE_CODE, s.start, s.stop, NO_IDS, s.values,
+         tuple(itertools.chain.from_iterable((s.base_versions or {}).items())))
+        for s in request.push]
+    pull = None if request.pull is None else [
+        (s.table, ROWS_CODE, picked(s, s.ids).shape[0], 0, picked(s, s.ids)) if s.selector is ROWS else
+        (s.table, RANGE_CODE, s.start, s.stop, NO_IDS) for s in request.pull]
+    return Encoded(request.header, request.kind, request.pull_clock, push, pull)
 
 
 def warm_up() -> None:

@@ -1,7 +1,8 @@
 """The client's side of the compiled request path: a push and/or a pull as one Step frame per
-server, every frame sent before any reply is read, the rows going straight from the caller's
-arrays into the frames (or the shared-memory region) and from the replies into the caller's
-outputs.
+server, every frame sent before any reply is read: a server's request laid out in one pass
+over its parts (``step.Encoded``: the caller's arrays themselves where a part takes them
+whole, the rows it picks otherwise), its reply's values copied or scattered into the
+caller's outputs (or received there directly, one part's values of 256 KiB or more).
 
 ``StepCalls.run`` makes one attempt; it answers False when the call must go the general
 way (``data.DataPath``'s ``Fanout``): a server that takes no Step frames, or a refusal the
@@ -12,6 +13,7 @@ twice.
 
 from __future__ import annotations
 
+import itertools
 import operator
 from typing import TYPE_CHECKING
 
@@ -21,7 +23,7 @@ from shardps import kernels
 from shardps.errors import DeadlineExceeded, Unavailable
 from shardps.messages import PullReply, PushAck
 from shardps.metrics import WorkerMetrics
-from shardps.rpc.step import Encoded
+from shardps.rpc.step import NO_IDS, RANGE_CODE, ROWS_CODE, Encoded
 from shardps.shardmap import ShardMapView
 from shardps.worker.client.fanout import RETRYABLE, MapSource, attempt_timeout
 from shardps.worker.client.results import BlockVersions, PullResult, PushResult, take_pull_reply
@@ -71,30 +73,34 @@ class StepCalls:
         pulls = route_parts(view, job, pull) if pull is not None else {}
         header = self.header(view, seq, clock)
         presult = PushResult(clock=clock) if push is not None else None
-        lresult = PullResult(outputs or [], BlockVersions(), clock=pull_clock) if pull is not None else None
+        outputs = outputs if outputs is not None else []
+        lresult = PullResult(outputs, BlockVersions(), clock=pull_clock) if pull is not None else None
         begun: list = []
         declined = False
         moved = [0] * 6                 # pushed bytes, rows, sparse bytes; pulled bytes, rows, sparse bytes
         try:
             for server in sorted(pushes.keys() | pulls.keys()):
                 pp, lp = pushes.get(server), pulls.get(server)
-                encoded = Encoded(header, kind, pull_clock)
-                if pp:
-                    self._push(encoded, pp, view, moved)
-                reply_bytes = self._pull(encoded, lp, view, moved) if lp else 0
-                into = destination(lp, outputs, reply_bytes) if reply_bytes >= DIRECT_REPLY_BYTES else None
+                encoded = Encoded(header, kind, pull_clock, self._push(pp, view) if pp else None,
+                                  self._pull(lp) if lp else None)
+                places = [_place(part, outputs[part[0].item]) for part in lp] if lp else []
+                reply_bytes = 4 * sum(place[2] for place in places)
+                _count(moved, encoded, places, reply_bytes)
+                into = destination(places, reply_bytes) if reply_bytes >= DIRECT_REPLY_BYTES else None
                 sent = self.transport.step_start(server, view.address(server), encoded, reply_bytes,
                                                  attempt_timeout(deadline, reply_bytes), into)
                 if sent is None:
                     declined = True
                     break
-                begun.append((server, sent, lp))
+                dense = {p.table for p, _, _, _ in lp if p.dense} if lp else set()
+                begun.append((server, sent, places, dense))
         except RETRYABLE:
             declined = True
         failed: BaseException | None = None
-        for server, sent, lp in begun:
+        for server, sent, places, dense in begun:
             try:
-                self.transport.step_finish(sent, _Reply(self, server, lp, presult, lresult, bool(header.session)))
+                self.transport.step_finish(sent, _Reply(self, server, places, dense, presult, lresult,
+                                                        bool(header.session)))
             except RETRYABLE + (DeadlineExceeded,):
                 declined = True
             except BaseException as exc:             # read the other replies first
@@ -106,79 +112,60 @@ class StepCalls:
         self.metrics.moved(*moved)
         return presult, lresult
 
-    def _push(self, encoded: Encoded, parts: list, view: ShardMapView, moved: list) -> None:
-        """Lay out a server's routed push parts (``routing.route_parts``), their bytes and
-        rows added to ``moved``; a dense range's base versions set."""
-        for p, positions, a, z in parts:
-            if p.dense:
-                moved[0] += 4 * (z - a)
-                encoded.push_range(p.table, a, z, p.values[a - p.start:z - p.start],
-                                   base_versions(p, view, self.job, self.versions, a, z) or None)
-                continue
-            n = z - a
-            sparse = (4 * p.values.shape[1] + 8) * n
-            moved[0] += sparse
-            moved[1] += n
-            moved[2] += sparse
-            encoded.push_rows(p.table, p.ids, positions, p.values)
+    def _push(self, parts: list, view: ShardMapView) -> list:
+        """A server's routed push parts (``routing.route_parts``) as ``Encoded``'s segments:
+        a dense range with its base versions, sparse rows with the rows they pick."""
+        return [(p.table, RANGE_CODE, a, z, NO_IDS, p.values[a - p.start:z - p.start],
+                 tuple(itertools.chain.from_iterable(base_versions(p, view, self.job, self.versions, a, z).items())))
+                if p.dense else
+                (p.table, ROWS_CODE, z - a, 0, p.ids if positions is None else np.take(p.ids, positions),
+                 p.values if positions is None else np.take(p.values, positions, axis=0), ())
+                for p, positions, a, z in parts]
 
-    def _pull(self, encoded: Encoded, parts: list, view: ShardMapView, moved: list) -> int:
-        """Lay out a server's routed pull parts; returns their values' bytes (also added to
-        ``moved`` with the rows)."""
-        nbytes = 0
-        for p, positions, a, z in parts:
-            if p.dense:
-                nbytes += 4 * (z - a)
-                encoded.pull_range(p.table, a, z)
-                continue
-            rows = 4 * (z - a) * view.table(self.job, p.table).spec.dim
-            nbytes += rows
-            moved[4] += z - a
-            moved[5] += rows
-            encoded.pull_rows(p.table, p.ids, positions)
-        moved[3] += nbytes
-        return nbytes
+    @staticmethod
+    def _pull(parts: list) -> list:
+        """A server's routed pull parts as ``Encoded``'s segments."""
+        return [(p.table, RANGE_CODE, a, z, NO_IDS) if p.dense else
+                (p.table, ROWS_CODE, z - a, 0, p.ids if positions is None else np.take(p.ids, positions))
+                for p, positions, a, z in parts]
 
-    def place(self, server: str, ack: PushAck, reply: PullReply, values: list, lp, presult, lresult,
-              in_group: bool) -> None:
+    def place(self, server: str, ack: PushAck, reply: PullReply, elements: tuple, values: np.ndarray,
+              places: list, dense: set[str], presult, lresult, in_group: bool) -> None:
         """Take one server's Step reply: the ack's versions, the pull's values into place
-        (``in_group``: the request's header had a session, see ``take_pull_reply``)."""
+        (``places``: ``_place`` of each pull part; ``dense``: the tables of its dense
+        ranges; ``in_group``: the request's header had a session, see ``take_pull_reply``)."""
         if presult is not None:
             presult.versions.extend(ack.versions)
             presult.duplicate_blocks += ack.duplicate_blocks
-        if lresult is None or lp is None:
+        if lresult is None or not places:
             return
-        if len(values) != len(lp):
-            raise Unavailable(f"step reply from {server}: {len(values)} pulled segments for {len(lp)} asked")
-        outputs = lresult.values
-        for part, got in zip(lp, values):
-            p, _, a, z = part
-            out = outputs[p.item]
-            n = z - a
-            if p.dense and got.shape[0] != n:
-                raise Unavailable(f"step reply from {server}: {got.shape[0]} values for a range of {n}")
-            if not p.dense and got.shape[0] != n * out.shape[1]:
-                raise Unavailable(f"step reply from {server}: {got.shape[0]} values for {n} rows of {out.shape[1]}")
-            span, where = _span(part, out)
-            if span is None:
-                kernels.scatter_rows(out, where, got.reshape(n, out.shape[1]))
-            elif len(lp) > 1 or got.__array_interface__["data"][0] != span.__array_interface__["data"][0]:
-                span[...] = got.reshape(span.shape)     # unless received in place (``destination``)
-        take_pull_reply(lresult, reply.min_clock, reply.waited_seconds, reply.versions, in_group,
-                        {p.table for p, _, _, _ in lp if p.dense}, self.versions)
+        if elements != tuple(place[2] for place in places):
+            raise _unexpected(server, elements, places)
+        if len(places) > 1 or places[0][1] is not None or not _same_memory(places[0][0], values):
+            at = 0                      # (else received in place: ``destination``)
+            for dest, where, n, _ in places:
+                if where is None:
+                    dest[...] = values[at:at + n]
+                else:
+                    kernels.scatter_rows(dest, where, values[at:at + n].reshape(where.shape[0], -1))
+                at += n
+        take_pull_reply(lresult, reply.min_clock, reply.waited_seconds, reply.versions, in_group, dense,
+                        self.versions)
 
 
 class _Reply:
     """``step_finish``'s consumer of one server's reply (``StepCalls.place``)."""
 
-    __slots__ = ("calls", "server", "lp", "presult", "lresult", "in_group")
+    __slots__ = ("calls", "server", "places", "dense", "presult", "lresult", "in_group")
 
-    def __init__(self, calls: StepCalls, server: str, lp, presult, lresult, in_group: bool):
-        self.calls, self.server, self.lp, self.presult, self.lresult = calls, server, lp, presult, lresult
-        self.in_group = in_group
+    def __init__(self, calls: StepCalls, server: str, places: list, dense: set[str], presult, lresult,
+                 in_group: bool):
+        self.calls, self.server, self.places, self.dense = calls, server, places, dense
+        self.presult, self.lresult, self.in_group = presult, lresult, in_group
 
-    def __call__(self, ack: PushAck, reply: PullReply, values: list) -> None:
-        self.calls.place(self.server, ack, reply, values, self.lp, self.presult, self.lresult, self.in_group)
+    def __call__(self, ack: PushAck, reply: PullReply, elements: tuple, values: np.ndarray) -> None:
+        self.calls.place(self.server, ack, reply, elements, values, self.places, self.dense, self.presult,
+                         self.lresult, self.in_group)
 
 
 def base_versions(p: Piece, view: ShardMapView, job: str, versions: dict[tuple[str, int], int],
@@ -204,35 +191,67 @@ def base_versions(p: Piece, view: ShardMapView, job: str, versions: dict[tuple[s
 DIRECT_REPLY_BYTES = 256 << 10        # a server's pulled values from this size received in place
 
 
-_NO_ROWS = np.empty(0, np.int64)
 _ALL_STORED = operator.attrgetter("all_stored")
 
 
-def _span(part, out: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
-    """Where a routed pull part's values go in its output ``out``: ``(span, rows)``, the
-    piece of ``out`` they fill when they fill one (a dense range; rows routed whole or
-    otherwise consecutive), else None, and the rows of ``out`` they go to (none for dense)."""
+def _place(part, out: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, int, int]:
+    """Where a routed pull part's values go in its output ``out``: ``(dest, where,
+    elements, rows)``. ``where`` None: they fill ``dest`` (a flat view of ``out``: a dense
+    range; rows routed whole or otherwise consecutive); else they are the rows of ``dest``
+    (``out``) at ``where``. ``elements``: how many values that is; ``rows``: how many rows
+    (0 for a dense range)."""
     p, positions, a, z = part
+    n = z - a
     if p.dense:
         lo = p.offset + (a - p.start)
-        return out[lo:lo + (z - a)], _NO_ROWS
+        return out[lo:lo + n], None, n, 0
+    elements = n * out.shape[1]
     if positions is None and p.positions is None:     # the piece whole, its rows in order
-        return out[:z - a], _NO_ROWS
+        return out[:n].reshape(-1), None, elements, n
     where = positions if p.positions is None else p.positions if positions is None else p.positions[positions]
     start = contiguous_start(where)
-    return (None if start is None else out[start:start + (z - a)]), where
+    if start is None:
+        return out, where, elements, n
+    return out[start:start + n].reshape(-1), None, elements, n
 
 
-def destination(lp: list | None, outputs: list | None, reply_bytes: int) -> np.ndarray | None:
+def _count(moved: list, encoded: Encoded, places: list, reply_bytes: int) -> None:
+    """Add a server's request to ``moved`` (see ``StepCalls.run``)."""
+    pushed, rows, sparse = encoded.push_counts()
+    moved[0] += pushed
+    moved[1] += rows
+    moved[2] += sparse
+    moved[3] += reply_bytes
+    for _, _, elements, rows in places:
+        if rows:
+            moved[4] += rows
+            moved[5] += 4 * elements
+
+
+def destination(places: list, reply_bytes: int) -> np.ndarray | None:
     """Where one server's pulled values belong, as bytes, when they are one piece of
-    contiguous memory in ``outputs`` (a pull of one routed part whose ``_span`` is one
-    piece): the transport may receive them there directly. None otherwise."""
-    if not lp or len(lp) != 1 or outputs is None:
+    contiguous memory (one pull part whose ``_place`` is one flat view): the transport may
+    receive them there directly. None otherwise."""
+    if len(places) != 1 or places[0][1] is not None:
         return None
-    dest, _ = _span(lp[0], outputs[lp[0][0].item])
-    if dest is None or dest.dtype != np.float32 or not dest.flags.c_contiguous or dest.nbytes != reply_bytes:
+    dest = places[0][0]
+    if dest.dtype != np.float32 or not dest.flags.c_contiguous or dest.nbytes != reply_bytes:
         return None
-    return dest.reshape(-1).view(np.uint8)
+    return dest.view(np.uint8)
+
+
+def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two arrays begin at the same address (values received in place)."""
+    return a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+
+
+def _unexpected(server: str, elements: tuple, places: list) -> Unavailable:
+    """The refusal of a Step reply whose pull segments carry other counts than asked."""
+    for got, (_, _, n, rows) in zip(elements, places):
+        if got != n:
+            what = f"{rows} rows of {n // rows}" if rows else f"a range of {n}"
+            return Unavailable(f"step reply from {server}: {got} values for {what}")
+    return Unavailable(f"step reply from {server}: {len(elements)} pulled segments for {len(places)} asked")
 
 
 def contiguous_start(positions: np.ndarray | None) -> int | None:

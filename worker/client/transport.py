@@ -59,18 +59,19 @@ class Transport(Protocol):
     def step_start(self, server: str, address: str, encoded: Encoded, reply_bytes: int,
                    timeout: float, into: np.ndarray | None = None) -> object | None:
         """Send a step's push and pull parts for this server (``encoded``: laid out by the
-        caller, ``step.Encoded``, its segments pointing into the caller's arrays with
-        ``positions`` picking rows; ``reply_bytes``: the pulled values' size) as one round
+        caller, ``step.Encoded``, its arrays the caller's or the rows they pick;
+        ``reply_bytes``: the pulled values' size) as one round
         trip, and return at once with what ``step_finish`` needs; None where this transport
         or server has no Step (nothing was sent: the caller sends a push and a pull).
         ``into``: where the pulled values belong, ``reply_bytes`` of contiguous memory, which
         a transport may receive them into directly (the values ``step_finish`` passes on are
         then views of it); it may also ignore it. Raises as ``push``."""
 
-    def step_finish(self, started: object, consume: Callable[[PushAck, PullReply, list], T]) -> T:
+    def step_finish(self, started: object, consume: Callable[[PushAck, PullReply, tuple, np.ndarray], T]) -> T:
         """Read the reply of ``step_start``'s request (which must be followed by this, on any
-        thread), ``consume(ack, pull reply, values)`` it (``values``: each pull slice's flat
-        float32 values, valid while ``consume`` runs) and return its result."""
+        thread), ``consume(ack, pull reply, elements, values)`` it (``elements``: the values
+        each pull segment returned; ``values``: all of them, flat float32 one segment after
+        another, valid while ``consume`` runs) and return its result."""
 
     def abandon(self, address: str) -> None:
         """Make the calls in flight to the server at ``address`` fail now with
