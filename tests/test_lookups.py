@@ -209,3 +209,63 @@ def test_same_ids_is_array_equal_for_ids():
     strided = np.arange(512, dtype=np.int64).reshape(256, 2)[:, 0]     # a column: not contiguous
     for b in (a, a.copy(), a.astype(np.int32), a[:-1], strided, strided // 2, a[::-1].copy()):
         assert same_ids(a, b) == np.array_equal(a, b)
+
+
+class _Mixed(nn.Module):
+    """Tables of two dims (``c`` is wider), ``d`` looked up twice per forward: ``a`` and ``b``
+    are looked up in one call (``lookup_batch``), ``c`` and ``d`` on their own."""
+
+    def __init__(self, computed: bool = False):
+        super().__init__()
+        self.a, self.b, self.d = (PSEmbedding(ROWS, DIM, table=n, init=normal(0.0, 1.0, seed=k))
+                                  for k, n in enumerate("abd"))
+        self.c = PSEmbedding(ROWS, DIM + 2, table="c", init=normal(0.0, 1.0, seed=7))
+        self.head = nn.Linear(4 * DIM + DIM + 2, 1)
+        self.computed = computed
+
+    def forward(self, x):
+        cols = [x[:, i] + 0 if self.computed else x[:, i] for i in range(4)]
+        looked = [self.a(cols[0]), self.b(cols[1]), self.c(cols[2]), self.d(cols[3]), self.d(cols[0])]
+        return self.head(torch.cat(looked, dim=1)).squeeze(1)
+
+
+def _accumulated(cluster, client_factory, job: str, computed: bool) -> dict:
+    """Four steps of two forwards and backwards each (gradients accumulated) per push."""
+    torch.manual_seed(0)
+    c = client_factory(cluster.address, job=job)
+    c.create_job()
+    c.join(heartbeat=False)
+    model = PSModel(_Mixed(computed), c, optimizer=sgd(0.1))
+    model.create_tables()
+    rng = np.random.default_rng(2)
+    for _ in range(4):
+        model.pull()
+        for _ in range(2):
+            model(torch.from_numpy(rng.integers(0, 50, (BATCH, 4)))).square().mean().backward()
+        model.push()
+    model.flush()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_batched_lookups_train_as_lookups_of_their_own(make_cluster, client_factory, monkeypatch):
+    """The tables of one dim looked up in one call train exactly as each table's lookup of
+    its own would (the same bits), with gradients accumulated over two forwards (the second
+    looks up on its own), a table of another dim and a table looked up twice beside them."""
+    from shardps.worker import lookup_batch
+
+    taken: list = []
+    take = lookup_batch.LookupBatch.take
+
+    def watched(self, emb, ids):
+        out = take(self, emb, ids)
+        if out is not None:
+            taken.append(emb.table)
+        return out
+    monkeypatch.setattr(lookup_batch.LookupBatch, "take", watched)
+    cluster = make_cluster(2)
+    batched = _accumulated(cluster, client_factory, "batched", computed=False)
+    assert taken and set(taken) == {"a", "b"}, taken          # learned in the first step, then batched
+    reference = _accumulated(cluster, client_factory, "own", computed=True)
+    assert set(taken) == {"a", "b"} and batched.keys() == reference.keys()
+    for k in batched:
+        assert torch.equal(batched[k], reference[k]), k

@@ -48,6 +48,16 @@ class StepClock:
         self.value = value
 
 
+class BatchSlot:
+    """The ``lookup_batch.LookupBatch`` of the coming forward, or None: one object shared by a
+    ``PSModel``'s tables (as ``StepClock``), which ``PSEmbedding.forward`` takes its rows from."""
+
+    __slots__ = ("current",)
+
+    def __init__(self):
+        self.current = None
+
+
 class Stage:
     """A table's lookup state that changes every step, in plain slots (an ``nn.Module``'s
     own attributes pass ``nn.Module.__setattr__``'s checks at every write).
@@ -105,6 +115,7 @@ class PSRows(nn.Module):
         # steps ahead)
         self._planned: collections.deque[_Planned] = collections.deque(maxlen=8)
         self._clock = StepClock()              # PSModel gives its tables one, set once a step
+        self._batch = BatchSlot()              # PSModel's too: the forward's batched lookups
         # PSModel's LookupPlanner.observe: sees each lookup's ids
         self._observer: Callable[[PSRows, torch.Tensor], None] | None = None
         # PSModel's hybrid.BackwardPush.watch: sees each lookup's rows that collect gradients
@@ -318,6 +329,11 @@ class PSEmbedding(PSRows):
     Only the rows a batch uses are pulled and pushed; see ``PSRows``."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        batch = self._batch.current
+        if batch is not None:
+            out = batch.take(self, ids)
+            if out is not None:
+                return out
         rows, inverse = self._lookup(ids)
         return lookup(rows, inverse)
 

@@ -16,6 +16,7 @@ the forward's lookups are learned again. Nothing here changes what a step reads.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -122,9 +123,16 @@ class LookupPlanner:
         else:
             self._seen[table] = Recipe.of(ids, self._inputs)
 
-    def end(self) -> None:
-        if self._seen is not None:
-            self.recipes = {t: r for t, r in self._seen.items() if r is not None}
+    def end(self, kept: Sequence[tuple] = ()) -> None:
+        """The forward returned. ``kept``: (table, ids) of its lookups that took the ids
+        announced for them without ``observe`` (``lookup_batch``): each keeps the recipe
+        that predicted them (or is learned from its ids), unless it was looked up twice."""
+        seen = self._seen
+        if seen is not None:
+            for table, ids in kept:
+                recipe = self.recipes.get(table)
+                seen[table] = None if table in seen else recipe or Recipe.of(ids, self._inputs or [])
+            self.recipes = {t: r for t, r in seen.items() if r is not None}
         self._inputs = self._seen = None
 
     def predict(self) -> list[tuple[object, torch.Tensor]]:

@@ -47,7 +47,7 @@ import collections
 import math
 import time
 from concurrent import futures
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -55,12 +55,12 @@ from torch import nn
 
 from shardps.errors import InvalidArgument
 from shardps.tables import OptimizerConfig, sgd
-from shardps.worker import dense_buckets, hybrid
+from shardps.worker import dense_buckets, hybrid, step_data
 from shardps.worker.client import PSClient, PushResult
-from shardps.worker.dense_buckets import DenseBucket
 from shardps.worker.device_copies import DeviceCopies
 from shardps.worker.embedding_bag import KeyedJaggedTensor, PSEmbeddingBagCollection
-from shardps.worker.embeddings import PSEmbedding, PSEmbeddingBag, PSRows, StepClock, announce
+from shardps.worker.embeddings import BatchSlot, PSEmbedding, PSEmbeddingBag, PSRows, StepClock, announce
+from shardps.worker.lookup_batch import LookupBatch
 from shardps.worker.lookups import LookupPlanner
 from shardps.worker.model_io import ModelIO
 from shardps.worker.row_cache import wanted_ids
@@ -108,10 +108,11 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         self.copies = DeviceCopies()           # rows and dense values to the device, gradients back
         self.collections: list[PSEmbeddingBagCollection] = []
         self._clock = StepClock()              # every table's (see _set_clock)
+        self._batch = BatchSlot()              # every table's: the forward's lookups in one call (lookup_batch)
         for name, mod in module.named_modules():
             if isinstance(mod, PSRows):
                 mod.table = mod.table or name
-                mod.client, mod.copies, mod._clock = client, self.copies, self._clock
+                mod.client, mod.copies, mod._clock, mod._batch = client, self.copies, self._clock, self._batch
                 self.embeddings[name] = mod
             elif isinstance(mod, PSEmbeddingBagCollection):
                 self.collections.append(mod)
@@ -210,7 +211,10 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
             self._pull_now()
 
     def _after_forward(self, module, args, kwargs, output) -> None:
-        self.lookups.end()
+        batch, self._batch.current = self._batch.current, None      # its rows were this forward's
+        self.lookups.end(batch.taken if batch is not None else ())
+        if batch is not None and batch.collecting:
+            self._flow.batches.append(batch)                         # its gradients: the next push's
 
     def _pull_now(self, features: KeyedJaggedTensor | None = None) -> None:
         self._flow.deferred_pull = False
@@ -223,13 +227,14 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         if self._prefetch and self._prefetch[0][0] == self.step:
             res = self._prefetch[0][1].result()[1]               # (push, pull) of an exchange
             self._cache_arrived()                                # completes its rows (and any returned)
-            for emb, ids, rows in self._prefetch.popleft()[2]:
+            arrived = list(self._prefetch.popleft()[2])         # (emb, ids, rows)
+            for emb, ids, rows in arrived:
                 emb.stage.fetched = (ids, rows)
-            _load_dense(self.buckets, res.values, self.copies)
+            step_data.load_dense(self.buckets, res.values, self.copies)
             names = []                                           # loaded from the exchange
             waited = res.waited_seconds
         else:
-            waited = 0.0
+            waited, arrived = 0.0, []
         wanted = [(emb, ids, emb.cache_plan(ids, self.step), self.step)
                   for emb, ids in _take_wanted(self.embeddings) if not emb._has_rows_for(ids)]
         held, self._flow.held = self._flow.held, None
@@ -242,13 +247,18 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
             pulls = [(n,) for n in names] + [(emb.table, wanted_ids(ids, plan)) for emb, ids, plan, _ in wanted]
             res = (self.client.exchange(held[0], pulls, clock=held[1], report_step=self.report_steps)[1]
                    if held is not None else self.client.pull_many(pulls, clock=self.step))
-            for (emb, ids, plan, refreshed), rows in zip(wanted, res.values[len(names):]):
-                emb.stage.fetched = (ids, emb.complete(plan, rows, refreshed))
+            pulled = [(emb, ids, emb.complete(plan, rows, refreshed))
+                      for (emb, ids, plan, refreshed), rows in zip(wanted, res.values[len(names):])]
+            for emb, ids, rows in pulled:
+                emb.stage.fetched = (ids, rows)
+            arrived += pulled
             if names:
-                _load_dense(self.buckets, res.values, self.copies)
+                step_data.load_dense(self.buckets, res.values, self.copies)
             waited = max(waited, res.waited_seconds)
         elif held is not None:
             self.client.push_many(held[0], clock=held[1], report_step=self.report_steps)
+        # every table's lookup in one call, at the forward's first (lookup_batch)
+        self._batch.current = LookupBatch.of(arrived, self._backward_push) if len(arrived) > 1 else None
         waited = min(waited, time.perf_counter() - started)
         self.timings["barrier_wait"] += waited        # SYNC / SSP: waiting for stragglers
         self.timings["pull_wait"] += time.perf_counter() - started - waited
@@ -274,7 +284,7 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         if self._flow.deferred_pull:                    # pulled, then no forward: load the values
             self._pull_now()
         started = time.perf_counter()
-        requests = _gradient_requests(self.buckets, self.embeddings.values(), self.copies)
+        requests = step_data.gradient_requests(self.buckets, self.embeddings.values(), self.copies, self._flow.batches)
         future, prefetch = _sent_in_backward(self, requests)     # (None, None) unless the backward pass sent it
         self.flush()
         self._cache_arrived()
@@ -407,7 +417,7 @@ def _send_from_backward(model: PSModel) -> tuple | None:
     clocks once, at ``push``)."""
     if model.report_steps or all(emb.stage.wanted is None for emb in model.embeddings.values()):
         return None
-    requests = _gradient_requests(model.buckets, model.embeddings.values(), model.copies)
+    requests = step_data.gradient_requests(model.buckets, model.embeddings.values(), model.copies, model._flow.batches)
     model.flush()
     model._cache_arrived()
     return _exchange(model, requests)
@@ -431,51 +441,20 @@ def _sent_in_backward(model: PSModel, requests: list[tuple]) -> tuple:
 class _Flow:
     """A ``PSModel``'s calls between steps, in plain slots (past ``nn.Module.__setattr__``):
     ``deferred_pull`` (a pull waiting for the next forward), ``held`` (the push riding with
-    the next pull: (requests, clock)), ``pending_push`` (the exchange in flight)."""
+    the next pull: (requests, clock)), ``pending_push`` (the exchange in flight),
+    ``batches`` (the forwards' batched lookups whose gradients the next push sends)."""
 
-    __slots__ = ("deferred_pull", "held", "pending_push")
+    __slots__ = ("deferred_pull", "held", "pending_push", "batches")
 
     def __init__(self):
         self.deferred_pull = False
         self.held: tuple[list, int] | None = None
         self.pending_push: futures.Future | None = None
+        self.batches: list[LookupBatch] = []
 
 
 class _Completed(list):
     """A prefetch's (embedding, ids, rows), completed by ``_cache_arrived``."""
-
-
-def _load_dense(buckets: list[DenseBucket], values: list, copies: DeviceCopies) -> None:
-    """Copy pulled values (``values[i]`` for ``buckets[i]``) into the dense parameters (on a
-    GPU: through ``copies``, every bucket's values in one copy, without waiting for it)."""
-    by_device: dict[torch.device, list[int]] = {}
-    for i, b in enumerate(buckets):
-        by_device.setdefault(b.device, []).append(i)
-    for device, members in by_device.items():
-        arrays = [np.asarray(values[i]) for i in members]
-        for i, on_device in zip(members, copies.to_device_all(arrays, device)):
-            buckets[i].load(on_device)
-
-
-def _gradient_requests(buckets: list[DenseBucket], embeddings: Iterable[PSRows],
-                       copies: DeviceCopies) -> list[tuple]:
-    """A step's push: each dense bucket's gradient (whole, or the pieces of its parameters
-    that have one), then each embedding's gradient rows (one request per table). The
-    gradients reach the host in one ``copies.to_host_all``: on a GPU every table's copy is
-    in flight together and the training thread waits once."""
-    dense = [(b, start, grad) for b in buckets for start, grad in b.gradients()]
-    tables = [(emb.table, emb.take_gradient_rows()) for emb in embeddings]     # (ids, rows) per lookup
-    on_host = copies.to_host_all([grad for _, _, grad in dense] + [grad for _, got in tables for _, grad in got])
-    requests: list[tuple] = [(b.table, grad) if start == 0 and grad.shape[0] == b.numel else (b.table, grad, start)
-                             for (b, start, _), grad in zip(dense, on_host)]
-    at = len(dense)
-    for table, got in tables:
-        if got:                  # a table looked up once: its rows as they are, else every lookup's together
-            rows = on_host[at:at + len(got)]
-            at += len(got)
-            requests.append((table, got[0][0], rows[0]) if len(got) == 1 else
-                            (table, np.concatenate([ids for ids, _ in got]), np.concatenate(rows)))
-    return requests
 
 
 class PSLambdaLR:
