@@ -246,7 +246,7 @@ class Encoded:
       flat ``[start, stop)``, ``ids`` ``NO_IDS``, ``values`` its float32 values flat) or rows
       (``ROWS_CODE``, ``start`` their count, ``stop`` 0, ``ids`` int64, ``values`` float32
       ``[n, dim]``); ``bases``: a range's base versions as flat (block, version) pairs;
-    * pull: ``(table, selector, start, stop, ids)``, the same without values.
+    * pull: the same with ``values`` ``NO_VALUES`` and no ``bases``.
 
     The payload holds every segment's ids first, one array after another (int64: each at
     an 8-byte boundary), then every push segment's values (float32), so it needs no padding
@@ -255,29 +255,30 @@ class Encoded:
     the names (job, session, region, then one per segment)."""
 
     __slots__ = ("head", "kind", "pull_clock", "push", "pull", "tables", "n_push", "fields", "ids", "values",
-                 "bases", "ids_bytes", "payload_bytes")
+                 "bases", "ids_bytes", "payload_bytes", "push_rows")
+    tables: tuple
+    ids: tuple
     values: tuple
 
     def __init__(self, header: Header, kind: int, pull_clock: int = 0, push: list | None = None,
                  pull: list | None = None):
         self.head, self.kind, self.pull_clock = header, kind, pull_clock
         self.push, self.pull = push is not None, pull is not None
-        tables, selectors, starts, stops, ids, self.values, bases = zip(*push) if push else _NO_PUSH
-        l_tables, l_selectors, l_starts, l_stops, l_ids = zip(*pull) if pull else _NO_PULL
-        self.tables, self.ids, self.n_push = (*tables, *l_tables), (*ids, *l_ids), len(tables)
+        segments = (push or []) + (pull or [])
+        self.n_push = n_push = len(push or ())
+        self.tables, selectors, starts, stops, self.ids, values, bases = zip(*segments) if segments else _NONE
+        self.values = values[:n_push]
         self.bases = list(itertools.chain.from_iterable(bases))
         ids_at = list(itertools.accumulate(map(_SIZE, self.ids), initial=0))       # in ids, from the first
-        values_at = list(itertools.accumulate(map(_SIZE, self.values), initial=0))
+        values_at = list(itertools.accumulate(map(_SIZE, values), initial=0))     # (a pull's: none)
         self.ids_bytes = first = 8 * ids_at[-1]
         self.payload_bytes = first + 4 * values_at[-1]
-        n_push = self.n_push            # each segment names its own table: job, session, region come first
-        self.fields = [
-            *[(name, sel, a, z, 8 * at if sel == ROWS_CODE else NONE, first + 4 * v, end - v, len(pairs) // 2)
-              for name, sel, a, z, at, v, end, pairs
-              in zip(range(3, 3 + n_push), selectors, starts, stops, ids_at, values_at, values_at[1:], bases)],
-            *[(name, sel, a, z, 8 * at if sel == ROWS_CODE else NONE, NONE, NONE, 0)
-              for name, sel, a, z, at in zip(itertools.count(3 + n_push), l_selectors, l_starts, l_stops,
-                                            ids_at[n_push:])]]
+        self.push_rows = ids_at[n_push]             # (a range carries no ids)
+        # each segment names its own table (job, session and region come first)
+        self.fields = [(k + 3, sel, a, z, 8 * at if sel == ROWS_CODE else NONE, first + 4 * v if k < n_push else NONE,
+                        end - v if k < n_push else NONE, len(pairs) // 2)
+                       for k, sel, a, z, at, v, end, pairs
+                       in zip(range(len(segments)), selectors, starts, stops, ids_at, values_at, values_at[1:], bases)]
 
     def header(self, region: str = "", payload_offset: int = 0, reply_offset: int = 0, reply_bytes: int = 0) -> bytes:
         h = self.head
@@ -288,7 +289,7 @@ class Encoded:
 
     def push_counts(self) -> tuple[int, int, int]:
         """(the push's bytes, its rows, its rows' bytes: their ids and values)."""
-        rows = sum(map(_SIZE, self.ids[:self.n_push]))
+        rows = self.push_rows
         row_values = sum(f[6] for f in self.fields[:self.n_push] if f[1] == ROWS_CODE)
         return 8 * rows + self.payload_bytes - self.ids_bytes, rows, 8 * rows + 4 * row_values
 
@@ -306,7 +307,8 @@ class Encoded:
 
 
 _SIZE = operator.attrgetter("size")
-_NO_PUSH, _NO_PULL = ((),) * 7, ((),) * 5
+NO_VALUES = np.empty(0, np.float32)     # a pull segment's values
+_NONE = ((),) * 7
 
 
 def encode(request: StepRequest) -> Encoded:
@@ -322,8 +324,8 @@ def encode(request: StepRequest) -> Encoded:
          tuple(itertools.chain.from_iterable((s.base_versions or {}).items())))
         for s in request.push]
     pull = None if request.pull is None else [
-        (s.table, ROWS_CODE, picked(s, s.ids).shape[0], 0, picked(s, s.ids)) if s.selector is ROWS else
-        (s.table, RANGE_CODE, s.start, s.stop, NO_IDS) for s in request.pull]
+        (s.table, ROWS_CODE, picked(s, s.ids).shape[0], 0, picked(s, s.ids), NO_VALUES, ()) if s.selector is ROWS else
+        (s.table, RANGE_CODE, s.start, s.stop, NO_IDS, NO_VALUES, ()) for s in request.pull]
     return Encoded(request.header, request.kind, request.pull_clock, push, pull)
 
 

@@ -23,7 +23,7 @@ from shardps import kernels
 from shardps.errors import DeadlineExceeded, Unavailable
 from shardps.messages import PullReply, PushAck
 from shardps.metrics import WorkerMetrics
-from shardps.rpc.step import NO_IDS, RANGE_CODE, ROWS_CODE, Encoded
+from shardps.rpc.step import NO_IDS, NO_VALUES, RANGE_CODE, ROWS_CODE, Encoded
 from shardps.shardmap import ShardMapView
 from shardps.worker.client.fanout import RETRYABLE, MapSource, attempt_timeout
 from shardps.worker.client.results import BlockVersions, PullResult, PushResult, take_pull_reply
@@ -125,8 +125,8 @@ class StepCalls:
     @staticmethod
     def _pull(parts: list) -> list:
         """A server's routed pull parts as ``Encoded``'s segments."""
-        return [(p.table, RANGE_CODE, a, z, NO_IDS) if p.dense else
-                (p.table, ROWS_CODE, z - a, 0, p.ids if positions is None else np.take(p.ids, positions))
+        return [(p.table, RANGE_CODE, a, z, NO_IDS, NO_VALUES, ()) if p.dense else
+                (p.table, ROWS_CODE, z - a, 0, p.ids if positions is None else np.take(p.ids, positions), NO_VALUES, ())
                 for p, positions, a, z in parts]
 
     def place(self, server: str, ack: PushAck, reply: PullReply, elements: tuple, values: np.ndarray,
