@@ -80,6 +80,29 @@ def test_a_lookup_of_the_predicted_ids_keeps_its_recipe_and_another_view_is_lear
     assert set(p.recipes) == set()
 
 
+def test_lookups_taken_from_a_batch_keep_their_recipes_unless_looked_up_twice():
+    """``end(kept)``: a lookup that took its announced ids from a batch (``lookup_batch``,
+    without ``observe``) keeps the recipe that predicted it; one looked up on its own too is
+    no longer predicted; one without a recipe is learned from its ids."""
+    p = LookupPlanner()
+    x = torch.arange(40).reshape(10, 4)
+    p.begin((x,), {})
+    p.observe("a", x[:, 0])
+    p.observe("b", x[:, 1])
+    p.end()
+    learned = dict(p.recipes)
+    y = torch.arange(100, 140).reshape(10, 4)
+    p.begin((y,), {})
+    p.predict()
+    p.observe("b", y[:, 1])                        # b also looked up on its own
+    p.end([("a", y[:, 0]), ("b", y[:, 1]), ("c", y[:, 3])])
+    assert p.recipes["a"] is learned["a"] and "b" not in p.recipes
+    z = torch.arange(200, 240).reshape(10, 4)
+    p.begin((z,), {})
+    assert [(t, ids.tolist()) for t, ids in p.predict()] == [("a", z[:, 0].tolist()), ("c", z[:, 3].tolist())]
+    p.end()
+
+
 class _Wide(nn.Module):
     """One single-hot table per column of the input, and a dense head."""
 
@@ -269,3 +292,40 @@ def test_batched_lookups_train_as_lookups_of_their_own(make_cluster, client_fact
     assert set(taken) == {"a", "b"} and batched.keys() == reference.keys()
     for k in batched:
         assert torch.equal(batched[k], reference[k]), k
+
+
+class _HalfFrozen(nn.Module):
+    """Two tables, the first looked up without gradients: the batch's first lookup is in
+    no-grad mode, and the second table's must not take its rows from it."""
+
+    def __init__(self, computed: bool = False):
+        super().__init__()
+        self.a, self.b = (PSEmbedding(ROWS, DIM, table=n, init=normal(0.0, 1.0, seed=k)) for k, n in enumerate("ab"))
+        self.head = nn.Linear(2 * DIM, 1)
+        self.computed = computed
+
+    def forward(self, x):
+        with torch.no_grad():
+            frozen = self.a(x[:, 0] + 0 if self.computed else x[:, 0])
+        return self.head(torch.cat([frozen, self.b(x[:, 1] + 0 if self.computed else x[:, 1])], dim=1)).squeeze(1)
+
+
+def test_a_batch_looked_up_without_gradients_leaves_the_others_their_own(make_cluster, client_factory):
+    cluster = make_cluster(1)
+    states = []
+    for job, computed in (("half-batched", False), ("half-own", True)):
+        torch.manual_seed(0)
+        c = client_factory(cluster.address, job=job)
+        c.create_job()
+        c.join(heartbeat=False)
+        model = PSModel(_HalfFrozen(computed), c, optimizer=sgd(0.1))
+        model.create_tables()
+        rng = np.random.default_rng(3)
+        for _ in range(4):
+            model.pull()
+            model(torch.from_numpy(rng.integers(0, 50, (BATCH, 2)))).square().mean().backward()
+            model.push()
+        model.flush()
+        states.append({k: v.clone() for k, v in model.state_dict().items()})
+    for k in states[0]:
+        assert torch.equal(states[0][k], states[1][k]), k

@@ -9,7 +9,9 @@ Both share ``PSRows``: a forward pulls each distinct id of the batch once (or ta
 ``F.embedding_bag`` over the pulled rows (their backward summed in one compiled pass:
 ``lookup_kernels``), and keeps those rows as leaf tensors: their gradients, one row per
 distinct id, are what ``PSModel.push`` sends.
-A pooled lookup's gradient therefore travels as its touched rows only. Not usable until a
+A pooled lookup's gradient therefore travels as its touched rows only. When ``PSModel``'s
+pull brought several tables' rows for the ids they announced, a ``PSEmbedding`` takes its
+rows from their lookup in one call instead (``lookup_batch``). Not usable until a
 ``PSModel`` binds the module to a client.
 """
 

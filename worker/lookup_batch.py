@@ -14,8 +14,8 @@ up twice, ``PSEmbeddingBag``, ids on a GPU) goes its own way (``PSRows._lookup``
 A table whose part of the output takes no part in the loss sends zero rows for its ids (a
 lookup of its own would send none).
 
-Batched: the tables whose dim is the first one's (others look up on their own), announced on
-the CPU, two or more.
+Batched: two or more tables of the first one's dim (others look up on their own), their ids
+on the CPU (a GPU's lookups stay a table at a time).
 """
 
 from __future__ import annotations
@@ -49,24 +49,27 @@ class LookupBatch:
     @classmethod
     def of(cls, arrived: list, backward_push=None) -> "LookupBatch | None":
         """The batch of the ``PSEmbedding``s among ``arrived`` ((embedding, distinct ids,
-        rows) of a pull) whose rows are for the batch they announced last, on the CPU, of
-        the first one's dim; None for fewer than two."""
-        members = [(emb, emb._planned[0], emb.stage.fetched) for emb, ids, _ in arrived
-                   if type(emb) is PSEmbedding and emb._planned and emb._planned[0].unique is ids]
-        members = [m for m in members if m[1].view is None and m[0].embedding_dim == members[0][0].embedding_dim]
+        rows) of a pull) whose rows are for the batch they announced last, of the first
+        one's dim; None for fewer than two."""
+        dim = next((emb.embedding_dim for emb, _, _ in arrived if type(emb) is PSEmbedding), 0)
+        members = [(emb, emb._planned[0], emb.stage.fetched) for emb, ids, _ in arrived if type(emb) is PSEmbedding
+                   and emb.embedding_dim == dim and emb._planned and emb._planned[0].unique is ids]
         return cls(members, backward_push) if len(members) > 1 else None
 
     def take(self, emb: PSRows, ids: torch.Tensor) -> torch.Tensor | None:
         """``emb``'s looked-up rows for ``ids`` (``ids.shape + (dim,)``, a view of the batch's
-        output) when they are the ids it announced and the rows fetched for them are still
-        its; else None (nothing changed: ``emb`` looks them up itself)."""
+        output) when they are the ids it announced, the rows fetched for them are still its,
+        and it looks up in the grad mode of the batch's first lookup; else None (nothing
+        changed: ``emb`` looks them up itself)."""
         k = self.index.get(emb)
         if k is None or emb.stage.fetched is not self.members[k][2] or not ids.is_cpu:
             return None
         planned = self.members[k][1]
-        if not same_ids(planned.flat, ids.detach().reshape(-1).numpy()):
+        grad = emb.training and torch.is_grad_enabled()
+        if not same_ids(planned.flat, ids.detach().reshape(-1).numpy()) or (
+                self.weight is not None and grad != self.weight.requires_grad):    # looked up in another mode
             return None
-        output = self.output if self.output is not None else self._look_up(emb.training and torch.is_grad_enabled())
+        output = self.output if self.output is not None else self._look_up(grad)
         emb._planned.popleft()
         emb.stage.fetched, emb.stage.last_unique = None, planned.unique.shape[0]
         self.taken.append((emb, ids))

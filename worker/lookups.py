@@ -127,8 +127,8 @@ class LookupPlanner:
         """The forward returned. ``kept``: (table, ids) of its lookups that took the ids
         announced for them without ``observe`` (``lookup_batch``): each keeps the recipe
         that predicted them (or is learned from its ids), unless it was looked up twice."""
-        seen = self._seen
-        if seen is not None:
+        if self._seen is not None:
+            seen = self._seen
             for table, ids in kept:
                 recipe = self.recipes.get(table)
                 seen[table] = None if table in seen else recipe or Recipe.of(ids, self._inputs or [])

@@ -55,8 +55,12 @@ def gradient_requests(buckets: list[DenseBucket], embeddings: Iterable[PSRows], 
 def _with_batches(tables: list[tuple], batches: list[LookupBatch]) -> list[tuple]:
     """``tables`` ((table, [(ids, rows) of each lookup])) with the tables' parts of
     ``batches`` (which this drains), each table once."""
-    by_table: dict[str, list] = {}
-    for table, got in tables + [(t, [(ids, grad)]) for batch in batches for t, ids, grad in batch.gradients()]:
-        by_table.setdefault(table, []).extend(got)
+    batched = [(t, [(ids, grad)]) for batch in batches for t, ids, grad in batch.gradients()]
+    once = not tables and len(batches) == 1     # the common case: a batch holds each table once
     batches.clear()
+    if once:
+        return batched
+    by_table: dict[str, list] = {}
+    for table, got in tables + batched:
+        by_table.setdefault(table, []).extend(got)
     return list(by_table.items())
