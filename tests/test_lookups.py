@@ -57,13 +57,20 @@ def test_the_planner_predicts_tables_looked_up_once_from_the_last_forward():
     assert set(p.recipes) == {"x"}
 
 
-def test_a_lookup_of_the_predicted_ids_keeps_its_recipe_and_another_view_is_learned_again():
+def _learned(columns: dict) -> LookupPlanner:
+    """A planner that watched one forward look tables up in columns of its input
+    (``columns``: table -> column)."""
     p = LookupPlanner()
     x = torch.arange(40).reshape(10, 4)
     p.begin((x,), {})
-    p.observe("a", x[:, 1])
-    p.observe("b", x[:, 2])
+    for table, column in columns.items():
+        p.observe(table, x[:, column])
     p.end()
+    return p
+
+
+def test_a_lookup_of_the_predicted_ids_keeps_its_recipe_and_another_view_is_learned_again():
+    p = _learned({"a": 1, "b": 2})
     learned = dict(p.recipes)
     y = torch.arange(100, 140).reshape(10, 4)
     p.begin((y,), {})
@@ -84,12 +91,7 @@ def test_lookups_taken_from_a_batch_keep_their_recipes_unless_looked_up_twice():
     """``end(kept)``: a lookup that took its announced ids from a batch (``lookup_batch``,
     without ``observe``) keeps the recipe that predicted it; one looked up on its own too is
     no longer predicted; one without a recipe is learned from its ids."""
-    p = LookupPlanner()
-    x = torch.arange(40).reshape(10, 4)
-    p.begin((x,), {})
-    p.observe("a", x[:, 0])
-    p.observe("b", x[:, 1])
-    p.end()
+    p = _learned({"a": 0, "b": 1})
     learned = dict(p.recipes)
     y = torch.arange(100, 140).reshape(10, 4)
     p.begin((y,), {})
@@ -117,12 +119,13 @@ class _Wide(nn.Module):
         return self.head(torch.cat([t(c) for t, c in zip(self.tables, cols)], dim=1)).squeeze(1)
 
 
-def _joined(cluster, client_factory, job: str, computed: bool = False, mode: str = "async"):
-    """A joined client of a new job, and a PSModel of ``_Wide`` over it, tables created."""
+def _joined(cluster, client_factory, job: str, computed: bool = False, mode: str = "async", of=None):
+    """A joined client of a new job, and a PSModel of ``of(computed)`` (``_Wide``) over it,
+    tables created."""
     c = client_factory(cluster.address, job=job)
     c.create_job(mode)
     c.join(heartbeat=False)
-    module = _Wide(computed)
+    module = (of or _Wide)(computed)
     model = PSModel(module, c, optimizer=sgd(0.1))
     model.create_tables()
     return c, module, model
@@ -255,11 +258,7 @@ class _Mixed(nn.Module):
 def _accumulated(cluster, client_factory, job: str, computed: bool) -> dict:
     """Four steps of two forwards and backwards each (gradients accumulated) per push."""
     torch.manual_seed(0)
-    c = client_factory(cluster.address, job=job)
-    c.create_job()
-    c.join(heartbeat=False)
-    model = PSModel(_Mixed(computed), c, optimizer=sgd(0.1))
-    model.create_tables()
+    _, _, model = _joined(cluster, client_factory, job, computed, of=_Mixed)
     rng = np.random.default_rng(2)
     for _ in range(4):
         model.pull()
@@ -315,11 +314,7 @@ def test_a_batch_looked_up_without_gradients_leaves_the_others_their_own(make_cl
     states = []
     for job, computed in (("half-batched", False), ("half-own", True)):
         torch.manual_seed(0)
-        c = client_factory(cluster.address, job=job)
-        c.create_job()
-        c.join(heartbeat=False)
-        model = PSModel(_HalfFrozen(computed), c, optimizer=sgd(0.1))
-        model.create_tables()
+        _, _, model = _joined(cluster, client_factory, job, computed, of=_HalfFrozen)
         rng = np.random.default_rng(3)
         for _ in range(4):
             model.pull()

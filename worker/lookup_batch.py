@@ -80,10 +80,11 @@ class LookupBatch:
         output, which it returns."""
         rows = [fetched[1] for _, _, fetched in self.members]
         inverses = [planned.inverse for _, planned, _ in self.members]
+        ids = list(map(len, inverses))
         self.row_at = list(itertools.accumulate(map(len, rows), initial=0))
-        self.out_at = list(itertools.accumulate(map(len, inverses), initial=0))
+        self.out_at = list(itertools.accumulate(ids, initial=0))
         inverse = np.concatenate(inverses, dtype=np.int64)
-        inverse += np.repeat(self.row_at[:-1], list(map(len, inverses)))    # each table's rows after those before
+        inverse += np.repeat(self.row_at[:-1], ids)             # each table's rows after those before
         self.weight = torch.from_numpy(np.concatenate(rows)).requires_grad_(grad)
         if grad and self.backward_push is not None:
             self.backward_push.watch(self.weight)
@@ -101,6 +102,6 @@ class LookupBatch:
         grad = None if self.weight is None else self.weight.grad
         if grad is None:
             return []
-        index, members, at = self.index, self.members, self.row_at
-        return [(emb.table, members[index[emb]][1].unique, grad[at[index[emb]]:at[index[emb] + 1]])
-                for emb, _ in self.taken]
+        at, members = self.row_at, self.members
+        taken = [self.index[emb] for emb, _ in self.taken]
+        return [(members[k][0].table, members[k][1].unique, grad[at[k]:at[k + 1]]) for k in taken]
