@@ -13,7 +13,7 @@ import pytest
 from shardps.errors import InvalidArgument, StaleEpoch
 from shardps.messages import GRADIENT, RANGE, ROWS, Header, Slice, StepRequest
 from shardps.rpc import step
-from shardps.server.node import ServerNode
+from shardps.server.node import ServerNode, execute
 from shardps.server.node.digest import block_digest
 from shardps.tables import (
     Consistency,
@@ -106,22 +106,23 @@ def _run(node: ServerNode, seed: int) -> list:
 
 
 def _without_plans(node: ServerNode) -> None:
+    node.planner.step = lambda *a: None                     # type: ignore[method-assign]
     node.planner.push = lambda *a: None                     # type: ignore[method-assign]
     node.planner.pull = lambda *a: None                     # type: ignore[method-assign]
 
 
 def _served(monkeypatch, node: ServerNode) -> list[str]:
-    """Record which of a Step's parts a plan served at once (``"push"``, ``"pull"``)."""
+    """Record which of a Step's parts one plan of the whole step served (``"push"``,
+    ``"pull"``)."""
     served: list[str] = []
-    for name in ("push", "pull"):
-        original = getattr(node, f"_step_{name}")
+    original = execute.step
 
-        def watch(*a, _original=original, _name=name):
-            out = _original(*a)
-            if out is not None:
-                served.append(_name)
-            return out
-        monkeypatch.setattr(node, f"_step_{name}", watch)
+    def watch(table, plan, *a):
+        out = original(table, plan, *a)
+        if out is not None and table is node.table:
+            served.extend(name for name in ("push", "pull") if getattr(plan, name) is not None)
+        return out
+    monkeypatch.setattr(execute, "step", watch)
     return served
 
 

@@ -14,6 +14,7 @@ current step; one that leaves no longer holds anyone back. Thread-safe.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -73,7 +74,7 @@ class JobClock:
             return False
 
     def _min_locked(self) -> int:
-        return min((self.completed.get(s, 0) for s in self.live), default=self.applied_steps)
+        return min(map(self.completed.get, self.live, itertools.repeat(0)), default=self.applied_steps)
 
     def _behind(self, clock: int) -> str:
         """The live workers holding a pull at ``clock`` back, with their completed steps."""

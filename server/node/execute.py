@@ -14,6 +14,8 @@
   for the step, and the same records, versions and forwarding (ACCUMULATE operations).
 * ``read``: a pull's float32 values, each sparse table's rows in one compiled gather, into
   the caller's buffer when one is given.
+* ``step``: a Step's push and then its pull, as ``apply`` and ``read``, under one holding
+  of all their blocks' locks.
 
 Each answers None, having changed nothing, when the per-block engine must serve the request
 after all (which leaves the same blocks, versions and records).
@@ -21,6 +23,7 @@ after all (which leaves the same blocks, versions and records).
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -37,7 +40,7 @@ from shardps.server.node.blocks import (
     bump_versions,
     remember_all,
 )
-from shardps.server.node.plan import Plan, Unit
+from shardps.server.node.plan import Plan, StepPlan, Unit
 from shardps.server.node.table import BlockTable
 
 if TYPE_CHECKING:
@@ -52,28 +55,51 @@ def apply(table: BlockTable, plan: Plan, writer: Writer, forwarder: "Forwarder",
     with BlockLocks(plan.blocks):
         if _declined(table, plan, writer):
             return None
-        if not plan.backed:
-            _apply_here(plan, updates_between)
-            remember_all(plan.blocks, writer)
-            return _ack(plan)
-        ops: list = []
-        for u in plan.units:
-            backed = list(map(u.entry.backed.__getitem__, u.blocks))     # the map's, under the gate
-            if u.ids is None:
-                for (blk, lo, hi, values), has in zip(_dense_parts(u), backed):
-                    if has:
-                        ops.append(_op(blk, u, writer, [np.ascontiguousarray(values, dtype=np.float32)],
-                                       start=lo, stop=hi, element_count=hi - lo))
-            elif any(backed):
-                ops.extend(_rows_ops(u, writer, backed))
-        _set_versions(ops, 1)               # each block's version once this push is applied
-        in_flight = forwarder.start_locked([blk_op[:3] for blk_op in ops])
-        try:
-            _apply_here(plan, updates_between)
-            remember_all(plan.blocks, writer)
-        finally:
-            forwarder.finish_locked(in_flight, plan.blocks)
+        return _apply_locked(plan, writer, forwarder, updates_between)
+
+
+def step(table: BlockTable, plan: StepPlan, writer: Writer, forwarder: "Forwarder", updates_between,
+         reply: PullReply | None, out=None) -> tuple[PushAck | None, list[np.ndarray], float] | None:
+    """A Step's admitted push applied (as ``apply``) and then its pull read (as ``read``)
+    under one holding of every block's lock, ``reply`` the pull's (None: the step has no
+    pull): (the push's ack or None, the pull's arrays, when the push was applied:
+    ``time.perf_counter``). None: the per-block engine serves the step after all (nothing
+    changed, nothing read)."""
+    push, pull = plan.push, plan.pull
+    with BlockLocks(plan.locks):
+        if push is not None and _declined(table, push, writer):
+            return None
+        if pull is not None and not _readable(table, pull):
+            return None
+        ack = None if push is None else _apply_locked(push, writer, forwarder, updates_between)
+        applied = time.perf_counter()
+        return ack, [] if pull is None or reply is None else _read_locked(pull, reply, out), applied
+
+
+def _apply_locked(plan: Plan, writer: Writer, forwarder: "Forwarder", updates_between) -> PushAck:
+    """``apply`` once the plan is decided to hold (locks held)."""
+    if not plan.backed:
+        _apply_here(plan, updates_between)
+        remember_all(plan.blocks, writer)
         return _ack(plan)
+    ops: list = []
+    for u in plan.units:
+        backed = list(map(u.entry.backed.__getitem__, u.blocks))     # the map's, under the gate
+        if u.ids is None:
+            for (blk, lo, hi, values), has in zip(_dense_parts(u), backed):
+                if has:
+                    ops.append(_op(blk, u, writer, [np.ascontiguousarray(values, dtype=np.float32)],
+                                   start=lo, stop=hi, element_count=hi - lo))
+        elif any(backed):
+            ops.extend(_rows_ops(u, writer, backed))
+    _set_versions(ops, 1)               # each block's version once this push is applied
+    in_flight = forwarder.start_locked([blk_op[:3] for blk_op in ops])
+    try:
+        _apply_here(plan, updates_between)
+        remember_all(plan.blocks, writer)
+    finally:
+        forwarder.finish_locked(in_flight, plan.blocks)
+    return _ack(plan)
 
 
 def accumulate(table: BlockTable, plan: Plan, job: str, writer: Writer, step: int, steps: "SyncSteps",
@@ -114,36 +140,44 @@ def read(table: BlockTable, plan: Plan, reply: PullReply, out=None) -> list[np.n
     versions appended to ``reply``; returns one array per unit (a sparse one ``[n, dim]``),
     views of ``out`` (a writable buffer of at least ``plan.nbytes``) when given. None: a
     block changed since admission or a dense one has no initial values (nothing read)."""
+    with BlockLocks(plan.blocks):
+        return _read_locked(plan, reply, out) if _readable(table, plan) else None
+
+
+def _readable(table: BlockTable, plan: Plan) -> bool:
+    """Whether an admitted pull still holds (locks held): no block dropped or loaded since
+    admission, every dense block with its initial values."""
+    if table.generation != plan.generation:
+        return False
+    return all(blk.initialized for u in plan.units if u.ids is None for blk in u.objects)
+
+
+def _read_locked(plan: Plan, reply: PullReply, out) -> list[np.ndarray]:
+    """``read`` once the plan is decided to hold (locks held)."""
     arrays = []
     at = 0
-    with BlockLocks(plan.blocks):
-        if table.generation != plan.generation:
-            return None                 # a block dropped or loaded since admission
-        for u in plan.units:
-            if u.ids is None and not all(blk.initialized for blk in u.objects):
-                return None
-        for u in plan.units:
-            e = u.entry
-            n = u.stop - u.start if u.ids is None else u.ids.shape[0] * e.dim
-            if out is not None:
-                values = np.frombuffer(out, np.float32, n, at)
-                at += 4 * n
-            else:
-                values = np.empty(n, np.float32)
-            if u.ids is None:
-                lo = u.start
-                for blk in u.objects:
-                    a, z = max(lo, blk.start), min(u.stop, blk.stop)
-                    blk.read(a, z, out=values[a - lo:z - lo])
-            else:
-                values = values.reshape(-1, e.dim)
-                if u.objects:           # no block: a part of no rows
-                    rows = e.rows
-                    with rows.lock:
-                        rows.read(u.ids, out=values)
-            arrays.append(values)
-            reply.segments.append(Layout(1, n))
-            reply.versions.append(Versions(e.name, u.blocks, list(map(VERSION_OF, u.objects))))
+    for u in plan.units:
+        e = u.entry
+        n = u.stop - u.start if u.ids is None else u.ids.shape[0] * e.dim
+        if out is not None:
+            values = np.frombuffer(out, np.float32, n, at)
+            at += 4 * n
+        else:
+            values = np.empty(n, np.float32)
+        if u.ids is None:
+            lo = u.start
+            for blk in u.objects:
+                a, z = max(lo, blk.start), min(u.stop, blk.stop)
+                blk.read(a, z, out=values[a - lo:z - lo])
+        else:
+            values = values.reshape(-1, e.dim)
+            if u.objects:           # no block: a part of no rows
+                rows = e.rows
+                with rows.lock:
+                    rows.read(u.ids, out=values)
+        arrays.append(values)
+        reply.segments.append(Layout(1, n))
+        reply.versions.append(Versions(e.name, u.blocks, list(map(VERSION_OF, u.objects))))
     return arrays
 
 

@@ -191,70 +191,54 @@ class ServerNode:
 
     def step(self, request: StepRequest, deadline: float | None = None, out_buffer=None) -> StepReply:
         """A worker's step against this node (the data plane's Step): its push, if any, as
-        ``push``, then its pull, if any, as ``pull`` (``out_buffer`` as there). Each part is
-        admitted (``plan.Planner``) and executed (``execute``) under one entry of the gate;
-        a part no plan covers goes to ``push`` or ``pull``, which leave the same state.
-        Raises as ``push`` and ``pull`` (a refused push: nothing pulled)."""
+        ``push``, then its pull, if any, as ``pull`` (``out_buffer`` as there). Admitted
+        together (``plan.Planner.step``) and executed (``execute.step``) under one entry of the
+        gate; a step no plan serves goes to ``push`` and then ``pull``, which leave the same
+        state. Raises as ``push`` and ``pull`` (a refused push: nothing pulled)."""
         self._check_live()
-        reply = StepReply()
+        started = time.perf_counter()
         header = request.header
-        push, pull = request.push, request.pull
-        ack = got = None
+        pull = PullReply() if request.pull is not None else None
         with self.table.gate.shared():
-            if push is not None:
-                ack = self._step_push(header, request.kind, push)
-            if pull is not None and (push is None or ack is not None):
-                got = self._step_pull(header, pull, out_buffer)
-        if push is not None and ack is None:    # the per-block engine's push, then the pull after it
-            ack = self.pusher.push(PushRequest(header, request.kind, [], None, push), deadline)
-            if pull is not None:
-                with self.table.gate.shared():
-                    got = self._step_pull(header, pull, out_buffer)
-        reply.ack = ack
+            plan = self.planner.step(header, request.kind, request.push, request.pull)
+            if plan is not None:
+                in_place = out_buffer is not None and plan.pull is not None and plan.pull.nbytes <= len(out_buffer)
+                writer = Writer(header.session, header.incarnation, header.sequence, header.acked_below)
+                done = execute.step(self.table, plan, writer, self.forwarder, self.pusher.updates_between, pull,
+                                    out_buffer if in_place else None)
+        if plan is None or done is None:
+            return self._step_apart(request, deadline, out_buffer)
+        ack, values, applied = done
+        reply = StepReply(ack)
+        clock = self.steps.clocks.get(header.job)
+        if plan.push is not None:
+            if clock is not None:
+                clock.report(header.session, int(header.clock), int(header.sequence))
+            spent = applied - started
+            self.metrics.observe_part("push", plan.push.rows, plan.push.nbytes, (("optimizer", spent),),
+                                      plan.push.units[0].entry.optimizer, spent)
         if pull is not None:
-            if got is None:
-                got = self.reader.pull(PullRequest(_pull_header(request), [], None, pull), deadline, out_buffer)
-            reply.pull, reply.values = got
+            if clock is not None:
+                pull.min_clock = clock.min_completed()
+            pull.payload_bytes = plan.pull.nbytes       # type: ignore[union-attr]
+            pull.in_shared_memory = in_place
+            reply.pull, reply.values = pull, [] if in_place else values
+            self.metrics.observe_part("pull", plan.pull.rows, plan.pull.nbytes,     # type: ignore[union-attr]
+                                      (("lookup", time.perf_counter() - applied),))
             self._check_live()
         return reply
 
-    def _step_push(self, header, kind: int, slices: list) -> PushAck | None:
-        """A Step's push when a plan serves it (gate held shared); None: nothing changed."""
-        started = time.perf_counter()
-        plan = self.planner.step_push(header, kind, slices)
-        if plan is None:
-            return None
-        writer = Writer(header.session, header.incarnation, header.sequence, header.acked_below)
-        ack = execute.apply(self.table, plan, writer, self.forwarder, self.pusher.updates_between)
-        if ack is not None:
-            clock = self.steps.clocks.get(header.job)
-            if clock is not None:
-                clock.report(header.session, int(header.clock), int(header.sequence))
-            spent = time.perf_counter() - started
-            self.metrics.observe_part("push", plan.rows, plan.nbytes, (("optimizer", spent),),
-                                      plan.units[0].entry.optimizer, spent)
-        return ack
-
-    def _step_pull(self, header, slices: list, out) -> tuple[PullReply, list] | None:
-        """A Step's pull when a plan serves it (gate held shared): its values written into
-        ``out`` (a writable byte buffer: ``PullReply.in_shared_memory`` is then set and no
-        arrays are returned) when they fit, else into new arrays; None: nothing read."""
-        started = time.perf_counter()
-        plan = self.planner.step_pull(header, slices)
-        if plan is None:
-            return None
-        in_place = out is not None and plan.nbytes <= len(out)
-        reply = PullReply()
-        arrays = execute.read(self.table, plan, reply, out if in_place else None)
-        if arrays is None:
-            return None
-        clock = self.steps.clocks.get(header.job)
-        if clock is not None:
-            reply.min_clock = clock.min_completed()
-        reply.payload_bytes = plan.nbytes
-        reply.in_shared_memory = in_place
-        self.metrics.observe_part("pull", plan.rows, plan.nbytes, (("lookup", time.perf_counter() - started),))
-        return reply, [] if in_place else arrays
+    def _step_apart(self, request: StepRequest, deadline: float | None, out_buffer) -> StepReply:
+        """A Step no plan serves: its push by ``push``, then its pull by ``pull`` (each
+        planned there when it can be)."""
+        reply = StepReply()
+        if request.push is not None:
+            reply.ack = self.pusher.push(PushRequest(request.header, request.kind, [], None, request.push), deadline)
+        if request.pull is not None:
+            reply.pull, reply.values = self.reader.pull(PullRequest(_pull_header(request), [], None, request.pull),
+                                                        deadline, out_buffer)
+            self._check_live()
+        return reply
 
     def _check_live(self) -> None:
         reason = self.liveness.refusal(self._now(), self.epoch)

@@ -19,6 +19,7 @@ the same blocks, versions and records (``tests/test_plan.py``, ``tests/test_fast
 from __future__ import annotations
 
 import itertools
+import operator
 import threading
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from shardps.server.node.apply import JobHolds
     from shardps.server.node.decode import Segment
 
+_KEY_OF = operator.attrgetter("key")
 NOT_SERVED = np.uint64(np.iinfo(np.uint64).max)
 _ASYNC = Consistency.ASYNC
 
@@ -137,6 +139,15 @@ class Plan(NamedTuple):
     backed: bool
 
 
+class StepPlan(NamedTuple):
+    """A Step's admitted parts: its ``push`` and ``pull`` plans (either may be None) and
+    every block they lock (``locks``: in key order, each once), held across both."""
+
+    push: Plan | None
+    pull: Plan | None
+    locks: list
+
+
 class Planner:
     """Admits requests against the block table (see the module docstring). Thread-safe: the
     caller holds the gate shared; the derived tables are replaced as a whole."""
@@ -172,34 +183,37 @@ class Planner:
             entry = tables[(job, name)] = PlanTable(self.table, t)
         return entry
 
-    # ------------------------------------------------------------------ a Step frame's parts
-    def admits_step(self, header: Header) -> bool:
-        """Whether a Step's header lets a plan serve it: its map not newer than this node's,
-        float32 values, and its job without a group or with an ASYNC one without a quota
-        (the rest: the per-block engine, which waits for a newer map, converts, or waits for
-        the group's consistency)."""
+    # ------------------------------------------------------------------ a Step frame
+    def step(self, header: Header, kind: int, push: list[Slice] | None, pull: list[Slice] | None
+             ) -> "StepPlan | None":
+        """A Step's push and pull admitted together (gate held shared), or None when a plan
+        does not serve the whole of it: a map newer than this node's, another wire dtype
+        than float32, a job with a quota or not ASYNC, a push that is not an ASYNC gradient
+        with a current writer and a sequence, a job held for a checkpoint, or a part no plan
+        covers (``push``, ``pull``). The per-block engine serves those."""
         view = self.table.view
         if header.epoch > view.epoch or header.wire_dtype > 1:
-            return False
-        group = view.groups.get(header.job)
-        return group is None or (group.consistency is _ASYNC and not group.quota_bytes)
-
-    def step_push(self, header: Header, kind: int, slices: list[Slice]) -> Plan | None:
-        """A Step's push when a plan serves it (gate held shared): an ASYNC gradient with a
-        writer whose session is current, of a job not held for a checkpoint."""
-        if kind != GRADIENT or not header.sequence or not header.session or not slices or not self.admits_step(header):
             return None
         job = header.job
-        group = self.table.view.groups.get(job)
-        if (group is not None and not _writer_current(group, header)) or self.holds.holding(job):
+        group = view.groups.get(job)
+        if group is not None and (group.consistency is not _ASYNC or group.quota_bytes):
             return None
-        return self.push(job, header.epoch, slices)
-
-    def step_pull(self, header: Header, slices: list[Slice]) -> Plan | None:
-        """A Step's pull when a plan serves it (gate held shared)."""
-        if not self.admits_step(header):
-            return None
-        return self.pull(header.job, header.epoch, slices)
+        pushed = pulled = None
+        if push is not None:
+            if (kind != GRADIENT or not header.sequence or not header.session or not push or self.holds.holding(job)
+                    or (group is not None and not _writer_current(group, header))):
+                return None
+            pushed = self.push(job, header.epoch, push)
+            if pushed is None:
+                return None
+        if pull is not None:
+            pulled = self.pull(job, header.epoch, pull)
+            if pulled is None:
+                return None
+            if pushed is not None:
+                every = dict.fromkeys(itertools.chain(pushed.blocks, pulled.blocks))    # each once
+                return StepPlan(pushed, pulled, sorted(every, key=_KEY_OF))
+        return StepPlan(pushed, pulled, (pushed or pulled).blocks)    # type: ignore[union-attr]
 
     # ------------------------------------------------------------------ admission
     def push(self, job: str, epoch: int, slices: list[Slice]) -> Plan | None:
@@ -287,7 +301,7 @@ class Planner:
         if len(units) > 1:                   # the locks in key order: by table, a table's by block
             every = list(itertools.chain.from_iterable(u.objects for u in sorted(units, key=_name)))
             if len({u.entry.name for u in units}) < len(units):     # a table twice: each block locked once
-                every = sorted({id(blk): blk for blk in every}.values(), key=_block_key)
+                every = sorted(dict.fromkeys(every), key=_KEY_OF)
         else:
             every = units[0].objects if units else []
         if out_bytes > self.max_response_bytes or rows_total > self.max_rows:
@@ -312,10 +326,6 @@ def slices_of(parsed: list["Segment"], pull: bool) -> list[Slice] | None:
 
 def _name(unit: Unit) -> str:
     return unit.entry.name
-
-
-def _block_key(blk: Any):
-    return blk.key
 
 
 def _writer_current(group, header: Header) -> bool:

@@ -4,6 +4,7 @@ compiled pass (``_walk_entries``)."""
 
 from __future__ import annotations
 
+import operator
 import struct
 
 import numpy as np
@@ -16,6 +17,7 @@ from shardps.rpc.step import SHARED, VERSION, pad8
 
 REPLY = struct.Struct("<BBHIqdQ")
 _ENTRY = struct.Struct("<II")
+_TABLE, _ELEMENTS = operator.attrgetter("table"), operator.attrgetter("elements")
 
 
 def reply(step: StepReply, request: StepRequest, shared: bool) -> bytes:
@@ -29,7 +31,7 @@ def reply(step: StepReply, request: StepRequest, shared: bool) -> bytes:
         entries += _versions(out, ack.versions, request.push or (), 0)
     if pull is not None:
         entries += _versions(out, pull.versions, request.pull or (), n_push)
-    elements = struct.pack(f"<{len(pull.segments)}Q", *(s.elements for s in pull.segments)) if pull else b""
+    elements = struct.pack(f"<{len(pull.segments)}Q", *map(_ELEMENTS, pull.segments)) if pull else b""
     head = REPLY.pack(VERSION, SHARED if shared else 0, entries, ack.duplicate_blocks if ack else 0,
                       pull.min_clock if pull else 0, pull.waited_seconds if pull else 0.0,
                       pull.payload_bytes if pull else 0)
@@ -38,13 +40,12 @@ def reply(step: StepReply, request: StepRequest, shared: bool) -> bytes:
 
 def _versions(out: list, versions: list[Versions], slices, first: int) -> int:
     """Append each table's versions as an entry naming the first slice of that table."""
-    index: dict[str, int] = {}
-    for k, s in enumerate(slices):
-        index.setdefault(s.table, first + k)
+    last = first + len(slices) - 1           # each table's first slice: the last written, walked backwards
+    index = dict(zip(map(_TABLE, reversed(slices)), range(last, first - 1, -1)))
     for v in versions:
         n = len(v.blocks)
-        out += (_ENTRY.pack(index[v.table], n), np.asarray(v.blocks, "<u4").tobytes(), _PAD[n % 2],
-                np.asarray(v.versions, "<u8").tobytes())
+        blocks, numbers = np.asarray(v.blocks, "<u4").tobytes(), np.asarray(v.versions, "<u8").tobytes()
+        out += (_ENTRY.pack(index[v.table], n), blocks, _PAD[n % 2], numbers)
     return len(versions)
 
 
