@@ -99,7 +99,7 @@ class ShardMapView:
         self.server_names = [s.name for s in self.servers]
         self.server_by_name = {s.name: s for s in self.servers}
         self.dead = {s.name for s in self.servers if s.state == pb.DEAD}   # servers declared dead
-        index = {s.name: i for i, s in enumerate(self.servers)}
+        self.server_index = index = {s.name: i for i, s in enumerate(self.servers)}   # name -> index
         self.tables: dict[tuple[str, str], TableView] = {}
         losses: dict[tuple[str, str, int], pb.DataLoss] = {}
         for g in self.msg.groups:

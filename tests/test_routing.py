@@ -65,7 +65,8 @@ def test_rows_of_a_block_without_a_replica_are_refused_naming_it(primaries):
 
 
 def test_a_pulls_destination_is_one_contiguous_piece_of_its_output_or_none():
-    """``steps.destination``: where one server's pulled values may be received in place."""
+    """``steps.destination``: where one server's pulled values may be received in place (rows:
+    ``tests/test_step_plan_rows.py``)."""
     from shardps.worker.client import steps
 
     def destination(parts, outputs, reply_bytes):
@@ -78,15 +79,3 @@ def test_a_pulls_destination_is_one_contiguous_piece_of_its_output_or_none():
     assert got.__array_interface__["data"][0] == flat[100:].__array_interface__["data"][0]
     assert destination([(dense, None, 200, 700)], [flat], 4 * 499) is None           # another size
     assert destination([(dense, None, 200, 300), (dense, None, 400, 500)], [flat], 800) is None
-
-    out = np.zeros((10, 4), np.float32)
-    rows = Piece(0, "e", False, ids=np.arange(10), positions=np.arange(10))
-    got = destination([(rows, np.array([3, 4, 5]), 0, 3)], [out], 3 * 16)
-    assert got is not None and got.__array_interface__["data"][0] == out[3:].__array_interface__["data"][0]
-    scattered = Piece(0, "e", False, ids=np.arange(5), positions=np.array([0, 2, 4, 6, 8]))
-    assert destination([(scattered, None, 0, 5)], [out], 5 * 16) is None
-    in_order = Piece(0, "e", False, ids=np.arange(10))          # the item's rows, in order
-    got = destination([(in_order, None, 0, 10)], [out], 10 * 16)
-    assert got is not None and got.__array_interface__["data"][0] == out.__array_interface__["data"][0]
-    got = destination([(in_order, np.array([2, 3]), 0, 2)], [out], 2 * 16)
-    assert got is not None and got.__array_interface__["data"][0] == out[2:].__array_interface__["data"][0]

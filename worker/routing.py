@@ -121,34 +121,25 @@ def _rows_of(p: Piece, pos: np.ndarray) -> Piece:
     return sub
 
 
-# One piece's part for one server, without copying its rows: (piece, positions, start, stop).
-# Sparse: ``positions`` index the piece's ids (None: all of them); dense: [start, stop) is the
-# flat range (``positions`` None).
-Part = tuple[Piece, "np.ndarray | None", int, int]
+# One dense piece's part for one server: (piece, None, start, stop), the flat range
+# [start, stop) of the piece's (its values not copied: the transport sends them from there).
+Part = tuple[Piece, None, int, int]
 
 
 _TABLE = operator.attrgetter("table")
 
 
-def route_parts(view: ShardMapView, job: str, pieces: list[Piece]) -> dict[str, list[Part]]:
-    """``route`` for the compiled request path: the same split by primary server, as parts
-    that point into the pieces' arrays (no ids or rows are copied: the transport gathers
-    them straight into the request). Export pieces (``all_stored``) are not taken."""
+def route_ranges(view: ShardMapView, job: str, pieces: list[Piece]) -> dict[str, list[Part]]:
+    """``route`` of dense pieces for the compiled request path: the same split by primary
+    server, as parts that point into the pieces' arrays (a call's sparse pieces are routed
+    together: ``client.step_plan.RowsRoute``)."""
     out: dict[str, list[Part]] = {}
     names = view.server_names
     found = list(map(view.tables.get, zip(itertools.repeat(job), map(_TABLE, pieces))))
     tables: list[TableView] = [view.table(job, p.table) for p in pieces] if None in found else found  # type: ignore
     for p, t in zip(pieces, tables):
-        if p.dense:
-            for server, sub in _route_dense(t, p):
-                out.setdefault(names[server], []).append((p, None, sub.start, sub.stop))
-            continue
-        n = p.ids.shape[0]                  # type: ignore[union-attr]  # a sparse piece has ids
-        if n and t.whole_on >= 0:           # the table on one server (a small one's default): whole
-            out.setdefault(names[t.whole_on], []).append((p, None, 0, n))
-        elif n:
-            for server, pos in _rows_by_server(t, p.ids):     # type: ignore[arg-type]
-                out.setdefault(names[server], []).append((p, pos, 0, pos.shape[0]))
+        for server, sub in _route_dense(t, p):
+            out.setdefault(names[server], []).append((p, None, sub.start, sub.stop))
     return out
 
 

@@ -52,6 +52,7 @@ import functools
 import itertools
 import operator
 import struct
+from typing import NamedTuple
 
 import numpy as np
 
@@ -82,10 +83,11 @@ def _names(fixed: tuple[str, ...]) -> bytes:
     return "\0".join(fixed).encode()
 
 
-def request(header: Header, kind: int, flags: int, push_segments: int, segments: list, names: tuple[str, ...],
-            pull_clock: int = 0, payload_offset: int = 0, payload_bytes: int = 0, reply_offset: int = 0,
-            reply_bytes: int = 0, bases: list | tuple = ()) -> bytes:
-    """A Step request header. ``segments``: each segment's ``SEGMENT_FIELDS`` int64 fields;
+def request(header: Header, kind: int, flags: int, push_segments: int, segments: list | np.ndarray,
+            names: tuple[str, ...], pull_clock: int = 0, payload_offset: int = 0, payload_bytes: int = 0,
+            reply_offset: int = 0, reply_bytes: int = 0, bases: list | tuple = ()) -> bytes:
+    """A Step request header. ``segments``: each segment's ``SEGMENT_FIELDS`` int64 fields
+    (tuples, or one int64 array ``[segments, SEGMENT_FIELDS]``);
     ``names``: job, session, region and the tables' names (the segments' first
     field indexes them); ``bases``: the segments' base versions, flat (block, version) pairs
     in segment order (each segment's last field counts its own)."""
@@ -99,7 +101,8 @@ def request(header: Header, kind: int, flags: int, push_segments: int, segments:
     head = HEAD.pack(VERSION, flags, n, push_segments, len(raw), kind, header.wire_dtype, header.epoch,
                      header.incarnation, header.sequence, header.acked_below, header.clock, pull_clock,
                      payload_offset, payload_bytes, reply_offset, reply_bytes)
-    fields = struct.pack(f"<{n * SEGMENT_FIELDS}q", *itertools.chain.from_iterable(segments))
+    fields = (segments.tobytes() if isinstance(segments, np.ndarray) else
+              struct.pack(f"<{n * SEGMENT_FIELDS}q", *itertools.chain.from_iterable(segments)))
     return b"".join((head, fields, raw, bytes(pad8(len(raw)) - len(raw)),
                      struct.pack(f"<{len(bases)}q", *bases) if bases else b""))
 
@@ -237,16 +240,57 @@ def _check_layout(fields, size):
     return -1
 
 
+class Rows(NamedTuple):
+    """Sparse segments laid out together (a client's rows of all of its tables for one
+    server): one per entry of ``tables``, ``counts[k]`` rows of ``dims[k]`` values each
+    (int64 arrays); ``ids`` every segment's ids one after another (int64), ``values`` every
+    segment's rows flat (float32; ``NO_VALUES`` in a pull)."""
+
+    tables: tuple
+    counts: np.ndarray
+    dims: np.ndarray
+    ids: np.ndarray
+    values: np.ndarray
+
+
+@njit(**_JIT)
+def _rows_fields(fields, name, counts, dims, ids_at, values_at, bytes_first):
+    """The fields of ``Rows``' segments, the first naming entry ``name`` of the names, its ids
+    at ids element ``ids_at`` and (``values_at`` >= 0: a push) its values at values element
+    ``values_at`` after the ids' ``bytes_first`` bytes. Returns (ids, values) it adds."""
+    ids = values = 0
+    for k in range(counts.shape[0]):
+        n = counts[k]
+        fields[k, 0] = name + k
+        fields[k, 1] = ROWS_CODE
+        fields[k, 2] = n
+        fields[k, 3] = 0
+        fields[k, 4] = 8 * (ids_at + ids)
+        if values_at >= 0:
+            fields[k, 5] = bytes_first + 4 * (values_at + values)
+            fields[k, 6] = n * dims[k]
+        else:
+            fields[k, 5] = NONE
+            fields[k, 6] = NONE
+        fields[k, 7] = 0
+        ids += n
+        values += n * dims[k]
+    return ids, values
+
+
 class Encoded:
-    """A Step request laid out for sending: ``Encoded(header, kind, pull_clock, push,
-    pull)``, built in one pass over a server's segments. ``push`` / ``pull``: None (no such
-    part) or its segments (a push part of none: a clock report), each a tuple
+    """A Step request laid out for sending: ``Encoded(header, kind, pull_clock, push, pull,
+    push_rows, pull_rows)``, built in one pass over a server's segments. ``push`` / ``pull``:
+    None (no such part) or its segments (a push part of none: a clock report), each a tuple
 
     * push: ``(table, selector, start, stop, ids, values, bases)``: a range (``RANGE_CODE``,
       flat ``[start, stop)``, ``ids`` ``NO_IDS``, ``values`` its float32 values flat) or rows
       (``ROWS_CODE``, ``start`` their count, ``stop`` 0, ``ids`` int64, ``values`` float32
       ``[n, dim]``); ``bases``: a range's base versions as flat (block, version) pairs;
-    * pull: the same with ``values`` ``NO_VALUES`` and no ``bases``.
+    * pull: the same with ``values`` ``NO_VALUES`` and no ``bases``;
+
+    and ``push_rows`` / ``pull_rows``: more rows segments of the part as one ``Rows`` (after
+    its segments), their fields written in one compiled call.
 
     The payload holds every segment's ids first, one array after another (int64: each at
     an 8-byte boundary), then every push segment's values (float32), so it needs no padding
@@ -255,30 +299,43 @@ class Encoded:
     the names (job, session, region, then one per segment)."""
 
     __slots__ = ("head", "kind", "pull_clock", "push", "pull", "tables", "n_push", "fields", "ids", "values",
-                 "bases", "ids_bytes", "payload_bytes", "push_rows")
+                 "bases", "ids_bytes", "payload_bytes", "push_rows", "push_row_values")
     tables: tuple
     ids: tuple
     values: tuple
 
     def __init__(self, header: Header, kind: int, pull_clock: int = 0, push: list | None = None,
-                 pull: list | None = None):
+                 pull: list | None = None, push_rows: Rows | None = None, pull_rows: Rows | None = None):
         self.head, self.kind, self.pull_clock = header, kind, pull_clock
-        self.push, self.pull = push is not None, pull is not None
-        segments = (push or []) + (pull or [])
-        self.n_push = n_push = len(push or ())
-        self.tables, selectors, starts, stops, self.ids, values, bases = zip(*segments) if segments else _NONE
-        self.values = values[:n_push]
-        self.bases = list(itertools.chain.from_iterable(bases))
-        ids_at = list(itertools.accumulate(map(_SIZE, self.ids), initial=0))       # in ids, from the first
-        values_at = list(itertools.accumulate(map(_SIZE, values), initial=0))     # (a pull's: none)
-        self.ids_bytes = first = 8 * ids_at[-1]
-        self.payload_bytes = first + 4 * values_at[-1]
-        self.push_rows = ids_at[n_push]             # (a range carries no ids)
-        # each segment names its own table (job, session and region come first)
-        self.fields = [(k + 3, sel, a, z, 8 * at if sel == ROWS_CODE else NONE, first + 4 * v if k < n_push else NONE,
-                        end - v if k < n_push else NONE, len(pairs) // 2)
-                       for k, sel, a, z, at, v, end, pairs
-                       in zip(range(len(segments)), selectors, starts, stops, ids_at, values_at, values_at[1:], bases)]
+        self.push, self.pull = push is not None or push_rows is not None, pull is not None or pull_rows is not None
+        push, pull = push or [], pull or []
+        pr, lr = push_rows or _NO_ROWS, pull_rows or _NO_ROWS
+        self.tables = (*map(_FIRST, push), *pr.tables, *map(_FIRST, pull), *lr.tables)
+        self.n_push = n_push = len(push) + len(pr.tables)
+        self.ids = (*map(_IDS_OF, push), pr.ids, *map(_IDS_OF, pull), lr.ids)
+        self.values = (*map(_VALUES_OF, push), pr.values)
+        self.bases = list(itertools.chain.from_iterable(map(_BASES_OF, push)))
+        self.ids_bytes = first = 8 * sum(map(_SIZE, self.ids))
+        self.payload_bytes = first + 4 * sum(map(_SIZE, self.values))
+        self.push_rows = sum(map(_SIZE, self.ids[:len(push) + 1]))
+        self.fields = fields = np.empty((len(self.tables), SEGMENT_FIELDS), np.int64)
+        ids_at = values_at = row_values = 0
+        for k, (_, sel, a, z, ids, values, bases) in enumerate(push):     # a push's ranges (and rows one by one)
+            fields[k] = (k + 3, sel, a, z, 8 * ids_at if sel == ROWS_CODE else NONE, first + 4 * values_at,
+                         values.size, len(bases) // 2)
+            ids_at, values_at = ids_at + ids.size, values_at + values.size
+            row_values += values.size if sel == ROWS_CODE else 0
+        k = len(push)
+        if pr.tables:
+            added, values = _rows_fields(fields[k:n_push], k + 3, pr.counts, pr.dims, ids_at, values_at, first)
+            ids_at, row_values = ids_at + added, row_values + values
+        self.push_row_values = row_values
+        for k, (_, sel, a, z, ids, _, _) in enumerate(pull, n_push):
+            fields[k] = (k + 3, sel, a, z, 8 * ids_at if sel == ROWS_CODE else NONE, NONE, NONE, 0)
+            ids_at += ids.size
+        if lr.tables:
+            k = n_push + len(pull)
+            _rows_fields(fields[k:], k + 3, lr.counts, lr.dims, ids_at, -1, first)
 
     def header(self, region: str = "", payload_offset: int = 0, reply_offset: int = 0, reply_bytes: int = 0) -> bytes:
         h = self.head
@@ -290,8 +347,7 @@ class Encoded:
     def push_counts(self) -> tuple[int, int, int]:
         """(the push's bytes, its rows, its rows' bytes: their ids and values)."""
         rows = self.push_rows
-        row_values = sum(f[6] for f in self.fields[:self.n_push] if f[1] == ROWS_CODE)
-        return 8 * rows + self.payload_bytes - self.ids_bytes, rows, 8 * rows + 4 * row_values
+        return 8 * rows + self.payload_bytes - self.ids_bytes, rows, 8 * rows + 4 * self.push_row_values
 
     def parts(self) -> list:
         """The payload as buffers to send one after the other: the arrays themselves."""
@@ -300,15 +356,14 @@ class Encoded:
     def write(self, buf: np.ndarray) -> None:
         """Write the payload into ``buf`` (a uint8 array of ``payload_bytes`` or more: a
         shared-memory region's view)."""
-        if self.ids:
-            np.concatenate(self.ids, out=buf[:self.ids_bytes].view(np.int64))
-        if self.values:
-            np.concatenate(self.values, axis=None, out=buf[self.ids_bytes:self.payload_bytes].view(np.float32))
+        np.concatenate(self.ids, out=buf[:self.ids_bytes].view(np.int64))
+        np.concatenate(self.values, axis=None, out=buf[self.ids_bytes:self.payload_bytes].view(np.float32))
 
 
 _SIZE = operator.attrgetter("size")
+_FIRST, _IDS_OF, _VALUES_OF, _BASES_OF = (operator.itemgetter(k) for k in (0, 4, 5, 6))
 NO_VALUES = np.empty(0, np.float32)     # a pull segment's values
-_NONE = ((),) * 7
+_NO_ROWS = Rows((), np.empty(0, np.int64), np.empty(0, np.int64), NO_IDS, NO_VALUES)
 
 
 def encode(request: StepRequest) -> Encoded:
@@ -338,3 +393,5 @@ def warm_up() -> None:
             fields.flags.writeable = writable
             _check_segments(fields, 0, 3, 0)
             _check_layout(fields, 0)
+        counts = np.ones(1, np.int64)
+        _rows_fields(np.empty((1, SEGMENT_FIELDS), np.int64)[0:], 3, counts, counts, 0, 0, 0)

@@ -44,7 +44,8 @@ from shardps.shardmap import ShardMapView
 from shardps.worker.client.fanout import RETRYABLE, Fanout, MapSource, Send, attempt_timeout, split_phase
 from shardps.worker.client.membership import Session
 from shardps.worker.client.results import BlockVersions, PullResult, PushResult, take_pull_reply
-from shardps.worker.client.steps import StepCalls, base_versions, contiguous_start
+from shardps.worker.client.step_plan import contiguous_start
+from shardps.worker.client.steps import StepCalls, base_versions
 from shardps.worker.client.transport import Payload, Transport
 from shardps.worker.routing import Piece, live_servers, route
 

@@ -23,11 +23,12 @@ from shardps import kernels
 from shardps.errors import DeadlineExceeded, Unavailable
 from shardps.messages import PullReply, PushAck
 from shardps.metrics import WorkerMetrics
-from shardps.rpc.step import NO_IDS, NO_VALUES, RANGE_CODE, ROWS_CODE, Encoded
+from shardps.rpc.step import NO_IDS, NO_VALUES, RANGE_CODE, Encoded
 from shardps.shardmap import ShardMapView
 from shardps.worker.client.fanout import RETRYABLE, MapSource, attempt_timeout
 from shardps.worker.client.results import BlockVersions, PullResult, PushResult, take_pull_reply
-from shardps.worker.routing import Piece, live_servers, route_parts
+from shardps.worker.client.step_plan import RowsRoute
+from shardps.worker.routing import Piece, live_servers, route_ranges
 
 if TYPE_CHECKING:
     from shardps.worker.client.transport import Transport
@@ -66,11 +67,12 @@ class StepCalls:
         anything is sent (the general way reports to the others once the pieces landed).
         Other errors are raised, once every reply was read."""
         view = self.maps.view()
-        job = self.job
-        pushes = route_parts(view, job, push) if push is not None else {}
-        if report and any(server not in pushes for server in live_servers(view)):
+        push_rows, pushes = self._route(view, push, True) if push is not None else (None, {})
+        pushed = pushes.keys() | (_servers(view, push_rows) if push_rows is not None else set())
+        if report and any(server not in pushed for server in live_servers(view)):
             return None
-        pulls = route_parts(view, job, pull) if pull is not None else {}
+        pull_rows, pulls = self._route(view, pull, False) if pull is not None else (None, {})
+        pulled = pulls.keys() | (_servers(view, pull_rows) if pull_rows is not None else set())
         header = self.header(view, seq, clock)
         presult = PushResult(clock=clock) if push is not None else None
         outputs = outputs if outputs is not None else []
@@ -79,12 +81,17 @@ class StepCalls:
         declined = False
         moved = [0] * 6                 # pushed bytes, rows, sparse bytes; pulled bytes, rows, sparse bytes
         try:
-            for server in sorted(pushes.keys() | pulls.keys()):
+            for server in sorted(pushed | pulled):
                 pp, lp = pushes.get(server), pulls.get(server)
+                k = view.server_index[server]
+                pr = push_rows.rows(k) if push_rows is not None else None
+                lr = pull_rows.rows(k) if pull_rows is not None else None
                 encoded = Encoded(header, kind, pull_clock, self._push(pp, view) if pp else None,
-                                  self._pull(lp) if lp else None)
-                places = [_place(part, outputs[part[0].item]) for part in lp] if lp else []
-                reply_bytes = 4 * sum(place[2] for place in places)
+                                  self._pull(lp) if lp else None, pr, lr)
+                places: list = [_place(part, outputs[part[0].item]) for part in lp] if lp else []
+                if lr is not None:
+                    places += pull_rows.places(k, outputs)         # type: ignore[union-attr]
+                reply_bytes = 4 * sum(map(_ELEMENTS, places))
                 _count(moved, encoded, places, reply_bytes)
                 into = destination(places, reply_bytes) if reply_bytes >= DIRECT_REPLY_BYTES else None
                 sent = self.transport.step_start(server, view.address(server), encoded, reply_bytes,
@@ -92,7 +99,7 @@ class StepCalls:
                 if sent is None:
                     declined = True
                     break
-                dense = {p.table for p, _, _, _ in lp if p.dense} if lp else set()
+                dense = {p.table for p, _, _, _ in pulls.get(server, ()) if p.dense}
                 begun.append((server, sent, places, dense))
         except RETRYABLE:
             declined = True
@@ -112,22 +119,29 @@ class StepCalls:
         self.metrics.moved(*moved)
         return presult, lresult
 
+    def _route(self, view: ShardMapView, pieces: list[Piece], push: bool) -> tuple[RowsRoute | None, dict]:
+        """A call's pieces routed: its sparse ones together (``step_plan.RowsRoute``; None:
+        it has none), its dense ranges part by part (``routing.route_ranges``, by server
+        name)."""
+        sparse = list(itertools.filterfalse(_DENSE, pieces))
+        if not sparse:
+            return None, route_ranges(view, self.job, pieces)
+        found = list(map(view.tables.get, zip(itertools.repeat(self.job), map(_TABLE, sparse))))
+        tables = [view.table(self.job, p.table) for p in sparse] if None in found else found
+        rows = RowsRoute(tables, sparse, len(view.server_names), push)        # type: ignore[arg-type]
+        return rows, route_ranges(view, self.job, list(filter(_DENSE, pieces))) if len(sparse) < len(pieces) else {}
+
     def _push(self, parts: list, view: ShardMapView) -> list:
-        """A server's routed push parts (``routing.route_parts``) as ``Encoded``'s segments:
-        a dense range with its base versions, sparse rows with the rows they pick."""
+        """A server's dense push parts (``routing.route_ranges``) as ``Encoded``'s segments,
+        each range with its base versions."""
         return [(p.table, RANGE_CODE, a, z, NO_IDS, p.values[a - p.start:z - p.start],
                  tuple(itertools.chain.from_iterable(base_versions(p, view, self.job, self.versions, a, z).items())))
-                if p.dense else
-                (p.table, ROWS_CODE, z - a, 0, p.ids if positions is None else np.take(p.ids, positions),
-                 p.values if positions is None else np.take(p.values, positions, axis=0), ())
-                for p, positions, a, z in parts]
+                for p, _, a, z in parts]
 
     @staticmethod
     def _pull(parts: list) -> list:
-        """A server's routed pull parts as ``Encoded``'s segments."""
-        return [(p.table, RANGE_CODE, a, z, NO_IDS, NO_VALUES, ()) if p.dense else
-                (p.table, ROWS_CODE, z - a, 0, p.ids if positions is None else np.take(p.ids, positions), NO_VALUES, ())
-                for p, positions, a, z in parts]
+        """A server's dense pull parts as ``Encoded``'s segments."""
+        return [(p.table, RANGE_CODE, a, z, NO_IDS, NO_VALUES, ()) for p, _, a, z in parts]
 
     def place(self, server: str, ack: PushAck, reply: PullReply, elements: tuple, values: np.ndarray,
               places: list, dense: set[str], presult, lresult, in_group: bool) -> None:
@@ -139,16 +153,10 @@ class StepCalls:
             presult.duplicate_blocks += ack.duplicate_blocks
         if lresult is None or not places:
             return
-        if elements != tuple(place[2] for place in places):
+        if elements != tuple(map(_ELEMENTS, places)):
             raise _unexpected(server, elements, places)
         if len(places) > 1 or places[0][1] is not None or not _same_memory(places[0][0], values):
-            at = 0                      # (else received in place: ``destination``)
-            for dest, where, n, _ in places:
-                if where is None:
-                    dest[...] = values[at:at + n]
-                else:
-                    kernels.scatter_rows(dest, where, values[at:at + n].reshape(where.shape[0], -1))
-                at += n
+            scatter(places, values)     # (else received in place: ``destination``)
         take_pull_reply(lresult, reply.min_clock, reply.waited_seconds, reply.versions, in_group, dense,
                         self.versions)
 
@@ -192,27 +200,22 @@ DIRECT_REPLY_BYTES = 256 << 10        # a server's pulled values from this size 
 
 
 _ALL_STORED = operator.attrgetter("all_stored")
+_DENSE, _TABLE = operator.attrgetter("dense"), operator.attrgetter("table")
+_ELEMENTS, _ROWS = operator.itemgetter(2), operator.itemgetter(3)      # of a place
 
 
-def _place(part, out: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, int, int]:
-    """Where a routed pull part's values go in its output ``out``: ``(dest, where,
-    elements, rows)``. ``where`` None: they fill ``dest`` (a flat view of ``out``: a dense
-    range; rows routed whole or otherwise consecutive); else they are the rows of ``dest``
-    (``out``) at ``where``. ``elements``: how many values that is; ``rows``: how many rows
-    (0 for a dense range)."""
-    p, positions, a, z = part
-    n = z - a
-    if p.dense:
-        lo = p.offset + (a - p.start)
-        return out[lo:lo + n], None, n, 0
-    elements = n * out.shape[1]
-    if positions is None and p.positions is None:     # the piece whole, its rows in order
-        return out[:n].reshape(-1), None, elements, n
-    where = positions if p.positions is None else p.positions if positions is None else p.positions[positions]
-    start = contiguous_start(where)
-    if start is None:
-        return out, where, elements, n
-    return out[start:start + n].reshape(-1), None, elements, n
+def _servers(view: ShardMapView, rows: RowsRoute) -> set[str]:
+    """The names of the servers ``rows`` go to."""
+    return set(map(view.server_names.__getitem__, rows.servers()))
+
+
+def _place(part, out: np.ndarray) -> tuple[np.ndarray, None, int, int]:
+    """Where a dense pull part's values go in its output ``out``: ``(dest, None, elements,
+    0)``, ``dest`` a flat view of ``out`` they fill (``step_plan.RowsRoute.places`` says the
+    same of rows: ``where``, their rows in ``dest`` when not None; ``rows``, how many)."""
+    p, _, a, z = part
+    lo = p.offset + (a - p.start)
+    return out[lo:lo + z - a], None, z - a, 0
 
 
 def _count(moved: list, encoded: Encoded, places: list, reply_bytes: int) -> None:
@@ -222,10 +225,21 @@ def _count(moved: list, encoded: Encoded, places: list, reply_bytes: int) -> Non
     moved[1] += rows
     moved[2] += sparse
     moved[3] += reply_bytes
-    for _, _, elements, rows in places:
-        if rows:
-            moved[4] += rows
-            moved[5] += 4 * elements
+    rows = sum(map(_ROWS, places))
+    if rows:                            # a dense range's place has no rows
+        moved[4] += rows
+        moved[5] += 4 * sum(itertools.compress(map(_ELEMENTS, places), map(_ROWS, places)))
+
+
+def scatter(places: list, values: np.ndarray) -> None:
+    """A server's pulled ``values`` (its segments' one after another) into their ``places``."""
+    at = 0
+    for dest, where, n, _ in places:
+        if where is None:
+            dest[...] = values[at:at + n]
+        else:
+            kernels.scatter_rows(dest, where, values[at:at + n].reshape(where.shape[0], -1))
+        at += n
 
 
 def destination(places: list, reply_bytes: int) -> np.ndarray | None:
@@ -252,14 +266,3 @@ def _unexpected(server: str, elements: tuple, places: list) -> Unavailable:
             what = f"{rows} rows of {n // rows}" if rows else f"a range of {n}"
             return Unavailable(f"step reply from {server}: {got} values for {what}")
     return Unavailable(f"step reply from {server}: {len(elements)} pulled segments for {len(places)} asked")
-
-
-def contiguous_start(positions: np.ndarray | None) -> int | None:
-    """The first of ``positions`` when they are consecutive (``k, k + 1, ...``; a piece
-    routed whole), else None."""
-    if positions is None or not positions.shape[0]:
-        return None
-    first = int(positions[0])
-    if int(positions[-1]) - first != positions.shape[0] - 1 or not kernels.strictly_increasing(positions):
-        return None
-    return first
