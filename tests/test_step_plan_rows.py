@@ -18,7 +18,7 @@ from shardps.rpc.convert import config_to_proto, spec_to_proto
 from shardps.shardmap import ShardMapView
 from shardps.tables import TableConfig, sparse_table
 from shardps.worker.client import steps
-from shardps.worker.client.step_plan import RowsRoute
+from shardps.worker.client.step_plan import RowsRoute, Tables
 from shardps.worker.routing import Piece, route
 
 pytestmark = pytest.mark.skipif(not kernels.AVAILABLE, reason="the rows are routed together with numba only")
@@ -64,10 +64,10 @@ def _segments(pieces: list[Piece], push: bool) -> list:
 def test_a_servers_rows_are_the_bytes_its_parts_send(seed):
     view = _view()
     push, pull = _pieces(seed, push=True), _pieces(seed + 10, push=False)
-    tables = [view.table(JOB, p.table) for p in push]
-    pushes, pulls = RowsRoute(tables, push, 3, True), RowsRoute(tables, pull, 3, False)
+    tables = Tables([view.table(JOB, p.table) for p in push], 3)
+    pushes, pulls = RowsRoute(tables, push, True), RowsRoute(tables, pull, False)
     by_part_push, by_part_pull = route(view, JOB, push), route(view, JOB, pull)
-    assert pushes.servers() == [0, 1, 2] and pulls.servers() == [0, 1, 2]
+    assert pushes.taking() == [0, 1, 2] and pulls.taking() == [0, 1, 2]
     header = Header(JOB, epoch=1, session="w", incarnation=1, sequence=4, acked_below=4)
     for k, server in enumerate(("s0", "s1", "s2")):
         together = step.Encoded(header, 1, 3, None, None, pushes.rows(k), pulls.rows(k))
@@ -87,7 +87,7 @@ def test_a_servers_rows_are_the_bytes_its_parts_send(seed):
 def test_a_pulls_reply_lands_in_the_rows_its_sub_pieces_name(seed):
     view = _view()
     pull = _pieces(seed, push=False)
-    rows = RowsRoute([view.table(JOB, p.table) for p in pull], pull, 3, False)
+    rows = RowsRoute(Tables([view.table(JOB, p.table) for p in pull], 3), pull, False)
     by_piece = route(view, JOB, pull)
 
     def outputs():
@@ -114,9 +114,9 @@ def test_a_pulls_reply_lands_in_the_rows_its_sub_pieces_name(seed):
 def test_a_piece_routed_whole_is_one_span_of_its_output():
     view = _view({"b": (3, [1, 1])})
     piece = Piece(0, "b", False, ids=np.array([9, 3, 7], np.int64))
-    rows = RowsRoute([view.table(JOB, "b")], [piece], 3, False)
+    rows = RowsRoute(Tables([view.table(JOB, "b")], 3), [piece], False)
     out = np.zeros((3, 3), np.float32)
-    assert rows.servers() == [1] and rows.rows(0) is None and rows.rows(2) is None
+    assert rows.taking() == [1] and rows.rows(0) is None and rows.rows(2) is None
     (dest, where, elements, n), = rows.places(1, [out])
     assert where is None and (elements, n) == (9, 3) and np.shares_memory(dest, out)
     assert steps.destination([(dest, where, elements, n)], 36) is not None      # received in place
@@ -127,7 +127,7 @@ def test_rows_that_go_to_consecutive_rows_of_the_output_are_one_span_of_it():
     out = np.zeros((10, 4), np.float32)
     for positions, start in ((np.array([3, 4, 5]), 3), (np.array([0, 2, 4]), None)):
         piece = Piece(0, "b", False, ids=np.array([7, 1, 5], np.int64), positions=positions)
-        place = RowsRoute([view.table(JOB, "b")], [piece], 3, False).places(1, [out])
+        place = RowsRoute(Tables([view.table(JOB, "b")], 3), [piece], False).places(1, [out])
         got = steps.destination(place, 3 * 16)
         if start is None:
             assert got is None and place[0][1].tolist() == positions.tolist()
@@ -140,4 +140,4 @@ def test_rows_of_a_block_without_a_replica_are_refused_naming_it():
     pieces = [Piece(0, "b", False, ids=np.arange(5, dtype=np.int64)),
               Piece(1, "a", False, ids=np.arange(100, dtype=np.int64))]
     with pytest.raises(Unavailable, match=r"block 1 of table 'a' has no live replica"):
-        RowsRoute([view.table(JOB, p.table) for p in pieces], pieces, 3, False)
+        RowsRoute(Tables([view.table(JOB, p.table) for p in pieces], 3), pieces, False)

@@ -1,13 +1,14 @@
 """The client's plan of a call's sparse rows: all of a push's (or a pull's) sparse pieces
-routed to their servers in one compiled pass, and each server's rows gathered in another.
+routed to their servers and gathered server by server in one compiled call.
 
-``RowsRoute(tables, pieces, servers)`` routes every id of every piece by its block's primary
+``RowsRoute(tables, pieces, push)`` routes every id of every piece by its block's primary
 (the rule of ``routing.route``: ``splitmix64(id) % num_blocks``, or the server a table is
-placed whole on) and groups them by server, then by piece, keeping each piece's order.
-``rows(server)`` gives that server's segments as one ``step.Rows`` (one ids array, one
-values array for all of its tables), which ``step.Encoded`` lays out without a pass per
-table; ``places(server, outputs)`` says where a pull's reply goes. The Step frames that carry
-them need numba (``steps.StepCalls``); without it, calls go the general way.
+placed whole on), groups them by server, then by piece, keeping each piece's order, and
+gathers each server's ids (and, in a push, rows) into one array. ``rows(server)`` gives that
+server's segments as one ``step.Rows``, which ``step.Encoded`` lays out without a pass per
+table; ``places(server, outputs)`` says where a pull's reply goes. ``Tables`` holds what the
+route needs of the tables, derived once per shard map. The Step frames that carry them need
+numba (``steps.StepCalls``); without it, calls go the general way.
 """
 
 from __future__ import annotations
@@ -27,18 +28,25 @@ from shardps.worker.routing import Piece
 _IDS, _VALUES = operator.attrgetter("ids"), operator.attrgetter("values")
 _PRIMARY, _WHOLE_ON = operator.attrgetter("primary"), operator.attrgetter("whole_on")
 _NUM_BLOCKS, _DIM = operator.attrgetter("spec.num_blocks"), operator.attrgetter("spec.dim")
+_ITEM = operator.attrgetter("item")
+HEAD = 3                                # ``_plan``'s info: bad piece, bad block, segments; then its lists
 
 
 @njit(**_JIT)
-def _route(ids, id_starts, num_blocks, whole_on, primary, primary_starts, order, counts, firsts):
-    """Group the ids of every piece (piece ``p``'s are ``ids[id_starts[p]:id_starts[p + 1]]``)
-    by server, then piece: ``counts[s, p]`` of piece ``p``'s ids go to server ``s``, their
-    positions within the piece in ``order`` (server by server, piece by piece, each piece's in
-    its order); ``firsts[s, p]`` the first of them when they are consecutive, else -1.
-    Returns (-1, -1), or (piece, block) of the first block without a primary."""
+def _plan(ids, id_starts, values, num_blocks, whole_on, primary, primary_starts, dims, servers):
+    """Route and gather the ids of every piece (piece ``p``'s are ``ids[id_starts[p]:id_starts[p
+    + 1]]``, its rows of ``dims[p]`` values flat in ``values`` when that is not empty) to
+    ``servers`` servers. Returns (info, order, counts, dims, ids, values): the rows by server,
+    then piece, each piece's in its order; ``order`` their positions within their piece;
+    ``ids`` and ``values`` theirs; one segment per (server, piece) with rows, its rows
+    (``counts``) and dim (``dims``). ``info``: the piece and block of the first block without
+    a primary (-1, -1: none), the segments, then per server ``servers + 1`` bounds of its rows,
+    of its values and of its segments, then per segment its piece and its first row in the
+    piece when its rows are consecutive there (else -1)."""
     pieces = id_starts.shape[0] - 1
-    servers = counts.shape[0]
-    server = np.empty(ids.shape[0], np.int64)
+    n = ids.shape[0]
+    server = np.empty(n, np.int64)
+    counts = np.zeros((servers, pieces), np.int64)
     for p in range(pieces):
         a, z = id_starts[p], id_starts[p + 1]
         if whole_on[p] >= 0:
@@ -46,124 +54,153 @@ def _route(ids, id_starts, num_blocks, whole_on, primary, primary_starts, order,
                 server[i] = whole_on[p]
             counts[whole_on[p], p] += z - a
             continue
-        nb = np.uint64(num_blocks[p])
-        base = primary_starts[p]
-        for i in range(a, z):
-            b = np.int64(_splitmix64(np.uint64(ids[i])) % nb)
+        nb, base = np.uint64(num_blocks[p]), np.uint64(primary_starts[p])
+        for i in range(np.uint64(a), np.uint64(z)):
+            b = _splitmix64(np.uint64(ids[i])) % nb
             s = primary[base + b]
             if s < 0:
-                return p, b
+                info = np.full(HEAD, -1, np.int64)
+                info[0], info[1] = p, b
+                none = np.empty(0, np.int64)
+                return info, none, none, none, none, np.empty(0, np.float32)
             server[i] = s
             counts[s, p] += 1
-    fill = np.empty((servers, pieces), np.int64)
-    at = 0
+    segments = 0
     for s in range(servers):
         for p in range(pieces):
-            fill[s, p] = at
-            at += counts[s, p]
-    for p in range(pieces):
-        a = id_starts[p]
-        for i in range(a, id_starts[p + 1]):
-            s = server[i]
-            order[fill[s, p]] = i - a
-            fill[s, p] += 1
+            if counts[s, p]:
+                segments += 1
+    info = np.empty(HEAD + 3 * (servers + 1) + 2 * segments, np.int64)
+    info[0], info[1], info[2] = -1, -1, segments
+    ends, value_ends, seg_ends = HEAD, HEAD + servers + 1, HEAD + 2 * (servers + 1)
+    seg_pieces, seg_firsts = HEAD + 3 * (servers + 1), HEAD + 3 * (servers + 1) + segments
+    seg_counts, seg_dims = np.empty(segments, np.int64), np.empty(segments, np.int64)
+    fill = np.empty((servers, pieces), np.int64)
+    at = v = k = 0
+    info[ends] = info[value_ends] = info[seg_ends] = 0
     for s in range(servers):
         for p in range(pieces):
             c = counts[s, p]
-            end = fill[s, p]            # (moved to the group's end)
-            first = order[end - c] if c else -1
-            firsts[s, p] = first if c and order[end - 1] - first == c - 1 else -1
-    return -1, -1
-
-
-@njit(**_JIT)
-def _gather(ids, id_starts, values, value_starts, dims, order, counts, ids_out, values_out):
-    """Every server's rows in ``order``'s order (server by server, piece by piece): their ids
-    into ``ids_out`` and, when ``values_out`` has room, their values (piece ``p``'s rows of
-    ``dims[p]``, flat from ``value_starts[p]`` in ``values``) into ``values_out``."""
-    at = v = 0
-    with_values = values_out.shape[0] > 0
-    for s in range(counts.shape[0]):
-        for p in range(counts.shape[1]):
-            d = dims[p]
-            first, row0 = id_starts[p], value_starts[p]
-            for _ in range(counts[s, p]):
-                local = order[at]
-                ids_out[at] = ids[first + local]
-                at += 1
-                if with_values:
-                    src = row0 + local * d
+            fill[s, p] = at
+            if c:
+                seg_counts[k], seg_dims[k] = c, dims[p]
+                info[seg_pieces + k] = p
+                k += 1
+            at += c
+            v += c * dims[p]
+        info[ends + s + 1], info[value_ends + s + 1], info[seg_ends + s + 1] = at, v, k
+    order = np.empty(n, np.int64)
+    for p in range(pieces):
+        a = id_starts[p]
+        for i in range(np.uint64(a), np.uint64(id_starts[p + 1])):
+            s = server[i]
+            order[fill[s, p]] = i - a
+            fill[s, p] += 1
+    ids_out = np.empty(n, np.int64)
+    values_out = np.empty(v if values.shape[0] else 0, np.float32)
+    value_starts = np.zeros(pieces, np.int64)         # where each piece's rows begin in ``values``
+    for p in range(1, pieces):
+        value_starts[p] = value_starts[p - 1] + (id_starts[p] - id_starts[p - 1]) * dims[p - 1]
+    at = v = k = 0
+    for s in range(servers):
+        for p in range(pieces):
+            c = counts[s, p]
+            if not c:
+                continue
+            first = order[at]
+            info[seg_firsts + k] = first if order[at + c - 1] - first == c - 1 else -1
+            k += 1
+            # unsigned indices: numba then checks no negative ones and copies a row as a block
+            d, row0, value0 = np.uint64(dims[p]), np.uint64(id_starts[p]), np.uint64(value_starts[p])
+            for j in range(np.uint64(at), np.uint64(at + c)):
+                local = np.uint64(order[j])
+                ids_out[j] = ids[row0 + local]
+                if values_out.shape[0]:
+                    src = value0 + local * d
                     for x in range(d):
-                        values_out[v + x] = values[src + x]
-                    v += d
+                        values_out[np.uint64(v) + x] = values[src + x]
+                    v += dims[p]
+            at += c
+    return info, order, seg_counts, seg_dims, ids_out, values_out
+
+
+class Tables:
+    """What ``RowsRoute`` needs of the tables of a call's sparse pieces (``tables``, their
+    views, in order) under one shard map of ``servers`` servers."""
+
+    __slots__ = ("names", "servers", "num_blocks", "whole_on", "primary", "primary_starts", "dims")
+
+    def __init__(self, tables: list[TableView], servers: int):
+        n = len(tables)
+        self.names = [t.name for t in tables]
+        self.servers = servers
+        self.num_blocks = np.fromiter(map(_NUM_BLOCKS, tables), np.int64, n)
+        self.whole_on = np.fromiter(map(_WHOLE_ON, tables), np.int64, n)
+        self.primary = np.concatenate(list(map(_PRIMARY, tables))).astype(np.int32)
+        self.primary_starts = np.fromiter(itertools.accumulate(map(len, map(_PRIMARY, tables)), initial=0),
+                                          np.int64, n + 1)
+        self.dims = np.fromiter(map(_DIM, tables), np.int64, n)
 
 
 class RowsRoute:
-    """A call's sparse pieces (``pieces``, each with ids; ``tables`` their views, in order)
-    routed to ``servers`` servers and gathered server by server (see the module docstring);
-    with ``push``, their rows' values go along. Raises Unavailable for a block without a
-    live replica."""
+    """A call's sparse pieces (``pieces``, each with ids, of ``tables``) routed and gathered
+    (see the module docstring); with ``push``, their rows' values go along. Raises
+    Unavailable for a block without a live replica."""
 
-    __slots__ = ("pieces", "order", "counts", "firsts", "ends", "value_ends", "dims", "ids", "values")
+    __slots__ = ("pieces", "names", "info", "order", "counts", "dims", "ids", "values", "servers", "segments")
 
-    def __init__(self, tables: list[TableView], pieces: list[Piece], servers: int, push: bool):
-        self.pieces = pieces
+    def __init__(self, tables: Tables, pieces: list[Piece], push: bool):
+        self.pieces, self.names = pieces, tables.names
         n = len(pieces)
         id_starts = np.fromiter(itertools.accumulate(map(len, map(_IDS, pieces)), initial=0), np.int64, n + 1)
-        ids = np.concatenate(list(map(_IDS, pieces))) if n > 1 else np.asarray(pieces[0].ids)
-        primaries = list(map(_PRIMARY, tables))
-        primary_starts = np.fromiter(itertools.accumulate(map(len, primaries), initial=0), np.int64, n + 1)
-        self.order = np.empty(ids.shape[0], np.int64)
-        self.counts = counts = np.zeros((servers, n), np.int64)
-        self.firsts = np.empty((servers, n), np.int64)
-        bad, block = _route(ids, id_starts, np.fromiter(map(_NUM_BLOCKS, tables), np.int64, n),
-                            np.fromiter(map(_WHOLE_ON, tables), np.int64, n), np.concatenate(primaries),
-                            primary_starts, self.order, counts, self.firsts)
-        if bad >= 0:
-            raise Unavailable(f"block {block} of table {tables[bad].name!r} has no live replica under the current "
-                              f"map: wait for the manager to re-place it (or restore a checkpoint)")
-        self.ends = [0, *np.cumsum(counts.sum(axis=1)).tolist()]    # server s's rows: [ends[s], ends[s + 1])
-        self.dims = dims = np.fromiter(map(_DIM, tables), np.int64, n)
-        self.value_ends = self.ends                 # server s's values: [value_ends[s], value_ends[s + 1])
-        self.ids, self.values = np.empty(ids.shape[0], np.int64), NO_VALUES
-        value_starts = id_starts
+        ids = np.concatenate(list(map(_IDS, pieces))) if n > 1 else pieces[0].ids
+        values = NO_VALUES
         if push:
-            value_starts = np.zeros(n + 1, np.int64)
-            np.cumsum(np.diff(id_starts) * dims, out=value_starts[1:])
-            self.value_ends = [0, *np.cumsum(counts @ dims).tolist()]
-            self.values = np.empty(self.value_ends[-1], np.float32)
-        _gather(ids, id_starts, np.concatenate(list(map(_VALUES, pieces)), axis=None, dtype=np.float32) if push
-                else NO_VALUES, value_starts, dims, self.order, counts, self.ids, self.values)
+            values = (np.concatenate(list(map(_VALUES, pieces)), axis=None, dtype=np.float32) if n > 1 else
+                      np.ascontiguousarray(pieces[0].values, np.float32).reshape(-1))
+        info, self.order, self.counts, self.dims, self.ids, self.values = _plan(
+            ids, id_starts, values, tables.num_blocks, tables.whole_on, tables.primary, tables.primary_starts,
+            tables.dims, tables.servers)
+        self.info = info = info.tolist()
+        if info[0] >= 0:
+            raise Unavailable(f"block {info[1]} of table {self.names[info[0]]!r} has no live replica under the "
+                              f"current map: wait for the manager to re-place it (or restore a checkpoint)")
+        self.servers, self.segments = tables.servers, info[2]
 
-    def servers(self) -> list[int]:
+    def taking(self) -> list[int]:
         """The servers some row goes to (their indices, ascending)."""
-        return np.flatnonzero(self.counts.any(axis=1)).tolist()
+        ends = self.info[HEAD:HEAD + self.servers + 1]
+        return [s for s in range(self.servers) if ends[s + 1] > ends[s]]
 
     def rows(self, server: int) -> Rows | None:
         """Server ``server``'s segments: one per piece it takes rows of, in piece order (None:
         it takes none)."""
-        at, end = self.ends[server], self.ends[server + 1]
+        info, s = self.info, HEAD + server
+        at, end = info[s], info[s + 1]
         if at == end:
             return None
-        counts = self.counts[server]
-        keep = counts.nonzero()[0]
-        values = self.values[self.value_ends[server]:self.value_ends[server + 1]] if self.values.size else NO_VALUES
-        return Rows(tuple(map(_TABLE, map(self.pieces.__getitem__, keep.tolist()))), counts[keep], self.dims[keep],
-                    self.ids[at:end], values)
+        bounds = HEAD + 2 * (self.servers + 1) + server
+        a, z = info[bounds], info[bounds + 1]
+        pieces = HEAD + 3 * (self.servers + 1)
+        values = s + self.servers + 1
+        return Rows(tuple(map(self.names.__getitem__, info[pieces + a:pieces + z])), self.counts[a:z],
+                    self.dims[a:z], self.ids[at:end], self.values[info[values]:info[values + 1]])
 
     def places(self, server: int, outputs: list) -> list[tuple[np.ndarray, np.ndarray | None, int, int]]:
         """Where server ``server``'s reply to a pull goes, segment by segment in ``rows``'
         order: (dest, where, elements, rows). A segment of consecutive rows of its piece's
         output is a flat view of them (``where`` None), else ``dest`` is the output and
         ``where`` its rows' positions in it."""
-        counts = self.counts[server]
-        keep = counts.nonzero()[0]
-        pieces = list(map(self.pieces.__getitem__, keep.tolist()))
-        starts = itertools.accumulate(counts[keep].tolist(), initial=self.ends[server])
+        info, servers = self.info, self.servers
+        bounds = HEAD + 2 * (servers + 1) + server
+        a, z = info[bounds], info[bounds + 1]
+        pieces = list(map(self.pieces.__getitem__, info[HEAD + 3 * (servers + 1) + a:HEAD + 3 * (servers + 1) + z]))
+        firsts = info[HEAD + 3 * (servers + 1) + self.segments + a:HEAD + 3 * (servers + 1) + self.segments + z]
+        starts = itertools.accumulate(self.counts[a:z].tolist(), initial=info[HEAD + server])
         return [(out[first:first + n].reshape(-1), None, n * out.shape[1], n) if first >= 0 and p.positions is None
-                else _scattered(p, out, self.order[a:a + n])
-                for p, out, first, n, a in zip(pieces, map(outputs.__getitem__, map(_ITEM, pieces)),
-                                               self.firsts[server, keep].tolist(), counts[keep].tolist(), starts)]
+                else _scattered(p, out, self.order[at:at + n])
+                for p, out, first, n, at in zip(pieces, map(outputs.__getitem__, map(_ITEM, pieces)), firsts,
+                                                self.counts[a:z].tolist(), starts)]
 
 
 def _scattered(piece: Piece, out: np.ndarray, local: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, int, int]:
@@ -189,16 +226,10 @@ def contiguous_start(positions: np.ndarray | None) -> int | None:
     return first
 
 
-_TABLE, _ITEM = operator.attrgetter("table"), operator.attrgetter("item")
-
-
 def warm_up() -> None:
-    """Compile (or load from numba's cache) the kernels, for the arrays a call passes."""
+    """Compile (or load from numba's cache) the kernel, for a push's arrays and a pull's."""
     if kernels.AVAILABLE:
-        ids, starts, order = np.arange(3, dtype=np.int64), np.array([0, 3], np.int64), np.empty(3, np.int64)
-        counts = np.zeros((1, 1), np.int64)
-        _route(ids, starts, np.ones(1, np.int64), np.full(1, -1, np.int64), np.zeros(1, np.int32), starts, order,
-               counts, np.empty((1, 1), np.int64))
+        ids, starts, one = np.arange(3, dtype=np.int64), np.array([0, 3], np.int64), np.ones(1, np.int64)
         for values in (np.zeros(6, np.float32), NO_VALUES):
-            _gather(ids, starts, values, starts, np.full(1, 2, np.int64), order, counts, np.empty(3, np.int64),
-                    np.empty(values.shape[0], np.float32))
+            _plan(ids, starts, values, one, np.full(1, -1, np.int64), np.zeros(1, np.int32), np.array([0, 1]),
+                  one * 2, 1)

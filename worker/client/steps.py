@@ -27,7 +27,7 @@ from shardps.rpc.step import NO_IDS, NO_VALUES, RANGE_CODE, Encoded
 from shardps.shardmap import ShardMapView
 from shardps.worker.client.fanout import RETRYABLE, MapSource, attempt_timeout
 from shardps.worker.client.results import BlockVersions, PullResult, PushResult, take_pull_reply
-from shardps.worker.client.step_plan import RowsRoute
+from shardps.worker.client.step_plan import RowsRoute, Tables
 from shardps.worker.routing import Piece, live_servers, route_ranges
 
 if TYPE_CHECKING:
@@ -50,6 +50,7 @@ class StepCalls:
         self.metrics = metrics
         self.versions = versions
         self.header = header
+        self._tables: dict[tuple[str, ...], tuple[ShardMapView, Tables]] = {}     # by table names, per map
 
     def take(self, pieces: list[Piece]) -> bool:
         """Whether Step frames may carry ``pieces``: float32 on the wire and no export pull
@@ -126,9 +127,14 @@ class StepCalls:
         sparse = list(itertools.filterfalse(_DENSE, pieces))
         if not sparse:
             return None, route_ranges(view, self.job, pieces)
-        found = list(map(view.tables.get, zip(itertools.repeat(self.job), map(_TABLE, sparse))))
-        tables = [view.table(self.job, p.table) for p in sparse] if None in found else found
-        rows = RowsRoute(tables, sparse, len(view.server_names), push)        # type: ignore[arg-type]
+        names = tuple(map(_TABLE, sparse))
+        known = self._tables.get(names)
+        if known is None or known[0] is not view:
+            if len(self._tables) >= MAX_TABLE_SETS:
+                self._tables.clear()
+            known = self._tables[names] = (view, Tables([view.table(self.job, name) for name in names],
+                                                        len(view.server_names)))
+        rows = RowsRoute(known[1], sparse, push)
         return rows, route_ranges(view, self.job, list(filter(_DENSE, pieces))) if len(sparse) < len(pieces) else {}
 
     def _push(self, parts: list, view: ShardMapView) -> list:
@@ -197,6 +203,7 @@ def base_versions(p: Piece, view: ShardMapView, job: str, versions: dict[tuple[s
 
 
 DIRECT_REPLY_BYTES = 256 << 10        # a server's pulled values from this size received in place
+MAX_TABLE_SETS = 64                   # sets of tables whose ``step_plan.Tables`` a ``StepCalls`` keeps
 
 
 _ALL_STORED = operator.attrgetter("all_stored")
@@ -206,7 +213,7 @@ _ELEMENTS, _ROWS = operator.itemgetter(2), operator.itemgetter(3)      # of a pl
 
 def _servers(view: ShardMapView, rows: RowsRoute) -> set[str]:
     """The names of the servers ``rows`` go to."""
-    return set(map(view.server_names.__getitem__, rows.servers()))
+    return set(map(view.server_names.__getitem__, rows.taking()))
 
 
 def _place(part, out: np.ndarray) -> tuple[np.ndarray, None, int, int]:
