@@ -170,7 +170,7 @@ class RowsRoute:
     def taking(self) -> list[int]:
         """The servers some row goes to (their indices, ascending)."""
         ends = self.info[HEAD:HEAD + self.servers + 1]
-        return [s for s in range(self.servers) if ends[s + 1] > ends[s]]
+        return list(itertools.compress(range(self.servers), map(operator.lt, ends, ends[1:])))
 
     def rows(self, server: int) -> Rows | None:
         """Server ``server``'s segments: one per piece it takes rows of, in piece order (None:
@@ -205,10 +205,12 @@ class RowsRoute:
 
 def _scattered(piece: Piece, out: np.ndarray, local: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, int, int]:
     """``RowsRoute.places``' place of rows that are not consecutive rows of the piece: its
-    rows at ``local``, which go to rows ``piece.positions[local]`` of ``out`` (when those are
-    consecutive: a flat view of them)."""
+    rows at ``local``, which go to those rows of ``out``, or to rows ``piece.positions[local]``
+    (when those are consecutive: a flat view of them)."""
     n = local.shape[0]
-    where = local if piece.positions is None else piece.positions[local]
+    if piece.positions is None:
+        return out, local, n * out.shape[1], n
+    where = piece.positions[local]
     start = contiguous_start(where)
     if start is None:
         return out, where, n * out.shape[1], n
