@@ -30,16 +30,17 @@ import time
 import numpy as np
 
 from shardps import kernels
-from shardps.rpc import frames
+from shardps.rpc import frames, step
 from shardps.server.node import optimizer_kernels, storage_kernels
 from shardps.tools.bench.common import in_process_cluster, thread_cpu_seconds
+from shardps.worker.client import step_plan
 
 # Python-level entry points of the compiled kernels (each a little glue and one compiled call)
 KERNELS: list[tuple[object, str]] = [
     (optimizer_kernels, "apply_rows"), (kernels, "route_rows"), (kernels, "unique_inverse"),
     (kernels, "sparse_block_of"), (kernels, "strictly_increasing"), (storage_kernels, "admit_rows"),
     (kernels, "finite"), (storage_kernels, "_gather_init"), (storage_kernels, "_assign_init"),
-    (storage_kernels, "_init_rows")]
+    (storage_kernels, "_init_rows"), (step_plan, "_plan"), (step, "_rows_fields"), (kernels, "scatter_rows")]
 SOCKET: list[tuple[object, str]] = [(frames, "send_parts"), (frames.FrameReader, "read_frame")]
 DENSE = (("fc1.weight", 26624), ("fc1.bias", 64), ("fc2.weight", 64), ("fc2.bias", 1))
 
