@@ -100,7 +100,7 @@ class StepCalls:
                 if sent is None:
                     declined = True
                     break
-                dense = {p.table for p, _, _, _ in pulls.get(server, ()) if p.dense}
+                dense = set(map(_TABLE, map(_PIECE, lp))) if lp else set()       # (its parts are ranges)
                 begun.append((server, sent, places, dense))
         except RETRYABLE:
             declined = True
@@ -209,6 +209,7 @@ MAX_TABLE_SETS = 64                   # sets of tables whose ``step_plan.Tables`
 _ALL_STORED = operator.attrgetter("all_stored")
 _DENSE, _TABLE = operator.attrgetter("dense"), operator.attrgetter("table")
 _ELEMENTS, _ROWS = operator.itemgetter(2), operator.itemgetter(3)      # of a place
+_PIECE = operator.itemgetter(0)                                         # of a part
 
 
 def _servers(view: ShardMapView, rows: RowsRoute) -> set[str]:
