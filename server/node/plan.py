@@ -210,7 +210,7 @@ class Planner:
             pulled = self.pull(job, header.epoch, pull)
             if pulled is None:
                 return None
-            if pushed is not None:
+            if pushed is not None and pulled.blocks != pushed.blocks:     # (a step's usually touch the same)
                 every = dict.fromkeys(itertools.chain(pushed.blocks, pulled.blocks))    # each once
                 return StepPlan(pushed, pulled, sorted(every, key=_KEY_OF))
         return StepPlan(pushed, pulled, (pushed or pulled).blocks)    # type: ignore[union-attr]
