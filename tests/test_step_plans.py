@@ -281,7 +281,7 @@ def test_a_payload_too_short_for_its_segments_is_refused():
 
 def test_a_dense_table_in_several_runs_of_blocks_is_served_in_one_step(monkeypatch):
     """A dense table whose blocks alternate between servers reaches a server as several
-    ranges of one table (``routing.route_parts``): one plan serves them together, in key
+    ranges of one table (``routing.route_ranges``): one plan serves them together, in key
     order; two ranges that share a block go to the per-block engine, which adds them."""
     v = T(dense_table("v", (24,), block_size=8), [["s0"], ["s1"], ["s0"]], TableConfig(optimizer=sgd(1.0)))
     node, general = ServerNode("s0"), ServerNode("s0")
