@@ -74,8 +74,8 @@ def test_a_pulls_destination_is_one_contiguous_piece_of_its_output_or_none():
 
     flat = np.zeros(1000, np.float32)
     dense = Piece(0, "w", True, start=100, stop=900, offset=0)
-    got = destination([(dense, None, 200, 700)], [flat], 4 * 500)
+    got = destination([(dense, 200, 700)], [flat], 4 * 500)
     assert got is not None and got.dtype == np.uint8 and got.nbytes == 2000
     assert got.__array_interface__["data"][0] == flat[100:].__array_interface__["data"][0]
-    assert destination([(dense, None, 200, 700)], [flat], 4 * 499) is None           # another size
-    assert destination([(dense, None, 200, 300), (dense, None, 400, 500)], [flat], 800) is None
+    assert destination([(dense, 200, 700)], [flat], 4 * 499) is None           # another size
+    assert destination([(dense, 200, 300), (dense, 400, 500)], [flat], 800) is None

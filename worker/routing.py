@@ -121,9 +121,9 @@ def _rows_of(p: Piece, pos: np.ndarray) -> Piece:
     return sub
 
 
-# One dense piece's part for one server: (piece, None, start, stop), the flat range
-# [start, stop) of the piece's (its values not copied: the transport sends them from there).
-Part = tuple[Piece, None, int, int]
+# One dense piece's part for one server: (piece, start, stop), the flat range [start, stop)
+# of the piece's (its values not copied: the transport sends them from there).
+Part = tuple[Piece, int, int]
 
 
 _TABLE = operator.attrgetter("table")
@@ -139,7 +139,7 @@ def route_ranges(view: ShardMapView, job: str, pieces: list[Piece]) -> dict[str,
     tables: list[TableView] = [view.table(job, p.table) for p in pieces] if None in found else found  # type: ignore
     for p, t in zip(pieces, tables):
         for server, sub in _route_dense(t, p):
-            out.setdefault(names[server], []).append((p, None, sub.start, sub.stop))
+            out.setdefault(names[server], []).append((p, sub.start, sub.stop))
     return out
 
 

@@ -83,11 +83,11 @@ def _names(fixed: tuple[str, ...]) -> bytes:
     return "\0".join(fixed).encode()
 
 
-def request(header: Header, kind: int, flags: int, push_segments: int, segments: list | np.ndarray,
+def request(header: Header, kind: int, flags: int, push_segments: int, segments: np.ndarray,
             names: tuple[str, ...], pull_clock: int = 0, payload_offset: int = 0, payload_bytes: int = 0,
             reply_offset: int = 0, reply_bytes: int = 0, bases: list | tuple = ()) -> bytes:
-    """A Step request header. ``segments``: each segment's ``SEGMENT_FIELDS`` int64 fields
-    (tuples, or one int64 array ``[segments, SEGMENT_FIELDS]``);
+    """A Step request header. ``segments``: the segments' ``SEGMENT_FIELDS`` int64 fields, one
+    array ``[segments, SEGMENT_FIELDS]``;
     ``names``: job, session, region and the tables' names (the segments' first
     field indexes them); ``bases``: the segments' base versions, flat (block, version) pairs
     in segment order (each segment's last field counts its own)."""
@@ -101,9 +101,7 @@ def request(header: Header, kind: int, flags: int, push_segments: int, segments:
     head = HEAD.pack(VERSION, flags, n, push_segments, len(raw), kind, header.wire_dtype, header.epoch,
                      header.incarnation, header.sequence, header.acked_below, header.clock, pull_clock,
                      payload_offset, payload_bytes, reply_offset, reply_bytes)
-    fields = (segments.tobytes() if isinstance(segments, np.ndarray) else
-              struct.pack(f"<{n * SEGMENT_FIELDS}q", *itertools.chain.from_iterable(segments)))
-    return b"".join((head, fields, raw, bytes(pad8(len(raw)) - len(raw)),
+    return b"".join((head, segments.tobytes(), raw, bytes(pad8(len(raw)) - len(raw)),
                      struct.pack(f"<{len(bases)}q", *bases) if bases else b""))
 
 

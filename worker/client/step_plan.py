@@ -136,7 +136,7 @@ class Tables:
         self.servers = servers
         self.num_blocks = np.fromiter(map(_NUM_BLOCKS, tables), np.int64, n)
         self.whole_on = np.fromiter(map(_WHOLE_ON, tables), np.int64, n)
-        self.primary = np.concatenate(list(map(_PRIMARY, tables))).astype(np.int32)
+        self.primary = np.concatenate(list(map(_PRIMARY, tables)), dtype=np.int32)
         self.primary_starts = np.fromiter(itertools.accumulate(map(len, map(_PRIMARY, tables)), initial=0),
                                           np.int64, n + 1)
         self.dims = np.fromiter(map(_DIM, tables), np.int64, n)
@@ -147,7 +147,8 @@ class RowsRoute:
     (see the module docstring); with ``push``, their rows' values go along. Raises
     Unavailable for a block without a live replica."""
 
-    __slots__ = ("pieces", "names", "info", "order", "counts", "dims", "ids", "values", "servers", "segments")
+    __slots__ = ("pieces", "names", "order", "counts", "dims", "ids", "values", "ends", "value_ends", "seg_ends",
+                 "seg_pieces", "seg_firsts")
 
     def __init__(self, tables: Tables, pieces: list[Piece], push: bool):
         self.pieces, self.names = pieces, tables.names
@@ -161,46 +162,45 @@ class RowsRoute:
         info, self.order, self.counts, self.dims, self.ids, self.values = _plan(
             ids, id_starts, values, tables.num_blocks, tables.whole_on, tables.primary, tables.primary_starts,
             tables.dims, tables.servers)
-        self.info = info = info.tolist()
+        info = info.tolist()
         if info[0] >= 0:
             raise Unavailable(f"block {info[1]} of table {self.names[info[0]]!r} has no live replica under the "
                               f"current map: wait for the manager to re-place it (or restore a checkpoint)")
-        self.servers, self.segments = tables.servers, info[2]
+        # server s's rows are [ends[s], ends[s + 1]) of ids and order, its values [value_ends[s],
+        # value_ends[s + 1]), its segments [seg_ends[s], seg_ends[s + 1]) of seg_pieces and seg_firsts
+        bounds = tables.servers + 1
+        self.ends, self.value_ends, self.seg_ends = (info[HEAD + k * bounds:HEAD + (k + 1) * bounds] for k in range(3))
+        self.seg_pieces = info[HEAD + 3 * bounds:HEAD + 3 * bounds + info[2]]
+        self.seg_firsts = info[HEAD + 3 * bounds + info[2]:]
 
     def taking(self) -> list[int]:
         """The servers some row goes to (their indices, ascending)."""
-        ends = self.info[HEAD:HEAD + self.servers + 1]
-        return list(itertools.compress(range(self.servers), map(operator.lt, ends, ends[1:])))
+        ends = self.ends
+        return list(itertools.compress(range(len(ends) - 1), map(operator.lt, ends, ends[1:])))
 
     def rows(self, server: int) -> Rows | None:
         """Server ``server``'s segments: one per piece it takes rows of, in piece order (None:
         it takes none)."""
-        info, s = self.info, HEAD + server
-        at, end = info[s], info[s + 1]
+        at, end = self.ends[server], self.ends[server + 1]
         if at == end:
             return None
-        bounds = HEAD + 2 * (self.servers + 1) + server
-        a, z = info[bounds], info[bounds + 1]
-        pieces = HEAD + 3 * (self.servers + 1)
-        values = s + self.servers + 1
-        return Rows(tuple(map(self.names.__getitem__, info[pieces + a:pieces + z])), self.counts[a:z],
-                    self.dims[a:z], self.ids[at:end], self.values[info[values]:info[values + 1]])
+        a, z = self.seg_ends[server], self.seg_ends[server + 1]
+        return Rows(tuple(map(self.names.__getitem__, self.seg_pieces[a:z])), self.counts[a:z], self.dims[a:z],
+                    self.ids[at:end], self.values[self.value_ends[server]:self.value_ends[server + 1]])
 
     def places(self, server: int, outputs: list) -> list[tuple[np.ndarray, np.ndarray | None, int, int]]:
         """Where server ``server``'s reply to a pull goes, segment by segment in ``rows``'
         order: (dest, where, elements, rows). A segment of consecutive rows of its piece's
         output is a flat view of them (``where`` None), else ``dest`` is the output and
         ``where`` its rows' positions in it."""
-        info, servers = self.info, self.servers
-        bounds = HEAD + 2 * (servers + 1) + server
-        a, z = info[bounds], info[bounds + 1]
-        pieces = list(map(self.pieces.__getitem__, info[HEAD + 3 * (servers + 1) + a:HEAD + 3 * (servers + 1) + z]))
-        firsts = info[HEAD + 3 * (servers + 1) + self.segments + a:HEAD + 3 * (servers + 1) + self.segments + z]
-        starts = itertools.accumulate(self.counts[a:z].tolist(), initial=info[HEAD + server])
+        a, z = self.seg_ends[server], self.seg_ends[server + 1]
+        pieces = list(map(self.pieces.__getitem__, self.seg_pieces[a:z]))
+        counts = self.counts[a:z].tolist()
+        starts = itertools.accumulate(counts, initial=self.ends[server])
         return [(out[first:first + n].reshape(-1), None, n * out.shape[1], n) if first >= 0 and p.positions is None
                 else _scattered(p, out, self.order[at:at + n])
-                for p, out, first, n, at in zip(pieces, map(outputs.__getitem__, map(_ITEM, pieces)), firsts,
-                                                self.counts[a:z].tolist(), starts)]
+                for p, out, first, n, at in zip(pieces, map(outputs.__getitem__, map(_ITEM, pieces)),
+                                                self.seg_firsts[a:z], counts, starts)]
 
 
 def _scattered(piece: Piece, out: np.ndarray, local: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, int, int]:

@@ -142,12 +142,12 @@ class StepCalls:
         each range with its base versions."""
         return [(p.table, RANGE_CODE, a, z, NO_IDS, p.values[a - p.start:z - p.start],
                  tuple(itertools.chain.from_iterable(base_versions(p, view, self.job, self.versions, a, z).items())))
-                for p, _, a, z in parts]
+                for p, a, z in parts]
 
     @staticmethod
     def _pull(parts: list) -> list:
         """A server's dense pull parts as ``Encoded``'s segments."""
-        return [(p.table, RANGE_CODE, a, z, NO_IDS, NO_VALUES, ()) for p, _, a, z in parts]
+        return [(p.table, RANGE_CODE, a, z, NO_IDS, NO_VALUES, ()) for p, a, z in parts]
 
     def place(self, server: str, ack: PushAck, reply: PullReply, elements: tuple, values: np.ndarray,
               places: list, dense: set[str], presult, lresult, in_group: bool) -> None:
@@ -221,7 +221,7 @@ def _place(part, out: np.ndarray) -> tuple[np.ndarray, None, int, int]:
     """Where a dense pull part's values go in its output ``out``: ``(dest, None, elements,
     0)``, ``dest`` a flat view of ``out`` they fill (``step_plan.RowsRoute.places`` says the
     same of rows: ``where``, their rows in ``dest`` when not None; ``rows``, how many)."""
-    p, _, a, z = part
+    p, a, z = part
     lo = p.offset + (a - p.start)
     return out[lo:lo + z - a], None, z - a, 0
 
