@@ -255,7 +255,7 @@ class PSClient(ManagerCalls, TableTransfer):
 
         def run():
             res = self._data.pull(pieces, outputs, timeout, clock)
-            res.values = [finish(v) for finish, v in zip(finishes, res.values)]
+            res.values = rq.finished(finishes, res.values)
             return res.values[0] if values_only else res
         return run
 
@@ -280,7 +280,7 @@ class PSClient(ManagerCalls, TableTransfer):
 
         def run():
             pushed, pulled = self._data.exchange(pushes, pieces, outputs, timeout, clock, report_step)
-            pulled.values = [finish(v) for finish, v in zip(finishes, pulled.values)]
+            pulled.values = rq.finished(finishes, pulled.values)
             return pushed, pulled
         return run
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
+from itertools import repeat
 from typing import Callable
 
 import numpy as np
@@ -40,7 +41,13 @@ Finish = Callable[[np.ndarray], np.ndarray]       # pulled values -> what the ca
 
 
 _F32, _I64 = np.dtype(np.float32), np.dtype(np.int64)
-_FIRST = operator.itemgetter(0)
+_SPARSE = TableKind.SPARSE
+_FIRST, _SECOND, _THIRD = operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(2)
+_KIND, _NAME = operator.attrgetter("spec.kind"), operator.attrgetter("name")
+_DIM, _NUM_ROWS = operator.attrgetter("spec.dim"), operator.attrgetter("spec.num_rows")
+_SHAPE = operator.attrgetter("shape")
+_ID_LAYOUT = operator.attrgetter("dtype", "ndim", "flags.c_contiguous")
+_ROWS_LAYOUT = operator.attrgetter("dtype", "flags.c_contiguous")
 
 
 def _dtype_name(values) -> str | None:
@@ -90,12 +97,13 @@ def _element(i: int, shape: tuple, what: str, start: int = 0) -> str:
     return place
 
 
-def distinct(ids: np.ndarray) -> tuple[np.ndarray, Finish]:
+def distinct(ids: np.ndarray) -> tuple[np.ndarray, Finish | None]:
     """(each distinct id once, in order of first appearance; a function taking their rows
-    to the rows of ``ids``). Ids already distinct, in any order, are neither copied nor
-    gathered afterwards; none are sorted (servers take ids in any order)."""
+    to the rows of ``ids``, None when they are the rows of ``ids``). Ids already distinct,
+    in any order, are neither copied nor gathered afterwards; none are sorted (servers take
+    ids in any order)."""
     if kernels.distinct(ids):
-        return ids, lambda rows: rows
+        return ids, None
     unique, inverse = kernels.first_unique(ids)
     return unique, lambda rows: rows[inverse]
 
@@ -207,73 +215,119 @@ def request_list(requests, what: str) -> list:
 
 
 # ====================================================================== a call's requests
-def pull_pieces(tables: list[TableView], requests: list) -> list[tuple[Piece, np.ndarray, Finish]]:
-    """``many_pull`` of each of a call's requests (``tables[i]``: request i's table). The
-    sparse requests whose ids are a flat int64 array (what ``PSModel`` sends) are checked
-    together: their ids' bounds and distinctness in one compiled pass for all tables."""
-    fast = [i for i, (t, r) in enumerate(zip(tables, requests)) if _plain_pull(t, r)]
-    done = dict(zip(fast, _sparse_pulls([tables[i] for i in fast], [requests[i] for i in fast], fast)))
-    return [done[i] if i in done else many_pull(i, t, r) for i, (t, r) in enumerate(zip(tables, requests))]
+def pull_pieces(tables: list[TableView], requests: list) -> list[tuple[Piece, np.ndarray, Finish | None]]:
+    """``many_pull`` of each of a call's requests (``tables[i]``: request i's table), as
+    (piece, output, finish: None when the output is the result as it is). When every sparse
+    request's ids are a flat int64 array (what ``PSModel`` sends), the sparse requests are
+    checked and laid out together, with no Python per request: their ids' bounds and
+    distinctness in one compiled pass (``_SparseItems``)."""
+    sparse = _SparseItems.of(tables, requests, 2)
+    if sparse is None:
+        return [many_pull(i, t, r) for i, (t, r) in enumerate(zip(tables, requests))]
+    distinct = sparse.checked_ids()
+    parts = sparse.pull_parts()
+    for k in itertools.compress(range(len(parts)), map(operator.not_, distinct)):     # ids repeated
+        parts[k] = rows_pull(sparse.items[k], sparse.tables[k], sparse.ids[k])
+    return sparse.merged(parts, many_pull)
 
 
 def push_pieces(tables: list[TableView], requests: list) -> list[Piece]:
-    """``many_push`` of each of a call's requests, as ``pull_pieces``: the sparse requests
-    whose ids are a flat int64 array and whose rows a float32 ``[len(ids), dim]`` array are
-    checked together (the ids' bounds and distinctness in one compiled pass, the rows'
-    finiteness in one compiled call each)."""
-    fast = [i for i, (t, r) in enumerate(zip(tables, requests)) if _plain_push(t, r)]
-    done = dict(zip(fast, _sparse_pushes([tables[i] for i in fast], [requests[i] for i in fast], fast)))
-    return [done[i] if i in done else many_push(i, t, r) for i, (t, r) in enumerate(zip(tables, requests))]
-
-
-def _plain_ids(ids) -> bool:
-    return type(ids) is np.ndarray and ids.dtype == _I64 and ids.ndim == 1 and ids.flags.c_contiguous
-
-
-def _plain_pull(t: TableView, request) -> bool:
-    return t.spec.kind is TableKind.SPARSE and len(request) == 2 and _plain_ids(request[1])
-
-
-def _plain_push(t: TableView, request) -> bool:
-    if t.spec.kind is not TableKind.SPARSE or len(request) != 3 or not _plain_ids(request[1]):
-        return False
-    rows = request[2]
-    return (type(rows) is np.ndarray and rows.dtype == _F32 and rows.flags.c_contiguous
-            and rows.shape == (request[1].shape[0], t.spec.dim))
-
-
-def _checked_ids(tables: list[TableView], ids: list[np.ndarray]) -> np.ndarray:
-    """Whether each request's ids are distinct; InvalidArgument (``as_ids``') for the first
-    id outside its table's bounds."""
-    bad, at, distinct = request_kernels.check_ids(ids, [t.spec.num_rows for t in tables])
+    """``many_push`` of each of a call's requests, as ``pull_pieces``: when every sparse
+    request's ids are a flat int64 array and its rows a float32 ``[len(ids), dim]`` array,
+    the sparse requests are checked together (the ids' bounds and distinctness in one
+    compiled pass, the rows' finiteness in one compiled call each) and their pieces made
+    without Python per request."""
+    sparse = _SparseItems.of(tables, requests, 3)
+    rows = None if sparse is None else sparse.plain_rows()
+    if sparse is None or rows is None:
+        return [many_push(i, t, r) for i, (t, r) in enumerate(zip(tables, requests))]
+    distinct = sparse.checked_ids()
+    bad = request_kernels.first_non_finite(rows)
     if bad >= 0:
-        raise _outside(tables[bad], ids[bad], at)
-    return distinct
+        for i, t, x, g in zip(sparse.items[bad:], sparse.tables[bad:], sparse.ids[bad:], rows[bad:]):
+            rows_push(i, t, x, g)             # refuses the first NaN/Inf row its table does not allow
+    pieces = list(map(_rows_piece, sparse.items, sparse.names(), sparse.ids, rows))
+    for k in itertools.compress(range(len(pieces)), map(operator.not_, distinct)):    # ids repeated: summed
+        pieces[k] = rows_push(sparse.items[k], sparse.tables[k], sparse.ids[k], rows[k])
+    return sparse.merged(pieces, many_push)
 
 
-def _sparse_pulls(tables: list[TableView], requests: list, items: list[int]) -> list:
-    """The pieces of plain sparse pulls (items ``items`` of the call): distinct ids as they
-    are, others through ``rows_pull``."""
-    ids = [r[1] for r in requests]
-    distinct = _checked_ids(tables, ids)
-    return [(Piece(i, t.name, False, ids=x), np.empty((x.shape[0], t.spec.dim), np.float32), _same) if d
-            else rows_pull(i, t, x) for i, t, x, d in zip(items, tables, ids, distinct)]
+class _SparseItems:
+    """A call's sparse requests when each one's ids are a flat int64 array (``of``):
+    ``items`` (their places in the call), ``tables``, ``ids`` and ``requests``; found, and
+    later merged back among the call's other requests, by C-level passes (``map``,
+    ``compress``) rather than Python per request."""
+
+    __slots__ = ("call", "requests_in_call", "items", "tables", "requests", "ids")
+
+    def __init__(self, tables: list[TableView], requests: list, items: list[int]):
+        self.call, self.requests_in_call, self.items = tables, requests, items
+        self.tables = tables if len(items) == len(tables) else list(map(tables.__getitem__, items))
+        self.requests = requests if len(items) == len(requests) else list(map(requests.__getitem__, items))
+        self.ids: list[np.ndarray] = []
+
+    @classmethod
+    def of(cls, tables: list[TableView], requests: list, size: int) -> "_SparseItems | None":
+        """The sparse requests of a call whose requests of sparse tables all have ``size``
+        items and flat int64 ids (None: some request does not)."""
+        items = list(itertools.compress(range(len(tables)), map(operator.is_, map(_KIND, tables), repeat(_SPARSE))))
+        found = cls(tables, requests, items)
+        if not set(map(len, found.requests)) <= {size}:
+            return None
+        found.ids = list(map(_SECOND, found.requests))
+        if not (set(map(type, found.ids)) <= {np.ndarray} and set(map(_ID_LAYOUT, found.ids)) <= {(_I64, 1, True)}):
+            return None
+        return found
+
+    def plain_rows(self) -> list[np.ndarray] | None:
+        """The pushes' gradient rows when each is a C-contiguous float32 ``[len(ids), dim]``
+        array (else None)."""
+        rows = list(map(_THIRD, self.requests))
+        if not (set(map(type, rows)) <= {np.ndarray} and set(map(_ROWS_LAYOUT, rows)) <= {(_F32, True)}
+                and list(map(_SHAPE, rows)) == list(zip(map(len, self.ids), map(_DIM, self.tables)))):
+            return None
+        return rows
+
+    def names(self) -> map:
+        return map(_NAME, self.tables)
+
+    def pull_parts(self) -> list[tuple[Piece, np.ndarray, Finish | None]]:
+        """Each pull's (piece, an output for its rows, None): its ids sent as they are."""
+        pieces = map(Piece, self.items, self.names(), repeat(False), repeat(0), repeat(0), repeat(0), self.ids)
+        outputs = map(np.empty, zip(map(len, self.ids), map(_DIM, self.tables)), repeat(_F32))
+        return list(zip(pieces, outputs, repeat(None)))
+
+    def checked_ids(self) -> list[bool]:
+        """Whether each request's ids are distinct; InvalidArgument (``as_ids``') for the
+        first id outside its table's bounds."""
+        if not self.ids:
+            return []
+        bad, at, distinct = request_kernels.check_ids(self.ids, list(map(_NUM_ROWS, self.tables)))
+        if bad >= 0:
+            raise _outside(self.tables[bad], self.ids[bad], at)
+        return distinct.tolist()
+
+    def merged(self, parts: list, each: Callable) -> list:
+        """The call's parts in request order: ``parts`` (of these requests) and ``each(i, table,
+        request)`` of the call's other requests."""
+        if len(parts) == len(self.call):
+            return parts
+        done = dict(zip(self.items, parts))
+        for i in itertools.filterfalse(done.__contains__, range(len(self.call))):
+            done[i] = each(i, self.call[i], self.requests_in_call[i])
+        return list(map(done.__getitem__, range(len(self.call))))
 
 
-def _sparse_pushes(tables: list[TableView], requests: list, items: list[int]) -> list[Piece]:
-    """The pieces of plain sparse pushes: distinct ids as they are, others summed through
-    ``rows_push`` (which also names a refused NaN/Inf row)."""
-    ids, rows = [r[1] for r in requests], [r[2] for r in requests]
-    distinct = _checked_ids(tables, ids)
-    if any(kernels.first_non_finite(g) >= 0 for g in rows):
-        for i, t, x, g in zip(items, tables, ids, rows):      # rows_push refuses the first its table does not allow
-            rows_push(i, t, x, g)
-    return [Piece(i, t.name, False, ids=x, values=g) if d else rows_push(i, t, x, g)
-            for i, t, x, g, d in zip(items, tables, ids, rows, distinct)]
+def _rows_piece(item: int, table: str, ids: np.ndarray, rows: np.ndarray) -> Piece:
+    return Piece(item, table, False, ids=ids, values=rows)
 
 
-def _same(rows: np.ndarray) -> np.ndarray:
-    return rows
+def finished(finishes: list, values: list) -> list:
+    """A pull's ``values`` with each item's finish applied (``pull_pieces``: None where the
+    value is the result as it is)."""
+    for k in itertools.compress(range(len(finishes)), finishes):
+        values[k] = finishes[k](values[k])
+    return values
 
 
 # ====================================================================== pulls
@@ -292,13 +346,13 @@ def dense_pull(item: int, t: TableView, start: int, stop: int | None, whole: boo
             lambda v: v.reshape(shape) if shape else v)
 
 
-def rows_pull(item: int, t: TableView, ids) -> tuple[Piece, np.ndarray, Finish]:
+def rows_pull(item: int, t: TableView, ids) -> tuple[Piece, np.ndarray, Finish | None]:
     unique, spread = distinct(as_ids(ids, t))
     piece = Piece(item, t.name, False, ids=unique)
     return piece, np.empty((unique.shape[0], t.spec.dim), np.float32), spread
 
 
-def many_pull(item: int, t: TableView, request: tuple) -> tuple[Piece, np.ndarray, Finish]:
+def many_pull(item: int, t: TableView, request: tuple) -> tuple[Piece, np.ndarray, Finish | None]:
     """One request of ``pull_many``: ``(table,)``, ``(table, start, stop)`` or ``(table, ids)``."""
     if not isinstance(request, (tuple, list)):
         raise InvalidArgument(f"pull request {request!r}: expected (table,), (table, start, stop) "
