@@ -21,12 +21,17 @@ on the CPU (a GPU's lookups stay a table at a time).
 from __future__ import annotations
 
 import itertools
+import operator
 
 import numpy as np
 import torch
 
 from shardps.worker.embeddings import PSEmbedding, PSRows, same_ids
 from shardps.worker.lookup_kernels import lookup
+
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
+_TABLE, _UNIQUE = operator.attrgetter("table"), operator.attrgetter("unique")
+_NEXT = (1).__add__
 
 
 class LookupBatch:
@@ -96,12 +101,15 @@ class LookupBatch:
         """Whether tables took their parts and the leaf collects their gradients."""
         return self.weight is not None and self.weight.requires_grad
 
-    def gradients(self) -> list[tuple]:
-        """(table, distinct ids, gradient rows) of each table that took its part, once the
-        backward pass gave the leaf its gradient (none before)."""
+    def gradients(self) -> tuple[list[str], list[np.ndarray], list[torch.Tensor]]:
+        """The tables that took their parts, once the backward pass gave the leaf its
+        gradient (none before): their names, distinct ids and gradient rows (views of the
+        leaf's gradient), in the order they took them; without Python per table."""
         grad = None if self.weight is None else self.weight.grad
         if grad is None:
-            return []
-        at, members = self.row_at, self.members
-        taken = [self.index[emb] for emb, _ in self.taken]
-        return [(members[k][0].table, members[k][1].unique, grad[at[k]:at[k + 1]]) for k in taken]
+            return [], [], []
+        taken = list(map(self.index.__getitem__, map(_FIRST, self.taken)))
+        members = list(map(self.members.__getitem__, taken))
+        parts = map(slice, map(self.row_at.__getitem__, taken), map(self.row_at.__getitem__, map(_NEXT, taken)))
+        return (list(map(_TABLE, map(_FIRST, members))), list(map(_UNIQUE, map(_SECOND, members))),
+                list(map(grad.__getitem__, parts)))

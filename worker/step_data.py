@@ -5,6 +5,7 @@ host in one batch of copies (``DeviceCopies``)."""
 
 from __future__ import annotations
 
+import operator
 from typing import Iterable
 
 import numpy as np
@@ -14,6 +15,8 @@ from shardps.worker.dense_buckets import DenseBucket
 from shardps.worker.device_copies import DeviceCopies
 from shardps.worker.embeddings import PSRows
 from shardps.worker.lookup_batch import LookupBatch
+
+_PENDING = operator.attrgetter("stage.pending")
 
 
 def load_dense(buckets: list[DenseBucket], values: list, copies: DeviceCopies) -> None:
@@ -34,16 +37,21 @@ def gradient_requests(buckets: list[DenseBucket], embeddings: Iterable[PSRows], 
     that have one), then each table's gradient rows (one request per table: its lookups'
     and its parts of ``batches``, which this drains). The gradients reach the host in one
     ``copies.to_host_all``: on a GPU every table's copy is in flight together and the
-    training thread waits once."""
+    training thread waits once. A step whose tables were all looked up in one batch (the
+    common case) takes their rows without Python per table."""
     dense = [(b, start, grad) for b in buckets for start, grad in b.gradients()]
-    tables: list[tuple] = [(emb.table, emb.take_gradient_rows()) for emb in embeddings if emb.stage.pending]
+    pending = list(filter(_PENDING, embeddings))
+    if not pending and len(batches) == 1:
+        tables, ids, grads = batches.pop().gradients()
+        on_host = copies.to_host_all([grad for _, _, grad in dense] + grads)
+        return _dense_requests(dense, on_host) + list(zip(tables, ids, on_host[len(dense):]))
+    got_rows: list[tuple] = [(emb.table, emb.take_gradient_rows()) for emb in pending]
     if batches:
-        tables = _with_batches(tables, batches)
-    on_host = copies.to_host_all([grad for _, _, grad in dense] + [grad for _, got in tables for _, grad in got])
-    requests: list[tuple] = [(b.table, grad) if start == 0 and grad.shape[0] == b.numel else (b.table, grad, start)
-                             for (b, start, _), grad in zip(dense, on_host)]
+        got_rows = _with_batches(got_rows, batches)
+    on_host = copies.to_host_all([grad for _, _, grad in dense] + [grad for _, got in got_rows for _, grad in got])
+    requests = _dense_requests(dense, on_host)
     at = len(dense)
-    for table, got in tables:
+    for table, got in got_rows:
         if got:                  # a table looked up once: its rows as they are, else every lookup's together
             rows = on_host[at:at + len(got)]
             at += len(got)
@@ -52,15 +60,21 @@ def gradient_requests(buckets: list[DenseBucket], embeddings: Iterable[PSRows], 
     return requests
 
 
+def _dense_requests(dense: list[tuple], on_host: list[np.ndarray]) -> list[tuple]:
+    """The push requests of the buckets' gradients ``dense`` ((bucket, start, gradient)),
+    whose host arrays begin ``on_host``."""
+    return [(b.table, grad) if start == 0 and grad.shape[0] == b.numel else (b.table, grad, start)
+            for (b, start, _), grad in zip(dense, on_host)]
+
+
 def _with_batches(tables: list[tuple], batches: list[LookupBatch]) -> list[tuple]:
     """``tables`` ((table, [(ids, rows) of each lookup])) with the tables' parts of
     ``batches`` (which this drains), each table once."""
-    batched = [(t, [(ids, grad)]) for batch in batches for t, ids, grad in batch.gradients()]
-    once = not tables and len(batches) == 1     # the common case: a batch holds each table once
-    batches.clear()
-    if once:
-        return batched
     by_table: dict[str, list] = {}
-    for table, got in tables + batched:
+    for table, got in tables:
         by_table.setdefault(table, []).extend(got)
+    for batch in batches:
+        for table, ids, grad in zip(*batch.gradients()):
+            by_table.setdefault(table, []).append((ids, grad))
+    batches.clear()
     return list(by_table.items())

@@ -49,7 +49,6 @@ import time
 from concurrent import futures
 from typing import Callable, Sequence
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -63,7 +62,7 @@ from shardps.worker.embeddings import BatchSlot, PSEmbedding, PSEmbeddingBag, PS
 from shardps.worker.lookup_batch import LookupBatch
 from shardps.worker.lookups import LookupPlanner
 from shardps.worker.model_io import ModelIO
-from shardps.worker.row_cache import wanted_ids
+from shardps.worker.wanted import Wanted, give_rows, unannounced
 
 __all__ = ["PSModel", "PSLambdaLR", "PSEmbedding", "PSEmbeddingBag", "PSEmbeddingBagCollection",
            "KeyedJaggedTensor"]
@@ -135,7 +134,8 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         self._flow = _Flow()                   # the pull deferred, the push held or in flight
         # with overlap: (the step it is for, the exchange carrying that step's pull, the
         # (embedding, ids) whose rows it carries), oldest first
-        self._prefetch: collections.deque[tuple[int, futures.Future, list]] = collections.deque()
+        # (the step that reads it, its exchange, the Wanted it fetches: _Completed once arrived)
+        self._prefetch: collections.deque[tuple[int, futures.Future, Wanted | _Completed]] = collections.deque()
         # seconds in pull and push, waiting for stragglers, stepping the local optimizer
         self.timings = {"pull_wait": 0.0, "push_wait": 0.0, "barrier_wait": 0.0, "local_optimizer": 0.0}
         self._base_lr: dict[str, float] = {}
@@ -206,8 +206,7 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
             return      # the loop announces its lookups itself (prefetch): no forward is watched
         self.lookups.begin(args, kwargs)
         if self._flow.deferred_pull:
-            announce([(emb, ids) for emb, ids in self.lookups.predict()           # type: ignore[misc]
-                      if emb.stage.wanted is None and emb.stage.fetched is None])    # type: ignore[attr-defined]
+            announce(unannounced(self.lookups.predict()))
             self._pull_now()
 
     def _after_forward(self, module, args, kwargs, output) -> None:
@@ -227,16 +226,16 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         if self._prefetch and self._prefetch[0][0] == self.step:
             res = self._prefetch[0][1].result()[1]               # (push, pull) of an exchange
             self._cache_arrived()                                # completes its rows (and any returned)
-            arrived = list(self._prefetch.popleft()[2])         # (emb, ids, rows)
-            for emb, ids, rows in arrived:
-                emb.stage.fetched = (ids, rows)
+            carried = self._prefetch.popleft()[2]
+            assert isinstance(carried, _Completed)               # (emb, ids, rows): _cache_arrived's
+            arrived = list(carried)
+            give_rows(arrived)
             step_data.load_dense(self.buckets, res.values, self.copies)
             names = []                                           # loaded from the exchange
             waited = res.waited_seconds
         else:
             waited, arrived = 0.0, []
-        wanted = [(emb, ids, emb.cache_plan(ids, self.step), self.step)
-                  for emb, ids in _take_wanted(self.embeddings) if not emb._has_rows_for(ids)]
+        wanted = Wanted.take(self.embeddings.values(), self.step, self.step, unfetched=True)
         held, self._flow.held = self._flow.held, None
         if names or wanted:
             # read-your-writes: a pull no exchange carried sees this worker's earlier pushes
@@ -244,13 +243,11 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
             # with it, applied first (one round trip per server)
             self.flush()
             self._set_clock(self.step)
-            pulls = [(n,) for n in names] + [(emb.table, wanted_ids(ids, plan)) for emb, ids, plan, _ in wanted]
+            pulls = [(n,) for n in names] + wanted.requests()
             res = (self.client.exchange(held[0], pulls, clock=held[1], report_step=self.report_steps)[1]
                    if held is not None else self.client.pull_many(pulls, clock=self.step))
-            pulled = [(emb, ids, emb.complete(plan, rows, refreshed))
-                      for (emb, ids, plan, refreshed), rows in zip(wanted, res.values[len(names):])]
-            for emb, ids, rows in pulled:
-                emb.stage.fetched = (ids, rows)
+            pulled = wanted.arrived(res.values[len(names):])
+            give_rows(pulled)
             arrived += pulled
             if names:
                 step_data.load_dense(self.buckets, res.values, self.copies)
@@ -321,10 +318,7 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         for k, (use, future, carried) in enumerate(self._prefetch):
             if isinstance(carried, _Completed) or not future.done() or future.exception() is not None:
                 continue
-            pulled = future.result()[1].values[names:]
-            self._prefetch[k] = (use, future, _Completed(
-                (emb, ids, emb.complete(plan, rows, refreshed))
-                for (emb, ids, plan, refreshed), rows in zip(carried, pulled)))
+            self._prefetch[k] = (use, future, _Completed(carried.arrived(future.result()[1].values[names:])))
 
     @property
     def lookahead(self) -> int:
@@ -391,23 +385,13 @@ def _exchange(model: PSModel, requests: list[tuple]) -> tuple[futures.Future | N
     serves the pull). Returns (its future, the prefetch for step ``step + lookahead``), or
     (None, None) when there is nothing to pull."""
     use = model.step + model.lookahead           # the step that reads this pull
-    wanted = [(emb, ids, emb.cache_plan(ids, use), model.step + 1) for emb, ids in _take_wanted(model.embeddings)]
-    requests_next = [(b.table,) for b in model.buckets] + [(emb.table, wanted_ids(ids, plan))
-                                                           for emb, ids, plan, _ in wanted]
+    wanted = Wanted.take(model.embeddings.values(), use, model.step + 1)
+    requests_next = [(b.table,) for b in model.buckets] + wanted.requests()
     if not requests_next:
         return None, None
     model._set_clock(model.step + 1)
     future = model.client.exchange_async(requests, requests_next, clock=model.step, report_step=model.report_steps)
     return future, (use, future, wanted)
-
-
-def _take_wanted(embeddings: dict[str, PSRows]) -> list[tuple[PSRows, np.ndarray]]:
-    """(embedding, the distinct ids it announced) of every embedding that announced some
-    since the last pull; their announcements cleared."""
-    wanted = [(emb, emb.stage.wanted) for emb in embeddings.values() if emb.stage.wanted is not None]
-    for emb, _ in wanted:
-        emb.stage.wanted = None
-    return wanted
 
 
 def _send_from_backward(model: PSModel) -> tuple | None:
