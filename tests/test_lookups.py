@@ -105,6 +105,23 @@ def test_lookups_taken_from_a_batch_keep_their_recipes_unless_looked_up_twice():
     p.end()
 
 
+def test_a_forward_whose_lookups_all_took_their_predicted_ids_keeps_every_recipe():
+    """The common step: every table predicted, each taken once from the batch; then a
+    second input laid out otherwise cuts only the recipes of the input still laid out alike."""
+    p = _learned({"a": 0, "b": 1, "c": 2})
+    learned = dict(p.recipes)
+    y = torch.arange(100, 140).reshape(10, 4)
+    p.begin((y,), {})
+    predicted = p.predict()
+    assert [(t, ids.tolist()) for t, ids in predicted] == [(t, y[:, c].tolist())
+                                                           for t, c in (("a", 0), ("b", 1), ("c", 2))]
+    p.end(predicted)
+    assert list(p.recipes) == ["a", "b", "c"] and all(p.recipes[t] is learned[t] for t in learned)
+    p.begin((torch.arange(100, 140).reshape(4, 10).t(),), {})    # the same shape, strides of a transpose
+    assert p.predict() == []
+    p.end()
+
+
 class _Wide(nn.Module):
     """One single-hot table per column of the input, and a dense head."""
 

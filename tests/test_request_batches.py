@@ -33,29 +33,33 @@ def _ids(*xs) -> np.ndarray:
 
 def _pulled(tables, requests):
     """Each part as (item, table, dense, ids, output shape, finish given), and the parts."""
-    parts = rq.pull_pieces(tables, requests)
+    call = rq.pull_pieces(tables, requests)
     return [(p.item, p.table, p.dense, None if p.ids is None else p.ids.tolist(), out.shape, finish is not None)
-            for p, out, finish in parts], parts
+            for p, out, finish in zip(*call)], call
 
 
 def test_a_mixed_pull_is_laid_out_in_request_order_whichever_way_its_sparse_requests_go():
     tables = [A, DENSE, B, A]
     plain = [("a", _ids(5, 1, 9)), ("dense",), ("b", _ids(3, 3, 7)), ("a", _ids())]
-    batched, _ = _pulled(tables, plain)
+    batched, call = _pulled(tables, plain)
     assert batched == [(0, "a", False, [5, 1, 9], (3, 4), False),
                        (1, "dense", True, None, (6,), True),            # whole: reshaped to (3, 2)
                        (2, "b", False, [3, 7], (2, 2), True),          # a repeated id: sent once, spread back
                        (3, "a", False, [], (0, 4), False)]
+    # the outputs of the batch's distinct ids are views of one array (its rows' scatter is one call)
+    assert call.outputs.starts.tolist() == [0, -1, -1, 12]
+    first = call.outputs[0]
+    assert first.base is call.outputs.flat and np.shares_memory(first, call.outputs.flat[:12])
     # one request's ids as int32: the call goes request by request, to the same pieces
-    apart, _ = _pulled(tables, [*plain[:2], ("b", np.array([3, 3, 7], np.int32)), plain[3]])
-    assert apart == batched
+    apart, split = _pulled(tables, [*plain[:2], ("b", np.array([3, 3, 7], np.int32)), plain[3]])
+    assert apart == batched and split.outputs.flat is None
 
 
 def test_a_pulls_finish_spreads_the_rows_of_repeated_ids_and_leaves_the_others_as_they_are():
-    _, parts = _pulled([B, A], [("b", _ids(3, 3, 7)), ("a", _ids(2))])
+    _, call = _pulled([B, A], [("b", _ids(3, 3, 7)), ("a", _ids(2))])
     values = [np.array([[1, 2], [3, 4]], np.float32), np.ones((1, 4), np.float32)]
     same = values[1]
-    out = rq.finished([finish for _, _, finish in parts], values)
+    out = rq.finished(call.finishes, values)
     assert out[0].tolist() == [[1, 2], [1, 2], [3, 4]] and out[1] is same
 
 

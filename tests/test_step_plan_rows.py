@@ -18,8 +18,8 @@ from shardps.rpc.convert import config_to_proto, spec_to_proto
 from shardps.shardmap import ShardMapView
 from shardps.tables import TableConfig, sparse_table
 from shardps.worker.client import steps
-from shardps.worker.client.step_plan import RowsRoute, Tables
-from shardps.worker.routing import Piece, route
+from shardps.worker.client.step_plan import RowsRoute, Scatter, Tables
+from shardps.worker.routing import Outputs, Piece, route
 
 pytestmark = pytest.mark.skipif(not kernels.AVAILABLE, reason="the rows are routed together with numba only")
 
@@ -109,6 +109,34 @@ def test_a_pulls_reply_lands_in_the_rows_its_sub_pieces_name(seed):
     for a, b in zip(together, alone):
         assert np.array_equal(a, b)
     assert all(o.any() for o, p in zip(together, pull) if p.ids.shape[0])      # every row written
+
+
+@pytest.mark.parametrize("seed", [6, 7])
+def test_a_pulls_rows_into_views_of_one_array_are_placed_by_one_call_per_server(seed):
+    """Outputs that are views of one array (``routing.Outputs``, as ``requests.pull_pieces``
+    makes them): each server's rows of every table are one place, written by one compiled
+    call, to the rows the per-segment places write."""
+    view = _view()
+    pull = [Piece(p.item, p.table, False, ids=p.ids) for p in _pieces(seed, push=False)]     # no positions
+    tables = Tables([view.table(JOB, p.table) for p in pull], 3)
+    sizes = [p.ids.shape[0] * TABLES[p.table][0] for p in pull]
+    flat = np.zeros(sum(sizes), np.float32)
+    starts = np.cumsum([0, *sizes[:-1]])
+    one = Outputs([flat[a:a + n].reshape(-1, TABLES[p.table][0]) for p, a, n in zip(pull, starts, sizes)],
+                  flat, starts.astype(np.int64))
+    apart = [np.zeros_like(o) for o in one]
+    together, alone = RowsRoute(tables, pull, False), RowsRoute(tables, pull, False)
+    for k in range(3):
+        places, per_segment = together.places(k, one), alone.places(k, apart)
+        assert len(places) == 1 and isinstance(places[0][1], Scatter)
+        assert places[0][2:] == (sum(p[2] for p in per_segment), sum(p[3] for p in per_segment))
+        assert together.elements(k) == tuple(p[2] for p in per_segment)
+        values = np.arange(places[0][2], dtype=np.float32) + 1 + 1000 * k
+        steps.scatter(places, values)
+        steps.scatter(per_segment, values)
+    for a, b in zip(one, apart):
+        assert np.array_equal(a, b)
+    assert all(o.all() for o in one)                                       # every row written (values > 0)
 
 
 def test_a_piece_routed_whole_is_one_span_of_its_output():

@@ -29,8 +29,10 @@ import torch
 from shardps.worker.embeddings import PSEmbedding, PSRows, same_ids
 from shardps.worker.lookup_kernels import lookup
 
-_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
-_TABLE, _UNIQUE = operator.attrgetter("table"), operator.attrgetter("unique")
+_FIRST, _SECOND, _THIRD = operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(2)
+_TABLE, _UNIQUE, _INVERSE = operator.attrgetter("table"), operator.attrgetter("unique"), operator.attrgetter("inverse")
+_DIM, _PLANNED = operator.attrgetter("embedding_dim"), operator.attrgetter("_planned")
+_FETCHED = operator.attrgetter("stage.fetched")
 _NEXT = (1).__add__
 
 
@@ -43,7 +45,7 @@ class LookupBatch:
 
     def __init__(self, members: list, backward_push):
         self.members = members
-        self.index = {emb: k for k, (emb, _, _) in enumerate(members)}
+        self.index = dict(zip(map(_FIRST, members), itertools.count()))
         self.backward_push = backward_push      # hybrid.BackwardPush (it watches the leaf), or None
         self.weight: torch.Tensor | None = None
         self.output: torch.Tensor | None = None
@@ -56,7 +58,14 @@ class LookupBatch:
         """The batch of the ``PSEmbedding``s among ``arrived`` ((embedding, distinct ids,
         rows) of a pull) whose rows are for the batch they announced last, of the first
         one's dim; None for fewer than two."""
-        dim = next((emb.embedding_dim for emb, _, _ in arrived if type(emb) is PSEmbedding), 0)
+        embs = list(map(_FIRST, arrived))
+        # the common case (one dim, every table with its plan) checked without Python per table
+        if (set(map(type, embs)) == {PSEmbedding} and len(set(map(_DIM, embs))) == 1
+                and all(map(len, map(_PLANNED, embs)))):
+            planned = list(map(_FIRST, map(_PLANNED, embs)))
+            if list(map(id, map(_UNIQUE, planned))) == list(map(id, map(_SECOND, arrived))):
+                return cls(list(zip(embs, planned, map(_FETCHED, embs))), backward_push) if len(embs) > 1 else None
+        dim = next((emb.embedding_dim for emb in embs if type(emb) is PSEmbedding), 0)
         members = [(emb, emb._planned[0], emb.stage.fetched) for emb, ids, _ in arrived if type(emb) is PSEmbedding
                    and emb.embedding_dim == dim and emb._planned and emb._planned[0].unique is ids]
         return cls(members, backward_push) if len(members) > 1 else None
@@ -83,8 +92,8 @@ class LookupBatch:
     def _look_up(self, grad: bool) -> torch.Tensor:
         """Every member's lookup: the leaf (collecting gradients where ``grad``) and the
         output, which it returns."""
-        rows = [fetched[1] for _, _, fetched in self.members]
-        inverses = [planned.inverse for _, planned, _ in self.members]
+        rows = list(map(_SECOND, map(_THIRD, self.members)))            # each member's fetched rows
+        inverses = list(map(_INVERSE, map(_SECOND, self.members)))
         ids = list(map(len, inverses))
         self.row_at = list(itertools.accumulate(map(len, rows), initial=0))
         self.out_at = list(itertools.accumulate(ids, initial=0))

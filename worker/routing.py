@@ -45,6 +45,17 @@ class Piece:
         return 0 if self.ids is None else int(self.ids.shape[0])
 
 
+class Outputs(list):
+    """A pull's outputs, one per request item (a list). Items whose ``starts[item]`` is not
+    negative are views of the one float32 array ``flat``, beginning at that element: their
+    rows can be written by one compiled scatter (``step_plan.RowsRoute.places``)."""
+
+    def __init__(self, outputs, flat: np.ndarray | None = None, starts: np.ndarray | None = None):
+        super().__init__(outputs)
+        self.flat = flat
+        self.starts = starts
+
+
 def route(view: ShardMapView, job: str, pieces: list[Piece]) -> dict[str, list[Piece]]:
     """Split pieces by the primary server of their blocks: {server name: pieces}."""
     out: dict[str, list[Piece]] = {}

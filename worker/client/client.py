@@ -248,10 +248,10 @@ class PSClient(ManagerCalls, TableTransfer):
         requests = rq.request_list(requests, "pull")
         return self._pull_call(rq.pull_pieces(self._admin.tables_named(requests), requests), timeout, clock, False)
 
-    def _pull_call(self, parts: list, timeout, clock, values_only: bool):
-        """A function running the pull of ``parts`` ((piece, output, finish) per item)."""
+    def _pull_call(self, call: rq.PullCall | list, timeout, clock, values_only: bool):
+        """A function running the pull ``call`` (or of its parts: (piece, output, finish) per item)."""
         rq.check_call(timeout, clock)
-        pieces, outputs, finishes = map(list, zip(*parts)) if parts else ([], [], [])
+        pieces, outputs, finishes = call if isinstance(call, rq.PullCall) else rq.PullCall.of(call)
 
         def run():
             res = self._data.pull(pieces, outputs, timeout, clock)
@@ -275,8 +275,7 @@ class PSClient(ManagerCalls, TableTransfer):
         rq.check_call(timeout, clock)           # arguments checked now, the exchange run by the function returned
         push_requests, pull_requests = rq.request_list(push_requests, "push"), rq.request_list(pull_requests, "pull")
         pushes = rq.push_pieces(self._admin.tables_named(push_requests), push_requests)
-        pulls = rq.pull_pieces(self._admin.tables_named(pull_requests), pull_requests)
-        pieces, outputs, finishes = map(list, zip(*pulls)) if pulls else ([], [], [])
+        pieces, outputs, finishes = rq.pull_pieces(self._admin.tables_named(pull_requests), pull_requests)
 
         def run():
             pushed, pulled = self._data.exchange(pushes, pieces, outputs, timeout, clock, report_step)

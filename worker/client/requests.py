@@ -26,7 +26,7 @@ import itertools
 import math
 import operator
 from itertools import repeat
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -35,7 +35,7 @@ from shardps.errors import InvalidArgument, non_finite
 from shardps.shardmap import TableView
 from shardps.tables import MAX_CLOCK, Initializer, TableKind, TableSpec, dense_table, sparse_table
 from shardps.worker.client import request_kernels
-from shardps.worker.routing import Piece
+from shardps.worker.routing import Outputs, Piece
 
 Finish = Callable[[np.ndarray], np.ndarray]       # pulled values -> what the caller gets
 
@@ -215,20 +215,38 @@ def request_list(requests, what: str) -> list:
 
 
 # ====================================================================== a call's requests
-def pull_pieces(tables: list[TableView], requests: list) -> list[tuple[Piece, np.ndarray, Finish | None]]:
-    """``many_pull`` of each of a call's requests (``tables[i]``: request i's table), as
-    (piece, output, finish: None when the output is the result as it is). When every sparse
-    request's ids are a flat int64 array (what ``PSModel`` sends), the sparse requests are
-    checked and laid out together, with no Python per request: their ids' bounds and
-    distinctness in one compiled pass (``_SparseItems``)."""
+class PullCall(NamedTuple):
+    """A pull's pieces, the outputs they fill (``routing.Outputs``) and each item's finish
+    (None: its output is the result as it is)."""
+
+    pieces: list[Piece]
+    outputs: Outputs
+    finishes: list[Finish | None]
+
+    @classmethod
+    def of(cls, parts: list[tuple[Piece, np.ndarray, Finish | None]], flat: np.ndarray | None = None,
+           starts: np.ndarray | None = None) -> "PullCall":
+        """The call of ``parts`` ((piece, output, finish) per item)."""
+        pieces, outputs, finishes = map(list, zip(*parts)) if parts else ([], [], [])
+        return cls(pieces, Outputs(outputs, flat, starts), finishes)
+
+
+def pull_pieces(tables: list[TableView], requests: list) -> PullCall:
+    """``many_pull`` of each of a call's requests (``tables[i]``: request i's table). When
+    every sparse request's ids are a flat int64 array (what ``PSModel`` sends), the sparse
+    requests are checked and laid out together, with no Python per request: their ids'
+    bounds and distinctness in one compiled pass (``_SparseItems``), the rows of their
+    distinct ids into views of one array (``routing.Outputs``)."""
     sparse = _SparseItems.of(tables, requests, 2)
     if sparse is None:
-        return [many_pull(i, t, r) for i, (t, r) in enumerate(zip(tables, requests))]
+        return PullCall.of([many_pull(i, t, r) for i, (t, r) in enumerate(zip(tables, requests))])
     distinct = sparse.checked_ids()
-    parts = sparse.pull_parts()
+    parts, flat, starts = sparse.pull_parts(distinct)
     for k in itertools.compress(range(len(parts)), map(operator.not_, distinct)):     # ids repeated
         parts[k] = rows_pull(sparse.items[k], sparse.tables[k], sparse.ids[k])
-    return sparse.merged(parts, many_pull)
+    in_call = np.full(len(tables), -1, np.int64)
+    in_call[sparse.items] = starts
+    return PullCall.of(sparse.merged(parts, many_pull), flat, in_call)
 
 
 def push_pieces(tables: list[TableView], requests: list) -> list[Piece]:
@@ -246,7 +264,8 @@ def push_pieces(tables: list[TableView], requests: list) -> list[Piece]:
     if bad >= 0:
         for i, t, x, g in zip(sparse.items[bad:], sparse.tables[bad:], sparse.ids[bad:], rows[bad:]):
             rows_push(i, t, x, g)             # refuses the first NaN/Inf row its table does not allow
-    pieces = list(map(_rows_piece, sparse.items, sparse.names(), sparse.ids, rows))
+    pieces = list(map(Piece, sparse.items, sparse.names(), repeat(False), repeat(0), repeat(0), repeat(0), sparse.ids,
+                      repeat(None), rows))          # (item, table, dense, start, stop, offset, ids, positions, values)
     for k in itertools.compress(range(len(pieces)), map(operator.not_, distinct)):    # ids repeated: summed
         pieces[k] = rows_push(sparse.items[k], sparse.tables[k], sparse.ids[k], rows[k])
     return sparse.merged(pieces, many_push)
@@ -291,11 +310,20 @@ class _SparseItems:
     def names(self) -> map:
         return map(_NAME, self.tables)
 
-    def pull_parts(self) -> list[tuple[Piece, np.ndarray, Finish | None]]:
-        """Each pull's (piece, an output for its rows, None): its ids sent as they are."""
+    def pull_parts(self, distinct: list[bool]) -> tuple[list[tuple[Piece, np.ndarray, Finish | None]], np.ndarray,
+                                                     np.ndarray]:
+        """Each pull's (piece, an output for its rows, None): its ids sent as they are; the
+        outputs of those whose ids are ``distinct`` are views of one float32 array. Returns
+        the parts, that array and where each one's output begins in it (-1: elsewhere)."""
         pieces = map(Piece, self.items, self.names(), repeat(False), repeat(0), repeat(0), repeat(0), self.ids)
-        outputs = map(np.empty, zip(map(len, self.ids), map(_DIM, self.tables)), repeat(_F32))
-        return list(zip(pieces, outputs, repeat(None)))
+        shapes = list(zip(map(operator.mul, map(len, self.ids), distinct), map(_DIM, self.tables)))   # others: none
+        sizes = np.fromiter(itertools.starmap(operator.mul, shapes), np.int64, len(shapes))
+        ends = np.cumsum(sizes)
+        flat = np.empty(int(ends[-1]) if len(ends) else 0, np.float32)
+        starts = ends - sizes
+        views = map(np.ndarray.reshape, map(flat.__getitem__, map(slice, starts.tolist(), ends.tolist())), shapes)
+        starts[~np.asarray(distinct, np.bool_)] = -1
+        return list(zip(pieces, views, repeat(None))), flat, starts
 
     def checked_ids(self) -> list[bool]:
         """Whether each request's ids are distinct; InvalidArgument (``as_ids``') for the
@@ -318,13 +346,10 @@ class _SparseItems:
         return list(map(done.__getitem__, range(len(self.call))))
 
 
-def _rows_piece(item: int, table: str, ids: np.ndarray, rows: np.ndarray) -> Piece:
-    return Piece(item, table, False, ids=ids, values=rows)
-
-
 def finished(finishes: list, values: list) -> list:
-    """A pull's ``values`` with each item's finish applied (``pull_pieces``: None where the
-    value is the result as it is)."""
+    """A pull's ``values`` (a list) with each item's finish applied (``PullCall``: None where
+    the value is the result as it is)."""
+    values = list(values)
     for k in itertools.compress(range(len(finishes)), finishes):
         values[k] = finishes[k](values[k])
     return values

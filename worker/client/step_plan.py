@@ -28,7 +28,8 @@ from shardps.worker.routing import Piece
 _IDS, _VALUES = operator.attrgetter("ids"), operator.attrgetter("values")
 _PRIMARY, _WHOLE_ON = operator.attrgetter("primary"), operator.attrgetter("whole_on")
 _NUM_BLOCKS, _DIM = operator.attrgetter("spec.num_blocks"), operator.attrgetter("spec.dim")
-_ITEM = operator.attrgetter("item")
+_ITEM, _POSITIONS = operator.attrgetter("item"), operator.attrgetter("positions")
+_NO_STARTS = np.empty(0, np.int64)                  # ``RowsRoute._piece_starts``: outputs not in one array
 HEAD = 3                                # ``_plan``'s info: bad piece, bad block, segments; then its lists
 
 
@@ -124,6 +125,23 @@ def _plan(ids, id_starts, values, num_blocks, whole_on, primary, primary_starts,
     return info, order, seg_counts, seg_dims, ids_out, values_out
 
 
+@njit(**_JIT)
+def _scatter(values, flat, order, counts, dims, starts):
+    """A server's pulled rows (``values``: its segments' one after another, segment ``s``
+    ``counts[s]`` rows of ``dims[s]`` values) into ``flat``: row ``r`` of the server (its
+    position ``order[r]`` in its piece's output) at ``starts[s] + order[r] * dims[s]``."""
+    at = np.uint64(0)
+    r = 0
+    for s in range(counts.shape[0]):
+        d, base = np.uint64(dims[s]), np.uint64(starts[s])
+        for _ in range(counts[s]):
+            dst = base + np.uint64(order[r]) * d
+            for x in range(d):
+                flat[dst + x] = values[at + x]
+            at += d
+            r += 1
+
+
 class Tables:
     """What ``RowsRoute`` needs of the tables of a call's sparse pieces (``tables``, their
     views, in order) under one shard map of ``servers`` servers."""
@@ -148,7 +166,7 @@ class RowsRoute:
     Unavailable for a block without a live replica."""
 
     __slots__ = ("pieces", "names", "order", "counts", "dims", "ids", "values", "ends", "value_ends", "seg_ends",
-                 "seg_pieces", "seg_firsts")
+                 "seg_pieces", "seg_firsts", "_piece_starts")
 
     def __init__(self, tables: Tables, pieces: list[Piece], push: bool):
         self.pieces, self.names = pieces, tables.names
@@ -169,9 +187,12 @@ class RowsRoute:
         # server s's rows are [ends[s], ends[s + 1]) of ids and order, its values [value_ends[s],
         # value_ends[s + 1]), its segments [seg_ends[s], seg_ends[s + 1]) of seg_pieces and seg_firsts
         bounds = tables.servers + 1
-        self.ends, self.value_ends, self.seg_ends = (info[HEAD + k * bounds:HEAD + (k + 1) * bounds] for k in range(3))
+        self.ends = info[HEAD:HEAD + bounds]
+        self.value_ends = info[HEAD + bounds:HEAD + 2 * bounds]
+        self.seg_ends = info[HEAD + 2 * bounds:HEAD + 3 * bounds]
         self.seg_pieces = info[HEAD + 3 * bounds:HEAD + 3 * bounds + info[2]]
         self.seg_firsts = info[HEAD + 3 * bounds + info[2]:]
+        self._piece_starts: np.ndarray | None = None
 
     def taking(self) -> list[int]:
         """The servers some row goes to (their indices, ascending)."""
@@ -188,12 +209,34 @@ class RowsRoute:
         return Rows(tuple(map(self.names.__getitem__, self.seg_pieces[a:z])), self.counts[a:z], self.dims[a:z],
                     self.ids[at:end], self.values[self.value_ends[server]:self.value_ends[server + 1]])
 
-    def places(self, server: int, outputs: list) -> list[tuple[np.ndarray, np.ndarray | None, int, int]]:
-        """Where server ``server``'s reply to a pull goes, segment by segment in ``rows``'
-        order: (dest, where, elements, rows). A segment of consecutive rows of its piece's
-        output is a flat view of them (``where`` None), else ``dest`` is the output and
-        ``where`` its rows' positions in it."""
+    def _one_array(self, outputs: list) -> bool:
+        """Whether every piece's output is a view of ``outputs.flat`` (``_one_array_starts``;
+        found at the first server's places, kept for the others)."""
+        if self._piece_starts is None:
+            starts = _one_array_starts(self.pieces, outputs)
+            self._piece_starts = _NO_STARTS if starts is None else starts
+        return self._piece_starts is not _NO_STARTS
+
+    def elements(self, server: int) -> tuple[int, ...]:
+        """The values of each of server ``server``'s segments, in ``rows``' order."""
         a, z = self.seg_ends[server], self.seg_ends[server + 1]
+        return tuple((self.counts[a:z] * self.dims[a:z]).tolist())
+
+    def places(self, server: int, outputs: list) -> list[tuple]:
+        """Where server ``server``'s reply to a pull goes: (dest, where, elements, rows), as
+        ``steps.scatter`` takes them. Rows of several segments (or one not consecutive in its
+        output), all of whose outputs are views of one array (``routing.Outputs``), are one
+        place whose ``where`` writes them there in one compiled call (``Scatter``). Else one
+        place per segment: a segment of consecutive rows of its piece's output is a flat view
+        of them (``where`` None), else ``dest`` is the output and ``where`` its rows'
+        positions in it."""
+        a, z = self.seg_ends[server], self.seg_ends[server + 1]
+        if (z - a > 1 or self.seg_firsts[a] < 0) and self._one_array(outputs):
+            at, end = self.ends[server], self.ends[server + 1]
+            elements = self.value_ends[server + 1] - self.value_ends[server]
+            starts = self._piece_starts[self.seg_pieces[a:z]]       # type: ignore[index]
+            return [(outputs.flat, Scatter(self.order[at:end], self.counts[a:z], self.dims[a:z], starts),  # type: ignore[attr-defined]
+                     elements, end - at)]
         pieces = list(map(self.pieces.__getitem__, self.seg_pieces[a:z]))
         counts = self.counts[a:z].tolist()
         starts = itertools.accumulate(counts, initial=self.ends[server])
@@ -201,6 +244,19 @@ class RowsRoute:
                 else _scattered(p, out, self.order[at:at + n])
                 for p, out, first, n, at in zip(pieces, map(outputs.__getitem__, map(_ITEM, pieces)),
                                                 self.seg_firsts[a:z], counts, starts)]
+
+
+class Scatter:
+    """``RowsRoute.places``' writer of a server's pulled rows into the one array of their
+    outputs (``_scatter``, one compiled call)."""
+
+    __slots__ = ("order", "counts", "dims", "starts")
+
+    def __init__(self, order: np.ndarray, counts: np.ndarray, dims: np.ndarray, starts: np.ndarray):
+        self.order, self.counts, self.dims, self.starts = order, counts, dims, starts
+
+    def __call__(self, flat: np.ndarray, values: np.ndarray) -> None:
+        _scatter(values, flat, self.order, self.counts, self.dims, self.starts)
 
 
 def _scattered(piece: Piece, out: np.ndarray, local: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, int, int]:
@@ -217,6 +273,17 @@ def _scattered(piece: Piece, out: np.ndarray, local: np.ndarray) -> tuple[np.nda
     return out[start:start + n].reshape(-1), None, n * out.shape[1], n
 
 
+def _one_array_starts(pieces: list[Piece], outputs: list) -> np.ndarray | None:
+    """Where each of ``pieces``' outputs begins in ``outputs.flat``, when every one is a
+    view of it (``routing.Outputs``) and each piece's rows are its output's rows ``0, 1,
+    ...`` (no ``positions``); else None."""
+    starts = getattr(outputs, "starts", None)
+    if starts is None or not all(map(operator.is_, map(_POSITIONS, pieces), itertools.repeat(None))):
+        return None
+    mine = starts[np.fromiter(map(_ITEM, pieces), np.int64, len(pieces))]
+    return mine if (mine >= 0).all() else None
+
+
 def contiguous_start(positions: np.ndarray | None) -> int | None:
     """The first of ``positions`` when they are consecutive (``k, k + 1, ...``; a piece
     routed whole), else None."""
@@ -229,9 +296,11 @@ def contiguous_start(positions: np.ndarray | None) -> int | None:
 
 
 def warm_up() -> None:
-    """Compile (or load from numba's cache) the kernel, for a push's arrays and a pull's."""
+    """Compile (or load from numba's cache) the kernels: the route, for a push's arrays and a
+    pull's, and the reply's scatter."""
     if kernels.AVAILABLE:
         ids, starts, one = np.arange(3, dtype=np.int64), np.array([0, 3], np.int64), np.ones(1, np.int64)
         for values in (np.zeros(6, np.float32), NO_VALUES):
             _plan(ids, starts, values, one, np.full(1, -1, np.int64), np.zeros(1, np.int32), np.array([0, 1]),
                   one * 2, 1)
+        _scatter(np.zeros(2, np.float32), np.zeros(2, np.float32), one * 0, one, one * 2, one * 0)

@@ -27,7 +27,7 @@ from shardps.rpc.step import NO_IDS, NO_VALUES, RANGE_CODE, Encoded
 from shardps.shardmap import ShardMapView
 from shardps.worker.client.fanout import RETRYABLE, MapSource, attempt_timeout
 from shardps.worker.client.results import BlockVersions, PullResult, PushResult, take_pull_reply
-from shardps.worker.client.step_plan import RowsRoute, Tables
+from shardps.worker.client.step_plan import RowsRoute, Scatter, Tables
 from shardps.worker.routing import Piece, live_servers, route_ranges
 
 if TYPE_CHECKING:
@@ -90,8 +90,10 @@ class StepCalls:
                 encoded = Encoded(header, kind, pull_clock, self._push(pp, view) if pp else None,
                                   self._pull(lp) if lp else None, pr, lr)
                 places: list = [_place(part, outputs[part[0].item]) for part in lp] if lp else []
+                expected = tuple(map(_ELEMENTS, places))       # each segment's values in the reply
                 if lr is not None:
                     places += pull_rows.places(k, outputs)         # type: ignore[union-attr]
+                    expected += pull_rows.elements(k)              # type: ignore[union-attr]
                 reply_bytes = 4 * sum(map(_ELEMENTS, places))
                 _count(moved, encoded, places, reply_bytes)
                 into = destination(places, reply_bytes) if reply_bytes >= DIRECT_REPLY_BYTES else None
@@ -101,13 +103,13 @@ class StepCalls:
                     declined = True
                     break
                 dense = set(map(_TABLE, map(_PIECE, lp))) if lp else set()       # (its parts are ranges)
-                begun.append((server, sent, places, dense))
+                begun.append((server, sent, (places, expected), dense))
         except RETRYABLE:
             declined = True
         failed: BaseException | None = None
-        for server, sent, places, dense in begun:
+        for server, sent, planned, dense in begun:
             try:
-                self.transport.step_finish(sent, _Reply(self, server, places, dense, presult, lresult,
+                self.transport.step_finish(sent, _Reply(self, server, planned, dense, presult, lresult,
                                                         bool(header.session)))
             except RETRYABLE + (DeadlineExceeded,):
                 declined = True
@@ -150,17 +152,19 @@ class StepCalls:
         return [(p.table, RANGE_CODE, a, z, NO_IDS, NO_VALUES, ()) for p, a, z in parts]
 
     def place(self, server: str, ack: PushAck, reply: PullReply, elements: tuple, values: np.ndarray,
-              places: list, dense: set[str], presult, lresult, in_group: bool) -> None:
+              planned: tuple[list, tuple], dense: set[str], presult, lresult, in_group: bool) -> None:
         """Take one server's Step reply: the ack's versions, the pull's values into place
-        (``places``: ``_place`` of each pull part; ``dense``: the tables of its dense
-        ranges; ``in_group``: the request's header had a session, see ``take_pull_reply``)."""
+        (``planned``: (the places of its pull parts, each segment's values expected);
+        ``dense``: the tables of its dense ranges; ``in_group``: the request's header had a
+        session, see ``take_pull_reply``)."""
         if presult is not None:
             presult.versions.extend(ack.versions)
             presult.duplicate_blocks += ack.duplicate_blocks
+        places, expected = planned
         if lresult is None or not places:
             return
-        if elements != tuple(map(_ELEMENTS, places)):
-            raise _unexpected(server, elements, places)
+        if elements != expected:
+            raise _unexpected(server, elements, expected)
         if len(places) > 1 or places[0][1] is not None or not _same_memory(places[0][0], values):
             scatter(places, values)     # (else received in place: ``destination``)
         take_pull_reply(lresult, reply.min_clock, reply.waited_seconds, reply.versions, in_group, dense,
@@ -172,7 +176,7 @@ class _Reply:
 
     __slots__ = ("calls", "server", "places", "dense", "presult", "lresult", "in_group")
 
-    def __init__(self, calls: StepCalls, server: str, places: list, dense: set[str], presult, lresult,
+    def __init__(self, calls: StepCalls, server: str, places: tuple[list, tuple], dense: set[str], presult, lresult,
                  in_group: bool):
         self.calls, self.server, self.places, self.dense = calls, server, places, dense
         self.presult, self.lresult, self.in_group = presult, lresult, in_group
@@ -245,6 +249,8 @@ def scatter(places: list, values: np.ndarray) -> None:
     for dest, where, n, _ in places:
         if where is None:
             dest[...] = values[at:at + n]
+        elif type(where) is Scatter:
+            where(dest, values[at:at + n])
         else:
             kernels.scatter_rows(dest, where, values[at:at + n].reshape(where.shape[0], -1))
         at += n
@@ -267,10 +273,9 @@ def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
     return a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
 
 
-def _unexpected(server: str, elements: tuple, places: list) -> Unavailable:
+def _unexpected(server: str, elements: tuple, expected: tuple) -> Unavailable:
     """The refusal of a Step reply whose pull segments carry other counts than asked."""
-    for got, (_, _, n, rows) in zip(elements, places):
+    for k, (got, n) in enumerate(zip(elements, expected)):
         if got != n:
-            what = f"{rows} rows of {n // rows}" if rows else f"a range of {n}"
-            return Unavailable(f"step reply from {server}: {got} values for {what}")
-    return Unavailable(f"step reply from {server}: {len(elements)} pulled segments for {len(places)} asked")
+            return Unavailable(f"step reply from {server}: {got} values in pulled segment {k}, which asked for {n}")
+    return Unavailable(f"step reply from {server}: {len(elements)} pulled segments for {len(expected)} asked")
