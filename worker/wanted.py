@@ -47,6 +47,8 @@ class Wanted:
         already. ``use_step``: the step whose lookups read the rows (the caches' plans)."""
         embs = list(embeddings)
         announced = list(map(_ANNOUNCED, embs))
+        if not _any_given(announced):
+            return cls([], [], [], refreshed)                      # none announced
         some = list(map(operator.is_not, announced, repeat(None)))
         embs, ids = list(itertools.compress(embs, some)), list(itertools.compress(announced, some))
         set_each(map(_STAGE, embs), "wanted", repeat(None))
