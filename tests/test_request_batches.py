@@ -47,7 +47,7 @@ def test_a_mixed_pull_is_laid_out_in_request_order_whichever_way_its_sparse_requ
                        (2, "b", False, [3, 7], (2, 2), True),          # a repeated id: sent once, spread back
                        (3, "a", False, [], (0, 4), False)]
     # the outputs of the batch's distinct ids are views of one array (its rows' scatter is one call)
-    assert call.outputs.starts.tolist() == [0, -1, -1, 12]
+    assert call.outputs.starts == [0, -1, -1, 12]
     first = call.outputs[0]
     assert first.base is call.outputs.flat and np.shares_memory(first, call.outputs.flat[:12])
     # one request's ids as int32: the call goes request by request, to the same pieces

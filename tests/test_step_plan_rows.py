@@ -123,7 +123,7 @@ def test_a_pulls_rows_into_views_of_one_array_are_placed_by_one_call_per_server(
     flat = np.zeros(sum(sizes), np.float32)
     starts = np.cumsum([0, *sizes[:-1]])
     one = Outputs([flat[a:a + n].reshape(-1, TABLES[p.table][0]) for p, a, n in zip(pull, starts, sizes)],
-                  flat, starts.astype(np.int64))
+                  flat, starts.tolist())
     apart = [np.zeros_like(o) for o in one]
     together, alone = RowsRoute(tables, pull, False), RowsRoute(tables, pull, False)
     for k in range(3):

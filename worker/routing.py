@@ -50,7 +50,7 @@ class Outputs(list):
     negative are views of the one float32 array ``flat``, beginning at that element: their
     rows can be written by one compiled scatter (``step_plan.RowsRoute.places``)."""
 
-    def __init__(self, outputs, flat: np.ndarray | None = None, starts: np.ndarray | None = None):
+    def __init__(self, outputs, flat: np.ndarray | None = None, starts: list[int] | None = None):
         super().__init__(outputs)
         self.flat = flat
         self.starts = starts

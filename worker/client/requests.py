@@ -225,7 +225,7 @@ class PullCall(NamedTuple):
 
     @classmethod
     def of(cls, parts: list[tuple[Piece, np.ndarray, Finish | None]], flat: np.ndarray | None = None,
-           starts: np.ndarray | None = None) -> "PullCall":
+           starts: list[int] | None = None) -> "PullCall":
         """The call of ``parts`` ((piece, output, finish) per item)."""
         pieces, outputs, finishes = map(list, zip(*parts)) if parts else ([], [], [])
         return cls(pieces, Outputs(outputs, flat, starts), finishes)
@@ -244,8 +244,8 @@ def pull_pieces(tables: list[TableView], requests: list) -> PullCall:
     parts, flat, starts = sparse.pull_parts(distinct)
     for k in itertools.compress(range(len(parts)), map(operator.not_, distinct)):     # ids repeated
         parts[k] = rows_pull(sparse.items[k], sparse.tables[k], sparse.ids[k])
-    in_call = np.full(len(tables), -1, np.int64)
-    in_call[sparse.items] = starts
+    in_call = starts if len(starts) == len(tables) else list(map(dict(zip(sparse.items, starts)).get,
+                                                                   range(len(tables)), repeat(-1)))
     return PullCall.of(sparse.merged(parts, many_pull), flat, in_call)
 
 
@@ -311,19 +311,22 @@ class _SparseItems:
         return map(_NAME, self.tables)
 
     def pull_parts(self, distinct: list[bool]) -> tuple[list[tuple[Piece, np.ndarray, Finish | None]], np.ndarray,
-                                                     np.ndarray]:
+                                                     list[int]]:
         """Each pull's (piece, an output for its rows, None): its ids sent as they are; the
         outputs of those whose ids are ``distinct`` are views of one float32 array. Returns
-        the parts, that array and where each one's output begins in it (-1: elsewhere)."""
+        the parts, that array and where each one's output begins in it (-1: elsewhere).
+        Plain Python numbers and ``map``: numpy on a few numbers costs more."""
         pieces = map(Piece, self.items, self.names(), repeat(False), repeat(0), repeat(0), repeat(0), self.ids)
-        shapes = list(zip(map(operator.mul, map(len, self.ids), distinct), map(_DIM, self.tables)))   # others: none
-        sizes = np.fromiter(itertools.starmap(operator.mul, shapes), np.int64, len(shapes))
-        ends = np.cumsum(sizes)
-        flat = np.empty(int(ends[-1]) if len(ends) else 0, np.float32)
-        starts = ends - sizes
-        views = map(np.ndarray.reshape, map(flat.__getitem__, map(slice, starts.tolist(), ends.tolist())), shapes)
-        starts[~np.asarray(distinct, np.bool_)] = -1
-        return list(zip(pieces, views, repeat(None))), flat, starts
+        rows = list(map(operator.mul, map(len, self.ids), distinct))          # the others' outputs: elsewhere
+        dims = list(map(_DIM, self.tables))
+        ends = list(itertools.accumulate(map(operator.mul, rows, dims)))
+        starts = [0, *ends[:-1]]
+        flat = np.empty(ends[-1] if ends else 0, np.float32)
+        views = map(np.ndarray.reshape, map(flat.__getitem__, map(slice, starts, ends)), zip(rows, dims))
+        parts: list[tuple[Piece, np.ndarray, Finish | None]] = list(zip(pieces, views, repeat(None)))
+        for k in itertools.compress(range(len(starts)), map(operator.not_, distinct)):
+            starts[k] = -1
+        return parts, flat, starts
 
     def checked_ids(self) -> list[bool]:
         """Whether each request's ids are distinct; InvalidArgument (``as_ids``') for the

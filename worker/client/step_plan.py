@@ -280,8 +280,8 @@ def _one_array_starts(pieces: list[Piece], outputs: list) -> np.ndarray | None:
     starts = getattr(outputs, "starts", None)
     if starts is None or not all(map(operator.is_, map(_POSITIONS, pieces), itertools.repeat(None))):
         return None
-    mine = starts[np.fromiter(map(_ITEM, pieces), np.int64, len(pieces))]
-    return mine if (mine >= 0).all() else None
+    mine = list(map(starts.__getitem__, map(_ITEM, pieces)))
+    return np.array(mine, np.int64) if min(mine) >= 0 else None
 
 
 def contiguous_start(positions: np.ndarray | None) -> int | None:
