@@ -20,10 +20,8 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-import operator
 from concurrent import futures
-from itertools import repeat
-from typing import Callable, Iterable, NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -40,8 +38,6 @@ from shardps.worker.row_cache import CachePlan, RowCache, wanted_ids
 log = logging.getLogger("shardps.worker")
 
 _ID_DTYPES = (torch.int32, torch.int64)
-_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
-_STAGE, _PLANNED, _IS_CPU = operator.attrgetter("stage"), operator.attrgetter("_planned"), operator.attrgetter("is_cpu")
 MAX_ANNOUNCED = 1 << 14              # batches deduplicated together (lookup_kernels.unique_each numbers them in int16)
 
 
@@ -266,33 +262,24 @@ class PSRows(nn.Module):
 def announce(lookups: list[tuple[PSRows, torch.Tensor]]) -> None:
     """``request_prefetch(ids)`` of each (embedding, ids) of a step: every batch copied to
     the host in one ``torch.cat`` and deduplicated in one compiled pass
-    (``lookup_kernels.unique_each``), each table's plan then a view of those arrays; ids on
-    the CPU planned without Python per table."""
+    (``lookup_kernels.unique_each``), each table's plan then a view of those arrays."""
     if not lookups:
         return
     if len(lookups) > MAX_ANNOUNCED:
         for k in range(0, len(lookups), MAX_ANNOUNCED):
             announce(lookups[k:k + MAX_ANNOUNCED])
         return
-    embs, batches = list(map(_FIRST, lookups)), list(map(_SECOND, lookups))
-    device = batches[0].device
-    flat = torch.cat(list(map(torch.Tensor.to, map(torch.Tensor.long, map(torch.Tensor.reshape, map(
-        torch.Tensor.detach, batches), repeat(-1))), repeat(device)))).cpu().numpy()        # a copy
-    ends = list(itertools.accumulate(map(torch.Tensor.numel, batches)))
-    uniques, inverses = unique_each(flat, np.fromiter(ends, np.int64, len(ends)))
-    flats = map(flat.__getitem__, map(slice, [0, *ends[:-1]], ends))
-    if all(map(_IS_CPU, batches)):
-        collections.deque(map(collections.deque.append, map(_PLANNED, embs), map(_Planned, flats, uniques, inverses)),
-                          maxlen=0)
-        set_each(map(_STAGE, embs), "wanted", uniques)
-        return
-    for emb, ids, batch, unique, inverse in zip(embs, batches, flats, uniques, inverses):
-        emb.stage.wanted = emb._planned_as(ids, batch, unique, inverse)
-
-
-def set_each(objects: Iterable, attribute: str, values: Iterable) -> None:
-    """``setattr(o, attribute, v)`` for each object and value, in C (no Python per object)."""
-    collections.deque(map(setattr, objects, repeat(attribute), values), maxlen=0)
+    device = lookups[0][1].device
+    flat = torch.cat([ids.detach().reshape(-1).long().to(device) for _, ids in lookups]).cpu().numpy()   # a copy
+    ends = list(itertools.accumulate([ids.numel() for _, ids in lookups]))
+    uniques, inverses = unique_each(flat, np.array(ends, np.int64))
+    on_cpu = all(ids.is_cpu for _, ids in lookups)          # nothing of the tensors to hold (``_device_view``)
+    for (emb, ids), start, end, unique, inverse in zip(lookups, [0, *ends[:-1]], ends, uniques, inverses):
+        if on_cpu:
+            emb._planned.append(_Planned(flat[start:end], unique, inverse))
+            emb.stage.wanted = unique
+        else:
+            emb.stage.wanted = emb._planned_as(ids, flat[start:end], unique, inverse)
 
 
 def same_ids(a: np.ndarray, b: np.ndarray) -> bool:

@@ -21,19 +21,12 @@ on the CPU (a GPU's lookups stay a table at a time).
 from __future__ import annotations
 
 import itertools
-import operator
 
 import numpy as np
 import torch
 
 from shardps.worker.embeddings import PSEmbedding, PSRows, same_ids
 from shardps.worker.lookup_kernels import lookup
-
-_FIRST, _SECOND, _THIRD = operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(2)
-_TABLE, _UNIQUE, _INVERSE = operator.attrgetter("table"), operator.attrgetter("unique"), operator.attrgetter("inverse")
-_DIM, _PLANNED = operator.attrgetter("embedding_dim"), operator.attrgetter("_planned")
-_FETCHED = operator.attrgetter("stage.fetched")
-_NEXT = (1).__add__
 
 
 class LookupBatch:
@@ -45,7 +38,7 @@ class LookupBatch:
 
     def __init__(self, members: list, backward_push):
         self.members = members
-        self.index = dict(zip(map(_FIRST, members), itertools.count()))
+        self.index = {emb: k for k, (emb, _, _) in enumerate(members)}
         self.backward_push = backward_push      # hybrid.BackwardPush (it watches the leaf), or None
         self.weight: torch.Tensor | None = None
         self.output: torch.Tensor | None = None
@@ -58,14 +51,7 @@ class LookupBatch:
         """The batch of the ``PSEmbedding``s among ``arrived`` ((embedding, distinct ids,
         rows) of a pull) whose rows are for the batch they announced last, of the first
         one's dim; None for fewer than two."""
-        embs = list(map(_FIRST, arrived))
-        # the common case (one dim, every table with its plan) checked without Python per table
-        if (set(map(type, embs)) == {PSEmbedding} and len(set(map(_DIM, embs))) == 1
-                and all(map(len, map(_PLANNED, embs)))):
-            planned = list(map(_FIRST, map(_PLANNED, embs)))
-            if list(map(id, map(_UNIQUE, planned))) == list(map(id, map(_SECOND, arrived))):
-                return cls(list(zip(embs, planned, map(_FETCHED, embs))), backward_push) if len(embs) > 1 else None
-        dim = next((emb.embedding_dim for emb in embs if type(emb) is PSEmbedding), 0)
+        dim = next((emb.embedding_dim for emb, _, _ in arrived if type(emb) is PSEmbedding), 0)
         members = [(emb, emb._planned[0], emb.stage.fetched) for emb, ids, _ in arrived if type(emb) is PSEmbedding
                    and emb.embedding_dim == dim and emb._planned and emb._planned[0].unique is ids]
         return cls(members, backward_push) if len(members) > 1 else None
@@ -92,8 +78,8 @@ class LookupBatch:
     def _look_up(self, grad: bool) -> torch.Tensor:
         """Every member's lookup: the leaf (collecting gradients where ``grad``) and the
         output, which it returns."""
-        rows = list(map(_SECOND, map(_THIRD, self.members)))            # each member's fetched rows
-        inverses = list(map(_INVERSE, map(_SECOND, self.members)))
+        rows = [fetched[1] for _, _, fetched in self.members]
+        inverses = [planned.inverse for _, planned, _ in self.members]
         ids = list(map(len, inverses))
         self.row_at = list(itertools.accumulate(map(len, rows), initial=0))
         self.out_at = list(itertools.accumulate(ids, initial=0))
@@ -110,15 +96,12 @@ class LookupBatch:
         """Whether tables took their parts and the leaf collects their gradients."""
         return self.weight is not None and self.weight.requires_grad
 
-    def gradients(self) -> tuple[list[str], list[np.ndarray], list[torch.Tensor]]:
-        """The tables that took their parts, once the backward pass gave the leaf its
-        gradient (none before): their names, distinct ids and gradient rows (views of the
-        leaf's gradient), in the order they took them; without Python per table."""
+    def gradients(self) -> list[tuple]:
+        """(table, distinct ids, gradient rows) of each table that took its part, once the
+        backward pass gave the leaf its gradient (none before)."""
         grad = None if self.weight is None else self.weight.grad
         if grad is None:
-            return [], [], []
-        taken = list(map(self.index.__getitem__, map(_FIRST, self.taken)))
-        members = list(map(self.members.__getitem__, taken))
-        parts = map(slice, map(self.row_at.__getitem__, taken), map(self.row_at.__getitem__, map(_NEXT, taken)))
-        return (list(map(_TABLE, map(_FIRST, members))), list(map(_UNIQUE, map(_SECOND, members))),
-                list(map(grad.__getitem__, parts)))
+            return []
+        at, members = self.row_at, self.members
+        taken = [self.index[emb] for emb, _ in self.taken]
+        return [(members[k][0].table, members[k][1].unique, grad[at[k]:at[k + 1]]) for k in taken]

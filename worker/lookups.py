@@ -16,7 +16,6 @@ the forward's lookups are learned again. Nothing here changes what a step reads.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -83,13 +82,7 @@ def layout(x: torch.Tensor) -> tuple:
 
 def _key(ids: torch.Tensor) -> tuple:
     """Which memory a lookup's ids are, and how they lie in it."""
-    return _keys([ids])[0]
-
-
-def _keys(ids: list[torch.Tensor]) -> list[tuple]:
-    """``_key`` of each of ``ids`` (without Python per tensor)."""
-    return list(zip(map(torch.Tensor.data_ptr, ids), map(_DTYPE, ids), map(_DEVICE, ids),
-                    map(tuple, map(_SHAPE, ids)), map(torch.Tensor.stride, ids)))
+    return ids.data_ptr(), ids.dtype, ids.device, tuple(ids.shape), tuple(ids.stride())
 
 
 class LookupPlanner:
@@ -136,39 +129,18 @@ class LookupPlanner:
         that predicted them (or is learned from its ids), unless it was looked up twice."""
         if self._seen is not None:
             seen = self._seen
-            tables = list(map(_FIRST, kept))
-            recipes = list(map(self.recipes.get, tables))
-            if not seen and None not in recipes and len(set(tables)) == len(tables):
-                self.recipes = dict(zip(tables, recipes))          # each predicted, each looked up once
-            else:
-                for table, ids in kept:
-                    recipe = self.recipes.get(table)
-                    seen[table] = None if table in seen else recipe or Recipe.of(ids, self._inputs or [])
-                self.recipes = {t: r for t, r in seen.items() if r is not None}
+            for table, ids in kept:
+                recipe = self.recipes.get(table)
+                seen[table] = None if table in seen else recipe or Recipe.of(ids, self._inputs or [])
+            self.recipes = {t: r for t, r in seen.items() if r is not None}
         self._inputs = self._seen = None
 
     def predict(self) -> list[tuple[object, torch.Tensor]]:
-        """(table, its ids cut out of the forward's inputs) of each learned table whose
-        input is laid out as when it was learned."""
         if self._inputs is None:
             return []
-        inputs = self._inputs
-        layouts = list(map(layout, inputs))
-        tables, recipes = list(self.recipes), list(self.recipes.values())
-        if all(i < len(layouts) and layouts[i] == lay for i, lay in set(map(_SOURCE, recipes))):
-            sources = list(map(inputs.__getitem__, map(_INPUT, recipes)))      # every recipe applies
-            offsets = map(operator.add, map(torch.Tensor.storage_offset, sources), map(_OFFSET, recipes))
-            out = list(zip(tables, map(torch.Tensor.as_strided, sources, map(_SHAPE, recipes),
-                                       map(_STRIDE, recipes), offsets)))
-        else:
-            cut = [(table, recipe.cut(inputs, layouts)) for table, recipe in zip(tables, recipes)]
-            out = [(table, ids) for table, ids in cut if ids is not None]
-        self._predicted = dict(zip(map(_FIRST, out), _keys(list(map(_SECOND, out)))))
+        layouts = list(map(layout, self._inputs))
+        cut = [(table, recipe.cut(self._inputs, layouts)) for table, recipe in self.recipes.items()]
+        out = [(table, ids) for table, ids in cut if ids is not None]
+        self._predicted = {table: _key(ids) for table, ids in out}
         return out
 
-
-_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
-_INPUT, _OFFSET = operator.attrgetter("input"), operator.attrgetter("offset")
-_SHAPE, _STRIDE = operator.attrgetter("shape"), operator.attrgetter("stride")
-_SOURCE = operator.attrgetter("input", "layout")        # which input a recipe cuts, laid out how
-_DTYPE, _DEVICE = operator.attrgetter("dtype"), operator.attrgetter("device")

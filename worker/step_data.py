@@ -42,9 +42,10 @@ def gradient_requests(buckets: list[DenseBucket], embeddings: Iterable[PSRows], 
     dense = [(b, start, grad) for b in buckets for start, grad in b.gradients()]
     pending = list(filter(_PENDING, embeddings))
     if not pending and len(batches) == 1:
-        tables, ids, grads = batches.pop().gradients()
-        on_host = copies.to_host_all([grad for _, _, grad in dense] + grads)
-        return _dense_requests(dense, on_host) + list(zip(tables, ids, on_host[len(dense):]))
+        got = batches.pop().gradients()
+        on_host = copies.to_host_all([grad for _, _, grad in dense] + [grad for _, _, grad in got])
+        return _dense_requests(dense, on_host) + [(table, ids, rows) for (table, ids, _), rows
+                                                  in zip(got, on_host[len(dense):])]
     got_rows: list[tuple] = [(emb.table, emb.take_gradient_rows()) for emb in pending]
     if batches:
         got_rows = _with_batches(got_rows, batches)
@@ -74,7 +75,7 @@ def _with_batches(tables: list[tuple], batches: list[LookupBatch]) -> list[tuple
     for table, got in tables:
         by_table.setdefault(table, []).extend(got)
     for batch in batches:
-        for table, ids, grad in zip(*batch.gradients()):
+        for table, ids, grad in batch.gradients():
             by_table.setdefault(table, []).append((ids, grad))
     batches.clear()
     return list(by_table.items())

@@ -132,9 +132,8 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
         self.overlap = overlap
         self.requested_lookahead = lookahead
         self._flow = _Flow()                   # the pull deferred, the push held or in flight
-        # with overlap: (the step it is for, the exchange carrying that step's pull, the
-        # (embedding, ids) whose rows it carries), oldest first
-        # (the step that reads it, its exchange, the Wanted it fetches: _Completed once arrived)
+        # with overlap: (the step it is for, the exchange carrying that step's pull, the Wanted
+        # whose rows it carries: _Completed once they arrived), oldest first
         self._prefetch: collections.deque[tuple[int, futures.Future, Wanted | _Completed]] = collections.deque()
         # seconds in pull and push, waiting for stragglers, stepping the local optimizer
         self.timings = {"pull_wait": 0.0, "push_wait": 0.0, "barrier_wait": 0.0, "local_optimizer": 0.0}

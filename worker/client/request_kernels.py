@@ -2,8 +2,8 @@
 
 ``check_ids``: every request's ids against its table's bounds, and whether each request's
 ids are distinct (``requests.pull_pieces`` and ``push_pieces`` send distinct ids as they
-are and deduplicate or sum the others). ``first_non_finite``: the first of a call's gradient
-row arrays holding a NaN or infinity. numba compiles it like the other kernels (``warm_up``);
+are and deduplicate or sum the others); the gradient rows are checked by
+``shardps.kernels.first_non_finite``. numba compiles it like the other kernels (``warm_up``);
 without numba the same answers come from ``shardps.kernels``' numpy paths.
 """
 
@@ -14,7 +14,7 @@ import itertools
 import numpy as np
 
 from shardps import kernels
-from shardps.kernels import _JIT, AVAILABLE, _distinct, _first_non_finite, njit
+from shardps.kernels import _JIT, AVAILABLE, _distinct, njit
 
 _EMPTY = np.empty(0, np.int64)
 
@@ -66,18 +66,8 @@ def check_ids(ids: list[np.ndarray], bounds: list[int]) -> tuple[int, int, np.nd
     return bad, at, distinct
 
 
-def first_non_finite(rows: list[np.ndarray]) -> int:
-    """The first of ``rows`` (C-contiguous float32 arrays) holding a NaN or an infinity, else
-    -1: one compiled pass over each, called from ``map`` (no Python per array)."""
-    if not AVAILABLE:
-        return next((k for k, g in enumerate(rows) if kernels.first_non_finite(g) >= 0), -1)
-    bits = map(np.ndarray.view, map(np.ndarray.reshape, rows, itertools.repeat(-1)), itertools.repeat(np.uint32))
-    return next(itertools.compress(itertools.count(), map((-1).__lt__, map(_first_non_finite, bits))), -1)
-
-
 def warm_up() -> None:
     """Compile (or load) the kernels with the argument types the client uses."""
     if not AVAILABLE:
         return
     check_ids([np.arange(4, dtype=np.int64), np.arange(4, dtype=np.int64)[::-1].copy()], [8, 0])
-    first_non_finite([np.zeros((2, 3), np.float32)])

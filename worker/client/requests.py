@@ -25,7 +25,6 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-from itertools import repeat
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -42,12 +41,7 @@ Finish = Callable[[np.ndarray], np.ndarray]       # pulled values -> what the ca
 
 _F32, _I64 = np.dtype(np.float32), np.dtype(np.int64)
 _SPARSE = TableKind.SPARSE
-_FIRST, _SECOND, _THIRD = operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(2)
-_KIND, _NAME = operator.attrgetter("spec.kind"), operator.attrgetter("name")
-_DIM, _NUM_ROWS = operator.attrgetter("spec.dim"), operator.attrgetter("spec.num_rows")
-_SHAPE = operator.attrgetter("shape")
-_ID_LAYOUT = operator.attrgetter("dtype", "ndim", "flags.c_contiguous")
-_ROWS_LAYOUT = operator.attrgetter("dtype", "flags.c_contiguous")
+_FIRST = operator.itemgetter(0)
 
 
 def _dtype_name(values) -> str | None:
@@ -234,18 +228,21 @@ class PullCall(NamedTuple):
 def pull_pieces(tables: list[TableView], requests: list) -> PullCall:
     """``many_pull`` of each of a call's requests (``tables[i]``: request i's table). When
     every sparse request's ids are a flat int64 array (what ``PSModel`` sends), the sparse
-    requests are checked and laid out together, with no Python per request: their ids'
-    bounds and distinctness in one compiled pass (``_SparseItems``), the rows of their
-    distinct ids into views of one array (``routing.Outputs``)."""
+    requests are checked and laid out together: their ids' bounds and distinctness in one
+    compiled pass (``_SparseItems``), the rows of their distinct ids into views of one array
+    (``routing.Outputs``), which one compiled call per server fills from its reply."""
     sparse = _SparseItems.of(tables, requests, 2)
     if sparse is None:
         return PullCall.of([many_pull(i, t, r) for i, (t, r) in enumerate(zip(tables, requests))])
     distinct = sparse.checked_ids()
     parts, flat, starts = sparse.pull_parts(distinct)
-    for k in itertools.compress(range(len(parts)), map(operator.not_, distinct)):     # ids repeated
+    for k in itertools.compress(range(len(parts)), map(operator.not_, distinct)):     # ids repeated: spread back
         parts[k] = rows_pull(sparse.items[k], sparse.tables[k], sparse.ids[k])
-    in_call = starts if len(starts) == len(tables) else list(map(dict(zip(sparse.items, starts)).get,
-                                                                   range(len(tables)), repeat(-1)))
+    in_call = starts
+    if len(starts) < len(tables):
+        in_call = [-1] * len(tables)
+        for i, start in zip(sparse.items, starts):
+            in_call[i] = start
     return PullCall.of(sparse.merged(parts, many_pull), flat, in_call)
 
 
@@ -253,79 +250,73 @@ def push_pieces(tables: list[TableView], requests: list) -> list[Piece]:
     """``many_push`` of each of a call's requests, as ``pull_pieces``: when every sparse
     request's ids are a flat int64 array and its rows a float32 ``[len(ids), dim]`` array,
     the sparse requests are checked together (the ids' bounds and distinctness in one
-    compiled pass, the rows' finiteness in one compiled call each) and their pieces made
-    without Python per request."""
+    compiled pass, the rows' finiteness in one compiled call each)."""
     sparse = _SparseItems.of(tables, requests, 3)
     rows = None if sparse is None else sparse.plain_rows()
     if sparse is None or rows is None:
         return [many_push(i, t, r) for i, (t, r) in enumerate(zip(tables, requests))]
     distinct = sparse.checked_ids()
-    bad = request_kernels.first_non_finite(rows)
+    bad = next((k for k, g in enumerate(rows) if kernels.first_non_finite(g) >= 0), -1)     # one compiled pass each
     if bad >= 0:
         for i, t, x, g in zip(sparse.items[bad:], sparse.tables[bad:], sparse.ids[bad:], rows[bad:]):
             rows_push(i, t, x, g)             # refuses the first NaN/Inf row its table does not allow
-    pieces = list(map(Piece, sparse.items, sparse.names(), repeat(False), repeat(0), repeat(0), repeat(0), sparse.ids,
-                      repeat(None), rows))          # (item, table, dense, start, stop, offset, ids, positions, values)
+    pieces = [Piece(i, t.name, False, ids=x, values=g)
+              for i, t, x, g in zip(sparse.items, sparse.tables, sparse.ids, rows)]
     for k in itertools.compress(range(len(pieces)), map(operator.not_, distinct)):    # ids repeated: summed
         pieces[k] = rows_push(sparse.items[k], sparse.tables[k], sparse.ids[k], rows[k])
     return sparse.merged(pieces, many_push)
 
 
+def _plain_ids(ids) -> bool:
+    return type(ids) is np.ndarray and ids.dtype == _I64 and ids.ndim == 1 and ids.flags.c_contiguous
+
+
 class _SparseItems:
     """A call's sparse requests when each one's ids are a flat int64 array (``of``):
-    ``items`` (their places in the call), ``tables``, ``ids`` and ``requests``; found, and
-    later merged back among the call's other requests, by C-level passes (``map``,
-    ``compress``) rather than Python per request."""
+    ``items`` (their places in the call), ``tables``, ``ids`` and ``requests``, checked as
+    one batch and merged back among the call's other requests (``merged``)."""
 
     __slots__ = ("call", "requests_in_call", "items", "tables", "requests", "ids")
 
     def __init__(self, tables: list[TableView], requests: list, items: list[int]):
         self.call, self.requests_in_call, self.items = tables, requests, items
-        self.tables = tables if len(items) == len(tables) else list(map(tables.__getitem__, items))
-        self.requests = requests if len(items) == len(requests) else list(map(requests.__getitem__, items))
+        self.tables = tables if len(items) == len(tables) else [tables[i] for i in items]
+        self.requests = requests if len(items) == len(requests) else [requests[i] for i in items]
         self.ids: list[np.ndarray] = []
 
     @classmethod
     def of(cls, tables: list[TableView], requests: list, size: int) -> "_SparseItems | None":
         """The sparse requests of a call whose requests of sparse tables all have ``size``
         items and flat int64 ids (None: some request does not)."""
-        items = list(itertools.compress(range(len(tables)), map(operator.is_, map(_KIND, tables), repeat(_SPARSE))))
-        found = cls(tables, requests, items)
-        if not set(map(len, found.requests)) <= {size}:
+        found = cls(tables, requests, [i for i, t in enumerate(tables) if t.spec.kind is _SPARSE])
+        if not all(len(r) == size and _plain_ids(r[1]) for r in found.requests):
             return None
-        found.ids = list(map(_SECOND, found.requests))
-        if not (set(map(type, found.ids)) <= {np.ndarray} and set(map(_ID_LAYOUT, found.ids)) <= {(_I64, 1, True)}):
-            return None
+        found.ids = [r[1] for r in found.requests]
         return found
 
     def plain_rows(self) -> list[np.ndarray] | None:
         """The pushes' gradient rows when each is a C-contiguous float32 ``[len(ids), dim]``
         array (else None)."""
-        rows = list(map(_THIRD, self.requests))
-        if not (set(map(type, rows)) <= {np.ndarray} and set(map(_ROWS_LAYOUT, rows)) <= {(_F32, True)}
-                and list(map(_SHAPE, rows)) == list(zip(map(len, self.ids), map(_DIM, self.tables)))):
-            return None
-        return rows
-
-    def names(self) -> map:
-        return map(_NAME, self.tables)
+        rows = [r[2] for r in self.requests]
+        if all(type(g) is np.ndarray and g.dtype == _F32 and g.flags.c_contiguous
+               and g.shape == (x.shape[0], t.spec.dim) for g, x, t in zip(rows, self.ids, self.tables)):
+            return rows
+        return None
 
     def pull_parts(self, distinct: list[bool]) -> tuple[list[tuple[Piece, np.ndarray, Finish | None]], np.ndarray,
                                                      list[int]]:
         """Each pull's (piece, an output for its rows, None): its ids sent as they are; the
-        outputs of those whose ids are ``distinct`` are views of one float32 array. Returns
-        the parts, that array and where each one's output begins in it (-1: elsewhere).
-        Plain Python numbers and ``map``: numpy on a few numbers costs more."""
-        pieces = map(Piece, self.items, self.names(), repeat(False), repeat(0), repeat(0), repeat(0), self.ids)
-        rows = list(map(operator.mul, map(len, self.ids), distinct))          # the others' outputs: elsewhere
-        dims = list(map(_DIM, self.tables))
-        ends = list(itertools.accumulate(map(operator.mul, rows, dims)))
-        starts = [0, *ends[:-1]]
-        flat = np.empty(ends[-1] if ends else 0, np.float32)
-        views = map(np.ndarray.reshape, map(flat.__getitem__, map(slice, starts, ends)), zip(rows, dims))
-        parts: list[tuple[Piece, np.ndarray, Finish | None]] = list(zip(pieces, views, repeat(None)))
-        for k in itertools.compress(range(len(starts)), map(operator.not_, distinct)):
-            starts[k] = -1
+        outputs of those whose ids are ``distinct`` are views of one float32 array (the
+        others' are made by ``rows_pull``). Returns the parts, that array and where each
+        one's output begins in it (-1: elsewhere)."""
+        shapes = [(x.shape[0] if d else 0, t.spec.dim) for x, t, d in zip(self.ids, self.tables, distinct)]
+        flat = np.empty(sum(n * dim for n, dim in shapes), np.float32)
+        parts: list[tuple[Piece, np.ndarray, Finish | None]] = []
+        starts, at = [], 0
+        for i, t, x, (n, dim), d in zip(self.items, self.tables, self.ids, shapes, distinct):
+            parts.append((Piece(i, t.name, False, ids=x), flat[at:at + n * dim].reshape(n, dim), None))
+            starts.append(at if d else -1)
+            at += n * dim
         return parts, flat, starts
 
     def checked_ids(self) -> list[bool]:
@@ -333,7 +324,7 @@ class _SparseItems:
         first id outside its table's bounds."""
         if not self.ids:
             return []
-        bad, at, distinct = request_kernels.check_ids(self.ids, list(map(_NUM_ROWS, self.tables)))
+        bad, at, distinct = request_kernels.check_ids(self.ids, [t.spec.num_rows for t in self.tables])
         if bad >= 0:
             raise _outside(self.tables[bad], self.ids[bad], at)
         return distinct.tolist()
@@ -344,9 +335,8 @@ class _SparseItems:
         if len(parts) == len(self.call):
             return parts
         done = dict(zip(self.items, parts))
-        for i in itertools.filterfalse(done.__contains__, range(len(self.call))):
-            done[i] = each(i, self.call[i], self.requests_in_call[i])
-        return list(map(done.__getitem__, range(len(self.call))))
+        return [done[i] if i in done else each(i, t, r)
+                for i, (t, r) in enumerate(zip(self.call, self.requests_in_call))]
 
 
 def finished(finishes: list, values: list) -> list:

@@ -28,7 +28,7 @@ from shardps.worker.routing import Piece
 _IDS, _VALUES = operator.attrgetter("ids"), operator.attrgetter("values")
 _PRIMARY, _WHOLE_ON = operator.attrgetter("primary"), operator.attrgetter("whole_on")
 _NUM_BLOCKS, _DIM = operator.attrgetter("spec.num_blocks"), operator.attrgetter("spec.dim")
-_ITEM, _POSITIONS = operator.attrgetter("item"), operator.attrgetter("positions")
+_ITEM = operator.attrgetter("item")
 _NO_STARTS = np.empty(0, np.int64)                  # ``RowsRoute._piece_starts``: outputs not in one array
 HEAD = 3                                # ``_plan``'s info: bad piece, bad block, segments; then its lists
 
@@ -278,9 +278,9 @@ def _one_array_starts(pieces: list[Piece], outputs: list) -> np.ndarray | None:
     view of it (``routing.Outputs``) and each piece's rows are its output's rows ``0, 1,
     ...`` (no ``positions``); else None."""
     starts = getattr(outputs, "starts", None)
-    if starts is None or not all(map(operator.is_, map(_POSITIONS, pieces), itertools.repeat(None))):
+    if starts is None or any(p.positions is not None for p in pieces):
         return None
-    mine = list(map(starts.__getitem__, map(_ITEM, pieces)))
+    mine = [starts[p.item] for p in pieces]
     return np.array(mine, np.int64) if min(mine) >= 0 else None
 
 
