@@ -117,6 +117,14 @@ def test_control_map_simulation_small():
     assert main(["--servers", "6", "--blocks-per-server", "50", "--jobs", "3", "--workers", "30"]) in (0, 1)
 
 
+def test_reply_scatter_times_both_placements_of_a_pull(capsys):
+    from shardps.tools.bench import reply_scatter
+    got = reply_scatter.measure(tables=3, rows=20, dim=4, number=20, repeat=1)
+    assert set(got) == {"one_array", "apart"} and all(v > 0 for v in got.values())
+    assert reply_scatter.main(["--tables", "2", "--rows", "5", "--repeat", "1"]) == 0
+    assert "outputs in one array" in capsys.readouterr().out
+
+
 @pytest.mark.slow               # ~4 s: a manager and two servers in this process
 def test_exchange_split_divides_the_cpu_of_both_sides(capsys):
     from shardps.tools.bench import exchange_split

@@ -40,7 +40,8 @@ KERNELS: list[tuple[object, str]] = [
     (optimizer_kernels, "apply_rows"), (kernels, "route_rows"), (kernels, "unique_inverse"),
     (kernels, "sparse_block_of"), (kernels, "strictly_increasing"), (storage_kernels, "admit_rows"),
     (kernels, "finite"), (storage_kernels, "_gather_init"), (storage_kernels, "_assign_init"),
-    (storage_kernels, "_init_rows"), (step_plan, "_plan"), (step, "_rows_fields"), (kernels, "scatter_rows")]
+    (storage_kernels, "_init_rows"), (step_plan, "_plan"), (step, "_rows_fields"), (kernels, "scatter_rows"),
+    (step_plan, "_scatter")]
 SOCKET: list[tuple[object, str]] = [(frames, "send_parts"), (frames.FrameReader, "read_frame")]
 DENSE = (("fc1.weight", 26624), ("fc1.bias", 64), ("fc2.weight", 64), ("fc2.bias", 1))
 
