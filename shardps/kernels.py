@@ -31,7 +31,6 @@ from shardps.tables import Initializer, InitKind
 from shardps.tables import coalesce as _tables_coalesce
 from shardps.tables import group_by_block as _tables_group_by_block
 from shardps.tables import initial_values as _tables_initial_values
-from shardps.tables import sparse_block_of as _tables_block_of
 from shardps.tables import splitmix64 as _tables_splitmix64
 
 try:                                    # pragma: no cover - exercised where numba exists
@@ -243,13 +242,6 @@ def _splitmix64(z):
 
 
 @njit(**_JIT)
-def _block_of(ids, num_blocks, out):
-    nb = np.uint64(num_blocks)
-    for i in range(ids.shape[0]):
-        out[i] = np.int64(_splitmix64(ids[i]) % nb)
-
-
-@njit(**_JIT)
 def _group(keys, num_keys, order, starts):
     for k in keys:
         starts[k + 1] += 1
@@ -360,51 +352,6 @@ def initial_values(init: Initializer, rows: np.ndarray, dim: int) -> np.ndarray:
     return (init.mean + init.std * z).astype(np.float32)
 
 
-def sparse_block_of(ids: np.ndarray, num_blocks: int) -> np.ndarray:
-    """``shardps.tables.sparse_block_of`` (``splitmix64(id) % num_blocks``, int64) in one
-    compiled pass instead of numpy's eight over temporaries."""
-    if not AVAILABLE:
-        return _tables_block_of(ids, num_blocks)
-    out = np.empty(ids.shape[0], dtype=np.int64)
-    _block_of(np.ascontiguousarray(ids, dtype=np.int64).view(np.uint64), num_blocks, out)
-    return out
-
-
-@njit(**_JIT)
-def _route_rows(ids, num_blocks, primary, num_servers, order, starts):
-    nb = np.uint64(num_blocks)
-    n = ids.shape[0]
-    server = np.empty(n, dtype=np.int32)
-    for i in range(n):
-        b = np.int64(_splitmix64(np.uint64(ids[i])) % nb)
-        s = primary[b]
-        if s < 0:
-            return b                     # a block without a live replica
-        server[i] = s
-        starts[s + 1] += 1
-    for k in range(num_servers):
-        starts[k + 1] += starts[k]
-    fill = starts[:num_servers].copy()
-    for i in range(n):
-        s = server[i]
-        order[fill[s]] = i
-        fill[s] += 1
-    return -1
-
-
-def route_rows(ids: np.ndarray, num_blocks: int, primary: np.ndarray, num_servers: int
-               ) -> tuple[np.ndarray, np.ndarray] | int:
-    """Rows ``ids`` grouped by the server of their block (``primary``: the server index of
-    each block's primary), in one compiled pass: (order, starts), the positions of server
-    ``k``'s rows being ``order[starts[k]:starts[k + 1]]`` (ascending); or the index of the
-    first block without a live replica (primary -1)."""
-    order = np.empty(ids.shape[0], dtype=np.int64)
-    starts = np.zeros(num_servers + 1, dtype=np.int64)
-    missing = _route_rows(np.ascontiguousarray(ids, dtype=np.int64), num_blocks,
-                          np.ascontiguousarray(primary, dtype=np.int32), num_servers, order, starts)
-    return int(missing) if missing >= 0 else (order, starts)
-
-
 @njit(**_JIT)
 def _scatter_rows(out, where, rows):
     d = rows.shape[1]
@@ -459,9 +406,8 @@ def warm_up() -> None:
     for kind in (InitKind.UNIFORM, InitKind.NORMAL):
         initial_values(Initializer(kind), np.arange(2, dtype=np.int64), 2)
     _init_units(np.zeros(1, np.uint64), _stream_key(0, 1), np.empty((1, 1), np.float32))   # many normal rows
-    group_by_key(sparse_block_of(np.arange(4, dtype=np.int64), 4), 4)
+    group_by_key(np.arange(4, dtype=np.int64) % 4, 4)          # servers group by block (int64)
     group_by_key(np.zeros(4, np.int32), 4)          # clients group by server index (int32)
-    route_rows(np.arange(4, dtype=np.int64), 4, np.zeros(4, np.int32), 1)
     for ids in (np.arange(4, dtype=np.int64), _read_only(np.arange(4, dtype=np.int64))):
         first_outside(ids, 8)
     for values in (np.zeros(2, np.float32), _read_only(np.zeros(2, np.float32))):

@@ -4,7 +4,7 @@ A job owns named tables. A DENSE table is an N-d float32 tensor, flattened (row-
 into blocks of ``block_size`` elements; block ``b`` holds the half-open range
 ``[b * block_size, min((b + 1) * block_size, numel))``. A SPARSE table is an embedding table of
 ``dim``-wide rows keyed by int64 ids; row ``id`` lives in block
-``splitmix64(id) % num_blocks``, with ``num_blocks`` fixed at creation (by default one block per
+``splitmix64(id) % num_blocks`` (``shardps.id_blocks``), with ``num_blocks`` fixed at creation (by default one block per
 4 MiB of the table's float32 values, from 1 to 64: ``default_sparse_blocks``). The block is the
 unit of placement, replication, migration and checkpoints.
 
@@ -355,11 +355,6 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
         z *= _M2
         z ^= z >> _U64(31)
     return z
-
-
-def sparse_block_of(ids: np.ndarray, num_blocks: int) -> np.ndarray:
-    """Block index of each int64 id: ``splitmix64(id) % num_blocks`` (int64 array)."""
-    return (splitmix64(ids.view(_U64) if ids.dtype == np.int64 else ids) % _U64(num_blocks)).astype(np.int64)
 
 
 def dense_blocks_of_range(spec: TableSpec, start: int, stop: int) -> range:

@@ -27,7 +27,7 @@ def _fill(client, job: str, value: float = 1.0) -> None:
 
 def _ids_on(client, server: str, on: bool) -> np.ndarray:
     """The ids of IDS whose block's primary is (``on``) / is not ``server`` in the client's map."""
-    from shardps.tables import sparse_block_of
+    from shardps.id_blocks import sparse_block_of
     t = client.refresh_map().table(client.job, "emb")
     blocks = sparse_block_of(IDS, t.spec.num_blocks)
     return IDS[np.array([(t.replicas[b][0] == server) == on for b in blocks])]

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from shardps.tables import adagrad, sgd, sparse_block_of
+from shardps.id_blocks import sparse_block_of
+from shardps.tables import adagrad, sgd
 from shardps.worker.torch_ps import PSEmbedding, PSModel
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shardps import kernels
+from shardps import id_blocks, kernels
 from shardps.rpc import sockio, step, step_reply
 from shardps.server import optimizers
 from shardps.server.node import optimizer_kernels
@@ -126,7 +126,7 @@ def test_scan_finds_unique_ids_in_any_order_when_asked(unique):
     ids = np.array([40, 3, 17, 8], dtype=np.int64)
     status, blocks, counts = storage_kernels.scan(ids, 100, 4, unique=unique)
     assert status == (1 if unique else 0) and counts.sum() == 4
-    np.testing.assert_array_equal(blocks, kernels.sparse_block_of(ids, 4))
+    np.testing.assert_array_equal(blocks, id_blocks.sparse_block_of(ids, 4))
     assert storage_kernels.scan(np.sort(ids), 100, 4)[0] == 1
     assert storage_kernels.scan(np.array([40, 3, 40], dtype=np.int64), 100, 4, unique=True)[0] == 0
     assert storage_kernels.scan(np.array([40, 3, 100], dtype=np.int64), 100, 4, unique=True)[0] == -3
@@ -135,12 +135,14 @@ def test_scan_finds_unique_ids_in_any_order_when_asked(unique):
 @pytest.mark.parametrize("n", [0, 1, 63, 64, 13_312])
 @pytest.mark.parametrize("num_blocks", [1, 7, 64])
 def test_block_of_and_grouping_equal_the_numpy_reference(n, num_blocks):
-    from shardps.tables import group_by_block, sparse_block_of
+    from shardps.tables import group_by_block
     rng = np.random.default_rng(n + num_blocks)
     ids = rng.integers(-(1 << 62), 1 << 62, n, dtype=np.int64)
-    blocks = kernels.sparse_block_of(ids, num_blocks)
+    blocks = id_blocks.sparse_block_of(ids, num_blocks)
     assert blocks.dtype == np.int64
-    assert np.array_equal(blocks, sparse_block_of(ids, num_blocks))
+    assert np.array_equal(blocks, id_blocks.reference_block_of(ids, num_blocks))
+    # the rule of one id, as every compiled kernel inlines it
+    assert [int(id_blocks.block_of_id(x, np.uint64(num_blocks))) for x in ids[:64]] == blocks[:64].tolist()
     got, want = kernels.group_by_key(blocks, num_blocks), group_by_block(blocks)
     assert [k for k, _ in got] == [k for k, _ in want]
     for (_, a), (_, b) in zip(got, want):
@@ -180,6 +182,7 @@ def test_the_first_non_finite_value_and_the_first_id_outside_are_numpys(n):
 
 def test_warm_up_compiles_every_kernel_for_the_data_paths_types():
     kernels.warm_up()
+    id_blocks.warm_up()
     optimizer_kernels.warm_up()
     lookup_kernels.warm_up()
     step.warm_up()
@@ -190,7 +193,7 @@ def test_warm_up_compiles_every_kernel_for_the_data_paths_types():
                request_kernels._check_ids, step._check_segments, step._check_layout,
                sockio.send_all, sockio.recv_frame,
                optimizer_kernels._sgd, optimizer_kernels._adagrad, optimizer_kernels._adam,
-               kernels._hash_unique, kernels._block_of,
+               kernels._hash_unique, id_blocks._block_of, id_blocks._route_rows,
                kernels._group, kernels._init_uniform, kernels._init_units, kernels._distinct,
                kernels._finite, kernels._first_non_finite, kernels._first_outside):
         assert fn.signatures, f"{fn.__name__} was not compiled by warm_up"
@@ -204,11 +207,12 @@ _BUILD = ("import logging; from shardps.server.node.node import warm_up_kernels;
 # over the data plane, and a PSModel step; then the signatures compiled so far, by kernel
 _SERVE = """
 import json, numpy as np, torch
-from shardps import kernels
+from shardps import id_blocks, kernels
 from shardps.server.node import optimizer_kernels, storage_kernels
 from shardps.server.node.node import warm_up_kernels
 from shardps.rpc import sockio, step, step_reply
 from shardps.worker import PSClient, adagrad, adam, sgd, lookup_kernels
+from shardps.worker.client import step_plan
 from shardps.worker.torch_ps import PSEmbedding, PSModel
 from tests.conftest import InProcessCluster
 warm_up_kernels()
@@ -235,7 +239,8 @@ try:
 finally:
     cluster.stop()
 print(json.dumps({name: len(fn.stats.cache_misses)
-                  for module in (kernels, storage_kernels, optimizer_kernels, lookup_kernels, step, step_reply, sockio)
+                  for module in (kernels, id_blocks, storage_kernels, optimizer_kernels, lookup_kernels, step,
+                                 step_reply, sockio, step_plan)
                   for name, fn in vars(module).items() if getattr(fn, "stats", None) is not None
                   and fn.stats.cache_misses}))
 """

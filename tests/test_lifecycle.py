@@ -8,6 +8,7 @@ import pytest
 
 from shardps.budget import set_lifecycle
 from shardps.errors import InvalidArgument
+from shardps.id_blocks import sparse_block_of
 from shardps.server.node.lifecycle import LOW_WATERMARK, SKETCH_BYTES, limit_rows
 from shardps.server.node.storage import SparseRows
 from shardps.tables import (
@@ -17,7 +18,6 @@ from shardps.tables import (
     initial_values,
     normal,
     sgd,
-    sparse_block_of,
     sparse_table,
 )
 from tests.test_replication import replicas_equal

@@ -11,10 +11,11 @@ import pytest
 
 from shardps.blockops import APPLY_ROWS, BlockOp
 from shardps.errors import InvalidArgument
+from shardps.id_blocks import sparse_block_of
 from shardps.server.node import execute, snapshot_block
 from shardps.server.node.digest import block_digest
 from shardps.server.node.plan import Planner
-from shardps.tables import Consistency, TableConfig, adagrad, adam, normal, sparse_block_of, sparse_table
+from shardps.tables import Consistency, TableConfig, adagrad, adam, normal, sparse_table
 from tests.test_node_layers import FakePeers, G, Layers, T, dense_seg, dense_w, header, rows_seg, shard_map
 
 ROWS, DIM = 500, 4

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 
 from shardps.errors import Unavailable
+from shardps.id_blocks import sparse_block_of
 from shardps.protos.v1 import common_pb2 as pb
 from shardps.rpc.convert import config_to_proto, spec_to_proto
 from shardps.shardmap import ShardMapView
-from shardps.tables import TableConfig, sparse_block_of, sparse_table
+from shardps.tables import TableConfig, sparse_table
 from shardps.worker.routing import Piece, route
 
 JOB = "routing"

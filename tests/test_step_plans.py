@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from shardps.errors import InvalidArgument, StaleEpoch
+from shardps.id_blocks import sparse_block_of
 from shardps.messages import GRADIENT, RANGE, ROWS, Header, Slice, StepRequest
 from shardps.rpc import step
 from shardps.server.node import ServerNode, execute
@@ -23,7 +24,6 @@ from shardps.tables import (
     dense_table,
     normal,
     sgd,
-    sparse_block_of,
     sparse_table,
     uniform,
 )

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from shardps.errors import InvalidArgument
+from shardps.id_blocks import sparse_block_of
 from shardps.tables import (
     TableKind,
     coalesce,
@@ -11,7 +12,6 @@ from shardps.tables import (
     group_by_block,
     initial_values,
     normal,
-    sparse_block_of,
     sparse_table,
     uniform,
 )

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shardps import kernels
+from shardps import id_blocks, kernels
 from shardps.errors import Unavailable
 from shardps.shardmap import ShardMapView, TableView
 
@@ -115,7 +115,7 @@ def _route_sparse(t: TableView, p: Piece):
         for server, pos in _rows_by_server(t, p.ids):
             yield server, _rows_of(p, pos)
         return
-    blocks = kernels.sparse_block_of(p.ids, t.spec.num_blocks)
+    blocks = id_blocks.sparse_block_of(p.ids, t.spec.num_blocks)
     servers = t.primary[blocks]
     if (servers < 0).any():
         raise _no_replica(t, int(blocks[np.flatnonzero(servers < 0)[0]]))
@@ -157,7 +157,7 @@ def route_ranges(view: ShardMapView, job: str, pieces: list[Piece]) -> dict[str,
 def _rows_by_server(t: TableView, ids: np.ndarray) -> list[tuple[int, np.ndarray]]:
     """(server index, positions of its ids, ascending) of every server some of ``ids`` go
     to, by their blocks' primaries (one compiled pass; numba only)."""
-    got = kernels.route_rows(ids, t.spec.num_blocks, t.primary, len(t.server_index))
+    got = id_blocks.route_rows(ids, t.spec.num_blocks, t.primary, len(t.server_index))
     if isinstance(got, int):
         raise _no_replica(t, got)
     order, starts = got

@@ -444,16 +444,16 @@ def run_worker(args) -> int:
 
 def prepare_kernels(log) -> tuple[float, int, int]:
     """A worker's compiled kernels loaded (or compiled), and logged: deduplication and
-    routing (``shardps.kernels``), a call's checks (``client.request_kernels``), the Step
+    routing (``shardps.kernels``, ``shardps.id_blocks``), a call's checks (``client.request_kernels``), the Step
     request's rows and reply's walk (``shardps.rpc.step``, ``step_reply``), the lookups'
     deduplication and backward (``lookup_kernels``), a call's rows routed and gathered
     (``client.step_plan``).
     ``kernels.prepare``'s (seconds, loaded, compiled)."""
-    from shardps import kernels
+    from shardps import id_blocks, kernels
     from shardps.rpc import step, step_reply
     from shardps.worker import lookup_kernels
     from shardps.worker.client import request_kernels, step_plan
-    return kernels.prepare(log, step, step_reply, lookup_kernels, request_kernels, step_plan)
+    return kernels.prepare(log, id_blocks, step, step_reply, lookup_kernels, request_kernels, step_plan)
 
 
 def _wait_for_workers(client, wanted: int) -> int:

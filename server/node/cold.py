@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from shardps import kernels
+from shardps import id_blocks
 from shardps.server.node.hash_index import HashIndex
 
 if TYPE_CHECKING:
@@ -136,7 +136,7 @@ class ColdRows:
         if self.row_steps is not None:
             self.row_steps.data[slots] = 0 if steps is None else steps
         self.index.add(ids, slots)
-        self.block_counts += np.bincount(kernels.sparse_block_of(ids, self.num_blocks), minlength=self.num_blocks)
+        self.block_counts += np.bincount(id_blocks.sparse_block_of(ids, self.num_blocks), minlength=self.num_blocks)
         self.counters["written"] += n
 
     def _new(self, shape: tuple, dtype) -> _FileRows:
@@ -162,14 +162,14 @@ class ColdRows:
             return
         self.index.remove(ids)
         self.free = np.concatenate([self.free, slots])
-        self.block_counts -= np.bincount(kernels.sparse_block_of(ids, self.num_blocks), minlength=self.num_blocks)
+        self.block_counts -= np.bincount(id_blocks.sparse_block_of(ids, self.num_blocks), minlength=self.num_blocks)
 
     def stored(self, blocks: np.ndarray | None = None, ordered: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """(ids, slots) of the rows here (of the blocks in mask ``blocks``): by id, or in no
         particular order (``ordered=False``: a TTL scan)."""
         ids, slots = self.index.stored(ordered=False)
         if blocks is not None:
-            mine = blocks[kernels.sparse_block_of(ids, self.num_blocks)]
+            mine = blocks[id_blocks.sparse_block_of(ids, self.num_blocks)]
             ids, slots = ids[mine], slots[mine]
         if not ordered:
             return ids, slots

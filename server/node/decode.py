@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from shardps import dtypes, kernels
+from shardps import dtypes, id_blocks, kernels
 from shardps.dtypes import WireDType
 from shardps.errors import (
     DataLost,
@@ -325,7 +325,7 @@ def split(server: str, epoch: int, header: Header, segments: list[Segment],
             if for_push:
                 assert values is not None           # and, on a push, their values
                 ids, values = kernels.coalesce(ids, values)
-            groups = kernels.group_by_key(kernels.sparse_block_of(ids, spec.num_blocks), spec.num_blocks)
+            groups = kernels.group_by_key(id_blocks.sparse_block_of(ids, spec.num_blocks), spec.num_blocks)
             whole = (ids, values, len(groups))
             parts.extend(Part((t.job, spec.name, b), t, i, positions=pos, whole=whole) for b, pos in groups)
     if not owned(server, header, parts, loaded):
@@ -343,7 +343,7 @@ def sparse_blocks(server: str, epoch: int, header: Header, segment: Segment,
         blocks = storage_kernels.scan(segment.ids, 0, spec.num_blocks)[2].nonzero()[0]
     else:
         touched = np.zeros(spec.num_blocks, dtype=bool)
-        touched[kernels.sparse_block_of(segment.ids, spec.num_blocks)] = True
+        touched[id_blocks.sparse_block_of(segment.ids, spec.num_blocks)] = True
         blocks = np.flatnonzero(touched)
     if not (serves(t, server, blocks, header.epoch)
             and not (t.lost and any(int(b) in t.lost for b in blocks))

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from shardps import kernels
+from shardps import id_blocks
 from shardps.server.node import cold, storage_kernels
 from shardps.tables import LifecyclePolicy, TableConfig, splitmix64
 
@@ -165,7 +165,7 @@ class TableLifecycle:
             c["pulled_evicted"] += n        # every pushed row is admitted: not stored = evicted
             return
         gone = ids[missing]
-        was = int((self.estimate(gone, kernels.sparse_block_of(gone, self.num_blocks))
+        was = int((self.estimate(gone, id_blocks.sparse_block_of(gone, self.num_blocks))
                    >= self.policy.admit_after).sum())
         c["pulled_evicted"] += was
         c["pulled_not_admitted"] += n - was
@@ -201,7 +201,7 @@ def apply_push(rows: "SparseRows", config: TableConfig, ids: np.ndarray, grad: n
     life = rows.lifecycle()
     policy = life.policy = config.lifecycle
     nb = rows.spec.num_blocks
-    blocks = kernels.sparse_block_of(ids, nb)
+    blocks = id_blocks.sparse_block_of(ids, nb)
     pushed = np.bincount(blocks, minlength=nb) > 0
     dropped = _EMPTY
     missing = _missing_warmed(rows, ids)
@@ -249,14 +249,14 @@ def apply_decided(rows: "SparseRows", config: TableConfig, ids: np.ndarray, grad
     nb = rows.spec.num_blocks
     missing = _missing_warmed(rows, ids)
     counted = np.concatenate([ids[missing], dropped])
-    counted_blocks = kernels.sparse_block_of(counted, nb)
+    counted_blocks = id_blocks.sparse_block_of(counted, nb)
     if config.lifecycle.admit_after > 1:
         life.count(counted, counted_blocks)
     life.counters["admitted"] += int(missing.sum())
     life.counters["not_admitted"] += dropped.shape[0]
     pushed = np.bincount(counted_blocks, minlength=nb) > 0
     if ids.shape[0]:
-        pushed[kernels.sparse_block_of(ids[:1], nb)] = True
+        pushed[id_blocks.sparse_block_of(ids[:1], nb)] = True
     _touch(rows, life, config, ids, grad, pushed, tick)
     cold.cool(rows, cooled)
     cold.forget(rows, gone)
@@ -294,7 +294,7 @@ def _choose_evictions(rows: "SparseRows", life: TableLifecycle, policy: Lifecycl
     if not scan.any():
         return _EMPTY, _EMPTY
     ids, slots = rows.index.stored()
-    b = kernels.sparse_block_of(ids, life.num_blocks)
+    b = id_blocks.sparse_block_of(ids, life.num_blocks)
     sel = scan[b]
     ids, slots, b = ids[sel], slots[sel], b[sel]
     seen = rows.ensure_ticks().take(slots).astype(np.int64)
@@ -324,7 +324,7 @@ def _choose_evictions(rows: "SparseRows", life: TableLifecycle, policy: Lifecycl
     if rows.cold is not None and rows.cold.count and ttl_blocks.any():
         cold_ids, cold_slots = rows.cold.stored(ttl_blocks, ordered=False)    # TTL holds in the cold tier too
         cold_seen = rows.cold.ticks.data[cold_slots].astype(np.int64)
-        cold_b = kernels.sparse_block_of(cold_ids, life.num_blocks)
+        cold_b = id_blocks.sparse_block_of(cold_ids, life.num_blocks)
         expired = cold_ids[_expired(cold_seen, cold_b, due_steps, threshold, policy, tick)]
         if expired.shape[0]:
             rows.cold.counters["expired"] += expired.shape[0]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from shardps import kernels
+from shardps import id_blocks, kernels
 from shardps.blockops import APPLY, BlockOp
 from shardps.server.node.lifecycle import Outcome
 
@@ -38,7 +38,7 @@ class ByBlock:
     def _group(self, ids: np.ndarray) -> dict[int, np.ndarray]:
         if ids.shape[0] == 0:
             return {}
-        blocks = kernels.sparse_block_of(ids, self.num_blocks)
+        blocks = id_blocks.sparse_block_of(ids, self.num_blocks)
         return {int(b): ids[pos] for b, pos in kernels.group_by_key(blocks, self.num_blocks)}
 
 

@@ -40,7 +40,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from shardps import kernels, mapdelta
+from shardps import id_blocks, kernels, mapdelta
 from shardps.blockops import BlockOp, BlockSnapshot
 from shardps.errors import Unavailable
 from shardps.messages import Header, PullReply, PullRequest, PushAck, PushRequest, StepReply, StepRequest
@@ -65,7 +65,7 @@ log = logging.getLogger("shardps.server")
 def warm_up_kernels() -> tuple[float, int, int]:
     """The node's kernels compiled or loaded, and logged (``kernels.prepare``). The server
     image runs it at build time so that its containers load every kernel and compile none."""
-    return kernels.prepare(log, storage_kernels, optimizer_kernels, hash_index, step)
+    return kernels.prepare(log, id_blocks, storage_kernels, optimizer_kernels, hash_index, step)
 
 
 def _table_attr(name: str, doc: str) -> property:

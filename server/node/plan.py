@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from shardps import kernels
+from shardps import id_blocks, kernels
 from shardps.dtypes import WireDType
 from shardps.messages import GRADIENT, RANGE, ROWS, Header, Slice
 from shardps.server.node import storage_kernels
@@ -117,7 +117,7 @@ class Unit(NamedTuple):
 
     def blocks_of(self) -> np.ndarray:
         """A sparse part's block of each id (int64)."""
-        return kernels.sparse_block_of(self.ids, self.entry.owned.shape[0])
+        return id_blocks.sparse_block_of(self.ids, self.entry.owned.shape[0])
 
     def order(self) -> tuple[str, int]:
         """The unit's place in key order: its table, then its first block (a dense table's

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, NamedTuple, cast
 
 import numpy as np
 
-from shardps import kernels
+from shardps import id_blocks, kernels
 from shardps.server import optimizers
 from shardps.server.node import optimizer_kernels, storage_kernels
-from shardps.tables import InitKind, TableConfig, TableSpec, sparse_block_of
+from shardps.tables import InitKind, TableConfig, TableSpec
 
 if TYPE_CHECKING:
     from shardps.server.node.cold import ColdRows
@@ -329,7 +329,7 @@ class SparseRows:
         if self.ticks is not None:
             self.ticks.put(slots, 0 if ticks is None else ticks)
         self.index.add(new_ids, slots)
-        blocks = kernels.sparse_block_of(new_ids, self.spec.num_blocks)
+        blocks = id_blocks.sparse_block_of(new_ids, self.spec.num_blocks)
         self.block_counts += np.bincount(blocks, minlength=self.block_counts.shape[0])
         return slots
 
@@ -345,7 +345,8 @@ class SparseRows:
             return None
         from shardps.server.node import lifecycle
         if tick is None:
-            tick = int(self.lifecycle().now[sparse_block_of(ids[:1], self.spec.num_blocks)].max(initial=0)) + 1
+            first = id_blocks.sparse_block_of(ids[:1], self.spec.num_blocks)
+            tick = int(self.lifecycle().now[first].max(initial=0)) + 1
         return lifecycle.apply_push(self, config, ids, grad.reshape(-1, self.dim), tick, wall)
 
     def _bound(self, config: TableConfig, slots: int) -> _Bound:
@@ -435,7 +436,7 @@ class SparseRows:
         slots = self.lookup(ids)
         self.index.remove(ids)
         self.free = np.concatenate([self.free, slots])
-        blocks = kernels.sparse_block_of(ids, self.spec.num_blocks)
+        blocks = id_blocks.sparse_block_of(ids, self.spec.num_blocks)
         self.block_counts -= np.bincount(blocks, minlength=self.block_counts.shape[0])
 
     def ensure_cold(self) -> ColdRows:
@@ -449,7 +450,7 @@ class SparseRows:
     def block_rows(self, block: int) -> tuple[np.ndarray, np.ndarray]:
         """(ids, slots) of ``block``'s stored rows, ordered by id (canonical for snapshots)."""
         ids, slots = self.index.stored()
-        mine = sparse_block_of(ids, self.spec.num_blocks) == block
+        mine = id_blocks.sparse_block_of(ids, self.spec.num_blocks) == block
         ids, slots = ids[mine], slots[mine]
         order = np.argsort(ids, kind="stable")
         return ids[order], slots[order]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from shardps.id_blocks import block_of_id
 from shardps.kernels import (
     _JIT,
     AVAILABLE,
@@ -55,7 +56,7 @@ def _scan(ids, num_rows, num_blocks, blocks, counts, table_bits):
         if i > 0 and x <= prev:
             increasing = 0
         prev = x
-        b = np.int64(_splitmix64(np.uint64(x)) % nb)
+        b = np.int64(block_of_id(x, nb))
         blocks[i] = b
         counts[b] += 1
     if increasing == 0 and table_bits > 0 and _distinct(ids, table_bits):
@@ -147,7 +148,7 @@ def _assign_init(slot_of, ids, free, used, num_blocks, block_counts, slots, rows
                 s = used
                 used += 1
             slot_of[x] = s
-            block_counts[np.int64(_splitmix64(np.uint64(x)) % nb)] += 1
+            block_counts[np.int64(block_of_id(x, nb))] += 1
             _init_one(kind, a, b, key1, key2, x, rows, s, cache_ids, cache_ok, cache_rows, False)
             if state1.shape[0]:
                 for j in range(d):
@@ -175,7 +176,7 @@ def _admit_rows(ids, num_rows, owned, epoch, blocks, counts, keep_blocks, table_
         if i > 0 and x <= prev:
             increasing = 0
         prev = x
-        b = np.int64(_splitmix64(np.uint64(x)) % nb)
+        b = np.int64(block_of_id(x, nb))
         if owned[b] > epoch:
             return -2
         if keep_blocks:

@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-from shardps import kernels
+from shardps import id_blocks, kernels
 from shardps.rpc import frames, step
 from shardps.server.node import optimizer_kernels, storage_kernels
 from shardps.tools.bench.common import in_process_cluster, thread_cpu_seconds
@@ -37,8 +37,8 @@ from shardps.worker.client import step_plan
 
 # Python-level entry points of the compiled kernels (each a little glue and one compiled call)
 KERNELS: list[tuple[object, str]] = [
-    (optimizer_kernels, "apply_rows"), (kernels, "route_rows"), (kernels, "unique_inverse"),
-    (kernels, "sparse_block_of"), (kernels, "strictly_increasing"), (storage_kernels, "admit_rows"),
+    (optimizer_kernels, "apply_rows"), (id_blocks, "route_rows"), (kernels, "unique_inverse"),
+    (id_blocks, "sparse_block_of"), (kernels, "strictly_increasing"), (storage_kernels, "admit_rows"),
     (kernels, "finite"), (storage_kernels, "_gather_init"), (storage_kernels, "_assign_init"),
     (storage_kernels, "_init_rows"), (step_plan, "_plan"), (step, "_rows_fields"), (kernels, "scatter_rows"),
     (step_plan, "_scatter")]

@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shardps.errors import FailedPrecondition, ShardpsError
-from shardps.tables import LifecyclePolicy, adagrad, sgd, sparse_block_of
+from shardps.id_blocks import sparse_block_of
+from shardps.tables import LifecyclePolicy, adagrad, sgd
 from shardps.worker.client import PSClient
 
 log = logging.getLogger("shardps.tools.verify")

@@ -20,7 +20,8 @@ import numpy as np
 
 from shardps import kernels
 from shardps.errors import Unavailable
-from shardps.kernels import _JIT, _splitmix64, njit
+from shardps.id_blocks import block_of_id
+from shardps.kernels import _JIT, njit
 from shardps.rpc.step import NO_VALUES, Rows
 from shardps.shardmap import TableView
 from shardps.worker.routing import Piece
@@ -57,7 +58,7 @@ def _plan(ids, id_starts, values, num_blocks, whole_on, primary, primary_starts,
             continue
         nb, base = np.uint64(num_blocks[p]), np.uint64(primary_starts[p])
         for i in range(np.uint64(a), np.uint64(z)):
-            b = _splitmix64(np.uint64(ids[i])) % nb
+            b = block_of_id(ids[i], nb)
             s = primary[base + b]
             if s < 0:
                 info = np.full(HEAD, -1, np.int64)
