@@ -273,13 +273,8 @@ def announce(lookups: list[tuple[PSRows, torch.Tensor]]) -> None:
     flat = torch.cat([ids.detach().reshape(-1).long().to(device) for _, ids in lookups]).cpu().numpy()   # a copy
     ends = list(itertools.accumulate([ids.numel() for _, ids in lookups]))
     uniques, inverses = unique_each(flat, np.array(ends, np.int64))
-    on_cpu = all(ids.is_cpu for _, ids in lookups)          # nothing of the tensors to hold (``_device_view``)
     for (emb, ids), start, end, unique, inverse in zip(lookups, [0, *ends[:-1]], ends, uniques, inverses):
-        if on_cpu:
-            emb._planned.append(_Planned(flat[start:end], unique, inverse))
-            emb.stage.wanted = unique
-        else:
-            emb.stage.wanted = emb._planned_as(ids, flat[start:end], unique, inverse)
+        emb.stage.wanted = emb._planned_as(ids, flat[start:end], unique, inverse)
 
 
 def same_ids(a: np.ndarray, b: np.ndarray) -> bool:

@@ -62,7 +62,7 @@ from shardps.worker.embeddings import BatchSlot, PSEmbedding, PSEmbeddingBag, PS
 from shardps.worker.lookup_batch import LookupBatch
 from shardps.worker.lookups import LookupPlanner
 from shardps.worker.model_io import ModelIO
-from shardps.worker.wanted import Wanted, give_rows, unannounced
+from shardps.worker.wanted import Wanted, give_rows
 
 __all__ = ["PSModel", "PSLambdaLR", "PSEmbedding", "PSEmbeddingBag", "PSEmbeddingBagCollection",
            "KeyedJaggedTensor"]
@@ -205,7 +205,8 @@ class PSModel(ModelIO, nn.Module):        # type: ignore[misc]  # state_dict: th
             return      # the loop announces its lookups itself (prefetch): no forward is watched
         self.lookups.begin(args, kwargs)
         if self._flow.deferred_pull:
-            announce(unannounced(self.lookups.predict()))
+            announce([(emb, ids) for emb, ids in self.lookups.predict()           # type: ignore[misc]
+                      if emb.stage.wanted is None and emb.stage.fetched is None])    # type: ignore[attr-defined]
             self._pull_now()
 
     def _after_forward(self, module, args, kwargs, output) -> None:

@@ -51,12 +51,6 @@ class Wanted:
                 for (emb, ids, plan), rows in zip(self.items, pulled)]
 
 
-def unannounced(lookups: list[tuple]) -> list[tuple]:
-    """The (embedding, ids) of ``lookups`` whose embedding has neither announced ids nor
-    rows waiting for its lookup."""
-    return [(emb, ids) for emb, ids in lookups if emb.stage.wanted is None and emb.stage.fetched is None]
-
-
 def give_rows(arrived: list[tuple]) -> None:
     """Each embedding of ``arrived`` ((embedding, ids, rows)) holds its rows for its lookup."""
     for emb, ids, rows in arrived:

@@ -24,7 +24,7 @@ from shardps.id_blocks import block_of_id
 from shardps.kernels import _JIT, njit
 from shardps.rpc.step import NO_VALUES, Rows
 from shardps.shardmap import TableView
-from shardps.worker.routing import Piece
+from shardps.worker.routing import Outputs, Piece
 
 _IDS, _VALUES = operator.attrgetter("ids"), operator.attrgetter("values")
 _PRIMARY, _WHOLE_ON = operator.attrgetter("primary"), operator.attrgetter("whole_on")
@@ -278,10 +278,9 @@ def _one_array_starts(pieces: list[Piece], outputs: list) -> np.ndarray | None:
     """Where each of ``pieces``' outputs begins in ``outputs.flat``, when every one is a
     view of it (``routing.Outputs``) and each piece's rows are its output's rows ``0, 1,
     ...`` (no ``positions``); else None."""
-    starts = getattr(outputs, "starts", None)
-    if starts is None or any(p.positions is not None for p in pieces):
+    if not isinstance(outputs, Outputs) or outputs.starts is None or any(p.positions is not None for p in pieces):
         return None
-    mine = [starts[p.item] for p in pieces]
+    mine = [outputs.starts[p.item] for p in pieces]
     return np.array(mine, np.int64) if min(mine) >= 0 else None
 
 
